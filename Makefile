@@ -1,0 +1,43 @@
+# The two commands of the README: `make serve` and `make test`. Each sets up .venv by itself.
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+STAMP     := $(VENV)/.installed
+# CPU-only machines get the CPU build of torch; GPU machines keep the CUDA torch of their environment.
+TORCH_CPU ?= torch==2.13.0
+HAS_GPU   := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: setup serve test test-fast bench zoo clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+ifeq ($(HAS_GPU),1)
+	python3 -m venv --system-site-packages $(VENV)
+else
+	python3 -m venv $(VENV)
+endif
+	$(PY) -m pip install -q --upgrade pip
+	@if ! $(PY) -c "import torch" 2>/dev/null; then \
+	  if [ "$(HAS_GPU)" = "1" ]; then $(PY) -m pip install -q torch; \
+	  else $(PY) -m pip install -q "$(TORCH_CPU)"; fi; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tandem serve $(ARGS)
+
+# Kernels run through the Triton interpreter where no GPU is present (set before triton is imported).
+test: $(STAMP)
+	$(if $(HAS_GPU),,TRITON_INTERPRET=1) $(PY) -m pytest $(ARGS)
+
+test-fast: $(STAMP)
+	$(if $(HAS_GPU),,TRITON_INTERPRET=1) $(PY) -m pytest -m "not slow and not ray" $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m bench.engine $(ARGS)
+
+zoo: $(STAMP)
+	$(VENV)/bin/tandem zoo build
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
