@@ -1,0 +1,37 @@
+"""The `tandem` command line: `tandem serve`, `tandem generate`, `tandem zoo ...`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _zoo(argv: list[str]) -> int:
+    from zoo.cli import main as zoo_main
+
+    return zoo_main(argv)
+
+
+def _generate(argv: list[str]) -> int:
+    from deploy.local_demo import main as demo_main
+
+    return demo_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: structured, speculative LLM serving")
+    parser.add_argument("command", choices=["serve", "generate", "zoo"], help="what to run")
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in ("serve", "generate", "zoo"):
+        parser.error(f"unknown command {command!r}")
+    if command == "zoo":
+        return _zoo(rest)
+    # Until the distributed path lands, `serve` runs the engine locally and prints a generation.
+    return _generate(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
