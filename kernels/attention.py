@@ -1,0 +1,227 @@
+"""Paged KV cache writes and varlen paged attention (prefill, chunked prefill, decode, speculation).
+
+Layout shared with the engine: per layer `k_cache`, `v_cache` are `[num_blocks, block_size, num_kv_heads,
+head_dim]`, contiguous; the slot of a token is `block_id * block_size + offset`. A batch is a flattened
+varlen set of B requests: request b owns query rows `query_start_loc[b]:query_start_loc[b+1]`, and its
+new tokens sit at the end of its `seq_lens[b]` KV positions (store_kv has already written them).
+
+Each public function picks the Triton kernel on CUDA (or everywhere when TRITON_INTERPRET=1) and the
+vectorized torch reference otherwise. Neither path reads tensor data on the host: launch bounds
+(`max_q_len`, `max_seq_len`) are host ints supplied by the caller, so both are CUDA-graph capturable.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels._dispatch import use_triton
+from kernels import _attention_triton as _tr
+from kernels._dispatch import next_pow2
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+    assert k_cache.dtype == v_cache.dtype and k_cache.device == v_cache.device
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "per-layer caches must be contiguous"
+
+
+# ----------------------------------------------------------------------------------------- store_kv
+
+
+def store_kv_ref(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, S, Hkv, D]
+    v_cache: torch.Tensor,  # [N, S, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = padding
+) -> None:
+    _check_cache(k_cache, v_cache)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_flat = k_cache.view(num_slots, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
+    if key.shape[0] == 0:
+        return
+    # Padding rows are redirected onto a real row of the batch (same slot, same value), so every
+    # duplicate index writes identical data and index_copy_ stays deterministic without a host sync
+    # (boolean indexing would make the shape data-dependent). With no real row at all, slot 0 is
+    # rewritten with its own contents.
+    valid = slot_mapping >= 0
+    first = valid.to(torch.int8).argmax()  # a real row if any exists
+    any_valid = valid.any()
+    rows = torch.arange(key.shape[0], device=key.device)
+    src = torch.where(valid, rows, first)
+    dst = torch.where(valid, slot_mapping, torch.where(any_valid, slot_mapping[first], 0)).clamp_(min=0)
+    keep = ~any_valid
+    for flat, new in ((k_flat, key), (v_flat, value)):
+        data = torch.where(keep, flat[0].to(new.dtype), new[src]).to(flat.dtype)
+        flat.index_copy_(0, dst, data)
+
+
+def store_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
+    _check_cache(k_cache, v_cache)
+    T, H, D = key.shape
+    assert value.shape == key.shape and k_cache.shape[2:] == (H, D), (key.shape, k_cache.shape)
+    assert key.stride(2) == 1 and value.stride(2) == 1, "head_dim must be contiguous"
+    assert slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64
+    assert key.device == k_cache.device == slot_mapping.device
+    if T == 0:
+        return
+    _tr.store_kv_kernel[(T,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        H=H, D=D, BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D),
+    )
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Write key/value `[T, Hkv, D]` into the paged caches at `slot_mapping` `[T]` (-1 = skip). In place."""
+    if use_triton(key):
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+# ---------------------------------------------------------------------------------- paged attention
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [N, S, Hkv, D]
+    v_cache: torch.Tensor,  # [N, S, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, KV length including the new tokens
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    scale: float,
+    max_q_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+) -> torch.Tensor:
+    """Gather each request's KV into a padded batch and run one masked SDPA call (no per-request loop)."""
+    _check_cache(k_cache, v_cache)
+    T, Hq, D = query.shape
+    _, S, Hkv, _ = k_cache.shape
+    B = block_tables.shape[0]
+    G = Hq // Hkv
+    assert Hq == G * Hkv and k_cache.shape[3] == D
+    if out is None:
+        out = torch.zeros_like(query)
+    if T == 0 or B == 0:
+        return out
+    dev = query.device
+    nb = min(max(1, -(-max_seq_len // S)), block_tables.shape[1])
+    L = nb * S
+    mq = max(1, max_q_len)
+
+    q_start = query_start_loc[:-1].long()
+    q_len = query_start_loc[1:].long() - q_start  # [B]
+    seq = seq_lens.long()
+    ctx = seq - q_len  # [B] tokens already in the cache before this chunk
+    kpos = torch.arange(L, device=dev)
+    qi = torch.arange(mq, device=dev)
+
+    # KV: [B, nb, S, Hkv, D] -> [B, Hkv, L, D]. Slots past seq_len are zeroed because the cache may
+    # hold garbage there (even NaN), and SDPA's masked softmax still multiplies 0 * V.
+    blocks = block_tables[:, :nb].long()
+    kv_valid = (kpos[None, :] < seq[:, None])[:, :, None, None]  # [B, L, 1, 1]
+    k = k_cache[blocks].view(B, L, Hkv, D).masked_fill_(~kv_valid, 0).transpose(1, 2)
+    v = v_cache[blocks].view(B, L, Hkv, D).masked_fill_(~kv_valid, 0).transpose(1, 2)
+
+    # Queries: padded [B, mq, Hq, D], then the G query heads of a KV head folded into the row dim so
+    # that KV is never expanded for GQA: [B, Hkv, G * mq, D].
+    rows = (q_start[:, None] + qi[None, :]).clamp_(max=T - 1)
+    q = query[rows].view(B, mq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * mq, D)
+
+    # Causal + length mask [B, 1, G * mq, L]; padded query rows get key 0 so no row is fully masked.
+    qpos = ctx[:, None] + qi[None, :]  # [B, mq]
+    mask = (kpos[None, None, :] <= qpos[:, :, None]) | (kpos == 0)[None, None, :]
+    mask = mask[:, None, None].expand(B, 1, G, mq, L).reshape(B, 1, G * mq, L)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G * mq, D]
+
+    # Back to token rows: token t belongs to request b = #(ends <= t); rows past the batch get zeros.
+    t = torch.arange(T, device=dev, dtype=query_start_loc.dtype)
+    b = torch.searchsorted(query_start_loc[1:].contiguous(), t, right=True)
+    in_batch = b < B
+    b = b.clamp_(max=B - 1)
+    i = (t.long() - q_start[b]).clamp_(0, mq - 1)
+    o = o.view(B, Hkv, G, mq, D).permute(0, 3, 1, 2, 4)[b, i].reshape(T, Hq, D)
+    out.copy_(o.masked_fill_(~in_batch[:, None, None], 0))
+    return out
+
+
+def paged_attention_triton(
+    query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len, max_seq_len,
+    out=None, num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton varlen paged attention; `num_splits > 1` splits each request's KV (flash decoding) and
+    combines the partial results by log-sum-exp. None picks splits from the launch size.
+
+    fp32 inputs use IEEE fp32 dots (no TF32). bf16 off-GPU (the interpreter, whose bf16 arithmetic
+    is wrong in triton 3.x) is upcast to fp32 in registers; on CUDA bf16/fp16 dots accumulate in fp32.
+    """
+    _check_cache(k_cache, v_cache)
+    T, Hq, D = query.shape
+    N, S, Hkv, Dk = k_cache.shape
+    B = block_tables.shape[0]
+    assert Dk == D and Hq % Hkv == 0, (query.shape, k_cache.shape)
+    assert query.dtype == k_cache.dtype and query.stride(2) == 1, (query.dtype, query.stride())
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (B,)
+    assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (B + 1,)
+    assert seq_lens.is_contiguous() and query_start_loc.is_contiguous()
+    if out is None:
+        out = torch.zeros_like(query)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
+    if T == 0 or B == 0 or max_q_len == 0:
+        return out
+    G = Hq // Hkv
+    cfg = _tr.attention_config(G, max_q_len, query.device)
+    q_blocks = -(-max_q_len // cfg.tokens_per_block)
+    if num_splits is None:
+        num_splits = _tr.pick_num_splits(q_blocks * B * Hkv, max_seq_len, query.device)
+    chunk = -(-max(1, max_seq_len) // num_splits)
+    chunk = -(-chunk // cfg.block_n) * cfg.block_n
+    num_splits = -(-max(1, max_seq_len) // chunk)
+    if num_splits == 1:
+        part_out, part_lse = out, out  # unused by the kernel when NUM_SPLITS == 1
+        o_strides, l_strides = (0, out.stride(0), out.stride(1)), (0, 0)
+    else:
+        part_out = torch.empty((num_splits, T, Hq, D), device=query.device, dtype=torch.float32)
+        part_lse = torch.empty((num_splits, T, Hq), device=query.device, dtype=torch.float32)
+        o_strides, l_strides = part_out.stride()[:3], part_lse.stride()[:2]
+    _tr.paged_attention_kernel[(q_blocks, B, Hkv * num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_out, part_lse,
+        scale * math.log2(math.e),
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        o_strides[0], o_strides[1], o_strides[2],
+        l_strides[0], l_strides[1],
+        chunk,
+        G=G, PAGE=S, HEAD_DIM=D, BLOCK_D=next_pow2(max(D, 16)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+        FP32_DOT=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and not query.is_cuda),
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _tr.combine_splits_kernel[(max_q_len, B, Hq)](
+            part_out, part_lse, query_start_loc, out,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=D, BLOCK_D=next_pow2(D), NUM_SPLITS=num_splits, SPLITS_P2=next_pow2(num_splits),
+        )
+    return out
+
+
+def paged_attention(
+    query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len, max_seq_len,
+    out=None,
+) -> torch.Tensor:
+    """Varlen causal attention of `query` `[T, Hq, D]` over paged KV; returns `out` `[T, Hq, D]`.
+
+    Rows of T past `query_start_loc[B]` belong to no request: zero (reference, or fresh `out`) or
+    untouched (Triton with a caller `out`). `max_q_len`/`max_seq_len` must bound the batch's maxima.
+    """
+    fn = paged_attention_triton if use_triton(query) else paged_attention_ref
+    return fn(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len,
+              max_seq_len, out)

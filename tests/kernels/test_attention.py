@@ -1,0 +1,193 @@
+"""kernels/attention.py: store_kv and paged attention, reference and Triton, against dense per-request math."""
+import math
+import random
+
+import pytest
+import torch
+
+from kernels.attention import (
+    paged_attention,
+    paged_attention_ref,
+    paged_attention_triton,
+    store_kv,
+    store_kv_ref,
+    store_kv_triton,
+)
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def dense_attention(q, k, v, ctx, scale):
+    """One request: q [n, Hq, D] at positions ctx..ctx+n-1 over k/v [ctx+n, Hkv, D], fp64 math."""
+    n, Hq, _ = q.shape
+    G = Hq // k.shape[1]
+    k = k.double().repeat_interleave(G, dim=1)
+    v = v.double().repeat_interleave(G, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    allowed = torch.arange(k.shape[0])[None, :] <= (ctx + torch.arange(n))[:, None]
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+def make_batch(q_lens, seq_lens, Hq, Hkv, D, page, dtype, pad_rows=0, device="cpu", seed=0):
+    """A paged batch with blocks in random order, unused slots holding NaN, and T padded by pad_rows."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    B = len(q_lens)
+    need = [-(-s // page) for s in seq_lens]
+    max_blocks = max(need + [1]) + 1
+    N = sum(need) + 3
+    ids = list(range(N))
+    rnd.shuffle(ids)
+    k_cache = torch.full((N, page, Hkv, D), float("nan"), dtype=dtype)
+    v_cache = torch.full((N, page, Hkv, D), float("nan"), dtype=dtype)
+    block_tables = torch.zeros((B, max_blocks), dtype=torch.int32)
+    dense_k, dense_v = [], []
+    for b, s in enumerate(seq_lens):
+        blocks = [ids.pop() for _ in range(need[b])]
+        block_tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        k = torch.randn(s, Hkv, D, generator=gen).to(dtype)
+        v = torch.randn(s, Hkv, D, generator=gen).to(dtype)
+        for p in range(s):
+            k_cache[blocks[p // page], p % page] = k[p]
+            v_cache[blocks[p // page], p % page] = v[p]
+        dense_k.append(k)
+        dense_v.append(v)
+    T = sum(q_lens) + pad_rows
+    query = torch.randn(T, Hq, D, generator=gen).to(dtype)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    t = lambda x: x.to(device)
+    return dict(
+        query=t(query), k_cache=t(k_cache), v_cache=t(v_cache), block_tables=t(block_tables),
+        seq_lens=t(torch.tensor(seq_lens, dtype=torch.int32)), query_start_loc=t(qsl),
+    ), dense_k, dense_v
+
+
+def expected(batch, dense_k, dense_v, q_lens, seq_lens, scale):
+    q = batch["query"].cpu()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    start = 0
+    for b, (n, s) in enumerate(zip(q_lens, seq_lens)):
+        if n:
+            out[start : start + n] = dense_attention(q[start : start + n], dense_k[b], dense_v[b], s - n, scale)
+        start += n
+    return out
+
+
+# (q_lens, seq_lens): decode, prefill, chunked prefill, speculation, padding requests with q_len 0.
+CASES = [
+    ([1], [1]),
+    ([1], [37]),
+    ([5], [5]),
+    ([3, 1, 0, 4], [19, 1, 0, 4]),
+    ([4, 4, 4], [4, 33, 70]),
+    ([0, 7, 0], [0, 29, 0]),
+    ([1] * 5, [3, 17, 40, 1, 66]),
+]
+HEADS = [(4, 4), (6, 2), (8, 1)]
+
+
+def _check(fn, q_lens, seq_lens, Hq, Hkv, D, page, dtype, pad_rows=2, device="cpu", **kw):
+    batch, dk, dv = make_batch(q_lens, seq_lens, Hq, Hkv, D, page, dtype, pad_rows, device)
+    scale = 1 / math.sqrt(D)
+    # Caller-provided bounds may exceed the true maxima.
+    out = fn(**batch, scale=scale, max_q_len=max(q_lens) + 1, max_seq_len=max(seq_lens) + 3, **kw)
+    ref = expected(batch, dk, dv, q_lens, seq_lens, scale)
+    n = sum(q_lens)
+    torch.testing.assert_close(out[:n].cpu().double(), ref[:n], atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.all(out[n:] == 0), "rows past the batch must stay zero in a fresh output"
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", CASES)
+@pytest.mark.parametrize("Hq,Hkv", HEADS)
+def test_paged_attention_ref(q_lens, seq_lens, Hq, Hkv):
+    _check(paged_attention_ref, q_lens, seq_lens, Hq, Hkv, 64, 16, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D,page", [(64, 16), (128, 8), (40, 5)])
+def test_paged_attention_ref_dtypes(dtype, D, page):
+    _check(paged_attention_ref, [3, 1, 0, 2], [19, 30, 0, 2], 6, 2, D, page, dtype)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", CASES)
+@pytest.mark.parametrize("Hq,Hkv", HEADS)
+def test_paged_attention_triton(q_lens, seq_lens, Hq, Hkv):
+    _check(paged_attention_triton, q_lens, seq_lens, Hq, Hkv, 64, 16, torch.float32, num_splits=1)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("q_lens,seq_lens", [([1, 1, 0], [150, 9, 0]), ([3, 2], [100, 64])])
+def test_paged_attention_triton_split_kv(num_splits, q_lens, seq_lens):
+    _check(paged_attention_triton, q_lens, seq_lens, 6, 2, 64, 16, torch.float32, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D,page", [(128, 8), (40, 5), (80, 3)])
+def test_paged_attention_triton_shapes(dtype, D, page):
+    _check(paged_attention_triton, [3, 1, 0, 2], [19, 30, 0, 2], 6, 2, D, page, dtype, num_splits=None)
+
+
+def test_paged_attention_triton_keeps_caller_out_rows():
+    batch, _, _ = make_batch([2, 1], [5, 9], 4, 2, 64, 4, torch.float32, pad_rows=3)
+    out = torch.full_like(batch["query"], 7.0)
+    paged_attention_triton(**batch, scale=0.125, max_q_len=2, max_seq_len=9, out=out)
+    assert torch.all(out[3:] == 7.0)
+
+
+def test_paged_attention_dispatch_matches_ref():
+    """The dispatcher runs Triton under the interpreter; it must agree with the reference."""
+    batch, _, _ = make_batch([3, 1], [20, 41], 6, 2, 64, 16, torch.float32)
+    a = paged_attention(**batch, scale=0.125, max_q_len=3, max_seq_len=41)
+    b = paged_attention_ref(**batch, scale=0.125, max_q_len=3, max_seq_len=41)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _store_case(T, pad, dtype, device="cpu"):
+    gen = torch.Generator().manual_seed(T * 31 + pad)
+    N, S, H, D = 6, 4, 3, 20
+    k_cache = torch.randn(N, S, H, D, generator=gen).to(dtype)
+    v_cache = torch.randn(N, S, H, D, generator=gen).to(dtype)
+    slots = torch.randperm(N * S, generator=gen)[:T]
+    slots[torch.randperm(T, generator=gen)[:pad]] = -1
+    # key/value as non-contiguous views of a fused projection, as the engine produces them
+    kv = torch.randn(T, 2, H, D, generator=gen).to(dtype)
+    key, value = kv[:, 0], kv[:, 1]
+    want_k, want_v = k_cache.clone().view(N * S, H, D), v_cache.clone().view(N * S, H, D)
+    for t in range(T):
+        if slots[t] >= 0:
+            want_k[slots[t]] = key[t]
+            want_v[slots[t]] = value[t]
+    args = [x.to(device) for x in (key, value, k_cache, v_cache, slots)]
+    return args, want_k.view(N, S, H, D), want_v.view(N, S, H, D)
+
+
+@pytest.mark.parametrize("fn", [store_kv_ref, store_kv_triton, store_kv])
+@pytest.mark.parametrize("T,pad", [(0, 0), (1, 0), (1, 1), (7, 0), (7, 3), (9, 9)])
+def test_store_kv(fn, T, pad):
+    args, want_k, want_v = _store_case(T, pad, torch.float32)
+    fn(*args)
+    assert torch.equal(args[2], want_k) and torch.equal(args[3], want_v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_store_kv_cuda(dtype):
+    args, want_k, want_v = _store_case(9, 3, dtype, "cuda")
+    store_kv_triton(*args)
+    assert torch.equal(args[2].cpu(), want_k) and torch.equal(args[3].cpu(), want_v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_lens,seq_lens", CASES + [([1, 1], [1500, 700])])
+@pytest.mark.parametrize("D", [64, 128, 80])
+def test_paged_attention_triton_cuda(num_splits, dtype, q_lens, seq_lens, D):
+    tol = dict(TOL, **{torch.float32: 1e-4})
+    batch, dk, dv = make_batch(q_lens, seq_lens, 8, 2, D, 16, dtype, 2, "cuda")
+    out = paged_attention_triton(**batch, scale=D**-0.5, max_q_len=max(q_lens), max_seq_len=max(seq_lens),
+                                 num_splits=num_splits)
+    ref = expected(batch, dk, dv, q_lens, seq_lens, D**-0.5)
+    n = sum(q_lens)
+    torch.testing.assert_close(out[:n].cpu().double(), ref[:n], atol=tol[dtype], rtol=tol[dtype])
