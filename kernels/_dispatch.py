@@ -1,12 +1,16 @@
-"""The one rule every kernel dispatcher follows: Triton on CUDA, or anywhere under the interpreter."""
+"""The one rule every kernel dispatcher follows: Triton on CUDA; on CPU the torch reference, unless
+TANDEM_TRITON_ON_CPU=1 asks for the Triton kernels (which then need TRITON_INTERPRET=1, set before
+triton was first imported). Tests of the kernels call the `*_triton` entry points directly; the
+engine's CPU path stays on the fast references even when the interpreter is enabled for a test run."""
 import os
 
 import torch
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """True when `t` lives on CUDA or TRITON_INTERPRET=1 (set before triton was first imported)."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if t.is_cuda:
+        return True
+    return os.environ.get("TANDEM_TRITON_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def next_pow2(n: int) -> int:
