@@ -1,0 +1,14 @@
+"""Tandem's single-process runtime: `from engine import LLM, SamplingParams`.
+
+No Ray here: one process, one device. The distributed workers wrap LLMEngine.
+"""
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import CapacityError, InvalidRequestError, ModelLoadError, TandemError, UnsupportedModelError
+from engine.llm import LLM
+from engine.llm_engine import Handover, LLMEngine
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput", "TokenLogprob",
+           "Handover", "TandemError", "InvalidRequestError", "ModelLoadError", "UnsupportedModelError",
+           "CapacityError"]

@@ -1,0 +1,68 @@
+"""Paged attention layer and the per-step attention metadata that it reads.
+
+The metadata of a step (slot mapping, block tables, lengths) is built by the model runner before
+the forward and scoped to it with `attention_context`, never stored in a module global. Every tensor
+in it has a fixed shape for a given padded batch, so a CUDA graph can capture the forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.attention import paged_attention, store_kv
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32, 0 past each request's blocks
+    seq_lens: torch.Tensor  # [B] int32, KV length including this step's tokens
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    max_q_len: int  # host bound on the new tokens of any request
+    max_seq_len: int  # host bound on seq_lens
+
+
+_current: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar("attention_metadata", default=None)
+
+
+@contextlib.contextmanager
+def attention_context(meta: AttentionMetadata):
+    token = _current.set(meta)
+    try:
+        yield meta
+    finally:
+        _current.reset(token)
+
+
+def current_metadata() -> AttentionMetadata:
+    meta = _current.get()
+    if meta is None:
+        raise RuntimeError("attention layers run only inside attention_context(...)")
+    return meta
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the paged cache, then attends over each request's whole prefix."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.layer_idx = layer_idx  # index into the cache's layer dim (draft layers come after the target's)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
+        meta = current_metadata()
+        k_cache = meta.kv_cache[self.layer_idx, 0]
+        v_cache = meta.kv_cache[self.layer_idx, 1]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                              self.scale, meta.max_q_len, meta.max_seq_len)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

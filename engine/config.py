@@ -1,0 +1,158 @@
+"""Configs: EngineConfig (what the user chose) and ModelConfig (what the checkpoint says)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelLoadError, UnsupportedModelError
+
+# Architectures share one module (engine/models/llama.py); these flags are what differs.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict | None  # None for plain RoPE; else HF's rope parameters (rope_type, factor, ...)
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    checkpoint_dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None
+
+    @staticmethod
+    def from_dir(model_dir: str | os.PathLike) -> "ModelConfig":
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not a model directory: config.json is missing")
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path / 'config.json'} is not valid JSON: {e}") from e
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or raw.get('model_type')!r} in {path}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(path)
+        return ModelConfig.from_hf(hf, arch)
+
+    @staticmethod
+    def from_hf(hf, arch: str) -> "ModelConfig":
+        family = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        theta, scaling = _rope_params(hf)
+        eos = hf.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = _DTYPES.get(dtype, torch.float32)
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        sliding = getattr(hf, "sliding_window", None)
+        if family == "qwen2" and not getattr(hf, "use_sliding_window", False):
+            sliding = None
+        return ModelConfig(
+            architecture=arch,
+            family=family,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=False if family in ("qwen2", "qwen3") else attention_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            hidden_act=getattr(hf, "hidden_act", "silu"),
+            checkpoint_dtype=dtype,
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+            sliding_window=sliding,
+        )
+
+
+def _rope_params(hf) -> tuple[float, dict | None]:
+    """RoPE base and scaling from either transformers layout (v5 `rope_parameters` or v4 fields)."""
+    params = getattr(hf, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    params = dict(params)
+    theta = float(params.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    return theta, params
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str | torch.dtype | None = None  # None: the checkpoint's dtype (fp16 becomes fp32 on CPU)
+    max_num_seqs: int = 64  # cap on running requests
+    max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb / free GPU memory
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    kv_cache_memory_gb: float = 1.0  # CPU budget when num_kv_blocks is None
+    gpu_memory_utilization: float = 0.85
+    seed: int = 0  # base of the seeds given to requests without one
+    tp_size: int = 1
+    tp_rank: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
+        if self.dtype is None:
+            dt = model_cfg.checkpoint_dtype
+            if self.device == "cpu" and dt == torch.float16:
+                return torch.float32  # fp16 matmuls on CPU are slow and lossy
+            return dt
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; use one of {sorted(_DTYPES)}")
+        return _DTYPES[self.dtype]

@@ -1,0 +1,1 @@
+"""Building blocks of the models: parallel linears, norms, rotary embedding, vocab layers."""

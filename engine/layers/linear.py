@@ -1,0 +1,137 @@
+"""Linear layers written for tensor parallelism (Megatron style).
+
+ColumnParallelLinear shards the output dim; RowParallelLinear shards the input dim and all-reduces.
+Each parameter knows how to take its slice of a full checkpoint tensor (`load`), so the loader stays
+ignorant of parallelism. Fused layers (QKV, gate+up) load several checkpoint tensors into one
+parameter, one `shard_id` at a time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.parallel import TPContext
+
+
+class _ParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x W^T (+ b); W's rows (outputs) are split across ranks. Output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext):
+        self.full_out = out_features
+        _, per = tp.shard(out_features, "output features")
+        super().__init__(in_features, per, bias, tp)
+
+    def load(self, name: str, tensor: torch.Tensor, shard_id=None) -> None:
+        _check_full(tensor, (self.full_out, self.weight.shape[1]), name)
+        start, per = self.tp.shard(self.full_out, name)
+        param = self.weight if name.endswith("weight") else self.bias
+        copy_checked(param, tensor.narrow(0, start, per), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = all_reduce(x_shard W_shard^T) + b; W's columns (inputs) are split across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext):
+        self.full_in = in_features
+        _, per = tp.shard(in_features, "input features")
+        super().__init__(per, out_features, bias, tp)
+
+    def load(self, name: str, tensor: torch.Tensor, shard_id=None) -> None:
+        if name.endswith("bias"):
+            copy_checked(self.bias, tensor, name)
+            return
+        _check_full(tensor, (self.weight.shape[0], self.full_in), name)
+        start, per = self.tp.shard(self.full_in, name)
+        copy_checked(self.weight, tensor.narrow(1, start, per), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
+        # The bias is added once, after the reduction, not once per rank.
+        return y + self.bias if self.bias is not None else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (e.g. gate and up); each part sharded alike."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], bias: bool, tp: TPContext):
+        self.part_sizes = list(part_sizes)
+        super().__init__(in_features, sum(part_sizes), bias, tp)
+
+    def load(self, name: str, tensor: torch.Tensor, shard_id: int = 0) -> None:
+        full = self.part_sizes[shard_id]
+        _check_full(tensor, (full, self.weight.shape[1]), name)
+        start, per = self.tp.shard(full, name)
+        offset = sum(self.tp.shard(s, name)[1] for s in self.part_sizes[:shard_id])
+        param = self.weight if name.endswith("weight") else self.bias
+        copy_checked(param.narrow(0, offset, per), tensor.narrow(0, start, per), name)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k, v projections fused; heads are split across ranks (KV heads replicated if fewer)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 tp: TPContext):
+        if num_kv_heads % tp.size and tp.size % num_kv_heads:
+            raise ValueError(f"num_kv_heads={num_kv_heads} and tp_size={tp.size} do not divide")
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.local_heads = tp.shard(num_heads, "num_attention_heads")[1]
+        # With more ranks than KV heads each rank keeps one (replicated) KV head.
+        self.local_kv_heads = max(1, num_kv_heads // tp.size)
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        nn.Module.__init__(self)
+        self.tp = tp
+        self.part_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        out = (self.local_heads + 2 * self.local_kv_heads) * head_dim
+        self.weight = nn.Parameter(torch.empty(out, hidden), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+
+    def load(self, name: str, tensor: torch.Tensor, shard_id: int = 0) -> None:
+        d = self.head_dim
+        _check_full(tensor, (self.part_sizes[shard_id], self.weight.shape[1]), name)
+        q_size, kv_size = self.local_heads * d, self.local_kv_heads * d
+        if shard_id == 0:
+            start, size, offset = self.tp.rank * q_size, q_size, 0
+        else:
+            kv_rank = self.tp.rank // self.kv_replicas
+            start, size = kv_rank * kv_size, kv_size
+            offset = q_size + (shard_id - 1) * kv_size
+        param = self.weight if name.endswith("weight") else self.bias
+        copy_checked(param.narrow(0, offset, size), tensor.narrow(0, start, size), name)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.head_dim
+        return qkv.split([self.local_heads * d, self.local_kv_heads * d, self.local_kv_heads * d], dim=-1)
+
+
+def _check_full(tensor: torch.Tensor, expected: tuple[int, int], name: str) -> None:
+    """A checkpoint tensor must have the full (unsharded) shape; biases are checked on dim 0 only."""
+    from engine.errors import ModelLoadError
+
+    shape = tuple(tensor.shape)
+    want = expected[:1] if name.endswith("bias") else expected
+    if shape != tuple(want):
+        raise ModelLoadError(f"weight {name!r} has shape {shape}, expected {tuple(want)}")
+
+
+def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    from engine.errors import ModelLoadError
+
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected a slice of "
+                             f"shape {tuple(param.shape)}")
+    param.data.copy_(tensor)

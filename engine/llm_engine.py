@@ -1,0 +1,267 @@
+"""LLMEngine: the step-level API the workers drive (add_request, step, abort) plus the hand-over
+hooks of disaggregated serving (prefill-only requests that park, and reserve/commit on the decode side).
+
+One step is schedule -> execute -> update. Bad input raises InvalidRequestError from add_request and
+never reaches the running batch, so other requests are unaffected.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import append_text, find_stop_string, visible_text
+from engine.errors import CapacityError, InvalidRequestError
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.parallel import TPContext
+from engine.request import Request, RequestStatus
+from engine.sampler import SamplerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, ScheduledRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    header: dict  # msgpack-able description of the request (see LLMEngine.take_handover)
+    block_ids: list[int]  # blocks holding the prompt's KV, in order
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, tp_group=None):
+        self.cfg = cfg
+        self.model_cfg = ModelConfig.from_dir(cfg.model)
+        self.tp = TPContext(cfg.tp_rank, cfg.tp_size, tp_group)
+        limit = self.model_cfg.max_position_embeddings
+        if self.model_cfg.sliding_window:
+            limit = min(limit, self.model_cfg.sliding_window)  # no sliding-window attention yet: stay inside it
+        max_model_len = min(cfg.max_model_len or limit, limit)
+        self.runner = ModelRunner(cfg, self.model_cfg, self.tp, max_model_len)
+        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(max_model_len)
+        self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        # A request alone must always fit, or preemption could not make progress.
+        self.max_model_len = min(max_model_len, num_blocks * cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill)
+        self.tokenizer = _load_tokenizer(cfg.model)
+        eos = set(self.model_cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, Request] = {}
+        self._seeds = random.Random(cfg.seed)
+        self._finished_unreported: list[Request] = []
+
+    def _auto_num_blocks(self, max_model_len: int) -> int:
+        per_block = self.runner.kv_block_bytes()
+        if self.runner.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.runner.device)
+            budget = int(free * self.cfg.gpu_memory_utilization)
+        else:
+            budget = int(self.cfg.kv_cache_memory_gb * 2**30)
+        wanted = self.cfg.max_num_seqs * -(-max_model_len // self.cfg.block_size)
+        return max(1, min(budget // per_block, wanted))
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    prefill_only: bool = False) -> None:
+        req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _new_request(self, request_id: str, prompt, params: SamplingParams, prefill_only: bool,
+                     seed: int | None = None) -> Request:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        ids = self._tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; this model accepts at most {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len} includes at least one output token)", param="prompt")
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        return Request(request_id, ids, params, seed=seed, max_total_tokens=self.max_model_len,
+                       prefill_only=prefill_only)
+
+    def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model directory has no tokenizer; pass token ids", param="prompt")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, "
+                                          f"{self.model_cfg.vocab_size})", param="prompt")
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.status.finished:
+            return
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._finished_unreported.append(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._finished_unreported)
+
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_parked": sum(r.status in (RequestStatus.PARKED, RequestStatus.RESERVED) for r in self.requests.values()),
+            "kv_blocks_used": self.blocks.pool.num_used,
+            "kv_blocks_total": self.blocks.pool.num_blocks,
+        }
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        touched: list[Request] = []
+        if not sched.empty:
+            sampled, inputs = self.runner.execute(sched.scheduled, self.blocks)
+            for s in sched.scheduled:
+                s.request.num_computed_tokens += s.num_new_tokens
+            if sampled is not None:
+                touched = self._update(sched.scheduled, inputs.sample_rows, sampled)
+        reports = self._finished_unreported + touched
+        self._finished_unreported = []
+        return [self._output(r) for r in reports]
+
+    def _update(self, scheduled: list[ScheduledRequest], rows: list[int], out: SamplerOutput) -> list[Request]:
+        tokens = out.token_ids.tolist()  # the one host sync of a step, after the forward
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        now = time.monotonic()
+        touched = []
+        for i, b in enumerate(rows):
+            req = scheduled[b].request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            if req.params.logprobs is not None:
+                n = req.params.logprobs
+                top = dict(zip(top_ids[i][:n], top_lps[i][:n])) if n > 0 else None
+                req.logprobs.append(TokenLogprob(tokens[i], lps[i], top))
+            self._append_token(req, tokens[i], now)
+            touched.append(req)
+        return touched
+
+    def _append_token(self, req: Request, token: int, now: float) -> None:
+        req.token_ids.append(token)
+        m = req.metrics
+        m.num_output_tokens = req.num_output_tokens
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        delta = append_text(self.tokenizer, req) if self.tokenizer is not None else ""
+        status = self._stop_status(req, token, len(delta))
+        if status is not None:
+            self._finish(req, status)
+        elif req.prefill_only:
+            self.scheduler.remove(req)
+            req.status = RequestStatus.PARKED
+
+    def _stop_status(self, req: Request, token: int, delta_len: int) -> RequestStatus | None:
+        p = req.params
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        stop = find_stop_string(req, delta_len)
+        if stop is not None:
+            req.stop_reason = stop
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.remove(req)
+        self.blocks.free(req.request_id)
+        req.status = status
+        req.finish_reason = status.value
+        req.metrics.finished_time = time.monotonic()
+
+    def _output(self, req: Request) -> RequestOutput:
+        new = req.token_ids[req.num_prompt_tokens + req.num_reported:]
+        req.num_reported = req.num_output_tokens
+        finished = req.status.finished
+        if finished:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=req.output_token_ids,
+            new_token_ids=new, text=visible_text(req), finished=finished, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            metrics=req.metrics)
+
+    # ------------------------------------------------------------------ disaggregation hooks
+    def take_handover(self, request_id: str) -> Handover:
+        """A parked (prefilled) request's description and blocks; they stay held until release()."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.PARKED:
+            raise InvalidRequestError(f"request {request_id!r} is not parked for a hand-over")
+        p = req.params
+        header = {
+            "request_id": req.request_id,
+            "prompt_token_ids": req.prompt_token_ids,
+            "output_token_ids": req.output_token_ids,
+            "num_computed_tokens": req.num_computed_tokens,
+            "seed": req.seed,
+            "params": {k: getattr(p, k) for k in p.__dataclass_fields__},
+            "logprobs": [(lp.token_id, lp.logprob, lp.top) for lp in req.logprobs],
+            "block_size": self.cfg.block_size,
+        }
+        return Handover(header, list(self.blocks.table(request_id)))
+
+    def release(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.blocks.free(request_id)
+
+    def reserve(self, header: dict) -> list[int]:
+        """Decode side: allocate blocks for an incoming request's prompt KV; raises CapacityError if full."""
+        params = SamplingParams(**header["params"])
+        req = self._new_request(header["request_id"], header["prompt_token_ids"], params, False, seed=header["seed"])
+        n = header["num_computed_tokens"]
+        if not self.blocks.allocate(req.request_id, n):
+            raise CapacityError(f"no room for {n} tokens of KV ({self.blocks.pool.num_free} free blocks)")
+        req.num_computed_tokens = n
+        req.logprobs = [TokenLogprob(t, lp, top) for t, lp, top in header.get("logprobs", [])]
+        for token in header["output_token_ids"]:
+            req.token_ids.append(token)
+            if self.tokenizer is not None:
+                append_text(self.tokenizer, req)
+        req.metrics.num_output_tokens = req.num_output_tokens
+        req.status = RequestStatus.RESERVED
+        self.requests[req.request_id] = req
+        return list(self.blocks.table(req.request_id))
+
+    def commit(self, request_id: str) -> None:
+        """Decode side: the received KV is in place; the request joins the running batch."""
+        req = self.requests[request_id]
+        assert req.status is RequestStatus.RESERVED, req.status
+        self.scheduler.add_running(req)
+
+
+def _load_tokenizer(model_dir: str):
+    path = Path(model_dir)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,155 @@
+"""The Llama family (Llama incl. Llama-3 RoPE scaling, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+
+Our own modules: fused QKV and gate/up projections (column parallel), row-parallel output and down
+projections, paged attention. The forward takes a flattened varlen batch ([T] tokens of any mix of
+prefill chunks, decode tokens and verification chains) and has no host syncs or data-dependent shapes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import PagedAttention
+from engine.config import ModelConfig
+from engine.errors import UnsupportedModelError
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.layers.vocab import Embedding, LMHead
+from engine.parallel import TPContext
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPContext, rotary: RotaryEmbedding):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
+        self.head_dim = cfg.head_dim
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(layer_idx, self.qkv_proj.local_heads, self.qkv_proj.local_kv_heads, cfg.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(T, -1, self.head_dim)
+        k = k.view(T, -1, self.head_dim)
+        v = v.view(T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext):
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise UnsupportedModelError(f"unsupported hidden_act {cfg.hidden_act!r}; only 'silu' is implemented")
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPContext, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp, rotary)
+        self.mlp = LlamaMLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        """Pre-norm block on the residual stream; returns (block output, residual) unsummed."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our fused parameter fragment, shard id)
+    FUSED = {
+        ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, max_pos: int):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, self.rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids, positions [T] -> (final normed hidden [T, H], hidden states after each layer in
+        `capture_layers` (what draft heads read), in that order)."""
+        hidden, residual = self.embed_tokens(input_ids), None
+        captured: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual)
+            if i in capture_layers:
+                captured.append(hidden + residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in fp32."""
+        return self.lm_head(hidden).float()
+
+    def param_for(self, ckpt_name: str) -> tuple[nn.Module, str, int | None] | None:
+        """Map a checkpoint tensor name to (module that loads it, param name, shard id); None to skip."""
+        name = ckpt_name
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if "rotary_emb" in name:
+            return None
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            return None
+        shard = None
+        for frag, (fused, sid) in self.FUSED.items():
+            if frag in name:
+                name, shard = name.replace(frag, fused), sid
+                break
+        module_path, _, leaf = name.rpartition(".")
+        try:
+            module = self.get_submodule(module_path)
+        except AttributeError:
+            return None
+        if not hasattr(module, leaf) or getattr(module, leaf) is None:
+            return None
+        return module, leaf, shard
+
+    def expected_checkpoint_names(self) -> set[str]:
+        """Every tensor name a complete checkpoint of this config must carry."""
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not self.cfg.tie_word_embeddings:
+            names.add("lm_head.weight")
+        per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                     "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                     "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
+        if self.cfg.qkv_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if self.cfg.o_bias:
+            per_layer.append("self_attn.o_proj.bias")
+        if self.cfg.mlp_bias:
+            per_layer += ["mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"]
+        if self.cfg.qk_norm:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        for i in range(self.cfg.num_layers):
+            names.update(f"model.layers.{i}.{p}" for p in per_layer)
+        return names

@@ -1,0 +1,27 @@
+"""What the engine returns: one RequestOutput per request that progressed in a step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import RequestMetrics
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float] | None  # top-n alternatives (id -> logprob) when asked
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far
+    new_token_ids: list[int]  # output tokens produced since the previous report
+    text: str  # output text so far (a possible stop-string prefix is held back until finished)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    stop_reason: str | int | None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprob] | None
+    metrics: RequestMetrics

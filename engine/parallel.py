@@ -1,0 +1,43 @@
+"""Tensor-parallel context of one engine process: its rank, the group size and the collectives.
+
+tp_size == 1 makes every collective a no-op, so the single-process engine pays nothing for it.
+The group is any torch.distributed ProcessGroup (NCCL on GPUs, gloo on CPUs) made by the caller.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPContext:
+    rank: int = 0
+    size: int = 1
+    group: object | None = None  # torch.distributed ProcessGroup when size > 1
+
+    def __post_init__(self) -> None:
+        if self.size > 1 and self.group is None:
+            raise ValueError("tp_size > 1 needs a torch.distributed process group (tp_group)")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tp_rank {self.rank} out of range for tp_size {self.size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def shard(self, total: int, what: str) -> tuple[int, int]:
+        """(start, size) of this rank's contiguous slice of `total` units (heads, columns)."""
+        if total % self.size:
+            raise ValueError(f"{what}={total} is not divisible by tp_size={self.size}")
+        per = total // self.size
+        return self.rank * per, per

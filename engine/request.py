@@ -1,0 +1,98 @@
+"""A request's state inside the engine. Progress is "computed vs total tokens" (vLLM v1): the
+scheduler gives each request `num_tokens - num_computed_tokens` more tokens of work, which covers a
+prefill chunk, a decode token and (with speculation) a verification chain with one mechanism."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PARKED = "parked"  # prefilled for a hand-over; holds its blocks until released
+    RESERVED = "reserved"  # blocks allocated for an incoming hand-over; KV not yet committed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    # speculation (filled when a draft method runs)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the user's seed or one the engine drew; sampling depends only on (seed, position)
+    max_total_tokens: int  # prompt + output may not exceed this (max_model_len)
+    token_ids: list[int] = field(default_factory=list)  # prompt followed by output
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    prefill_only: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list = field(default_factory=list)  # per output token: (logprob, {top id: logprob})
+    num_reported: int = 0  # output tokens already returned by step()
+    metrics: RequestMetrics = None  # type: ignore[assignment]
+    # incremental detokenization state
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.prompt_token_ids, "empty prompts are rejected before a Request is built"
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.metrics.num_prompt_tokens = len(self.prompt_token_ids)
+        # Decoding starts with a few prompt tokens as context so the first output token keeps its
+        # leading space (SentencePiece) and multi-byte characters are not split.
+        self.read_offset = len(self.prompt_token_ids)
+        self.prefix_offset = max(0, self.read_offset - 5)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens

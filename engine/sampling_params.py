@@ -1,0 +1,66 @@
+"""SamplingParams: what a user asks of one request. Validated once, at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # same seed, same tokens, whatever else is in the batch
+    repetition_penalty: float = 1.0  # over prompt and output tokens (HF semantics)
+    presence_penalty: float = 0.0  # over output tokens (OpenAI semantics)
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)  # stop strings on the detokenized text
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(isinstance(self.max_tokens, int) and self.max_tokens > 0,
+               f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}", "temperature")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}", "top_k")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        _check(self.repetition_penalty > 0.0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be non-negative integers", "stop_token_ids")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               f"logprobs must be between 0 and 20, got {self.logprobs!r}", "logprobs")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               f"seed must be an integer in [0, 2**63), got {self.seed!r}", "seed")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)

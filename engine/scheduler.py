@@ -1,0 +1,116 @@
+"""Continuous batching: FCFS admission, a per-step token budget, chunked prefill, prefill and decode
+in the same step, a cap on running requests, and preemption by recompute when blocks run out.
+
+schedule() decides, for each request, how many of its not-yet-computed tokens run this step; the
+model runner computes them and the engine then advances `num_computed_tokens`. A request samples
+when its computed tokens reach its total (the end of its prompt, or its newest token).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    sample: bool  # this step produces the request's next token
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+    num_batched_tokens: int
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """A request whose KV already exists (a received hand-over) joins the running batch."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues (finished, aborted or parked) and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        now = time.monotonic()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()  # the newest running request gives way
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            scheduled.append(self._scheduled(req, n, now))
+            budget -= n
+            i += 1
+
+        # New requests only when nobody had to give way this step (FCFS: no overtaking).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.enable_chunked_prefill:
+                break
+            if not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, n, now))
+            budget -= n
+
+        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+
+    def _scheduled(self, req: Request, n: int, now: float) -> ScheduledRequest:
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = now
+        return ScheduledRequest(req, n, sample=req.num_computed_tokens + n >= req.num_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute later: drop the KV, keep the tokens (prompt and output so far)."""
+        self.blocks.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
