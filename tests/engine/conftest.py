@@ -1,0 +1,82 @@
+"""Small random checkpoints saved by transformers inside the test session (deterministic), one per
+architecture, plus a tiny byte-level BPE tokenizer so that text prompts and stop strings work."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+VOCAB = 384
+
+
+def _tokenizer(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = ["The quick brown fox jumps over the lazy dog. {\"name\": \"Ada\", \"age\": 36}",
+            "def add(a, b):\n    return a + b\n", "Grüße aus Köln, naïve café, 東京"] * 20
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(path)
+    return fast
+
+
+def _config(arch: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "llama3":  # Llama-3 RoPE scaling, tied embeddings, GQA 4:1
+        return LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                            "rope_theta": 500000.0})
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=4096, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+
+
+def make_checkpoint(path, arch: str, seed: int = 0, dtype=torch.float32, max_shard_size=None):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(arch)).to(dtype).eval()
+    # Random init gives near-uniform logits; larger weights make greedy choices well separated.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(4.0)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    _tokenizer(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """arch -> (model dir, transformers model in fp32)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for arch in ARCHS:
+        path = root / arch
+        out[arch] = (str(path), make_checkpoint(path, arch))
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoints):
+    return checkpoints["llama"][0]
