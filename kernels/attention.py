@@ -108,8 +108,7 @@ def paged_attention_ref(
     if T == 0 or B == 0:
         return out
     dev = query.device
-    nb = min(max(1, -(-max_seq_len // S)), block_tables.shape[1])
-    L = nb * S
+    L = max(1, min(max_seq_len, block_tables.shape[1] * S))
     mq = max(1, max_q_len)
 
     q_start = query_start_loc[:-1].long()
@@ -119,12 +118,15 @@ def paged_attention_ref(
     kpos = torch.arange(L, device=dev)
     qi = torch.arange(mq, device=dev)
 
-    # KV: [B, nb, S, Hkv, D] -> [B, Hkv, L, D]. Slots past seq_len are zeroed because the cache may
-    # hold garbage there (even NaN), and SDPA's masked softmax still multiplies 0 * V.
-    blocks = block_tables[:, :nb].long()
-    kv_valid = (kpos[None, :] < seq[:, None])[:, :, None, None]  # [B, L, 1, 1]
-    k = k_cache[blocks].view(B, L, Hkv, D).masked_fill_(~kv_valid, 0).transpose(1, 2)
-    v = v_cache[blocks].view(B, L, Hkv, D).masked_fill_(~kv_valid, 0).transpose(1, 2)
+    # KV gathered per slot into [B, L, Hkv, D], viewed as [B, Hkv, L, D]. Positions past seq_len read
+    # the request's position 0 instead of whatever the cache holds there: the cache may hold garbage
+    # (even NaN) in unwritten slots, and a masked softmax still multiplies 0 * V. index_select is
+    # far faster than advanced indexing on CPU.
+    pos = torch.where(kpos[None, :] < seq[:, None], kpos[None, :], 0)  # [B, L]
+    page = block_tables.gather(1, (pos // S).clamp_(max=block_tables.shape[1] - 1)).long()
+    slots = (page * S + pos % S).view(-1)
+    k = k_cache.view(-1, Hkv, D).index_select(0, slots).view(B, L, Hkv, D).transpose(1, 2)
+    v = v_cache.view(-1, Hkv, D).index_select(0, slots).view(B, L, Hkv, D).transpose(1, 2)
 
     # Queries: padded [B, mq, Hq, D], then the G query heads of a KV head folded into the row dim so
     # that KV is never expanded for GQA: [B, Hkv, G * mq, D].
