@@ -9,13 +9,14 @@ from __future__ import annotations
 from engine.request import Request
 
 
-def append_text(tokenizer, req: Request) -> str:
-    """Decode the request's newest tokens; returns the text they add (possibly empty)."""
+def append_text(tokenizer, req: Request, final: bool = False) -> str:
+    """Decode the request's newest tokens; returns the text they add (possibly empty). With `final`,
+    an incomplete trailing character is emitted as U+FFFD instead of waiting for more tokens."""
     ids = req.token_ids
     skip = req.params.skip_special_tokens
     prefix = tokenizer.decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=skip)
     full = tokenizer.decode(ids[req.prefix_offset:], skip_special_tokens=skip)
-    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+    if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
         return ""
     delta = full[len(prefix):]
     req.prefix_offset, req.read_offset = req.read_offset, len(ids)

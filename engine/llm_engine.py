@@ -170,6 +170,8 @@ class LLMEngine:
         delta = append_text(self.tokenizer, req) if self.tokenizer is not None else ""
         status = self._stop_status(req, token, len(delta))
         if status is not None:
+            if req.stop_reason is None and self.tokenizer is not None:
+                append_text(self.tokenizer, req, final=True)  # flush a held-back partial character
             self._finish(req, status)
         elif req.prefill_only:
             self.scheduler.remove(req)
