@@ -1,0 +1,112 @@
+"""Standalone torch.distributed process groups built from a store, without `init_process_group`.
+
+A group here is just a ProcessGroup object: pairwise channels and tensor-parallel groups can be made
+and dropped at any time, by any actors, with no global world. The backend is a small strategy object:
+gloo for CPU tensors, NCCL for CUDA tensors (siblings behind `GroupBackend`).
+
+Gloo fixes an operation's deadline when the group is built, and an operation that times out closes
+the connection for good. Groups are therefore built with a long `idle_timeout` (a channel may sit idle
+for hours) and callers pass explicit deadlines to `Work.wait` where an operation must not hang.
+"""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from cluster.errors import ChannelError
+from cluster.rendezvous import handshake
+
+IDLE_TIMEOUT = timedelta(days=7)
+
+
+class GroupBackend(ABC):
+    """Builds process groups for one kind of device."""
+
+    name: str
+
+    @abstractmethod
+    def build(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup: ...
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+
+class GlooBackend(GroupBackend):
+    name = "gloo"
+
+    def build(self, store, rank, size, timeout):
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class NcclBackend(GroupBackend):
+    name = "nccl"
+
+    def __init__(self, device: torch.device):
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise ChannelError("this torch build has no NCCL; use the gloo backend on CPU")
+        self._device = device
+
+    def build(self, store, rank, size, timeout):
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        # Connect now, on the transfer device, rather than lazily inside the first send.
+        pg.eager_connect_single_device(self._device)
+        return pg
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+
+def backend_for(device: torch.device | str) -> GroupBackend:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return NcclBackend(device)
+    return GlooBackend()
+
+
+def build_group(store: dist.Store, prefix: str, rank: int, size: int, backend: GroupBackend,
+                connect_timeout_s: float = 30.0, idle_timeout: timedelta = IDLE_TIMEOUT) -> dist.ProcessGroup:
+    """Meet the other members under `prefix` in `store`, then build the group; ChannelError on failure.
+
+    The build runs on a helper thread so that a peer dying between the handshake and the build costs
+    `connect_timeout_s` here rather than the group's idle timeout (the helper is then abandoned).
+    """
+    scoped = dist.PrefixStore(prefix, store)
+    handshake(scoped, rank, size, connect_timeout_s)
+    result: dict = {}
+
+    def _build() -> None:
+        try:
+            result["group"] = backend.build(scoped, rank, size, idle_timeout)
+        except Exception as e:  # noqa: BLE001 - re-raised on the caller's thread
+            result["error"] = e
+
+    helper = threading.Thread(target=_build, name=f"build-group-{prefix}", daemon=True)
+    helper.start()
+    helper.join(connect_timeout_s)
+    if helper.is_alive():
+        raise ChannelError(f"building the {backend.name} group {prefix!r} took over {connect_timeout_s:.0f}s")
+    if "error" in result:
+        raise ChannelError(f"building the {backend.name} group {prefix!r} failed: {result['error']}") from result["error"]
+    return result["group"]
+
+
+def destroy_group(group: dist.ProcessGroup | None) -> None:
+    """Abort pending operations (they raise on their threads) and drop the group's connections."""
+    if group is None:
+        return
+    try:
+        group.abort()
+    except Exception:  # noqa: BLE001 - an already broken group may refuse; it is being dropped anyway
+        pass

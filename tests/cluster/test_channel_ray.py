@@ -1,0 +1,76 @@
+"""Channels between Ray actors in different processes: content, clean close, and dead peers."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from cluster.probe import ChannelProbe
+
+pytestmark = pytest.mark.ray
+
+
+def _pair(ray):
+    tx, rx = ChannelProbe.remote(), ChannelProbe.remote()
+    cid = uuid.uuid4().hex[:12]
+    addr = ray.get(rx.address.remote())
+    accepted = rx.accept.remote(cid, 20.0)
+    ray.get(tx.connect.remote(addr, cid, 20.0))
+    ray.get(accepted)
+    return tx, rx, cid
+
+
+def _wait_for(fn, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def test_kv_blocks_cross_processes_byte_for_byte(ray_session):
+    ray = ray_session
+    tx, rx, cid = _pair(ray)
+    gen = torch.Generator().manual_seed(3)
+    for n_blocks, dtype in [(1, torch.float32), (3, torch.bfloat16), (7, torch.float16)]:
+        kv = torch.randint(0, 256, (2 * 2 * n_blocks * 16 * 2 * 8 * dtype.itemsize,), dtype=torch.uint8,
+                           generator=gen).view(dtype).view(2, 2, n_blocks, 16, 2, 8)
+        assert ray.get(tx.send.remote(cid, {"request_id": f"r{n_blocks}"}, [kv]))
+    assert not ray.get(tx.send.remote(cid, {"request_id": "dropped", "drop": True}, [kv]))
+    msgs = _wait_for(lambda: (m := ray.get(rx.received_messages.remote(cid))) and len(m) == 4 and m)
+    assert [h["request_id"] for h, _ in msgs] == ["r1", "r3", "r7", "dropped"]
+    gen = torch.Generator().manual_seed(3)
+    for (header, payload), (n_blocks, dtype) in zip(msgs, [(1, torch.float32), (3, torch.bfloat16), (7, torch.float16)]):
+        sent = torch.randint(0, 256, (2 * 2 * n_blocks * 16 * 2 * 8 * dtype.itemsize,), dtype=torch.uint8,
+                             generator=gen)
+        assert torch.equal(payload[0].reshape(-1).view(torch.uint8), sent)
+    assert msgs[3][1] == []
+    ray.get(tx.close.remote(cid))
+    assert _wait_for(lambda: ray.get(rx.received_messages.remote(cid))[-1] == "closed")
+    for a in (tx, rx):
+        ray.kill(a)
+
+
+def test_killed_sender_ends_the_receiver_with_an_error(ray_session):
+    ray = ray_session
+    tx, rx, cid = _pair(ray)
+    ray.kill(tx)
+    last = _wait_for(lambda: (m := ray.get(rx.received_messages.remote(cid))) and m[-1], timeout_s=10)
+    assert isinstance(last, str) and last.startswith("error")
+    ray.kill(rx)
+
+
+def test_killed_receiver_fails_the_send_instead_of_hanging(ray_session):
+    ray = ray_session
+    tx, rx, cid = _pair(ray)
+    ray.kill(rx)
+    time.sleep(0.5)
+    start = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError, match="ChannelError"):
+        ray.get(tx.send.remote(cid, {"request_id": "x"}, [torch.zeros(1024)], 30.0), timeout=25)
+    assert time.monotonic() - start < 10  # the closed connection is seen at once, not at the deadline
+    ray.kill(tx)
