@@ -1,0 +1,69 @@
+"""tp=2 over gloo in two processes gives the same greedy tokens as one process (sharded attention
+heads, sharded MLP, row-parallel all-reduce), for MHA, GQA and more ranks than KV heads."""
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+PROMPTS = [[5, 9, 22, 41, 8, 120, 7], [3, 4, 5], list(range(10, 40))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _generate(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [done[str(i)] for i in range(len(PROMPTS))]
+
+
+def _rank_main(rank: int, world: int, port: int, cases: list, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for model_dir, params in cases:
+            cfg = EngineConfig(model=model_dir, num_kv_blocks=64, block_size=4, tp_size=world, tp_rank=rank)
+            engine = LLMEngine(cfg, tp_group=dist.group.WORLD)
+            queue.put((rank, model_dir, params.temperature, _generate(engine, params), engine.kv_cache.shape[4]))
+    finally:
+        dist.destroy_process_group()
+
+
+ARCHS = ["llama", "qwen3", "llama3"]  # llama3 has 1 KV head: replicated on both ranks
+TEMPERATURES = [0.0, 0.9]
+
+
+def test_tp2_matches_single_process(checkpoints):
+    """One pair of processes runs every case (spawning is the slow part)."""
+    cases = [(checkpoints[a][0], SamplingParams(max_tokens=16, temperature=t, seed=7, ignore_eos=True))
+             for a in ARCHS for t in TEMPERATURES]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, cases, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in range(2 * len(cases)):
+        rank, model_dir, temperature, tokens, heads = queue.get(timeout=300)
+        got[(rank, model_dir, temperature)] = (tokens, heads)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for arch in ARCHS:
+        model_dir, hf = checkpoints[arch]
+        for (m, params) in [c for c in cases if c[0] == model_dir]:
+            single = _generate(LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, block_size=4)), params)
+            r0, r1 = got[(0, m, params.temperature)], got[(1, m, params.temperature)]
+            assert r0[0] == r1[0] == single, (arch, params.temperature)
+            assert r0[1] == max(1, hf.config.num_key_value_heads // 2)
