@@ -1,0 +1,26 @@
+"""Shared helpers for benchmarks: result files, environment description."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
+
+
+def write_results(name: str, payload: dict, table: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(table + "\n")
+    return RESULTS / f"{name}.md"

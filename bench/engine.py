@@ -1,0 +1,136 @@
+"""Engine throughput against transformers' `generate` on the same checkpoint and prompts.
+
+Greedy, ignore EOS, fixed prompts and lengths; batch 1 and batch 16 (transformers left-padded).
+Reports generated tokens per second of both and their ratio, measured in the same run, and on CUDA
+the batch-1 decode step's achieved weight bandwidth against the device's peak.
+
+    python -m bench.engine [--device cpu|cuda] [--new-tokens 128] [--model DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from bench.common import device_name, write_results
+
+# About 25M parameters: big enough that the comparison is not pure Python overhead.
+BENCH_CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
+                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                    tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+# ~1B parameters for the GPU bandwidth figure.
+GPU_CONFIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                  num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096,
+                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+PEAK_BANDWIDTH_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}
+
+
+def make_model(path: str, config: dict, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config)).to(dtype).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (length + 7 * i % 23,), generator=g).tolist() for i in range(n)]
+
+
+def run_tandem(llm, batch: list[list[int]], new_tokens: int) -> tuple[float, int]:
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(batch, params)
+    _sync(llm.engine.runner.device)
+    return time.perf_counter() - start, sum(len(o.token_ids) for o in outs)
+
+
+@torch.inference_mode()
+def run_hf(model, batch: list[list[int]], new_tokens: int, device) -> tuple[float, int]:
+    width = max(map(len, batch))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0)
+    _sync(device)
+    return time.perf_counter() - start, (out.shape[1] - width) * len(batch)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_bandwidth(llm, model_params_bytes: int, steps: int = 64) -> dict:
+    """Batch-1 decode: steps per second x weight bytes, against the device's peak bandwidth."""
+    from engine import SamplingParams
+
+    llm.generate([[5] * 16], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    elapsed, n = run_tandem(llm, [[5] * 16], steps)
+    step_s = elapsed / n
+    achieved = model_params_bytes / step_s / 1e9
+    name = torch.cuda.get_device_name(0)
+    peak = next((v for k, v in PEAK_BANDWIDTH_GBS.items() if k in name), None)
+    return {"step_ms": step_s * 1e3, "achieved_GBs": achieved, "peak_GBs": peak,
+            "fraction_of_peak": achieved / peak if peak else None}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--batches", default="1,16")
+    args = ap.parse_args(argv)
+
+    from engine import LLM
+
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    rows, results = [], {"device": device_name(args.device), "config": BENCH_CONFIG, "dtype": str(dtype),
+                         "new_tokens": args.new_tokens, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = make_model(tmp, BENCH_CONFIG, dtype).to(args.device)
+        n_params = sum(p.numel() for p in hf.parameters())
+        llm = LLM(tmp, device=args.device, max_num_seqs=64, num_kv_blocks=2048, block_size=16)
+        for bs in [int(b) for b in args.batches.split(",")]:
+            batch = prompts(bs, args.prompt_len, BENCH_CONFIG["vocab_size"])
+            run_tandem(llm, batch, 8)  # warm-up both
+            run_hf(hf, batch, 8, args.device)
+            t_time, t_tok = run_tandem(llm, batch, args.new_tokens)
+            h_time, h_tok = run_hf(hf, batch, args.new_tokens, args.device)
+            run = {"batch": bs, "tandem_tok_s": t_tok / t_time, "transformers_tok_s": h_tok / h_time,
+                   "speedup": (t_tok / t_time) / (h_tok / h_time)}
+            results["runs"].append(run)
+            rows.append(f"| {bs} | {run['tandem_tok_s']:.1f} | {run['transformers_tok_s']:.1f} | {run['speedup']:.2f}x |")
+            print(rows[-1], flush=True)
+        results["params"] = n_params
+        del hf, llm
+        if args.device.startswith("cuda"):
+            hf = make_model(tmp + "/1b", GPU_CONFIG, torch.bfloat16)
+            weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+            del hf
+            llm = LLM(tmp + "/1b", device=args.device, max_num_seqs=8, num_kv_blocks=256)
+            results["decode_bandwidth_1b"] = decode_bandwidth(llm, weight_bytes)
+    table = "\n".join([
+        f"# bench/engine.py on {results['device']}",
+        f"Random Llama, {n_params / 1e6:.1f}M parameters, {dtype}, greedy, {args.new_tokens} new tokens, "
+        f"prompts ~{args.prompt_len} tokens. Tokens/s = generated tokens / wall time (prefill included).",
+        "", "| batch | tandem tok/s | transformers tok/s | ratio |", "|---|---|---|---|", *rows])
+    if "decode_bandwidth_1b" in results:
+        bw = results["decode_bandwidth_1b"]
+        table += (f"\n\nBatch-1 decode, 1B random Llama bf16: {bw['step_ms']:.2f} ms/step, "
+                  f"{bw['achieved_GBs']:.0f} GB/s of {bw['peak_GBs']} GB/s peak")
+    tag = "cuda" if args.device.startswith("cuda") else "cpu"
+    print(write_results(f"engine_{tag}", results, table).read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
