@@ -1,0 +1,191 @@
+"""Structured output: grammars compiled by xgrammar, one matcher per request, token masks per step.
+
+`StructuredOutput` is what a user asks for (a JSON Schema, any JSON object, a regex, an EBNF grammar
+or a choice of strings). `GrammarCompiler` turns it into an xgrammar CompiledGrammar, cached by a
+hash of its canonical source, off the critical path (a thread pool) so a request's prompt can run
+while its grammar compiles; compiled grammars serialize for the prefill -> decode hand-over.
+`GrammarState` is one request's matcher: it fills the request's bitmask row, accepts sampled tokens
+and rolls back rejected drafts (speculation).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+try:
+    import xgrammar as xgr
+except ImportError:  # pragma: no cover - xgrammar is a hard dependency; this keeps the error readable
+    xgr = None
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one of the fields is set."""
+
+    json_schema: dict | str | None = None
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    regex: str | None = None
+    grammar: str | None = None  # EBNF in xgrammar's dialect (GBNF-like)
+    choice: tuple[str, ...] | None = None
+    compact: bool = True  # JSON without free whitespace: one line, ", " and ": " separators
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_fields = [n for n in ("json_schema", "regex", "grammar", "choice") if getattr(self, n) is not None]
+        set_fields += ["json_object"] if self.json_object else []
+        if len(set_fields) != 1:
+            raise InvalidRequestError(f"structured output needs exactly one of json_schema, json_object, regex, "
+                                      f"grammar, choice; got {set_fields or 'none'}", param="response_format")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param="response_format")
+
+    @property
+    def kind(self) -> str:
+        for name in ("json_schema", "regex", "grammar", "choice"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def canonical_source(self) -> str:
+        if self.json_schema is not None:
+            schema = self.json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise InvalidRequestError(f"json_schema is not valid JSON: {e}", param="response_format") from e
+            # Key order is kept: properties are generated in the order the schema declares them.
+            return json.dumps(schema, separators=(",", ":"))
+        if self.choice is not None:
+            return json.dumps(list(self.choice))
+        return {"json_object": "", "regex": self.regex, "grammar": self.grammar}[self.kind]
+
+    @property
+    def is_compact_json(self) -> bool:
+        return self.compact and self.kind in ("json_schema", "json_object")
+
+    def key(self) -> str:
+        """Content hash: the cache key here and on the decode side of a hand-over."""
+        text = f"{self.kind}\0{int(self.compact)}\0{self.canonical_source()}"
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+class GrammarCompiler:
+    """Compiles and caches grammars for one tokenizer and one model vocabulary size."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None,
+                 max_threads: int = 2, max_cached: int = 512):
+        if xgr is None:
+            raise RuntimeError("xgrammar is not installed; structured output needs it (pip install xgrammar)")
+        self.vocab_size = vocab_size
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                                 stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._max_cached = max_cached
+        self._no_control_chars = self._control_free_mask()
+
+    def _control_free_mask(self) -> torch.Tensor:
+        """[ceil(V/32)] int32 with the bits of tokens that contain a byte 0x00-0x1F cleared.
+
+        xgrammar's JSON string rule admits raw control characters, which JSON forbids; in compact
+        JSON they cannot occur anywhere (no newlines between tokens, escapes inside strings), so
+        these tokens are masked out of compact JSON grammars."""
+        allowed = torch.ones(((self.vocab_size + 31) // 32) * 32, dtype=torch.bool)
+        for token_id, piece in enumerate(self.tokenizer_info.decoded_vocab[: self.vocab_size]):
+            if any(b < 0x20 for b in piece) and token_id not in self.tokenizer_info.stop_token_ids:
+                allowed[token_id] = False
+        bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
+        packed = bits.sum(dim=1)
+        return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+    def compile_async(self, spec: StructuredOutput) -> Future:
+        """A future of the CompiledGrammar; the same source compiles once."""
+        key = spec.key()
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compile, spec)
+            self._cache[key] = fut
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+            return fut
+
+    def compile(self, spec: StructuredOutput):
+        fut = self.compile_async(spec)
+        try:
+            return fut.result()
+        except InvalidRequestError:
+            with self._lock:
+                self._cache.pop(spec.key(), None)  # do not keep failures around
+            raise
+
+    def _compile(self, spec: StructuredOutput):
+        sep = (", ", ": ")
+        try:
+            if spec.kind == "json_schema":
+                return self._compiler.compile_json_schema(spec.canonical_source(), any_whitespace=not spec.compact,
+                                                          separators=sep if spec.compact else None)
+            if spec.kind == "json_object":
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=not spec.compact,
+                                                          separators=sep if spec.compact else None)
+            if spec.kind == "regex":
+                return self._compiler.compile_regex(spec.regex)
+            if spec.kind == "choice":
+                alternatives = " | ".join(json.dumps(c) for c in spec.choice)
+                return self._compiler.compile_grammar(f"root ::= {alternatives}")
+            return self._compiler.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError) as e:
+            raise InvalidRequestError(f"cannot compile the {spec.kind.replace('_', ' ')}: {e}",
+                                      param="response_format") from e
+
+    def serialize(self, compiled) -> str:
+        return compiled.serialize_json()
+
+    def deserialize(self, text: str):
+        return xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info)
+
+    def new_state(self, compiled, spec: StructuredOutput | None = None) -> "GrammarState":
+        extra = self._no_control_chars if spec is not None and spec.is_compact_json else None
+        return GrammarState(xgr.GrammarMatcher(compiled), extra)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """[rows, ceil(V/32)] int32, all bits set (everything allowed)."""
+        return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+class GrammarState:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher, extra_mask: torch.Tensor | None = None):
+        self.matcher = matcher
+        self.extra_mask = extra_mask  # [ceil(V/32)] int32 ANDed into every row this state fills
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.extra_mask is not None:
+            bitmask[row] &= self.extra_mask
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()

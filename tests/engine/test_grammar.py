@@ -1,0 +1,134 @@
+"""engine/grammar.py with real xgrammar: compile, mask, accept, roll back, serialize; constrained
+decoding of random logits yields instances that jsonschema validates."""
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.grammar import GrammarCompiler, StructuredOutput
+from kernels.bitmask import apply_token_bitmask
+from tests.engine.conftest import VOCAB, _tokenizer
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "kind": {"enum": ["cat", "dog"]},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "kind", "ok"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return _tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, VOCAB)
+
+
+def _closing_bias(tokenizer) -> torch.Tensor:
+    """Favour tokens that close strings and objects so free-form JSON random walks end."""
+    bias = torch.zeros(VOCAB)
+    for t in range(len(tokenizer)):
+        if any(c in tokenizer.decode([t]) for c in '}"') or t == tokenizer.eos_token_id:
+            bias[t] = 3.0
+    return bias
+
+
+def _walk(compiler, tokenizer, spec, seed, max_steps=300, bias=None):
+    """Greedy decoding of random logits under the grammar mask until the matcher terminates."""
+    state = compiler.new_state(compiler.compile(spec), spec)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(max_steps):
+        logits = torch.randn(1, VOCAB, generator=g)
+        if bias is not None:
+            logits += bias
+        mask = compiler.allocate_bitmask(1)
+        state.fill_bitmask(mask, 0)
+        apply_token_bitmask(logits, mask)
+        token = int(logits.argmax())
+        assert state.accept(token)
+        if state.terminated:
+            return tokenizer.decode(out)
+        out.append(token)
+    raise AssertionError("grammar did not terminate")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_constrained_random_decoding_validates(compiler, tokenizer, seed):
+    """Regression: xgrammar's string rule admits raw control characters (seed 1 produced "\\x05"),
+    which strict JSON parsers reject; compact JSON grammars mask those tokens out."""
+    text = _walk(compiler, tokenizer, StructuredOutput(json_schema=SCHEMA), seed)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_json_object(compiler, tokenizer, seed):
+    value = json.loads(_walk(compiler, tokenizer, StructuredOutput(json_object=True), seed,
+                             bias=_closing_bias(tokenizer)))
+    assert isinstance(value, dict)
+
+
+def test_choice_and_regex(compiler, tokenizer):
+    assert _walk(compiler, tokenizer, StructuredOutput(choice=["red", "green", "blue"]), 0) in ("red", "green", "blue")
+    text = _walk(compiler, tokenizer, StructuredOutput(regex=r"[0-9]{3}-[a-z]{2}"), 1)
+    assert len(text) == 6 and text[:3].isdigit() and text[3] == "-" and text[4:].isalpha()
+
+
+def test_valid_instance_accepted_invalid_rejected(compiler, tokenizer):
+    compiled = compiler.compile(StructuredOutput(json_schema=SCHEMA))
+    good = tokenizer.encode(json.dumps({"name": "Ada", "kind": "cat", "ok": True}))
+    state = compiler.new_state(compiled)
+    assert all(state.accept(t) for t in good)
+    assert state.accept(tokenizer.eos_token_id) and state.terminated
+    bad = tokenizer.encode(json.dumps({"name": "Ada", "kind": "cow", "ok": True}))
+    state = compiler.new_state(compiled)
+    assert not all(state.accept(t) for t in bad)
+
+
+def test_rollback_restores_the_mask(compiler, tokenizer):
+    state = compiler.new_state(compiler.compile(StructuredOutput(json_schema=SCHEMA)))
+    prefix = tokenizer.encode('{"name": "A')
+    for t in prefix[:2]:
+        assert state.accept(t)
+    before = compiler.allocate_bitmask(1)
+    state.fill_bitmask(before, 0)
+    for t in prefix[2:]:
+        assert state.accept(t)
+    state.rollback(len(prefix) - 2)
+    after = compiler.allocate_bitmask(1)
+    state.fill_bitmask(after, 0)
+    assert torch.equal(before, after)
+
+
+def test_cache_and_serialization(compiler, tokenizer):
+    a = StructuredOutput(json_schema=SCHEMA)
+    b = StructuredOutput(json_schema=json.dumps(SCHEMA))  # same schema as a string: same key
+    assert a.key() == b.key()
+    assert compiler.compile_async(a) is compiler.compile_async(b)
+    restored = compiler.deserialize(compiler.serialize(compiler.compile(a)))
+    m1, m2 = compiler.allocate_bitmask(1), compiler.allocate_bitmask(1)
+    compiler.new_state(compiler.compile(a)).fill_bitmask(m1, 0)
+    compiler.new_state(restored).fill_bitmask(m2, 0)
+    assert torch.equal(m1, m2)
+
+
+@pytest.mark.parametrize("spec", [
+    dict(json_schema='{"type": "object", '),
+    dict(json_schema={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),
+    dict(regex="(unclosed"),
+    dict(grammar="root ::= missing_rule"),
+])
+def test_bad_grammars_are_invalid_requests(compiler, spec):
+    with pytest.raises(InvalidRequestError) as e:
+        compiler.compile(StructuredOutput(**spec))
+    assert e.value.param == "response_format"
+
+
+def test_exactly_one_kind():
+    with pytest.raises(InvalidRequestError):
+        StructuredOutput()
+    with pytest.raises(InvalidRequestError):
+        StructuredOutput(regex="a", json_object=True)
