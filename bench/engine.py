@@ -68,6 +68,18 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def host_memory_bandwidth_gbs(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Best-of-N read+write copy bandwidth of this machine's memory (the CPU roofline)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best / 1e9
+
+
 def decode_bandwidth(llm, model_params_bytes: int, steps: int = 64) -> dict:
     """Batch-1 decode: steps per second x weight bytes, against the device's peak bandwidth."""
     from engine import SamplingParams
@@ -111,6 +123,14 @@ def main(argv=None) -> int:
             rows.append(f"| {bs} | {run['tandem_tok_s']:.1f} | {run['transformers_tok_s']:.1f} | {run['speedup']:.2f}x |")
             print(rows[-1], flush=True)
         results["params"] = n_params
+        if args.device == "cpu":
+            # Batch-1 decode reads every weight once per token: how close is that to the memory roofline?
+            weight_bytes = n_params * 4
+            t1 = next(r for r in results["runs"] if r["batch"] == 1)["tandem_tok_s"] if any(
+                r["batch"] == 1 for r in results["runs"]) else None
+            results["host_copy_GBs"] = host_memory_bandwidth_gbs()
+            if t1:
+                results["batch1_weight_GBs"] = weight_bytes * t1 / 1e9
         del hf, llm
         if args.device.startswith("cuda"):
             hf = make_model(tmp + "/1b", GPU_CONFIG, torch.bfloat16)
@@ -123,6 +143,10 @@ def main(argv=None) -> int:
         f"Random Llama, {n_params / 1e6:.1f}M parameters, {dtype}, greedy, {args.new_tokens} new tokens, "
         f"prompts ~{args.prompt_len} tokens. Tokens/s = generated tokens / wall time (prefill included).",
         "", "| batch | tandem tok/s | transformers tok/s | ratio |", "|---|---|---|---|", *rows])
+    if "batch1_weight_GBs" in results:
+        table += (f"\n\nBatch 1 reads all {n_params * 4 / 1e6:.0f} MB of fp32 weights per token: "
+                  f"{results['batch1_weight_GBs']:.1f} GB/s achieved against {results['host_copy_GBs']:.1f} GB/s "
+                  f"measured copy bandwidth of this machine (the roofline for batch-1 decode).")
     if "decode_bandwidth_1b" in results:
         bw = results["decode_bandwidth_1b"]
         table += (f"\n\nBatch-1 decode, 1B random Llama bf16: {bw['step_ms']:.2f} ms/step, "
