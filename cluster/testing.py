@@ -30,3 +30,44 @@ def ray_session():
     _users -= 1
     if _users == 0:
         shutdown_ray()
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def build_tiny_llama(path, seed: int = 0, num_kv_heads: int = 2, vocab: int = 384) -> str:
+    """A small random Llama (weights scaled so greedy choices are well separated) with a byte-level BPE
+    tokenizer and a chat template; deterministic for a seed. Stands in until the zoo's tiny target."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = ["The quick brown fox jumps over the lazy dog. Tandem serves models on Ray.",
+            "def add(a, b):\n    return a + b\n", "Grüße aus Köln, naïve café, 東京", "Hello, how are you?"] * 20
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=256,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

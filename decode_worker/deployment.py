@@ -1,0 +1,142 @@
+"""DecodeServer: the decode Serve deployment. A replica owns one RankGroup (a placement group of
+`tp` DecodeRank actors), runs the lockstep step loop and fans each step's tokens out to per-request
+streams. If the group dies, in-flight streams end with an error and the replica builds a new group.
+
+`generate` is a streaming method: its first item is the DecodeTarget the prefill must send to, then
+lists of TokenDelta (everything that arrived since the previous item), or a StreamError at the end.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from cluster.errors import WorkerDiedError
+from cluster.placement import RankResources
+from decode_worker.config import DecodeConfig
+from decode_worker.controller import DecodeController, StreamError
+from decode_worker.group import GroupSpec, RankGroup
+from decode_worker.protocol import TokenDelta
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.05  # long-poll of the ranks while hand-overs are expected and nothing decodes
+
+
+class DecodeServer:
+    async def __init__(self, config: DecodeConfig | dict):
+        self.config = config if isinstance(config, DecodeConfig) else DecodeConfig(**config)
+        c = self.config
+        gpus = 1.0 if c.device.startswith("cuda") else 0.0
+        self.spec = GroupSpec(engine_config=c.engine_config(), tp_size=c.tp_size,
+                              resources=RankResources(num_cpus=c.rank_num_cpus, num_gpus=gpus),
+                              torch_threads=c.torch_threads if gpus == 0 else None,
+                              step_timeout_s=c.step_timeout_s)
+        self.ctrl = DecodeController(c.tp_size, c.handover_timeout_s)
+        self.group: RankGroup = await RankGroup.start(self.spec)
+        self.groups_started = 1
+        self._wake = asyncio.Event()
+        self._steps = 0
+        self._last_error: str | None = None
+        self._loop = asyncio.create_task(self._run())
+
+    # ------------------------------------------------------------------ the stream of one request
+    async def generate(self, request_id: str):
+        """Yields the DecodeTarget, then lists of TokenDelta, or a StreamError; cancel to abort."""
+        group = await self._current_group()
+        sink: asyncio.Queue = asyncio.Queue()
+        self.ctrl.expect(request_id, sink)
+        self._wake.set()
+        finished = False
+        try:
+            yield group.target
+            while not finished:
+                batch = [await sink.get()]
+                while not sink.empty():
+                    batch.append(sink.get_nowait())
+                out: list[TokenDelta] = []
+                for item in batch:
+                    if isinstance(item, StreamError):
+                        if out:
+                            yield out
+                        finished = True
+                        yield item
+                        return
+                    out.append(item)
+                    finished = finished or item.finished
+                yield out
+        finally:
+            if not finished:
+                self.ctrl.cancel(request_id)  # client gone, stop string, or prefill failure
+                self._wake.set()
+
+    async def _current_group(self) -> RankGroup:
+        while self.group is None:  # being rebuilt after a failure
+            await asyncio.sleep(0.05)
+        return self.group
+
+    # ------------------------------------------------------------------ the step loop
+    async def _run(self) -> None:
+        while True:
+            if not self.ctrl.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            group = self.group
+            commands = self.ctrl.next_commands()
+            wait_s = 0.0 if (commands or self.ctrl.decoding) else IDLE_POLL_S
+            try:
+                reports = await group.step(commands, wait_s)
+            except WorkerDiedError as e:
+                await self._recover(group, str(e))
+                continue
+            self._steps += 1
+            self.ctrl.on_reports(reports)
+
+    async def _recover(self, group: RankGroup, reason: str) -> None:
+        log.error("decode group %s failed, rebuilding: %s", group.group_id, reason)
+        self._last_error = reason
+        self.group = None
+        group.kill()
+        self.ctrl.fail_all(f"a decode rank died; the request was ended: {reason}")
+        while True:
+            try:
+                self.group = await RankGroup.start(self.spec)
+                self.groups_started += 1
+                return
+            except WorkerDiedError as e:
+                log.error("rebuilding the decode group failed, retrying: %s", e)
+                self._last_error = str(e)
+                await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------------ load, health, introspection
+    def stats(self) -> dict:
+        handovers = self.ctrl.handovers[-64:]
+        return {
+            "group_id": self.group.group_id if self.group else None,
+            "groups_started": self.groups_started,
+            "tp_size": self.config.tp_size,
+            "num_requests": len(self.ctrl.requests),
+            "num_running": self.ctrl.num_running,
+            "kv_blocks_used": self.ctrl.kv_blocks_used,
+            "kv_blocks_total": self.ctrl.kv_blocks_total,
+            "steps": self._steps,
+            "handover_seconds": [s for s, _ in handovers],
+            "handover_bytes": [b for _, b in handovers],
+            "time": time.time(),
+        }
+
+    def record_routing_stats(self) -> dict:
+        return self.stats()
+
+    async def rank_pids(self) -> list[int]:
+        group = await self._current_group()
+        return await group.pids()
+
+    async def check_health(self) -> None:
+        if self._loop.done():
+            raise RuntimeError(f"the decode step loop stopped: {self._loop.exception()!r}")
+
+    def __del__(self):
+        if getattr(self, "group", None) is not None:
+            self.group.kill()

@@ -1,0 +1,107 @@
+"""RankGroup: the `tp` DecodeRank actors of one decode replica, placed together and stepped in lockstep.
+
+A group is disposable: if any rank dies or a step misses its deadline, the whole group is killed
+(a rank stuck in a collective with a dead peer cannot be trusted) and the replica builds a new one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+import ray
+
+from cluster.errors import WorkerDiedError
+from cluster.placement import RankResources, in_bundle, release, reserve_ranks
+from decode_worker.protocol import Command, DecodeTarget, KVLayout, RankEndpoint, StepReport
+from decode_worker.rank import kv_head_slice, rank_actor_class
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    engine_config: dict  # EngineConfig fields (model, device, dtype, num_kv_blocks, ...) without tp
+    tp_size: int
+    resources: RankResources
+    torch_threads: int | None = 1
+    strategy: str = "PACK"
+    start_timeout_s: float = 300.0
+    step_timeout_s: float = 120.0
+
+
+class RankGroup:
+    def __init__(self, spec: GroupSpec, group_id: str, pg, ranks: list, target: DecodeTarget):
+        self.spec = spec
+        self.group_id = group_id
+        self.pg = pg
+        self.ranks = ranks
+        self.target = target
+
+    @staticmethod
+    async def start(spec: GroupSpec) -> "RankGroup":
+        group_id = uuid.uuid4().hex[:12]
+        pg = await reserve_ranks(spec.tp_size, spec.resources, spec.strategy, spec.start_timeout_s,
+                                 name=f"tandem-decode-{group_id}")
+        cls = rank_actor_class(spec.resources.num_cpus, spec.resources.num_gpus)
+        ranks = [cls.options(scheduling_strategy=in_bundle(pg, r), name=f"tandem-decode-{group_id}-rank{r}")
+                 .remote(spec.engine_config, r, spec.tp_size, spec.torch_threads) for r in range(spec.tp_size)]
+        try:
+            addresses = await asyncio.wait_for(asyncio.gather(*[r.address.remote() for r in ranks]),
+                                               spec.start_timeout_s)
+            layouts = await asyncio.wait_for(
+                asyncio.gather(*[r.join.remote(addresses[0], group_id, spec.start_timeout_s) for r in ranks]),
+                spec.start_timeout_s)
+        except BaseException as e:
+            _kill(ranks)
+            release(pg)
+            if isinstance(e, (ray.exceptions.RayError, asyncio.TimeoutError)):
+                raise WorkerDiedError(f"decode group {group_id} failed to start: {e}") from e
+            raise
+        layout: KVLayout = layouts[0]
+        endpoints = tuple(
+            RankEndpoint(actor=ranks[r], store=addresses[r], tp_rank=r,
+                         kv_heads=kv_head_slice(layout.num_kv_heads, spec.tp_size, r))
+            for r in range(spec.tp_size))
+        target = DecodeTarget(group_id=group_id, ranks=endpoints, layout=layout,
+                              device="cuda" if str(spec.engine_config.get("device", "cpu")).startswith("cuda") else "cpu")
+        log.info("decode group %s up: tp=%d, layout %s", group_id, spec.tp_size, layout)
+        return RankGroup(spec, group_id, pg, ranks, target)
+
+    async def step(self, commands: list[Command], wait_s: float) -> list[StepReport]:
+        """Every rank applies `commands` and steps; WorkerDiedError if any rank dies or hangs."""
+        refs = [r.step.remote(commands, wait_s) for r in self.ranks]
+        tasks = [asyncio.ensure_future(_await(ref)) for ref in refs]
+        done, pending = await asyncio.wait(tasks, timeout=self.spec.step_timeout_s + wait_s,
+                                           return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                for p in pending:
+                    p.cancel()
+                raise WorkerDiedError(f"decode group {self.group_id}: a rank failed: {t.exception()}") \
+                    from t.exception()
+        if pending:
+            for p in pending:
+                p.cancel()
+            raise WorkerDiedError(f"decode group {self.group_id}: a step took over {self.spec.step_timeout_s:.0f}s")
+        return [t.result() for t in tasks]
+
+    async def pids(self) -> list[int]:
+        return list(await asyncio.gather(*[r.pid.remote() for r in self.ranks]))
+
+    def kill(self) -> None:
+        _kill(self.ranks)
+        release(self.pg)
+
+
+async def _await(ref):
+    return await ref
+
+
+def _kill(ranks: list) -> None:
+    for r in ranks:
+        try:
+            ray.kill(r, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass

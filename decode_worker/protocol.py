@@ -1,0 +1,75 @@
+"""What crosses the decode worker's boundaries: the decode target a prefill sends to, the commands a
+group of ranks applies in lockstep, and what one step reports back. Small, frozen, picklable."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from cluster.rendezvous import StoreAddress
+
+
+@dataclass(frozen=True, slots=True)
+class RankEndpoint:
+    """Where a prefill sends one rank's share of a hand-over."""
+    actor: object  # ray.actor.ActorHandle of the DecodeRank
+    store: StoreAddress  # the rank's TCPStore: channels to it rendezvous there
+    tp_rank: int
+    kv_heads: tuple[int, int]  # (first KV head, count) of the full model's KV heads this rank holds
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The decode group's KV cache format; a hand-over must match it."""
+    num_layers: int
+    num_kv_heads: int  # of the full model (each rank holds its slice)
+    head_dim: int
+    block_size: int
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTarget:
+    """A decode group's address for one request: every rank gets its KV-head slice."""
+    group_id: str  # changes whenever the group is rebuilt, so stale channels are never reused
+    ranks: tuple[RankEndpoint, ...]
+    layout: KVLayout
+    device: str  # "cpu" or "cuda": the channel backend follows it
+
+
+class CommandKind(enum.Enum):
+    RESERVE = "reserve"  # allocate blocks for an arrived header and let the payload in
+    COMMIT = "commit"  # the payload landed on every rank: join the running batch
+    ABORT = "abort"  # end the request, free its blocks
+    DROP = "drop"  # refuse an arrived header (its request is gone): no payload is sent
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    kind: CommandKind
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New tokens of one request from one step (a step's deltas travel as one list)."""
+    request_id: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    logprobs: tuple = ()  # (token id, logprob, {top id: logprob} | None) per new token, when asked
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One rank's answer to one lockstep step call."""
+    tp_rank: int
+    deltas: tuple[TokenDelta, ...]  # rank 0 only: every rank computes the same tokens
+    arrived: tuple[str, ...]  # hand-over headers that arrived since the last report
+    landed: tuple[str, ...]  # hand-over payloads written into reserved blocks since the last report
+    failed: tuple[tuple[str, str], ...]  # (request id, reason): transfers that broke
+    deferred: tuple[str, ...]  # reserves refused for lack of free blocks; retried later
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_running: int
+    step_seconds: float
+    handover_seconds: tuple[tuple[str, float, int], ...] = field(default=())  # (rid, payload seconds, bytes)

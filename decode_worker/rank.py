@@ -1,0 +1,152 @@
+"""DecodeRank: one tensor-parallel shard of a decode group, as a Ray actor.
+
+The rank holds an LLMEngine built with (tp_size, tp_rank, tp_group) and the receiving ends of its
+hand-over channels. Its state changes only inside `step`, which applies the group's commands in order
+and then runs one engine step; every rank of a group gets the same commands, so all of them hold the
+same requests and the same block tables and call the collectives of a step together.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+
+import ray
+import torch
+
+from cluster.channel import RECEIVER, open_channel
+from cluster.groups import backend_for, build_group
+from cluster.rendezvous import StoreAddress, StoreServer, connect_store
+from decode_worker.protocol import Command, CommandKind, KVLayout, StepReport, TokenDelta
+from decode_worker.receiver import HandoverReceiver
+from engine import CapacityError, EngineConfig, LLMEngine, TandemError
+
+log = logging.getLogger(__name__)
+
+
+def kv_head_slice(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """(first KV head, count) held by `tp_rank`: contiguous slices, one replicated head per rank when
+    there are more ranks than KV heads (the engine's QKVParallelLinear sharding)."""
+    local = max(1, num_kv_heads // tp_size)
+    replicas = max(1, tp_size // num_kv_heads)
+    return (tp_rank // replicas) * local, local
+
+
+class DecodeRank:
+    """Created through `ray.remote(...)` by decode_worker.group with the rank's resources."""
+
+    def __init__(self, engine_config: dict, tp_rank: int, tp_size: int, torch_threads: int | None = None):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.engine_config = dict(engine_config, tp_size=tp_size, tp_rank=tp_rank)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.server = StoreServer()
+        self.engine: LLMEngine | None = None
+        self.receiver: HandoverReceiver | None = None
+        self.tp_group = None
+        self._sent: dict[str, int] = {}  # request id -> output tokens already reported
+
+    # ------------------------------------------------------------------ setup
+    def address(self) -> StoreAddress:
+        return self.server.address
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def join(self, tp_store: StoreAddress, group_id: str, timeout_s: float = 120.0) -> KVLayout:
+        """Build the TP group (rank 0's store is the rendezvous) and the engine shard."""
+        cfg = EngineConfig(**self.engine_config)
+        if self.tp_size > 1:
+            store = self.server.store if self.tp_rank == 0 else connect_store(tp_store, timeout_s)
+            self.tp_group = build_group(store, f"tp/{group_id}/", self.tp_rank, self.tp_size,
+                                        backend_for(cfg.device), timeout_s,
+                                        idle_timeout=timedelta(seconds=timeout_s))
+        self.engine = LLMEngine(cfg, tp_group=self.tp_group)
+        self.receiver = HandoverReceiver(self.engine.kv_cache)
+        m = self.engine.model_cfg
+        return KVLayout(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                        block_size=cfg.block_size, dtype=str(self.engine.kv_cache.dtype).removeprefix("torch."))
+
+    def local_kv_heads(self) -> int:
+        return self.engine.kv_cache.shape[4]
+
+    def accept(self, channel_id: str, timeout_s: float = 30.0) -> None:
+        """The receiving end of a prefill's channel (the prefill calls `connect` at the same time)."""
+        channel = open_channel(self.server.store, channel_id, RECEIVER, backend_for(self.engine.cfg.device),
+                               timeout_s)
+        self.receiver.add_channel(channel)
+
+    # ------------------------------------------------------------------ the lockstep step
+    def step(self, commands: list[Command], wait_s: float = 0.0) -> StepReport:
+        start = time.perf_counter()
+        eng = self.engine
+        deferred: list[str] = []
+        failed: list[tuple[str, str]] = []
+        for cmd in commands:
+            self._apply(cmd, deferred, failed)
+        if not commands and not eng.has_unfinished() and wait_s > 0:
+            self.receiver.wait_for_event(wait_s)  # long-poll: nothing to compute, wait for hand-overs
+        deltas = []
+        if eng.has_unfinished():
+            outputs = eng.step()
+            if self.tp_rank == 0:
+                deltas = [self._delta(o) for o in outputs]
+            else:
+                for o in outputs:
+                    if o.finished:
+                        self._sent.pop(o.request_id, None)
+        arrived, landed, broken, timings = self.receiver.take_events()
+        stats = eng.stats()
+        return StepReport(
+            tp_rank=self.tp_rank, deltas=tuple(d for d in deltas if d is not None), arrived=tuple(arrived),
+            landed=tuple(landed), failed=tuple(failed + broken), deferred=tuple(deferred),
+            kv_blocks_used=stats["kv_blocks_used"], kv_blocks_total=stats["kv_blocks_total"],
+            num_running=stats["num_running"], step_seconds=time.perf_counter() - start,
+            handover_seconds=tuple(timings))
+
+    def _apply(self, cmd: Command, deferred: list[str], failed: list[tuple[str, str]]) -> None:
+        eng, rid = self.engine, cmd.request_id
+        if cmd.kind is CommandKind.RESERVE:
+            header = self.receiver.header(rid)
+            try:
+                block_ids = eng.reserve(header["handover"])
+            except CapacityError:
+                deferred.append(rid)
+                return
+            except (TandemError, KeyError, TypeError) as e:
+                self.receiver.drop(rid)
+                failed.append((rid, f"cannot reserve: {e}"))
+                return
+            self._sent[rid] = len(header["handover"]["output_token_ids"])
+            self.receiver.provide_blocks(rid, block_ids)
+        elif cmd.kind is CommandKind.COMMIT:
+            eng.commit(rid)
+        elif cmd.kind is CommandKind.ABORT:
+            eng.abort(rid)
+            self.receiver.drop(rid)
+        elif cmd.kind is CommandKind.DROP:
+            self.receiver.drop(rid)
+
+    def _delta(self, out) -> TokenDelta | None:
+        sent = self._sent.get(out.request_id)
+        if sent is None:  # not a request this group is serving any more
+            return None
+        new = out.token_ids[sent:]
+        if out.finished:
+            del self._sent[out.request_id]
+        else:
+            self._sent[out.request_id] = len(out.token_ids)
+        logprobs = ()
+        if out.logprobs is not None:
+            logprobs = tuple((lp.token_id, lp.logprob, lp.top) for lp in out.logprobs[sent:])
+        return TokenDelta(out.request_id, tuple(new), out.finished, out.finish_reason, logprobs)
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+
+
+def rank_actor_class(num_cpus: float, num_gpus: float):
+    """The DecodeRank actor class with a rank's resources. Threads: step, channel accepts, pings."""
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=16)(DecodeRank)

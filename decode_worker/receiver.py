@@ -1,0 +1,152 @@
+"""HandoverReceiver: the incoming channels of one decode rank, each served by its own thread.
+
+Per message the thread receives the header, parks it as an arrival and waits for the rank's step
+thread to either reserve blocks (`provide_blocks`) or refuse it (`drop`). Reserve happens in lockstep
+on every rank (same commands, same order), so block allocation never depends on thread timing; the
+payload is then received and written into the reserved blocks while decoding goes on.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.channel import KVChannel, Message
+from cluster.errors import ChannelError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Arrival:
+    message: Message
+    channel: KVChannel
+    decided: threading.Event = field(default_factory=threading.Event)
+    block_ids: list[int] | None = None  # None with `decided` set: dropped
+
+
+class HandoverReceiver:
+    def __init__(self, kv_cache: torch.Tensor, payload_timeout_s: float = 60.0):
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, local kv heads, head_dim]
+        self.payload_timeout_s = payload_timeout_s
+        self._lock = threading.Condition()
+        self._pending: dict[str, _Arrival] = {}
+        self._arrived: list[str] = []
+        self._landed: list[str] = []
+        self._failed: list[tuple[str, str]] = []
+        self._timings: list[tuple[str, float, int]] = []
+        self._channels: list[KVChannel] = []
+        self._stopping = False
+
+    # ------------------------------------------------------------------ called by the rank
+    def add_channel(self, channel: KVChannel) -> None:
+        with self._lock:
+            self._channels.append(channel)
+        threading.Thread(target=self._serve, args=(channel,), daemon=True, name=f"handover-rx-{channel.name}").start()
+
+    def header(self, request_id: str) -> dict:
+        with self._lock:
+            return self._pending[request_id].message.header
+
+    def provide_blocks(self, request_id: str, block_ids: list[int]) -> None:
+        with self._lock:
+            arrival = self._pending[request_id]
+        arrival.block_ids = block_ids
+        arrival.decided.set()
+
+    def drop(self, request_id: str) -> None:
+        with self._lock:
+            arrival = self._pending.pop(request_id, None)
+        if arrival is not None:
+            arrival.decided.set()
+
+    def take_events(self) -> tuple[list[str], list[str], list[tuple[str, str]], list[tuple[str, float, int]]]:
+        with self._lock:
+            out = self._arrived, self._landed, self._failed, self._timings
+            self._arrived, self._landed, self._failed, self._timings = [], [], [], []
+        return out
+
+    def wait_for_event(self, timeout_s: float) -> None:
+        """Block until an arrival, landing or failure is reported, or the timeout passes."""
+        with self._lock:
+            if not (self._arrived or self._landed or self._failed):
+                self._lock.wait(timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+            channels, self._channels = self._channels, []
+            pending = list(self._pending.values())
+        for a in pending:
+            a.decided.set()
+        for ch in channels:
+            ch.close()
+
+    @property
+    def num_channels(self) -> int:
+        with self._lock:
+            return sum(ch.usable for ch in self._channels)
+
+    # ------------------------------------------------------------------ the channel thread
+    def _serve(self, channel: KVChannel) -> None:
+        rid = None
+        try:
+            while True:
+                message = channel.recv_header()
+                if message is None:
+                    return
+                rid = message.header["request_id"]
+                arrival = _Arrival(message, channel)
+                with self._lock:
+                    if self._stopping:
+                        return
+                    self._pending[rid] = arrival
+                    self._arrived.append(rid)
+                    self._lock.notify_all()
+                arrival.decided.wait()
+                if self._stopping:
+                    return
+                if arrival.block_ids is None:
+                    channel.answer(False)
+                    rid = None
+                    continue
+                channel.answer(True)
+                start = time.perf_counter()
+                payload = channel.recv_payload(message, timeout_s=self.payload_timeout_s)
+                self._write(message, arrival.block_ids, payload)
+                seconds = time.perf_counter() - start
+                with self._lock:
+                    self._pending.pop(rid, None)
+                    self._landed.append(rid)
+                    self._timings.append((rid, seconds, sum(t.numel() * t.element_size() for t in payload)))
+                    self._lock.notify_all()
+                rid = None
+        except (ChannelError, ValueError, KeyError) as e:
+            self._fail_channel(channel, rid, str(e))
+
+    def _write(self, message: Message, block_ids: list[int], payload: list[torch.Tensor]) -> None:
+        kv = payload[0]  # [num_layers, 2, n_blocks, block_size, local kv heads, head_dim]
+        expected = self.kv_cache[:, :, : len(block_ids)].shape
+        if kv.shape != expected or kv.dtype != self.kv_cache.dtype:
+            raise ValueError(f"hand-over KV {kv.dtype}{list(kv.shape)} does not fit this rank's cache "
+                             f"{self.kv_cache.dtype}{list(expected)}")
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
+        self.kv_cache.index_copy_(2, index, kv.to(self.kv_cache.device, non_blocking=True))
+
+    def _fail_channel(self, channel: KVChannel, rid: str | None, reason: str) -> None:
+        """The channel is unusable: every request still waiting on it fails, and the channel goes."""
+        log.warning("hand-over channel %s failed: %s", channel.name, reason)
+        channel.close()
+        with self._lock:
+            stranded = [r for r, a in self._pending.items() if a.channel is channel]
+            if rid is not None and rid not in stranded:
+                stranded.append(rid)
+            for r in stranded:
+                self._pending.pop(r, None)
+                self._failed.append((r, reason))
+            if channel in self._channels:
+                self._channels.remove(channel)
+            self._lock.notify_all()

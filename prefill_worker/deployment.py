@@ -1,0 +1,81 @@
+"""PrefillServer: the prefill Serve deployment. One engine per replica runs prompts in batches,
+samples each one's first token, and hands the KV over to the decode group the router chose."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+
+import torch
+
+from decode_worker.protocol import DecodeTarget
+from engine import EngineConfig, LLMEngine
+from prefill_worker.config import ModelInfo, PrefillConfig, PrefillRequest, PrefillResult
+from prefill_worker.loop import PrefillLoop
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServer:
+    def __init__(self, config: PrefillConfig | dict):
+        self.config = config if isinstance(config, PrefillConfig) else PrefillConfig(**config)
+        c = self.config
+        if c.torch_threads and not c.device.startswith("cuda"):
+            torch.set_num_threads(c.torch_threads)
+        self.engine = LLMEngine(EngineConfig(**c.engine_config()))
+        self.name = f"prefill-{uuid.uuid4().hex[:8]}"
+        self.loop = PrefillLoop(self.engine, self.name, c.transfer_timeout_s, c.connect_timeout_s)
+
+    async def prefill(self, request: PrefillRequest, target: DecodeTarget) -> PrefillResult:
+        """Runs the prompt and returns its first token; the KV then goes to `target` in the background.
+
+        Raises InvalidRequestError for input the engine refuses. Cancelling the call aborts the prompt.
+        """
+        self._check_layout(target)
+        future = self.loop.submit(request, target)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.loop.cancel(request.request_id)
+            raise
+
+    def _check_layout(self, target: DecodeTarget) -> None:
+        m, kv = self.engine.model_cfg, self.engine.kv_cache
+        lay = target.layout
+        mine = (m.num_layers, m.num_kv_heads, m.head_dim, self.config.block_size,
+                str(kv.dtype).removeprefix("torch."))
+        theirs = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype)
+        if mine != theirs:
+            raise ValueError(f"prefill KV layout (layers, kv heads, head dim, block size, dtype) {mine} "
+                             f"does not match the decode group's {theirs}")
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(model_dir=self.config.model, max_model_len=self.engine.max_model_len,
+                         vocab_size=self.engine.model_cfg.vocab_size,
+                         eos_token_ids=tuple(sorted(self.engine.eos_token_ids)))
+
+    def stats(self) -> dict:
+        s = self.engine.stats()
+        timings = list(self.loop.sender.timings)[-64:]
+        return {
+            "name": self.name,
+            "pid": os.getpid(),
+            "num_prompts": self.loop.num_jobs,
+            "prompt_tokens_waiting": self.loop.prompt_tokens_waiting,
+            "handovers_queued": self.loop.sender.queued,
+            "handover_failures": self.loop.sender.failures,
+            "kv_blocks_used": s["kv_blocks_used"],
+            "kv_blocks_total": s["kv_blocks_total"],
+            "steps": self.loop.steps,
+            "channels": len(self.loop.sender.channels),
+            "handovers": [(t.pack_seconds, t.answer_seconds, t.payload_seconds, t.payload_bytes) for t in timings],
+        }
+
+    def record_routing_stats(self) -> dict:
+        return self.stats()
+
+    def __del__(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()

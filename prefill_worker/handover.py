@@ -1,0 +1,160 @@
+"""HandoverSender: packs a parked request's KV blocks and sends them to every rank of its decode
+group, on a thread of its own, over channels it opens on demand and keeps per (group, rank).
+
+A decode rank with tp > 1 gets only its KV-head slice of each block. The blocks are packed into a
+contiguous buffer first and released right away, so the prefill's cache is never held by a slow
+transfer. Headers go to every rank before any payload: a rank lets the payload in only after every
+rank of its group has the header (lockstep reserve), so sending rank by rank could deadlock.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+import ray
+import torch
+
+from cluster.channel import SENDER, KVChannel, connect_channel
+from cluster.errors import ChannelError
+from cluster.groups import backend_for
+from decode_worker.protocol import DecodeTarget, RankEndpoint
+from engine import Handover
+
+log = logging.getLogger(__name__)
+
+
+def pack_blocks(kv_cache: torch.Tensor, block_ids: list[int], heads: tuple[int, int]) -> torch.Tensor:
+    """[L, 2, n, S, h, D] contiguous copy of `block_ids` (and KV heads [start, start + h)) of
+    kv_cache [L, 2, N, S, H, D]."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    blocks = kv_cache.index_select(2, index)
+    start, count = heads
+    if start != 0 or count != kv_cache.shape[4]:
+        blocks = blocks[:, :, :, :, start:start + count].contiguous()
+    return blocks
+
+
+@dataclass(slots=True)
+class HandoverTiming:
+    request_id: str
+    pack_seconds: float
+    answer_seconds: float  # headers out -> every rank answered (waiting for lockstep reserve)
+    payload_seconds: float
+    payload_bytes: int
+    dropped: bool
+
+
+class HandoverSender:
+    def __init__(self, kv_cache: torch.Tensor, release: Callable[[str], None], name: str,
+                 transfer_timeout_s: float = 60.0, connect_timeout_s: float = 30.0):
+        self.kv_cache = kv_cache
+        self.release = release
+        self.name = name
+        self.transfer_timeout_s = transfer_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.backend = backend_for(kv_cache.device)
+        self.channels: dict[tuple[str, int], KVChannel] = {}
+        self.timings: collections.deque[HandoverTiming] = collections.deque(maxlen=512)
+        self.failures = 0
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="handover-tx")
+        self._thread.start()
+
+    def submit(self, handover: Handover, target: DecodeTarget) -> None:
+        self._jobs.put((handover, target))
+
+    @property
+    def queued(self) -> int:
+        return self._jobs.qsize()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        for ch in self.channels.values():
+            ch.close(notify_peer=True)
+        self.channels.clear()
+
+    # ------------------------------------------------------------------ the sending thread
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            handover, target = job
+            rid = handover.header["request_id"]
+            released = False
+            try:
+                payloads, pack_s = self._pack(handover, target)
+                self.release(rid)
+                released = True
+                self._send(handover, target, payloads, pack_s)
+            except (ChannelError, ray.exceptions.RayError) as e:
+                # The decode side sees the same broken channel (or dead group) and fails the request there.
+                self.failures += 1
+                log.warning("hand-over of %s to group %s failed: %s", rid, target.group_id, e)
+                self._forget_group(target.group_id)
+            except Exception:  # noqa: BLE001 - keep the thread serving; this request is lost
+                self.failures += 1
+                log.exception("hand-over of %s failed", rid)
+            finally:
+                if not released:
+                    self.release(rid)
+
+    def _pack(self, handover: Handover, target: DecodeTarget) -> tuple[list[torch.Tensor], float]:
+        start = time.perf_counter()
+        h = handover.header
+        n_blocks = -(-h["num_computed_tokens"] // h["block_size"])
+        block_ids = handover.block_ids[:n_blocks]
+        by_slice: dict[tuple[int, int], torch.Tensor] = {}
+        payloads = []
+        for rank in target.ranks:
+            if rank.kv_heads not in by_slice:
+                by_slice[rank.kv_heads] = pack_blocks(self.kv_cache, block_ids, rank.kv_heads)
+            payloads.append(by_slice[rank.kv_heads])
+        if self.kv_cache.device.type == "cuda":
+            torch.cuda.current_stream(self.kv_cache.device).synchronize()
+        return payloads, time.perf_counter() - start
+
+    def _send(self, handover: Handover, target: DecodeTarget, payloads: list[torch.Tensor], pack_s: float) -> None:
+        rid = handover.header["request_id"]
+        channels = [self._channel(target, rank) for rank in target.ranks]
+        start = time.perf_counter()
+        for rank, ch, payload in zip(target.ranks, channels, payloads):
+            header = {"request_id": rid, "handover": handover.header, "kv_heads": list(rank.kv_heads),
+                      "sent_at": time.time()}
+            ch.send_header(header, [payload], self.transfer_timeout_s)
+        answers = [ch.wait_answer(self.transfer_timeout_s) for ch in channels]
+        answered = time.perf_counter()
+        nbytes = 0
+        for ch, payload, go in zip(channels, payloads, answers):
+            if go:
+                ch.send_payload([payload], self.transfer_timeout_s)
+                nbytes += payload.numel() * payload.element_size()
+        done = time.perf_counter()
+        self.timings.append(HandoverTiming(rid, pack_s, answered - start, done - answered, nbytes, not any(answers)))
+
+    def _channel(self, target: DecodeTarget, rank: RankEndpoint) -> KVChannel:
+        key = (target.group_id, rank.tp_rank)
+        ch = self.channels.get(key)
+        if ch is not None and ch.usable:
+            return ch
+        if ch is not None:
+            ch.close()
+        channel_id = f"{self.name}-{target.group_id}-r{rank.tp_rank}-{uuid.uuid4().hex[:8]}"
+        accepted = rank.actor.accept.remote(channel_id, self.connect_timeout_s)
+        try:
+            ch = connect_channel(rank.store, channel_id, SENDER, self.backend, self.connect_timeout_s)
+            ray.get(accepted, timeout=self.connect_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise ChannelError(f"decode rank {rank.tp_rank} of group {target.group_id} did not accept") from e
+        self.channels[key] = ch
+        return ch
+
+    def _forget_group(self, group_id: str) -> None:
+        for key in [k for k in self.channels if k[0] == group_id]:
+            self.channels.pop(key).close()

@@ -1,0 +1,137 @@
+"""PrefillLoop: the prefill engine's own thread. Prompts that arrive while a step runs are batched
+into the next one (the engine's scheduler packs them up to max_num_batched_tokens); each prompt
+ends parked with its first token, and its hand-over goes to the sender.
+
+The engine is touched only from this thread: other threads post adds, cancels and releases to an
+inbox that is drained between steps.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from decode_worker.protocol import DecodeTarget
+from engine import LLMEngine, SamplingParams, TandemError
+from prefill_worker.config import PrefillRequest, PrefillResult
+from prefill_worker.handover import HandoverSender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    request: PrefillRequest
+    target: DecodeTarget
+    future: Future
+    submitted: float = field(default_factory=time.monotonic)
+
+
+class PrefillLoop:
+    def __init__(self, engine: LLMEngine, sender_name: str, transfer_timeout_s: float, connect_timeout_s: float):
+        self.engine = engine
+        self.sender = HandoverSender(engine.kv_cache, self.release, sender_name, transfer_timeout_s,
+                                     connect_timeout_s)
+        self._inbox: list[tuple[str, object]] = []
+        self._cv = threading.Condition()
+        self._jobs: dict[str, _Job] = {}
+        self._stopped = False
+        self.steps = 0
+        self.prompt_tokens_waiting = 0
+        self._thread = threading.Thread(target=self._run, daemon=True, name="prefill-loop")
+        self._thread.start()
+
+    # ------------------------------------------------------------------ other threads
+    def submit(self, request: PrefillRequest, target: DecodeTarget) -> Future:
+        future: Future = Future()
+        self._post("add", _Job(request, target, future))
+        return future
+
+    def cancel(self, request_id: str) -> None:
+        self._post("cancel", request_id)
+
+    def release(self, request_id: str) -> None:
+        """The sender packed the request's blocks: they can be freed."""
+        self._post("release", request_id)
+
+    def stop(self) -> None:
+        self._post("stop", None)
+        self.sender.close()
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._jobs)
+
+    def _post(self, kind: str, item) -> None:
+        with self._cv:
+            self._inbox.append((kind, item))
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        while not self._stopped:
+            with self._cv:
+                if not self._inbox and not self.engine.has_unfinished():
+                    self._cv.wait(0.5)
+                inbox, self._inbox = self._inbox, []
+            for kind, item in inbox:
+                self._handle(kind, item)
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                    log.exception("prefill step failed")
+                    self._fail_all(e)
+                    continue
+                self.steps += 1
+                for out in outputs:
+                    self._on_output(out)
+
+    def _handle(self, kind: str, item) -> None:
+        if kind == "add":
+            job: _Job = item
+            r = job.request
+            try:
+                self.engine.add_request(r.request_id, r.prompt_token_ids, SamplingParams(**r.params), prefill_only=True)
+            except (TandemError, TypeError, ValueError) as e:
+                job.future.set_exception(e)
+                return
+            self._jobs[r.request_id] = job
+            self.prompt_tokens_waiting += len(r.prompt_token_ids)
+        elif kind == "cancel":
+            job = self._jobs.pop(item, None)
+            if job is not None:
+                self.engine.abort(item)
+                self.prompt_tokens_waiting -= len(job.request.prompt_token_ids)
+                job.future.cancel()
+        elif kind == "release":
+            self.engine.release(item)
+        elif kind == "stop":
+            self._stopped = True
+
+    def _on_output(self, out) -> None:
+        job = self._jobs.pop(out.request_id, None)
+        if job is None:
+            return  # cancelled meanwhile; the abort already freed it
+        self.prompt_tokens_waiting -= len(job.request.prompt_token_ids)
+        m = out.metrics
+        queue_s = (m.first_scheduled_time or job.submitted) - job.submitted
+        prefill_s = (m.first_token_time or time.monotonic()) - (m.first_scheduled_time or job.submitted)
+        logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs] if out.logprobs else []
+        result = PrefillResult(out.request_id, list(out.token_ids), out.finished, out.finish_reason, logprobs,
+                               queue_s, prefill_s)
+        if not out.finished:
+            self.sender.submit(self.engine.take_handover(out.request_id), job.target)
+        if not job.future.set_running_or_notify_cancel():
+            return
+        job.future.set_result(result)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, job in list(self._jobs.items()):
+            self.engine.abort(rid)
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(error)
+        self._jobs.clear()
+        self.prompt_tokens_waiting = 0
