@@ -15,3 +15,9 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def interpreter_bf16(dtype: torch.dtype, device: torch.device) -> bool:
+    """The Triton interpreter truncates fp32 -> bf16 casts (GPUs round to nearest even); kernels
+    take this as a constexpr and round explicitly first (see _triton_utils.round_bf16)."""
+    return dtype == torch.bfloat16 and device.type != "cuda"

@@ -1,0 +1,208 @@
+"""Fused RMSNorm (optionally with the residual add) and rotary position embedding, Llama conventions.
+
+RMSNorm follows HF Llama: the residual add happens in the activation dtype, statistics in fp32, the
+normalized value is rounded to the activation dtype and then multiplied by the weight.
+Rotary embedding is the neox / Llama layout (rotate_half) over the first `rotary_dim` features of
+each head; `cos_sin [max_pos, rotary_dim]` holds cos in its first half and sin in its second, as
+built by `build_rope_cache` (which also implements Llama-3 and linear rope scaling). The rotation is
+computed in fp32 and rounded once.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._dispatch import interpreter_bf16, next_pow2, use_triton
+from kernels._triton_utils import round_bf16
+
+
+# -------------------------------------------------------------------------------------------- norm
+
+
+def rms_norm_ref(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+):
+    """norm(x), or with a residual (norm(x + residual), x + residual)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = (weight.float() * normed.float()).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, H]
+    res_ptr,  # [T, H] (read when HAS_RES)
+    w_ptr,  # [H]
+    out_ptr,  # [T, H] contiguous
+    new_res_ptr,  # [T, H] contiguous (written when HAS_RES)
+    stride_x, stride_r, eps,
+    H: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, RNE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    x = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(res_ptr + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        s = x + r
+        if RNE:
+            s = round_bf16(s)
+        s = s.to(new_res_ptr.dtype.element_ty)  # rounded like the reference's dtype add
+        tl.store(new_res_ptr + t * H + cols, s, mask=ok)
+        x = s.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / H + eps)
+    normed = x * inv
+    if RNE:
+        normed = round_bf16(normed)
+    normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = w * normed
+    if RNE:
+        y = round_bf16(y)
+    tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm_triton(x, weight, eps, residual=None):
+    T, H = x.shape
+    assert weight.shape == (H,) and x.stride(1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    new_res = torch.empty_like(out) if residual is not None else out
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+    if T:
+        _rms_norm_kernel[(T,)](
+            x, residual if residual is not None else x, weight, out, new_res,
+            x.stride(0), residual.stride(0) if residual is not None else 0, eps,
+            H=H, BLOCK=next_pow2(H), HAS_RES=residual is not None, RNE=interpreter_bf16(x.dtype, x.device),
+            num_warps=4 if H <= 4096 else 8,
+        )
+    return out if residual is None else (out, new_res)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """RMSNorm of x `[T, H]`; with `residual`, returns (normed, new_residual = x + residual)."""
+    fn = rms_norm_triton if use_triton(x) else rms_norm_ref
+    return fn(x, weight, eps, residual)
+
+
+# -------------------------------------------------------------------------------------------- rope
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies; `scaling` is the checkpoint's rope_scaling dict
+    (rope_type "default", "linear" or "llama3"), arithmetic as in transformers."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type == "default":
+        return inv_freq
+    factor = scaling["factor"]
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3)")
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # short wavelengths kept, long ones divided by factor, a smooth blend in between
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def build_rope_cache(head_dim: int, max_pos: int, theta: float, scaling: dict | None = None,
+                     dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """cos_sin `[max_pos, head_dim]`: cos of the head_dim/2 frequencies, then their sin."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], -1).to(device=device, dtype=dtype)
+
+
+def apply_rope_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T] int
+    cos_sin: torch.Tensor,  # [max_pos, rotary_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    R = cos_sin.shape[1]
+    half = R // 2
+    cs = cos_sin.index_select(0, positions.long()).float()[:, None, :]  # [T, 1, R]
+    cos, sin = cs[..., :half], cs[..., half:]
+
+    def rotate(x):
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:R]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., R:]], -1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,  # [T, H, D] (D contiguous)
+    out_ptr,  # [T, H, D] contiguous
+    pos_ptr,  # [T] int
+    cos_sin_ptr,  # [max_pos, R] contiguous
+    stride_t, stride_h,
+    H: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, RNE: tl.constexpr,
+):
+    HALF: tl.constexpr = R // 2
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    f = tl.arange(0, BLOCK_HALF)
+    f_ok = f < HALF
+    cos = tl.load(cos_sin_ptr + pos * R + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * R + HALF + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    h = tl.arange(0, BLOCK_H)[:, None]
+    ok = (h < H) & f_ok[None, :]
+    src = x_ptr + t * stride_t + h * stride_h
+    dst = out_ptr + t * (H * D) + h * D
+    x1 = tl.load(src + f[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + f[None, :], mask=ok, other=0.0).to(tl.float32)
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
+    if RNE:
+        y1 = round_bf16(y1)
+        y2 = round_bf16(y2)
+    tl.store(dst + f[None, :], y1.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF + f[None, :], y2.to(out_ptr.dtype.element_ty), mask=ok)
+    if R < D:  # features past rotary_dim pass through
+        p = R + tl.arange(0, BLOCK_PASS)[None, :]
+        p_ok = (h < H) & (p < D)
+        tl.store(dst + p, tl.load(src + p, mask=p_ok), mask=p_ok)
+
+
+def _rope_one(x, positions, cos_sin):
+    T, H, D = x.shape
+    R = cos_sin.shape[1]
+    assert x.stride(2) == 1 and R % 2 == 0 and R <= D and cos_sin.is_contiguous(), (x.stride(), cos_sin.shape)
+    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    if T:
+        _rope_kernel[(T,)](
+            x, out, positions, cos_sin, x.stride(0), x.stride(1),
+            H=H, D=D, R=R, BLOCK_H=next_pow2(H), BLOCK_HALF=next_pow2(R // 2),
+            BLOCK_PASS=next_pow2(max(D - R, 1)), RNE=interpreter_bf16(x.dtype, x.device),
+        )
+    return out
+
+
+def apply_rope_triton(q, k, positions, cos_sin):
+    assert positions.shape == (q.shape[0],) and k.shape[0] == q.shape[0] and positions.is_contiguous()
+    assert q.shape[2] == k.shape[2] and q.device == k.device == cos_sin.device == positions.device
+    return _rope_one(q, positions, cos_sin), _rope_one(k, positions, cos_sin)
+
+
+def apply_rope(q, k, positions, cos_sin):
+    """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` by their token positions; returns new (q, k)."""
+    fn = apply_rope_triton if use_triton(q) else apply_rope_ref
+    return fn(q, k, positions, cos_sin)

@@ -1,0 +1,116 @@
+"""kernels/norm_rope.py: RMSNorm and rotary embedding against transformers' Llama modules, and
+Triton against the reference."""
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from kernels.norm_rope import (
+    apply_rope,
+    apply_rope_ref,
+    apply_rope_triton,
+    build_rope_cache,
+    rms_norm,
+    rms_norm_ref,
+    rms_norm_triton,
+)
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def hf_rotary(head_dim, theta, scaling, max_pos):
+    params = {"rope_type": "default", "rope_theta": theta} if scaling is None else dict(scaling, rope_theta=theta)
+    cfg = LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, head_dim=head_dim,
+                      max_position_embeddings=max_pos, rope_parameters=params)
+    return LlamaRotaryEmbedding(cfg)
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3, {"rope_type": "linear", "factor": 4.0}])
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+def test_rope_cache_matches_transformers(scaling, head_dim):
+    rot = hf_rotary(head_dim, 500000.0, scaling, 256)
+    pos = torch.arange(256)[None]
+    cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)
+    ours = build_rope_cache(head_dim, 256, 500000.0, scaling)
+    assert torch.equal(ours[:, : head_dim // 2], cos[0, :, : head_dim // 2])
+    assert torch.equal(ours[:, head_dim // 2 :], sin[0, :, : head_dim // 2])
+
+
+def test_llama3_scaling_changes_low_frequencies_only():
+    plain = build_rope_cache(128, 4, 500000.0, None)
+    scaled = build_rope_cache(128, 4, 500000.0, LLAMA3)
+    # wavelengths below 64 / high_freq_factor = 16 keep their frequency; the longest are divided by 8
+    assert torch.equal(plain[:, :3], scaled[:, :3]) and torch.equal(plain[:, 64:67], scaled[:, 64:67])
+    torch.testing.assert_close(scaled[:, 127], torch.sin(torch.arange(4.0) * (500000.0 ** (-126 / 128)) / 8))
+
+
+@pytest.mark.parametrize("fn", [apply_rope_ref, apply_rope_triton, apply_rope])
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 64), (3, 1, 128), (5, 5, 6)])
+def test_rope_matches_transformers(fn, Hq, Hkv, D):
+    gen = torch.Generator().manual_seed(D)
+    T = 7
+    qkv = torch.randn(T, Hq + 2 * Hkv, D, generator=gen)  # q/k as strided views of a fused projection
+    q, k = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv]
+    positions = torch.tensor([0, 5, 3, 3, 60, 1, 99])
+    rot = hf_rotary(D, 10000.0, LLAMA3, 128)
+    cos, sin = rot(q, positions[None])
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    got_q, got_k = fn(q, k, positions, build_rope_cache(D, 128, 10000.0, LLAMA3))
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rotary_dim", [32, 64])
+def test_rope_triton_vs_ref_dtypes_partial(dtype, rotary_dim):
+    gen = torch.Generator().manual_seed(rotary_dim)
+    q = torch.randn(9, 6, 64, generator=gen).to(dtype)
+    k = torch.randn(9, 2, 64, generator=gen).to(dtype)
+    positions = torch.randint(0, 50, (9,), generator=gen)
+    cache = build_rope_cache(rotary_dim, 50, 10000.0, None, dtype=torch.float32)
+    want = apply_rope_ref(q, k, positions, cache)
+    got = apply_rope_triton(q, k, positions, cache)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    assert torch.equal(got[0][..., rotary_dim:], q[..., rotary_dim:]), "features past rotary_dim pass through"
+
+
+@pytest.mark.parametrize("fn", [rms_norm_ref, rms_norm_triton, rms_norm])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,H", [(1, 64), (5, 100), (3, 1024), (0, 32)])
+def test_rms_norm_matches_transformers(fn, dtype, T, H):
+    gen = torch.Generator().manual_seed(H)
+    x = (torch.randn(T, H, generator=gen) * 3).to(dtype)
+    res = torch.randn(T, H, generator=gen).to(dtype)
+    hf = LlamaRMSNorm(H, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(H, generator=gen))
+    w = hf.weight.detach()
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x, w, 1e-6), hf(x), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+        out, new_res = fn(x, w, 1e-6, res)
+        assert torch.equal(new_res, x + res)
+        torch.testing.assert_close(out, hf(x + res), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_norm_rope_cuda(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 4096, generator=gen).to(dtype)
+    res = torch.randn(33, 4096, generator=gen).to(dtype)
+    w = torch.randn(4096, generator=gen).to(dtype)
+    want = rms_norm_ref(x, w, 1e-5, res)
+    got = rms_norm_triton(x.cuda(), w.cuda(), 1e-5, res.cuda())
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.cpu(), r, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    q = torch.randn(33, 32, 128, generator=gen).to(dtype)
+    k = torch.randn(33, 8, 128, generator=gen).to(dtype)
+    pos = torch.randint(0, 8192, (33,), generator=gen)
+    cache = build_rope_cache(128, 8192, 500000.0, dict(LLAMA3, original_max_position_embeddings=8192))
+    want = apply_rope_ref(q, k, pos, cache)
+    got = apply_rope_triton(q.cuda(), k.cuda(), pos.cuda(), cache.cuda())
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.cpu(), r, atol=TOL[dtype][0], rtol=TOL[dtype][1])
