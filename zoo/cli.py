@@ -1,0 +1,127 @@
+"""`tandem zoo ...`: build, path, train-draft, eval.
+
+    tandem zoo build [--size tiny|small] [--seed N] [--out DIR] [--force]
+    tandem zoo path [--size tiny|small] [--seed N]
+    tandem zoo train-draft --target DIR --kind mtp|eagle3 --data FILE [--out DIR] [--steps N] ...
+    tandem zoo eval [--size tiny] [--zoo DIR] [--results DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+# Before torch loads its OpenMP runtime: idle threads sleep instead of spinning, which matters a lot
+# on a CPU that other jobs share (spinning made training several times slower there).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from zoo.recipe import DEFAULT_SIZE, RECIPES  # noqa: E402
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem zoo", description="small real checkpoints, built locally")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sizes = sorted(RECIPES)
+
+    build = sub.add_parser("build", help="build the zoo (or reuse the cached build)")
+    build.add_argument("--size", choices=sizes, default=DEFAULT_SIZE)
+    build.add_argument("--seed", type=int, default=None)
+    build.add_argument("--out", type=Path, default=None, help="also copy the built zoo here")
+    build.add_argument("--force", action="store_true", help="rebuild even when cached")
+
+    path = sub.add_parser("path", help="print the directory of the built zoo")
+    path.add_argument("--size", choices=sizes, default=DEFAULT_SIZE)
+    path.add_argument("--seed", type=int, default=None)
+
+    train = sub.add_parser("train-draft", help="train an MTP or EAGLE-3 head for an HF Llama-family target")
+    train.add_argument("--target", type=Path, required=True, help="HF model directory")
+    train.add_argument("--kind", choices=["mtp", "eagle3"], required=True)
+    train.add_argument("--data", type=Path, required=True, help=".jsonl (text | schema+instance | messages) or text")
+    train.add_argument("--out", type=Path, default=None, help="default: <target>-<kind>")
+    train.add_argument("--steps", type=int, default=200)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--seq-len", type=int, default=512)
+    train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument("--depth", type=int, default=3, help="training-time-test depth")
+    train.add_argument("--draft-vocab-size", type=int, default=None)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+
+    ev = sub.add_parser("eval", help="evaluate a built zoo; writes bench/results/zoo_eval.{json,md}")
+    ev.add_argument("--size", choices=sizes, default=DEFAULT_SIZE)
+    ev.add_argument("--seed", type=int, default=None)
+    ev.add_argument("--zoo", type=Path, default=None, help="a zoo directory (default: the cached build)")
+    ev.add_argument("--results", type=Path, default=None, help="output directory (default: bench/results)")
+    ev.add_argument("--docs", type=int, default=120, help="held-out documents per domain")
+    return parser
+
+
+def _build(args) -> int:
+    import zoo
+    from zoo.cache import BuildError
+
+    try:
+        root = zoo.build(args.size, seed=args.seed, out=args.out, force=args.force)
+    except BuildError as err:
+        print(f"tandem zoo build: {err}", file=sys.stderr)
+        return 1
+    manifest = json.loads(zoo.layout(root).manifest.read_text())
+    print(f"built {args.size} zoo in {manifest['build_seconds']} s (peak {manifest['peak_rss_mb']} MB): {root}",
+          file=sys.stderr)
+    print(root)
+    return 0
+
+
+def _path(args) -> int:
+    import zoo
+
+    root = zoo.built_path(args.size, seed=args.seed)
+    if root is None:
+        print(f"tandem zoo path: the {args.size} zoo is not built; run `tandem zoo build --size {args.size}`",
+              file=sys.stderr)
+        return 1
+    print(root)
+    return 0
+
+
+def _train_draft(args) -> int:
+    from zoo.train_draft import DataError, train_draft_head
+
+    out = args.out or args.target.with_name(f"{args.target.name}-{args.kind}")
+    try:
+        summary = train_draft_head(args.target, args.kind, args.data, out, steps=args.steps,
+                                   batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, depth=args.depth,
+                                   draft_vocab_size=args.draft_vocab_size, seed=args.seed, device=args.device)
+    except (DataError, OSError, ValueError) as err:
+        print(f"tandem zoo train-draft: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _eval(args) -> int:
+    import zoo
+    from zoo.evaluate import evaluate_zoo
+    from zoo.report import RESULTS_DIR, write_results
+
+    root = args.zoo or zoo.built_path(args.size, seed=args.seed)
+    if root is None or not zoo.layout(root).manifest.is_file():
+        print("tandem zoo eval: no built zoo; run `tandem zoo build` or pass --zoo DIR", file=sys.stderr)
+        return 1
+    result = evaluate_zoo(Path(root), max_docs=args.docs)
+    json_path, md_path = write_results(result, args.results or RESULTS_DIR)
+    print(md_path.read_text())
+    print(f"wrote {json_path} and {md_path}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    handlers = {"build": _build, "path": _path, "train-draft": _train_draft, "eval": _eval}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

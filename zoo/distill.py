@@ -1,0 +1,134 @@
+"""Self-distillation of draft heads (MTP, EAGLE-3) and a standalone draft model from a frozen target.
+
+The teacher is the target's own next-token distribution on the training text; the students read the
+target's hidden states from the same forward pass (one target forward feeds every student).
+
+Heads are unrolled `depth` steps in parallel over all positions (EAGLE-3's training-time test):
+step 0 is teacher-forced on the target's hidden states; steps 1..depth-1 run on the head's OWN
+output hidden states of the previous step, with the text's tokens as inputs, attending to the step-0
+keys of the prefix and to their own chain (see zoo.heads.layers). Step s at index i predicts the
+token at i+2+s, so its teacher is the target's distribution at index i+1+s. Step s weighs 0.8**s.
+EAGLE-3 learns the target distribution renormalized over its draft vocabulary, at positions whose
+target argmax is in that vocabulary (as the EAGLE-3 authors train).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from zoo.features import target_features
+from zoo.recipe import Schedule
+from zoo.training import lr_at, make_optimizer, set_lr
+
+STEP_DECAY = 0.8
+
+
+def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """x[:, i + n] at index i; `fill` past the end. x [B, T, ...]."""
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def unroll(head, features: dict, ids: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """Run `head` depth steps over every position; -> per-step logits [B, T, head vocab]."""
+    b, t = ids.shape
+    positions = torch.arange(t, device=ids.device).expand(b, t)
+    hidden, cache, logits = head.first_hidden(features), [], []
+    for step in range(depth):
+        hidden, step_logits = head.step(hidden, shift_left(ids, 1 + step, 0), positions + step, cache)
+        logits.append(step_logits)
+    return logits
+
+
+def step_teacher(head, probs: torch.Tensor, real: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(teacher distribution over the head's vocab [B, T, Vh], valid mask [B, T]) for `step`."""
+    teacher = shift_left(probs, 1 + step, 0.0)
+    valid = shift_left(real, 1 + step, False)
+    if head.kind == "eagle3":
+        draft_ids = torch.arange(head.d2t.numel(), device=probs.device) + head.d2t
+        valid = valid & head.t2d[teacher.argmax(-1)]
+        teacher = teacher[..., draft_ids]
+        teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-12)
+    return teacher, valid
+
+
+def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    per_pos = -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+    return (per_pos * valid).sum() / valid.sum().clamp_min(1)
+
+
+def head_loss(head, features: dict, probs: torch.Tensor, ids: torch.Tensor, real: torch.Tensor, depth: int) -> torch.Tensor:
+    total = 0.0
+    for step, logits in enumerate(unroll(head, features, ids, depth)):
+        teacher, valid = step_teacher(head, probs, real, step)
+        total = total + STEP_DECAY**step * soft_cross_entropy(logits, teacher, valid)
+    return total
+
+
+def draft_model_loss(draft, probs: torch.Tensor, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    logits = draft(input_ids=ids, use_cache=False).logits
+    return soft_cross_entropy(logits, probs, real)
+
+
+def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, real: torch.Tensor,
+            schedule: Schedule, depth: int, aux_layer_ids: list[int] | None, device: str = "cpu",
+            desc: str = "heads") -> dict[str, list[float]]:
+    """Train every student on rows ids/real [steps * batch, T]; -> per-student step losses.
+
+    students: name -> MTPHead | Eagle3Head | an HF causal LM sharing the target's tokenizer.
+    """
+    if ids.shape[0] < schedule.steps * schedule.batch_size:
+        raise ValueError(f"need {schedule.steps * schedule.batch_size} sequences, got {ids.shape[0]}")
+    target.to(device).eval()
+    for param in target.parameters():
+        param.requires_grad_(False)
+    optimizers = {}
+    for name, student in students.items():
+        student.to(device).train()
+        optimizers[name] = make_optimizer(student, schedule)
+    losses: dict[str, list[float]] = {name: [] for name in students}
+    bar = tqdm(range(schedule.steps), desc=desc, unit="step", leave=False)
+    for step in bar:
+        rows = slice(step * schedule.batch_size, (step + 1) * schedule.batch_size)
+        x, r = ids[rows].to(device), real[rows].to(device)
+        features = target_features(target, x, aux_layer_ids)
+        probs = torch.softmax(features["logits"], dim=-1)
+        for name, student in students.items():
+            if getattr(student, "kind", None) in ("mtp", "eagle3"):
+                loss = head_loss(student, features, probs, x, r, depth)
+            else:
+                loss = draft_model_loss(student, probs, x, r)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], 1.0)
+            set_lr(optimizers[name], lr_at(step, schedule))
+            optimizers[name].step()
+            optimizers[name].zero_grad(set_to_none=True)
+            losses[name].append(loss.item())
+        bar.set_postfix({n: f"{v[-1]:.2f}" for n, v in losses.items()})
+    for student in students.values():
+        student.eval()
+    return losses
+
+
+@torch.no_grad()
+def head_agreement(head, features: dict, ids: torch.Tensor, real: torch.Tensor, depth: int,
+                   scored: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """Teacher-forced top-1 agreement per depth: [(matches, count)] for depths 1..depth.
+
+    Depth d at index i compares the head's step d-1 argmax (mapped to target ids) with the target's
+    argmax at index i+d (its prediction for token i+d+1). `scored` [B, T] limits which target
+    positions i+d count (e.g. the JSON instance, not the prompt).
+    """
+    target_top = features["logits"].argmax(-1)
+    results = []
+    for step, logits in enumerate(unroll(head, features, ids, depth)):
+        guess = head.to_target_vocab(logits).argmax(-1)
+        want = shift_left(target_top, 1 + step, -1)
+        valid = shift_left(real, 1 + step, False)
+        if scored is not None:
+            valid = valid & shift_left(scored, 1 + step, False)
+        results.append((int(((guess == want) & valid).sum()), int(valid.sum())))
+    return results

@@ -1,0 +1,143 @@
+"""Evaluates a built zoo on text it never trained on.
+
+- target loss: mean next-token NLL per domain on the held-out corpus (json = held-out schemas with the
+  benchmark's valid instances; code = held-out stdlib modules; text = held-out GSM8K), plus the loss
+  on the JSON instance tokens alone (the part a structured-output request generates);
+- head agreement: for MTP and EAGLE-3, teacher-forced top-1 agreement with the target at depths
+  1..3 on held-out JSON documents, scored on the instance positions (where speculation runs) and on
+  all positions; the draft model's next-token agreement with the target on the same positions;
+- generation: greedy completions of held-out schema prompts; how many parse as JSON and how many
+  satisfy their schema (jsonschema, when installed).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from zoo import layout
+from zoo.corpus import build_corpus
+from zoo.distill import head_agreement
+from zoo.features import target_features
+from zoo.heads.eagle3 import Eagle3Head
+from zoo.heads.mtp import MTPHead
+from zoo.prompts import END, json_schema_prompt
+from zoo.tokenizer import load_tokenizer
+
+
+def load_models(root: Path):
+    paths = layout(root)
+    target = AutoModelForCausalLM.from_pretrained(paths.target, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(paths.draft, dtype=torch.float32).eval()
+    mtp = MTPHead.load(paths.mtp).eval()
+    eagle3 = Eagle3Head.load(paths.eagle3, target.get_input_embeddings()).eval()
+    return target, draft, mtp, eagle3
+
+
+@torch.no_grad()
+def domain_losses(target, tokenizer, docs) -> dict[str, float]:
+    sums: dict[str, list[float]] = {}
+    for doc in docs:
+        ids = torch.tensor([tokenizer.encode(doc.text).ids])
+        logits = target(input_ids=ids, use_cache=False).logits[0, :-1]
+        nll = F.cross_entropy(logits.float(), ids[0, 1:], reduction="sum").item()
+        total = sums.setdefault(doc.domain, [0.0, 0])
+        total[0] += nll
+        total[1] += ids.shape[1] - 1
+        if doc.domain == "json":
+            start = len(tokenizer.encode(doc.text[: doc.prompt_chars]).ids) - 1
+            part = F.cross_entropy(logits[start:].float(), ids[0, start + 1:], reduction="sum").item()
+            total = sums.setdefault("json_instance", [0.0, 0])
+            total[0] += part
+            total[1] += ids.shape[1] - 1 - start
+    return {name: round(s / max(n, 1), 4) for name, (s, n) in sums.items()}
+
+
+@torch.no_grad()
+def agreement(target, draft, heads, tokenizer, docs, depth: int) -> dict:
+    aux_ids = heads["eagle3"].aux_layer_ids
+    counts = {f"{name}/{scope}": [[0, 0] for _ in range(depth)] for name in heads for scope in ("instance", "all")}
+    counts.update({f"draft/{scope}": [[0, 0]] for scope in ("instance", "all")})
+    for doc in docs:
+        ids = torch.tensor([tokenizer.encode(doc.text).ids])
+        n = ids.shape[1]
+        real = torch.ones_like(ids, dtype=torch.bool)
+        start = len(tokenizer.encode(doc.text[: doc.prompt_chars]).ids) - 1
+        instance = torch.zeros_like(real)
+        instance[0, start: n - 1] = True
+        everything = torch.zeros_like(real)
+        everything[0, : n - 1] = True
+        features = target_features(target, ids, aux_ids)
+        target_top = features["logits"].argmax(-1)
+        draft_top = draft(input_ids=ids, use_cache=False).logits.argmax(-1)
+        for scope, mask in (("instance", instance), ("all", everything)):
+            for name, head in heads.items():
+                for d, (hit, count) in enumerate(head_agreement(head, features, ids, real, depth, mask)):
+                    counts[f"{name}/{scope}"][d][0] += hit
+                    counts[f"{name}/{scope}"][d][1] += count
+            counts[f"draft/{scope}"][0][0] += int(((draft_top == target_top) & mask).sum())
+            counts[f"draft/{scope}"][0][1] += int(mask.sum())
+    return {key: [round(h / max(c, 1), 4) for h, c in value] for key, value in counts.items()} | {
+        "positions": {key: [c for _, c in value] for key, value in counts.items()}}
+
+
+@torch.no_grad()
+def generation(target, tokenizer, schemas: list[dict], max_new_tokens: int) -> dict:
+    try:
+        from zoo.schema_gen import make_validator
+    except ImportError:  # jsonschema is a dev dependency
+        make_validator = None
+    eos = tokenizer.token_to_id(END)
+    parsed = valid = 0
+    samples = []
+    for row in schemas:
+        ids = torch.tensor([tokenizer.encode(json_schema_prompt(row["schema"])).ids])
+        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        text = tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+        try:
+            instance = json.loads(text)
+            parsed += 1
+            ok = make_validator is not None and make_validator(row["schema"]).is_valid(instance)
+            valid += int(ok)
+        except (json.JSONDecodeError, RecursionError):
+            ok = False
+        if len(samples) < 3:
+            samples.append({"schema": row["name"], "output": text[:300], "valid": ok})
+    n = max(len(schemas), 1)
+    return {"prompts": len(schemas), "parses_as_json": round(parsed / n, 4),
+            "satisfies_schema": round(valid / n, 4) if make_validator else None, "samples": samples}
+
+
+def evaluate_zoo(root: Path, max_docs: int = 120, depth: int = 3, gen_prompts: int = 24,
+                 max_new_tokens: int = 192) -> dict:
+    started = time.perf_counter()
+    manifest = json.loads(layout(root).manifest.read_text())
+    tokenizer = load_tokenizer(layout(root).tokenizer)
+    target, draft, mtp, eagle3 = load_models(root)
+    corpus = build_corpus(manifest["recipe"]["stdlib_modules"])
+    by_domain: dict[str, list] = {}
+    for doc in corpus.heldout:
+        by_domain.setdefault(doc.domain, []).append(doc)
+    picked = [d for docs in by_domain.values() for d in docs[:max_docs]]
+    json_docs = by_domain.get("json", [])[:max_docs]
+    losses = domain_losses(target, tokenizer, picked)
+    agree = agreement(target, draft, {"mtp": mtp, "eagle3": eagle3}, tokenizer, json_docs, depth)
+    gen = generation(target, tokenizer, list(corpus.heldout_schemas)[:gen_prompts], max_new_tokens)
+    return {
+        "zoo": str(root),
+        "recipe": manifest["recipe"]["name"],
+        "seed": manifest["recipe"]["seed"],
+        "target_parameters": manifest["target_parameters"],
+        "target_loss": losses,
+        "target_perplexity": {k: round(math.exp(v), 2) for k, v in losses.items()},
+        "agreement": agree,
+        "generation": gen,
+        "heldout_docs": {k: min(len(v), max_docs) for k, v in by_domain.items()},
+        "eval_seconds": round(time.perf_counter() - started, 1),
+    }

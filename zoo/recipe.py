@@ -1,0 +1,104 @@
+"""Build recipes: every number that decides what the zoo build produces.
+
+A recipe plus its seed (and `threads`, the torch thread count it trains with, which changes float
+summation order) determines the zoo's weights bit for bit on a given software stack. `micro` exists
+for tests (seconds), `tiny` is the default (a few minutes on two CPU cores), `small` is larger.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"heads must divide hidden_size and kv heads must divide heads: {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    steps: int
+    batch_size: int  # sequences per step
+    lr: float
+    warmup_steps: int
+    weight_decay: float = 0.1
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    name: str
+    vocab_size: int
+    seq_len: int
+    target: ModelShape
+    target_schedule: Schedule
+    draft_model: ModelShape  # the standalone two-model-speculation draft (same width as the target)
+    heads_schedule: Schedule  # MTP, EAGLE-3 and the draft model distill together on one target pass
+    ttt_depth: int  # draft steps unrolled in training (EAGLE-3's training-time test)
+    draft_vocab_size: int  # EAGLE-3 lm_head rows
+    stdlib_modules: int  # how many stdlib modules the corpus reads (code + docstrings)
+    json_fraction: float = 0.8  # share of training sequences that start with JSON-Schema documents
+    tokenizer_docs: int = 6000  # documents the tokenizer trains on
+    max_docs_per_domain: int | None = None  # cap on training documents per domain (tests)
+    seed: int = 0
+    threads: int = 2
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "Recipe":
+        fields = dict(fields)
+        for key in ("target", "draft_model"):
+            fields[key] = ModelShape(**fields[key])
+        for key in ("target_schedule", "heads_schedule"):
+            fields[key] = Schedule(**fields[key])
+        return cls(**fields)
+
+    def with_seed(self, seed: int) -> "Recipe":
+        return dataclasses.replace(self, seed=seed)
+
+
+RECIPES: dict[str, Recipe] = {
+    "micro": Recipe(
+        name="micro", vocab_size=384, seq_len=64,
+        target=ModelShape(32, 3, 4, 2, 64),
+        target_schedule=Schedule(steps=6, batch_size=4, lr=3e-3, warmup_steps=2),
+        draft_model=ModelShape(32, 1, 4, 2, 64),
+        heads_schedule=Schedule(steps=4, batch_size=4, lr=3e-3, warmup_steps=1),
+        ttt_depth=2, draft_vocab_size=128, stdlib_modules=4, tokenizer_docs=200,
+        max_docs_per_domain=150, threads=1,
+    ),
+    "tiny": Recipe(
+        name="tiny", vocab_size=4096, seq_len=512,
+        target=ModelShape(256, 8, 8, 2, 704),
+        target_schedule=Schedule(steps=140, batch_size=16, lr=3e-3, warmup_steps=10),
+        draft_model=ModelShape(256, 2, 8, 2, 704),
+        heads_schedule=Schedule(steps=60, batch_size=8, lr=2e-3, warmup_steps=5),
+        ttt_depth=3, draft_vocab_size=2048, stdlib_modules=200,
+    ),
+    "small": Recipe(
+        name="small", vocab_size=8192, seq_len=512,
+        target=ModelShape(384, 12, 6, 2, 1024),
+        target_schedule=Schedule(steps=600, batch_size=32, lr=2e-3, warmup_steps=30),
+        draft_model=ModelShape(384, 2, 6, 2, 1024),
+        heads_schedule=Schedule(steps=300, batch_size=16, lr=1.5e-3, warmup_steps=15),
+        ttt_depth=4, draft_vocab_size=4096, stdlib_modules=400,
+    ),
+}
+DEFAULT_SIZE = "tiny"
+
+
+def get_recipe(size: str) -> Recipe:
+    try:
+        return RECIPES[size]
+    except KeyError:
+        raise ValueError(f"unknown zoo size {size!r}; choose one of {sorted(RECIPES)}") from None
