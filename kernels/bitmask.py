@@ -10,7 +10,11 @@ speculative decode step needs without a host round trip:
     draft id j is target id `j + d2t[j]` (the EAGLE-3 draft-to-target offset table).
 Token ids (after d2t) at or past `vocab_size` (default `32 * bitmask.shape[1]`) are left untouched,
 as in xgrammar: allocate the bitmask for the model's full padded vocabulary.
+The reference adds 0 / -inf rather than writing, so an allowed -0.0 logit may come back as +0.0.
 """
+import functools
+import sys
+
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +41,13 @@ def _check(logits, bitmask, row_has_grammar, indices, d2t, vocab_size) -> int:
     return limit if vocab_size is None else min(vocab_size, limit)
 
 
+@functools.lru_cache(maxsize=16)
+def _byte_penalty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 8]: for each byte value, 0 where bit j is set (allowed) and -inf where it is clear."""
+    bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+    return torch.where(bits.bool(), 0.0, float("-inf")).to(dtype)
+
+
 def apply_token_bitmask_ref(
     logits: torch.Tensor,  # [rows, V] float, modified in place
     bitmask: torch.Tensor,  # [bitmask_rows, ceil(Vt / 32)] int32
@@ -50,22 +61,24 @@ def apply_token_bitmask_ref(
     if rows == 0:
         return
     words = bitmask[:rows] if indices is None else bitmask.index_select(0, indices.long())  # [rows, W]
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    if d2t is None:
-        n = min(V, vt)
-        bits = ((words[:, :, None] >> shifts) & 1).view(rows, -1)[:, :n]  # [rows, n]
-        banned = bits == 0
-        target = logits[:, :n]
-    else:
-        tid = torch.arange(V, device=logits.device) + d2t.long()  # [V] target ids
-        in_vocab = (tid >= 0) & (tid < vt)
-        tid = torch.where(in_vocab, tid, 0)
-        word = words.index_select(1, tid // 32)  # [rows, V]
-        banned = (((word >> (tid % 32).to(torch.int32)) & 1) == 0) & in_vocab
-        target = logits
     if row_has_grammar is not None:
-        banned &= row_has_grammar[:, None]
-    target.masked_fill_(banned, float("-inf"))
+        words = torch.where(row_has_grammar[:, None], words, -1)  # all bits set: nothing banned
+    if d2t is None:
+        # Bytes of the little-endian words, in order, are tokens 8i..8i+7: expand each through a
+        # 256-entry table of 0 / -inf and add (x + 0 == x, x + -inf == -inf). ~10x faster on CPU
+        # than shifting bits and masked_fill.
+        assert sys.byteorder == "little"
+        n = min(V, vt)
+        table = _byte_penalty(logits.dtype, logits.device)
+        penalty = table.index_select(0, words.contiguous().view(torch.uint8).view(-1).long()).view(rows, -1)
+        logits[:, :n].add_(penalty[:, :n])
+        return
+    tid = torch.arange(V, device=logits.device) + d2t.long()  # [V] target ids
+    in_vocab = (tid >= 0) & (tid < vt)
+    tid = torch.where(in_vocab, tid, 0)
+    word = words.index_select(1, tid // 32)  # [rows, V]
+    banned = (((word >> (tid % 32).to(torch.int32)) & 1) == 0) & in_vocab
+    logits.masked_fill_(banned, float("-inf"))
 
 
 @triton.jit
