@@ -113,7 +113,9 @@ class DecodeServer:
     def stats(self) -> dict:
         handovers = self.ctrl.handovers[-64:]
         return {
+            "replica": _replica_id(),
             "group_id": self.group.group_id if self.group else None,
+            "max_num_seqs": self.config.max_num_seqs,
             "groups_started": self.groups_started,
             "tp_size": self.config.tp_size,
             "num_requests": len(self.ctrl.requests),
@@ -140,3 +142,12 @@ class DecodeServer:
     def __del__(self):
         if getattr(self, "group", None) is not None:
             self.group.kill()
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (tests driving the class directly)
+        return "local"

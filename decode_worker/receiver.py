@@ -16,6 +16,7 @@ import torch
 
 from cluster.channel import KVChannel, Message
 from cluster.errors import ChannelError
+from kernels.kv_transfer import unpack_kv
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class HandoverReceiver:
             raise ValueError(f"hand-over KV {kv.dtype}{list(kv.shape)} does not fit this rank's cache "
                              f"{self.kv_cache.dtype}{list(expected)}")
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
-        self.kv_cache.index_copy_(2, index, kv.to(self.kv_cache.device, non_blocking=True))
+        unpack_kv(kv.to(self.kv_cache.device), self.kv_cache, index)
 
     def _fail_channel(self, channel: KVChannel, rid: str | None, reason: str) -> None:
         """The channel is unusable: every request still waiting on it fails, and the channel goes."""

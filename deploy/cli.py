@@ -17,6 +17,12 @@ def _generate(argv: list[str]) -> int:
     return demo_main(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from deploy.serve_cmd import main as serve_main
+
+    return serve_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: structured, speculative LLM serving")
@@ -29,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown command {command!r}")
     if command == "zoo":
         return _zoo(rest)
-    # Until the distributed path lands, `serve` runs the engine locally and prints a generation.
-    return _generate(rest)
+    if command == "generate":
+        return _generate(rest)
+    return _serve(rest)
 
 
 if __name__ == "__main__":

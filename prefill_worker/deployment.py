@@ -59,7 +59,9 @@ class PrefillServer:
         s = self.engine.stats()
         timings = list(self.loop.sender.timings)[-64:]
         return {
+            "replica": _replica_id(),
             "name": self.name,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "pid": os.getpid(),
             "num_prompts": self.loop.num_jobs,
             "prompt_tokens_waiting": self.loop.prompt_tokens_waiting,
@@ -79,3 +81,12 @@ class PrefillServer:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (tests driving the class directly)
+        return "local"

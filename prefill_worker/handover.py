@@ -25,6 +25,7 @@ from cluster.errors import ChannelError
 from cluster.groups import backend_for
 from decode_worker.protocol import DecodeTarget, RankEndpoint
 from engine import Handover
+from kernels.kv_transfer import pack_kv
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,8 @@ def pack_blocks(kv_cache: torch.Tensor, block_ids: list[int], heads: tuple[int, 
     """[L, 2, n, S, h, D] contiguous copy of `block_ids` (and KV heads [start, start + h)) of
     kv_cache [L, 2, N, S, H, D]."""
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    blocks = kv_cache.index_select(2, index)
     start, count = heads
-    if start != 0 or count != kv_cache.shape[4]:
-        blocks = blocks[:, :, :, :, start:start + count].contiguous()
-    return blocks
+    return pack_kv(kv_cache, index, head_start=start, head_end=start + count)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,39 @@
+"""The Serve application: router -> (prefill, decode). `build_app` is the import path of the Serve
+config YAML (`serve deploy deploy/serve.yaml`); `tandem serve` calls it too."""
+from __future__ import annotations
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from decode_worker.deployment import DecodeServer
+from deploy.config import TandemConfig
+from prefill_worker.deployment import PrefillServer
+from router.app import Router
+from router.policy import STATS_PERIOD_S, LoadAwareRequestRouter
+
+
+def _routing(role: str) -> RequestRouterConfig:
+    return RequestRouterConfig(request_router_class=LoadAwareRequestRouter, request_router_kwargs={"role": role},
+                               request_routing_stats_period_s=STATS_PERIOD_S)
+
+
+def build_app(args: dict | TandemConfig) -> serve.Application:
+    cfg = args if isinstance(args, TandemConfig) else TandemConfig(**args)
+    gpu = 1.0 if cfg.device == "cuda" else 0.0
+    prefill = serve.deployment(
+        PrefillServer, name="prefill", num_replicas=cfg.prefill_replicas,
+        ray_actor_options={"num_cpus": cfg.prefill_num_cpus, "num_gpus": gpu},
+        max_ongoing_requests=cfg.max_num_seqs * 2, request_router_config=_routing("prefill"),
+        health_check_period_s=5, graceful_shutdown_timeout_s=5,
+    ).bind(cfg.prefill().model_dump())
+    # The decode replica itself only steers its rank actors (which hold the CPUs/GPUs).
+    decode = serve.deployment(
+        DecodeServer, name="decode", num_replicas=cfg.decode_replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=cfg.max_num_seqs * 4, request_router_config=_routing("decode"),
+        health_check_period_s=5, graceful_shutdown_timeout_s=5,
+    ).bind(cfg.decode().model_dump())
+    router = serve.deployment(
+        Router, name="router", num_replicas=cfg.router_replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=cfg.max_inflight * 2, graceful_shutdown_timeout_s=5,
+    )
+    return router.bind(prefill, decode, cfg.router().model_dump())

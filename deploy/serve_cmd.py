@@ -1,0 +1,122 @@
+"""`tandem serve`: deploy the router, prefill and decode deployments on Ray Serve and keep serving.
+
+Embedded default: starts Ray in this process (the zoo's tiny target, one prefill replica, one decode
+group of two ranks, on CPU) and serves on 127.0.0.1:8000. With --address it joins a running cluster
+(`ray up deploy/cluster.yaml`, then `tandem serve --address auto --model DIR --device cuda`).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+log = logging.getLogger("tandem.serve")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tandem serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="target model directory (default: the zoo's tiny target, built if missing)")
+    ap.add_argument("--served-model-name", help="name clients send as `model` (default: the directory's name)")
+    ap.add_argument("--draft", help="draft model / head directory for speculative decoding")
+    ap.add_argument("--speculative-method", default="none", choices=["none", "mtp", "eagle3", "draft_model"])
+    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=0, help="draft tokens per step")
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per decode group")
+    ap.add_argument("--prefill-replicas", type=int, default=1)
+    ap.add_argument("--decode-replicas", type=int, default=1)
+    ap.add_argument("--router-replicas", type=int, default=1)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    ap.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per engine")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-inflight", type=int, default=256, help="requests per router replica before HTTP 429")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--address", default=None, help="Ray address to join ('auto', 'host:6379'); default: "
+                                                    "start Ray in this process")
+    ap.add_argument("--num-cpus", type=int, default=None, help="embedded Ray's logical CPUs (default: enough "
+                                                               "for the deployments)")
+    ap.add_argument("--detach", action="store_true", help="with --address: deploy and exit (Serve keeps it)")
+    return ap
+
+
+def _default_model() -> str:
+    import zoo
+
+    print("building (or reusing) the zoo's tiny target model...", flush=True)
+    return str(zoo.layout(zoo.build()).target)
+
+
+def tandem_config(args: argparse.Namespace):
+    from deploy.config import TandemConfig
+
+    return TandemConfig(
+        model=args.model or _default_model(), served_model_name=args.served_model_name, draft=args.draft,
+        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        tp=args.tp, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
+        router_replicas=args.router_replicas, device=args.device, dtype=args.dtype,
+        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, max_inflight=args.max_inflight)
+
+
+def usage_text(host: str, port: int, model: str) -> str:
+    base = f"http://{host}:{port}"
+    return f"""
+Tandem is serving {model!r} at {base}
+
+  curl {base}/v1/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 32, "temperature": 0}}'
+
+  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "stream": true}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
+print(c.completions.create(model='{model}', prompt='Hello', max_tokens=32).choices[0].text)"
+
+  metrics: curl {base}/metrics     health: curl {base}/health     models: curl {base}/v1/models
+Ctrl-C stops serving.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = tandem_config(args)
+    except Exception as e:  # noqa: BLE001 - configuration errors are the user's to fix: say why, no trace
+        print(f"tandem serve: {e}", file=sys.stderr)
+        return 2
+
+    from ray import serve
+
+    from cluster.runtime import RayOptions, init_ray, shutdown_ray
+    from deploy.app import build_app
+
+    needed = int(cfg.prefill_replicas * cfg.prefill_num_cpus + cfg.decode_replicas * cfg.tp * cfg.rank_num_cpus) + 1
+    init_ray(RayOptions(address=args.address, num_cpus=args.num_cpus or max(os.cpu_count() or 1, needed)))
+    serve.start(http_options={"host": args.host, "port": args.port})
+    start = time.monotonic()
+    print(f"deploying: 1 router, {cfg.prefill_replicas} prefill, {cfg.decode_replicas} decode group(s) of "
+          f"tp={cfg.tp} on {cfg.device}...", flush=True)
+    serve.run(build_app(cfg), name="tandem", route_prefix="/")
+    print(f"ready in {time.monotonic() - start:.1f}s", flush=True)
+    print(usage_text(args.host, args.port, cfg.name), flush=True)
+    if args.detach and args.address is not None:
+        return 0
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    print("shutting down", flush=True)
+    serve.shutdown()
+    if args.address is None:
+        shutdown_ray()
+    return 0

@@ -1,0 +1,183 @@
+"""The Serve ingress: OpenAI-compatible HTTP API on FastAPI.
+
+POST /v1/completions and /v1/chat/completions (streaming and not), GET /v1/models, /health, /metrics.
+The router validates, templates and tokenizes; Generation carries the request through the workers;
+the router detokenizes, applies stop strings and writes the response.
+"""
+
+import asyncio
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+
+from engine.errors import TandemError
+from engine.sampling_params import SamplingParams
+from router.config import RouterConfig
+from router.errors import APIError, install, invalid
+from router.generation import Generation
+from router.output import ResponseWriter
+from router.metrics import RouterMetrics
+from router.policy import latest_stats
+from router.protocol import ChatCompletionRequest, CompletionRequest
+
+api = FastAPI(title="Tandem", description="Disaggregated structured, speculative LLM serving (OpenAI API)")
+install(api)
+
+
+@serve.ingress(api)
+class Router:
+    async def __init__(self, prefill, decode, config: RouterConfig | dict):
+        from transformers import AutoTokenizer
+
+        self.cfg = config if isinstance(config, RouterConfig) else RouterConfig(**config)
+        self.prefill, self.decode = prefill, decode
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
+        self.info = await prefill.model_info.remote()
+        self.metrics = RouterMetrics(self.cfg.served_model_name)
+        self.inflight = 0
+        self.waiting_first = 0
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ plain endpoints
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.cfg.served_model_name, "object": "model",
+                                            "created": self.created, "owned_by": "tandem",
+                                            "max_model_len": self.info.max_model_len}]}
+
+    @api.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        await self._refresh_worker_gauges()
+        return PlainTextResponse(self.metrics.render().decode(), media_type="text/plain; version=0.0.4")
+
+    async def _refresh_worker_gauges(self) -> None:
+        fresh = await asyncio.gather(self.prefill.stats.remote(), self.decode.stats.remote(), return_exceptions=True)
+        for role, direct in zip(("prefill", "decode"), fresh):
+            by_replica = latest_stats(role)
+            if isinstance(direct, dict):
+                by_replica[direct.get("replica", role)] = direct
+                if role == "decode":
+                    self.metrics.handovers(direct.get("handover_seconds", []), direct.get("handover_bytes", []))
+            for replica, s in by_replica.items():
+                if not s:
+                    continue
+                queue = s.get("num_prompts", 0) if role == "prefill" else s.get("num_requests", 0) - s.get("num_running", 0)
+                self.metrics.worker(role, replica, s.get("kv_blocks_used", 0), s.get("kv_blocks_total", 0), queue)
+
+    # ------------------------------------------------------------------ generation endpoints
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise invalid("batched prompts are not supported; send one prompt per request", "prompt")
+            prompt = prompt[0]
+        if body.suffix:
+            raise invalid("suffix is not supported", "suffix")
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+            bad = [t for t in prompt_ids if not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise invalid(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.info.vocab_size})", "prompt")
+        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+            raise invalid(f"logprobs must be between 0 and 20, got {body.logprobs}", "logprobs")
+        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)) if body.echo else ""
+        return await self._generate(body, request, prompt_ids, body.max_tokens or 16, body.logprobs, chat=False,
+                                    echo=echo)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=body.add_generation_prompt,
+                                                      **(body.chat_template_kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - template errors are the request's fault (roles, order)
+            raise invalid(f"the chat template cannot render these messages: {e}", "messages") from e
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= 20):
+            raise invalid("top_logprobs needs logprobs=true and must be between 0 and 20", "top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.info.max_model_len - len(prompt_ids))
+        return await self._generate(body, request, prompt_ids, max_tokens, logprobs, chat=True)
+
+    # ------------------------------------------------------------------ shared path
+    def _validate(self, body, prompt_ids: list[int], max_tokens: int, logprobs: int | None) -> dict:
+        if body.model != self.cfg.served_model_name:
+            raise APIError(400, f"model {body.model!r} is not served here; available: "
+                                f"[{self.cfg.served_model_name!r}]", "invalid_request_error", "model", "model_not_found")
+        if body.n != 1:
+            raise invalid("only n=1 is supported", "n")
+        if not prompt_ids:
+            raise invalid("the prompt is empty", "prompt")
+        limit = self.info.max_model_len
+        if len(prompt_ids) >= limit:
+            raise invalid(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens "
+                          f"(prompt plus at least one output token)", "prompt", "context_length_exceeded")
+        if isinstance(max_tokens, int) and max_tokens > 0 and len(prompt_ids) + max_tokens > limit:
+            raise invalid(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                          f"context of {limit} tokens", "max_tokens", "context_length_exceeded")
+        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        if len(stops) > self.cfg.max_stop_strings:
+            raise invalid(f"at most {self.cfg.max_stop_strings} stop strings are allowed", "stop")
+        params = body.sampling_params(max_tokens, logprobs)
+        try:
+            SamplingParams(**params)
+        except TandemError as e:
+            raise APIError.from_tandem(e) from e
+        return params
+
+    async def _generate(self, body, request: Request, prompt_ids: list[int], max_tokens: int,
+                        logprobs: int | None, chat: bool, echo: str = ""):
+        arrival = time.monotonic()
+        endpoint = "chat" if chat else "completions"
+        try:
+            params = self._validate(body, prompt_ids, max_tokens, logprobs)
+        except APIError as e:
+            self.metrics.request_done(endpoint, e.status)
+            raise
+        if self.inflight >= self.cfg.max_inflight:
+            self.metrics.rejected.inc()
+            self.metrics.request_done(endpoint, 429)
+            raise APIError(429, f"the server is at its queue bound ({self.cfg.max_inflight} requests); retry later",
+                           "rate_limit_error", code="overloaded")
+        # Serve's proxy gives every request an id (the client's X-Request-Id if it sent one): reuse it so
+        # the router's, the workers' and Serve's logs name the same request.
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+        gen = Generation(self.prefill, self.decode, rid, prompt_ids, params)
+        self.inflight += 1
+        self.waiting_first += 1
+        self._gauges()
+        try:
+            await gen.start()
+        except BaseException as e:
+            self.inflight -= 1
+            self.waiting_first -= 1
+            self._gauges()
+            if isinstance(e, APIError):
+                self.metrics.request_done(endpoint, e.status)
+            raise
+        self.waiting_first -= 1
+        self.metrics.ttft.observe(time.monotonic() - arrival)
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        out = ResponseWriter(self, body, gen, rid, chat, echo, logprobs, prompt_ids, arrival, endpoint)
+        headers = {"X-Request-Id": rid}
+        if body.stream:
+            return StreamingResponse(out.sse(), media_type="text/event-stream", headers=headers)
+        try:
+            return JSONResponse(await out.collect(), headers=headers)
+        except APIError as e:
+            return e.response()
+
+    def _gauges(self) -> None:
+        self.metrics.running.set(self.inflight)
+        self.metrics.queue.set(self.waiting_first)

@@ -1,0 +1,113 @@
+"""Generation: one request's trip through the workers, as the router sees it.
+
+1. open the decode stream (Serve picks the decode group by load); its first item is the group's address;
+2. ask a prefill replica (picked by load) to run the prompt and hand the KV to that group; it answers
+   with the first token;
+3. read the decode stream: lists of token deltas, or a StreamError.
+Cancelling (client gone, stop string) cancels whatever is in flight; the workers free the blocks.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import ray
+from ray.serve.exceptions import BackPressureError
+
+from decode_worker.controller import StreamError
+from engine.errors import TandemError
+from prefill_worker.config import PrefillRequest, PrefillResult
+from router.errors import APIError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    token_ids: tuple[int, ...]
+    logprobs: tuple = ()
+    finish_reason: str | None = None  # set on the last event
+
+
+def api_error(e: BaseException) -> APIError:
+    """Map what a worker call raised to the HTTP error a client gets."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ray.exceptions.RayTaskError):
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        if isinstance(cause, TandemError):
+            return APIError.from_tandem(cause)
+        if cause is not e:
+            return api_error(cause)
+    if isinstance(e, TandemError):
+        return APIError.from_tandem(e)
+    if isinstance(e, BackPressureError):
+        return APIError(503, "the server is overloaded; retry later", "overloaded_error", code="overloaded")
+    if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        return APIError(503, f"a worker died while serving the request: {e}", "unavailable_error")
+    log.exception("unexpected worker error", exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+
+
+class Generation:
+    def __init__(self, prefill, decode, request_id: str, prompt_token_ids: list[int], params: dict):
+        self.prefill, self.decode = prefill, decode
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self._stream = None
+        self._prefill_call = None
+        self.first: PrefillResult | None = None
+
+    async def start(self) -> PrefillResult:
+        """Runs until the first token exists; raises APIError (nothing is left running then)."""
+        try:
+            self._stream = self.decode.options(stream=True).generate.remote(self.request_id)
+            target = await self._stream.__anext__()
+            if isinstance(target, StreamError):
+                raise APIError(target.status, target.message, target.error_type)
+            self._prefill_call = self.prefill.prefill.remote(
+                PrefillRequest(self.request_id, self.prompt_token_ids, self.params), target)
+            self.first = await self._prefill_call
+        except BaseException as e:
+            self.cancel()
+            if isinstance(e, Exception):
+                raise api_error(e) from e
+            raise
+        self._prefill_call = None
+        if self.first.finished:
+            self._stream.cancel()  # no hand-over comes: the decode side drops the expected request
+            self._stream = None
+        return self.first
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """The first token(s), then the decode group's; raises APIError if the decode side fails."""
+        first = self.first
+        yield TokenEvent(tuple(first.token_ids), tuple(first.logprobs), first.finish_reason if first.finished else None)
+        if first.finished:
+            return
+        try:
+            async for item in self._stream:
+                if isinstance(item, StreamError):
+                    raise APIError(item.status, item.message, item.error_type)
+                for delta in item:
+                    yield TokenEvent(delta.token_ids, delta.logprobs, delta.finish_reason if delta.finished else None)
+                    if delta.finished:
+                        self._stream = None
+                        return
+        except APIError:
+            self._stream = None
+            raise
+        except Exception as e:  # noqa: BLE001 - the decode replica itself failed
+            self._stream = None
+            raise api_error(e) from e
+        raise APIError(503, "the decode stream ended early", "unavailable_error")
+
+    def cancel(self) -> None:
+        if self._prefill_call is not None:
+            self._prefill_call.cancel()
+            self._prefill_call = None
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None

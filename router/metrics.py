@@ -1,0 +1,69 @@
+"""Prometheus metrics of the router (GET /metrics): requests, TTFT, inter-token latency, tokens,
+queue length, and the KV usage the workers report. One private registry per router replica."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()  # the *_created series only add noise to a scrape
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class RouterMetrics:
+    def __init__(self, model: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model": model}
+        self._labels = labels
+        self.requests = Counter("tandem_requests", "Finished HTTP requests by endpoint and status code.",
+                                ["model", "endpoint", "status"], registry=r)
+        self.finish_reasons = Counter("tandem_request_finish_reasons", "Finished outputs by finish reason.",
+                                      ["model", "reason"], registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Request arrival to its first token.",
+                              ["model"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             ["model"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.e2e = Histogram("tandem_request_latency_seconds", "Request arrival to its last token.",
+                             ["model"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of admitted requests.",
+                                     ["model"], registry=r).labels(**labels)
+        self.generation_tokens = Counter("tandem_generation_tokens", "Output tokens sent to clients.",
+                                         ["model"], registry=r).labels(**labels)
+        self.running = Gauge("tandem_requests_running", "Requests this router is serving now.",
+                             ["model"], registry=r).labels(**labels)
+        self.queue = Gauge("tandem_queue_length", "Requests admitted but without a first token yet.",
+                           ["model"], registry=r).labels(**labels)
+        self.rejected = Counter("tandem_requests_rejected", "Requests refused because the queue bound was hit.",
+                                ["model"], registry=r).labels(**labels)
+        self.kv_used = Gauge("tandem_kv_blocks_used", "KV blocks in use, per worker replica.",
+                             ["model", "role", "replica"], registry=r)
+        self.kv_total = Gauge("tandem_kv_blocks_total", "KV blocks in total, per worker replica.",
+                              ["model", "role", "replica"], registry=r)
+        self.kv_usage = Gauge("tandem_kv_cache_usage", "Fraction of KV blocks in use, per worker replica.",
+                              ["model", "role", "replica"], registry=r)
+        self.worker_queue = Gauge("tandem_worker_queue_length", "Prompts waiting in a prefill replica, or "
+                                  "requests waiting in a decode replica.", ["model", "role", "replica"], registry=r)
+        self.handover_s = Gauge("tandem_handover_seconds_recent", "Mean KV hand-over payload time of recent "
+                                "requests (decode side).", ["model"], registry=r).labels(**labels)
+        self.handover_bw = Gauge("tandem_handover_bytes_per_second_recent", "KV hand-over bandwidth of recent "
+                                 "requests (decode side).", ["model"], registry=r).labels(**labels)
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        self.requests.labels(model=self._labels["model"], endpoint=endpoint, status=str(status)).inc()
+
+    def finished(self, reason: str | None) -> None:
+        self.finish_reasons.labels(model=self._labels["model"], reason=reason or "unknown").inc()
+
+    def worker(self, role: str, replica: str, used: int, total: int, queue: int) -> None:
+        lab = dict(model=self._labels["model"], role=role, replica=replica)
+        self.kv_used.labels(**lab).set(used)
+        self.kv_total.labels(**lab).set(total)
+        self.kv_usage.labels(**lab).set(used / total if total else 0.0)
+        self.worker_queue.labels(**lab).set(queue)
+
+    def handovers(self, seconds: list[float], nbytes: list[int]) -> None:
+        if seconds:
+            self.handover_s.set(sum(seconds) / len(seconds))
+            self.handover_bw.set(sum(nbytes) / max(sum(seconds), 1e-9))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

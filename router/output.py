@@ -1,0 +1,107 @@
+"""ResponseWriter: turns a Generation's token events into the HTTP response (JSON or SSE): incremental
+text, stop strings, logprobs, usage, and the router's per-request metrics."""
+from __future__ import annotations
+
+import time
+
+from router import responses as R
+from router.detokenize import IncrementalDetokenizer
+from router.errors import APIError
+from router.generation import Generation
+
+
+class ResponseWriter:
+    """Turns a Generation's token events into the response: text deltas, stop strings, usage."""
+
+    def __init__(self, router, body, gen: Generation, rid: str, chat: bool, echo: str,
+                 logprobs: int | None, prompt_ids: list[int], arrival: float, endpoint: str):
+        self.router, self.body, self.gen, self.rid, self.chat, self.echo = router, body, gen, rid, chat, echo
+        self.model = router.cfg.served_model_name
+        self.created = R.now()
+        self.det = IncrementalDetokenizer(router.tokenizer, prompt_ids, body.sampling_params(1, None).get("stop"),
+                                          body.include_stop_str_in_output, body.skip_special_tokens)
+        self.lp = R.LogprobsBuilder(router.tokenizer, chat) if logprobs is not None else None
+        self.usage = R.Usage(prompt_tokens=len(prompt_ids))
+        self.arrival, self.endpoint = arrival, endpoint
+        self.finish_reason: str | None = None
+        self._last_token_time: float | None = None
+
+    async def deltas(self):
+        """(text, logprobs body) pieces; sets finish_reason at the end. Raises APIError."""
+        async for ev in self.gen.events():
+            now = time.monotonic()
+            if self._last_token_time is not None and ev.token_ids:
+                gap = (now - self._last_token_time) / len(ev.token_ids)
+                for _ in ev.token_ids:
+                    self.router.metrics.itl.observe(gap)
+            self._last_token_time = now
+            self.usage.completion_tokens += len(ev.token_ids)
+            self.router.metrics.generation_tokens.inc(len(ev.token_ids))
+            piece = self.det.push(ev.token_ids)
+            lp = self.lp.add(ev.logprobs) if self.lp is not None else None
+            if piece.stop is not None:
+                self.finish_reason = "stop"
+                self.gen.cancel()  # the decode side stops and frees the blocks
+                yield piece.text, lp
+                return
+            if ev.finish_reason is not None:
+                self.finish_reason = ev.finish_reason
+                yield piece.text + self.det.flush().text, lp
+                return
+            if piece.text or lp:
+                yield piece.text, lp
+
+    async def collect(self) -> dict:
+        status = 500
+        try:
+            text = "".join([t async for t, _ in self.deltas()])
+            status = 200
+        except APIError as e:
+            status = e.status
+            raise
+        finally:
+            self._done(status)
+        text = self.echo + text
+        lp = self.lp.body() if self.lp is not None else None
+        build = R.chat_body if self.chat else R.completion_body
+        return build(self.rid, self.model, self.created, text, self.finish_reason, self.usage, lp)
+
+    async def sse(self):
+        status = 499  # until the stream completes: a client that goes away cancels this generator
+        try:
+            if self.chat:
+                yield R.sse(R.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None))
+            elif self.echo:
+                yield R.sse(R.completion_chunk(self.rid, self.model, self.created, self.echo, None))
+            try:
+                async for text, lp in self.deltas():
+                    yield R.sse(self._chunk(text, None, lp))
+            except APIError as e:
+                status = e.status
+                yield e.sse()
+                yield R.SSE_DONE
+                return
+            yield R.sse(self._chunk("", self.finish_reason, None))
+            opts = self.body.stream_options
+            if opts is not None and opts.include_usage:
+                yield R.sse(R.usage_chunk(self.rid, self.model, self.created, self.chat, self.usage))
+            yield R.SSE_DONE
+            status = 200
+        finally:
+            self.gen.cancel()
+            self._done(status)
+
+    def _chunk(self, text: str, finish_reason: str | None, lp: dict | None) -> dict:
+        if self.chat:
+            return R.chat_chunk(self.rid, self.model, self.created, {"content": text} if text or not finish_reason
+                                else {}, finish_reason, lp)
+        return R.completion_chunk(self.rid, self.model, self.created, text, finish_reason, lp)
+
+    def _done(self, status: int) -> None:
+        r = self.router
+        r.inflight -= 1
+        r._gauges()
+        r.metrics.request_done(self.endpoint, status)
+        if status == 200:
+            r.metrics.finished(self.finish_reason)
+            r.metrics.e2e.observe(time.monotonic() - self.arrival)

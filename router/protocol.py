@@ -1,0 +1,88 @@
+"""The OpenAI HTTP API's request bodies (pydantic, at the HTTP boundary) and how they become
+engine sampling parameters. Response bodies are built as plain dicts in router/responses.py."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="Send a last chunk with token usage before [DONE].")
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(description="The served model's name (see GET /v1/models).")
+    max_tokens: int | None = Field(None, description="Most tokens to generate; default 16 (completions) or "
+                                                     "what fits the context (chat).")
+    temperature: float | None = Field(None, description="Sampling temperature; 0 is greedy. Default 1.")
+    top_p: float | None = Field(None, description="Nucleus sampling mass in (0, 1].")
+    top_k: int | None = Field(None, description="Sample among the k most likely tokens; -1 or 0 is off.")
+    min_p: float | None = Field(None, description="Drop tokens below min_p times the top probability.")
+    n: int = Field(1, description="Completions per prompt; only 1 is supported.")
+    stream: bool = Field(False, description="Stream the output as server-sent events.")
+    stream_options: StreamOptions | None = Field(None, description="Streaming options (include_usage).")
+    stop: str | list[str] | None = Field(None, description="Up to 4 strings that end the output (excluded).")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end the output.")
+    seed: int | None = Field(None, description="Same seed, same output, whatever else is running.")
+    presence_penalty: float | None = Field(None, description="Penalty in [-2, 2] on tokens already present.")
+    frequency_penalty: float | None = Field(None, description="Penalty in [-2, 2] scaled by token counts.")
+    repetition_penalty: float | None = Field(None, description="Multiplicative penalty (> 0) on seen tokens.")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")
+    user: str | None = Field(None, description="An end-user id, for the caller's bookkeeping.")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> dict:
+        """Engine SamplingParams fields; the engine validates them (bad values -> HTTP 400)."""
+        p: dict = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
+                   "skip_special_tokens": self.skip_special_tokens,
+                   "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": logprobs}
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                p[name] = value
+        if self.stop is not None:
+            p["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if self.stop_token_ids:
+            p["stop_token_ids"] = list(self.stop_token_ids)
+        return p
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="The prompt: text or token ids (a list holding one prompt is accepted too).")
+    logprobs: int | None = Field(None, description="Return the log-probabilities of the top n tokens (0-20).")
+    echo: bool = Field(False, description="Prepend the prompt to the returned text.")
+    suffix: str | None = Field(None, description="Not supported (must be empty).")
+
+
+class ChatContentPart(BaseModel):
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str = Field(description="The text of this part.")
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Who speaks.")
+    content: str | list[ChatContentPart] | None = Field(None, description="Text, or a list of text parts.")
+    name: str | None = Field(None, description="Optional speaker name.")
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_completion_tokens: int | None = Field(None, description="Newer name of max_tokens; wins if both are set.")
+    logprobs: bool = Field(False, description="Return the log-probability of each output token.")
+    top_logprobs: int | None = Field(None, description="With logprobs: also the n most likely tokens (0-20).")
+    add_generation_prompt: bool = Field(True, description="End the templated prompt with the assistant's turn.")
+    chat_template_kwargs: dict | None = Field(None, description="Extra variables for the chat template.")
