@@ -88,9 +88,13 @@ def target_probs(
         keep = torch.minimum(torch.where((top_p >= 1)[:, None, None], V, keep), k)
         threshold = sorted_logits.gather(-1, keep - 1)
         logits = logits.masked_fill(logits < threshold, float("-inf"))
-    probs = logits.softmax(-1)
-    one_hot = torch.zeros_like(probs).scatter_(-1, target_logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None, None], one_hot, probs)
+    # Greedy rows keep only their (first) argmax, so softmax returns an exact one-hot. (On CPU the
+    # pass is skipped when no row is greedy: reading a flag there costs no device sync.)
+    if logits.is_cuda or bool(greedy.any()):
+        top = target_logits.argmax(-1, keepdim=True)
+        not_top = torch.arange(V, device=logits.device) != top  # [B, J, V]
+        logits = logits.masked_fill_(not_top & greedy[:, None, None], float("-inf"))
+    return logits.softmax(-1)
 
 
 # ----------------------------------------------------------------------------- rejection sampling
@@ -141,9 +145,27 @@ def rejection_from_probs_ref(p, draft_token_ids, draft_probs, seeds, positions):
     dist = torch.where(rejected[:, None], residual, p_n)
     P = positions + n
     key = torch.where(rejected, rng.hash_key(seeds, P, rng.STREAM_RESIDUAL), rng.hash_key(seeds, P, rng.STREAM_SAMPLE))
-    noise = -torch.log(rng.uniform_from_key(key[:, None], torch.arange(V, device=dev)[None, :]))
-    token = (dist / noise).argmax(-1)
+    token = exponential_race(dist, key)
     return _emit(x, accepted_len, token), accepted_len
+
+
+def exponential_race(dist: torch.Tensor, key: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
+    """argmax_v dist[b, v] / Exp(key[b], v): a sample from dist [B, V] (first index on ties).
+
+    Noise is made a vocabulary chunk at a time so the hash's int64 temporaries stay in cache
+    (a loop over chunks, not requests); the running max keeps the earliest index on ties.
+    """
+    B, V = dist.shape
+    best = torch.full((B,), -1.0, device=dist.device)
+    token = torch.zeros(B, dtype=torch.int64, device=dist.device)
+    for start in range(0, V, chunk):
+        idx = torch.arange(start, min(V, start + chunk), device=dist.device)
+        noise = -torch.log(rng.uniform_from_key(key[:, None], idx[None, :]))
+        value, arg = (dist[:, start : start + chunk] / noise).max(-1)
+        take = value > best
+        best = torch.where(take, value, best)
+        token = torch.where(take, arg + start, token)
+    return token
 
 
 def verify_rejection_triton(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, seeds,
