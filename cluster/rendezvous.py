@@ -60,7 +60,8 @@ def handshake(store: dist.Store, rank: int, size: int, timeout_s: float) -> None
         raise ChannelError(f"peer(s) did not join within {timeout_s:.0f}s: {e}") from e
 
 
-def free_port() -> int:
+def free_port_on(host: str = "") -> int:
+    """A port that is free now (for servers that cannot bind port 0 themselves, like Serve's proxy)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]

@@ -91,7 +91,8 @@ class Router:
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
             raise invalid(f"logprobs must be between 0 and 20, got {body.logprobs}", "logprobs")
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)) if body.echo else ""
-        return await self._generate(body, request, prompt_ids, body.max_tokens or 16, body.logprobs, chat=False,
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        return await self._generate(body, request, prompt_ids, max_tokens, body.logprobs, chat=False,
                                     echo=echo)
 
     @api.post("/v1/chat/completions")
@@ -107,7 +108,8 @@ class Router:
         if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= 20):
             raise invalid("top_logprobs needs logprobs=true and must be between 0 and 20", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.info.max_model_len - len(prompt_ids))
+        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                          max(1, self.info.max_model_len - len(prompt_ids)))
         return await self._generate(body, request, prompt_ids, max_tokens, logprobs, chat=True)
 
     # ------------------------------------------------------------------ shared path

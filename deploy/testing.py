@@ -1,0 +1,70 @@
+"""Test support: one Tandem Serve application per test session (router + prefill + a tp=2 decode group
+on the session's Ray), shared by every test folder that needs the HTTP API. Like cluster.testing's
+Ray, the fixture counts its users so that the last one shuts Serve down."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from cluster.rendezvous import free_port_on
+
+_server = None
+_users = 0
+
+
+@dataclass(frozen=True)
+class TandemServer:
+    base_url: str  # http://127.0.0.1:PORT
+    model_dir: str
+    model: str  # the served model name
+    config: object  # deploy.config.TandemConfig
+
+    def openai(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, **kwargs)
+
+    def async_openai(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, **kwargs)
+
+    def decode_handle(self):
+        from ray import serve
+
+        return serve.get_deployment_handle("decode", app_name="tandem")
+
+    def prefill_handle(self):
+        from ray import serve
+
+        return serve.get_deployment_handle("prefill", app_name="tandem")
+
+
+def start_server(model_dir: str, **overrides) -> TandemServer:
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.config import TandemConfig
+
+    port = free_port_on("127.0.0.1")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = TandemConfig(**{"model": model_dir, "served_model_name": "tiny", "tp": 2, "num_kv_blocks": 256,
+                          "max_num_seqs": 64, "max_inflight": 40, **overrides})
+    serve.run(build_app(cfg), name="tandem", route_prefix="/")
+    return TandemServer(f"http://127.0.0.1:{port}", model_dir, cfg.name, cfg)
+
+
+@pytest.fixture(scope="session")
+def tandem_server(ray_session, tiny_model_dir):
+    global _server, _users
+    if _server is None:
+        _server = start_server(tiny_model_dir)
+    _users += 1
+    yield _server
+    _users -= 1
+    if _users == 0:
+        from ray import serve
+
+        serve.shutdown()
+        _server = None
