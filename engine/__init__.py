@@ -8,7 +8,8 @@ from engine.llm import LLM
 from engine.llm_engine import Handover, LLMEngine
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.spec.config import SpecConfig
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput", "TokenLogprob",
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "SpecConfig", "RequestOutput", "TokenLogprob",
            "Handover", "TandemError", "InvalidRequestError", "ModelLoadError", "UnsupportedModelError",
            "CapacityError"]

@@ -143,6 +143,7 @@ class EngineConfig:
     seed: int = 0  # base of the seeds given to requests without one
     tp_size: int = 1
     tp_rank: int = 0
+    speculative: object | None = None  # engine.spec.SpecConfig (or a dict of its fields); None = off
     extra: dict = field(default_factory=dict)
 
     def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:

@@ -2,7 +2,8 @@
 hooks of disaggregated serving (prefill-only requests that park, and reserve/commit on the decode side).
 
 One step is schedule -> execute -> update. Bad input raises InvalidRequestError from add_request and
-never reaches the running batch, so other requests are unaffected.
+never reaches the running batch, so other requests are unaffected. With speculation (EngineConfig.
+speculative) a step verifies each decoding request's drafts and emits up to k+1 tokens per request.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, ScheduledRequest
+from engine.spec.config import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Handover:
     header: dict  # msgpack-able description of the request (see LLMEngine.take_handover)
-    block_ids: list[int]  # blocks holding the prompt's KV, in order
+    block_ids: list[int]  # blocks holding the prompt's KV (target and draft layers), in order
+    hidden: torch.Tensor | None = None  # [H_in] the draft head's input at the last prompt row (speculation)
 
 
 class LLMEngine:
@@ -50,7 +53,12 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         # A request alone must always fit, or preemption could not make progress.
         self.max_model_len = min(max_model_len, num_blocks * cfg.block_size)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill)
+        self.spec = SpecConfig.coerce(cfg.speculative)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
+                                   num_lookahead_slots=self.spec.lookahead_slots if self.spec is not None else 0)
+        # engine-wide histogram of tokens emitted per decoding step (index = accepted drafts + 1)
+        self.accepted_length_hist = [0] * (self.spec.k + 2) if self.spec is not None else []
+        self._received: list[Request] = []  # hand-overs committed since the last step (draft first)
         self.tokenizer = _load_tokenizer(cfg.model)
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -119,19 +127,33 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0 or bool(self._finished_unreported)
 
     def stats(self) -> dict:
-        return {
+        out = {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_parked": sum(r.status in (RequestStatus.PARKED, RequestStatus.RESERVED) for r in self.requests.values()),
             "kv_blocks_used": self.blocks.pool.num_used,
             "kv_blocks_total": self.blocks.pool.num_blocks,
         }
+        if self.spec is not None:
+            hist = self.accepted_length_hist
+            steps = sum(hist)
+            out["spec"] = {"method": self.spec.method, "k": self.spec.k, "accepted_length_hist": list(hist),
+                           "mean_accepted_length": sum(i * n for i, n in enumerate(hist)) / steps if steps else None}
+        return out
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        if self._received:
+            self._draft_received()
         sched = self.scheduler.schedule()
         touched: list[Request] = []
-        if not sched.empty:
+        if self.spec is not None:
+            for req in sched.preempted:
+                self.runner.spec.release(req.request_id)
+            if not sched.empty:
+                result = self.runner.spec.execute(sched.scheduled, self.blocks)
+                touched = self._update_spec(sched.scheduled, result)
+        elif not sched.empty:
             sampled, inputs = self.runner.execute(sched.scheduled, self.blocks)
             for s in sched.scheduled:
                 s.request.num_computed_tokens += s.num_new_tokens
@@ -159,6 +181,55 @@ class LLMEngine:
             self._append_token(req, tokens[i], now)
             touched.append(req)
         return touched
+
+    def _update_spec(self, scheduled: list[ScheduledRequest], res) -> list[Request]:
+        """Emit each request's accepted drafts and bonus token, stopping at the first that ends it;
+        rewind the KV of rejected drafts (and of the draft chain's lookahead) by lengths alone."""
+        now = time.monotonic()
+        touched = []
+        for b, s in enumerate(scheduled):
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            emitted = res.tokens[b]
+            if not emitted or req.status is not RequestStatus.RUNNING:
+                continue
+            num_drafts, accepted = res.num_drafts[b], len(emitted) - 1
+            req.num_computed_tokens -= num_drafts - accepted
+            req.spec_token_ids = []
+            if req.num_output_tokens and s.num_new_tokens == num_drafts + 1:  # decoding, not a prompt's end
+                m = req.metrics
+                m.num_draft_tokens += num_drafts
+                m.num_accepted_tokens += accepted
+                m.accepted_lengths.append(accepted + 1)
+                self.accepted_length_hist[accepted + 1] += 1
+            for j, token in enumerate(emitted):
+                if req.params.logprobs is not None:
+                    n = req.params.logprobs
+                    top = dict(zip(res.top_ids[b][j][:n], res.top_logprobs[b][j][:n])) if n > 0 else None
+                    req.logprobs.append(TokenLogprob(token, res.logprobs[b][j], top))
+                self._append_token(req, token, now)
+                if req.status is not RequestStatus.RUNNING:
+                    break
+            touched.append(req)
+            if req.status.finished:
+                continue
+            held = self.blocks.num_slots.get(req.request_id, 0)
+            self.blocks.rewind(req.request_id, held - req.num_computed_tokens)
+            if req.status is RequestStatus.PARKED:
+                self.runner.spec.release(req.request_id)
+                if res.first_hidden is not None:
+                    req.draft_hidden = res.first_hidden[b].clone()
+            else:
+                req.spec_token_ids = self.runner.spec.next_drafts(req, res.drafts[b] if res.drafts else None)
+        return touched
+
+    def _draft_received(self) -> None:
+        reqs = [r for r in self._received if r.status is RequestStatus.RUNNING and r.num_computed_tokens >= 1]
+        self._received = []
+        if self.spec is not None and reqs:
+            self.runner.spec.propose_received(reqs, [r.draft_hidden for r in reqs], self.blocks)
+        for r in reqs:
+            r.draft_hidden = None
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.token_ids.append(token)
@@ -195,6 +266,10 @@ class LLMEngine:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.remove(req)
         self.blocks.free(req.request_id)
+        if self.spec is not None:
+            self.runner.spec.release(req.request_id)
+        req.spec_token_ids = []
+        req.draft_hidden = None
         req.status = status
         req.finish_reason = status.value
         req.metrics.finished_time = time.monotonic()
@@ -227,8 +302,14 @@ class LLMEngine:
             "params": {k: getattr(p, k) for k in p.__dataclass_fields__},
             "logprobs": [(lp.token_id, lp.logprob, lp.top) for lp in req.logprobs],
             "block_size": self.cfg.block_size,
+            "cache_layers": self.runner.num_cache_layers,  # target layers, then the draft's
         }
-        return Handover(header, list(self.blocks.table(request_id)))
+        if self.spec is not None:
+            if not self.runner.spec.shares_cache:
+                raise InvalidRequestError("this engine's draft model keeps its KV in a cache of its own; "
+                                          "hand-overs need the draft's KV layers in the target's cache")
+            header["spec"] = {"method": self.spec.method, "k": self.spec.k}
+        return Handover(header, list(self.blocks.table(request_id)), req.draft_hidden)
 
     def release(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -237,6 +318,10 @@ class LLMEngine:
 
     def reserve(self, header: dict) -> list[int]:
         """Decode side: allocate blocks for an incoming request's prompt KV; raises CapacityError if full."""
+        layers = header.get("cache_layers")
+        if layers is not None and layers != self.runner.num_cache_layers:
+            raise InvalidRequestError(f"the hand-over carries KV for {layers} cache layers but this engine's cache "
+                                      f"has {self.runner.num_cache_layers} (speculation differs between the two sides)")
         params = SamplingParams(**header["params"])
         req = self._new_request(header["request_id"], header["prompt_token_ids"], params, False, seed=header["seed"])
         n = header["num_computed_tokens"]
@@ -253,11 +338,16 @@ class LLMEngine:
         self.requests[req.request_id] = req
         return list(self.blocks.table(req.request_id))
 
-    def commit(self, request_id: str) -> None:
-        """Decode side: the received KV is in place; the request joins the running batch."""
+    def commit(self, request_id: str, hidden: torch.Tensor | None = None) -> None:
+        """Decode side: the received KV is in place; the request joins the running batch. `hidden` is
+        the hand-over's draft-head input (Handover.hidden): with it, the request's first step already
+        verifies a full set of drafts."""
         req = self.requests[request_id]
         assert req.status is RequestStatus.RESERVED, req.status
         self.scheduler.add_running(req)
+        if self.spec is not None:
+            req.draft_hidden = hidden
+            self._received.append(req)
 
 
 def _load_tokenizer(model_dir: str):

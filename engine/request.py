@@ -7,6 +7,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.sampling_params import SamplingParams
 
 
@@ -35,9 +37,9 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     # speculation (filled when a draft method runs)
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # drafts accepted
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per decoding step (accepted + 1)
 
     @property
     def ttft(self) -> float | None:
@@ -53,6 +55,8 @@ class Request:
     max_total_tokens: int  # prompt + output may not exceed this (max_model_len)
     token_ids: list[int] = field(default_factory=list)  # prompt followed by output
     num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (after token_ids)
+    draft_hidden: torch.Tensor | None = None  # the draft head's input at the last prompt row (hand-over)
     status: RequestStatus = RequestStatus.WAITING
     prefill_only: bool = False
     finish_reason: str | None = None

@@ -3,7 +3,9 @@ in the same step, a cap on running requests, and preemption by recompute when bl
 
 schedule() decides, for each request, how many of its not-yet-computed tokens run this step; the
 model runner computes them and the engine then advances `num_computed_tokens`. A request samples
-when its computed tokens reach its total (the end of its prompt, or its newest token).
+when its computed tokens reach its total (the end of its prompt, or its newest token). With
+speculation, a request's drafts extend its tokens to compute (the engine rewinds the rejected ones),
+and a request that samples also holds `num_lookahead_slots` KV slots for the draft chain.
 """
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, num_lookahead_slots: int = 0):
         self.blocks = block_manager
+        self.num_lookahead_slots = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -72,8 +75,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
+            n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
+            while not self.blocks.allocate(req.request_id, self._slots_needed(req, n)):
                 victim = self.running.pop()  # the newest running request gives way
                 self._preempt(victim)
                 preempted.append(victim)
@@ -92,7 +95,7 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
                 break
-            if not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
+            if not self.blocks.allocate(req.request_id, self._slots_needed(req, n)):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -101,6 +104,12 @@ class Scheduler:
             budget -= n
 
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+
+    def _slots_needed(self, req: Request, n: int) -> int:
+        end = req.num_computed_tokens + n
+        if end < req.num_tokens or not self.num_lookahead_slots:
+            return end
+        return max(end, min(end + self.num_lookahead_slots, req.max_total_tokens))
 
     def _scheduled(self, req: Request, n: int, now: float) -> ScheduledRequest:
         if req.metrics.first_scheduled_time is None:
@@ -111,6 +120,7 @@ class Scheduler:
         """Recompute later: drop the KV, keep the tokens (prompt and output so far)."""
         self.blocks.free(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []  # the recomputed prompt's last chunk samples anew, then drafts anew
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -1,0 +1,113 @@
+"""Host-side inputs of one speculative step: the varlen target rows plus, per request, the chain layout.
+
+A request's rows this step are its not-yet-computed tokens: prompt chunks, or [last token, drafts]
+for a decoding request. Column j of a request's chain is the row whose logits predict the token at
+position `num_tokens + j` (j = 0 for a prompt's last chunk). With `uniform`, every request (all of
+them decoding) gets exactly k+1 rows, so the step's shapes depend on the batch size alone (CUDA graphs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.batch import build_sampling
+from engine.block_manager import BlockManager
+from engine.sampler import SamplingBatch
+from engine.scheduler import ScheduledRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SpecBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata  # target metadata over the T rows
+    verify_rows: torch.Tensor  # [B, k+1] int64 row whose logits give chain column j (padding repeats)
+    drafts: torch.Tensor  # [B, k] int64 drafts in target ids, 0 past num_drafts
+    num_drafts: torch.Tensor  # [B] int64
+    next_tokens: torch.Tensor  # [T] int64 token after each row where the host knows it (else 0)
+    samples: torch.Tensor  # [B] bool request emits tokens this step
+    slots: torch.Tensor  # [B] int64 row of the draft-state buffers
+    slot_limit: torch.Tensor  # [B] int64 KV slots held; draft-chain writes at or past it are dropped
+    sampling: SamplingBatch  # [B] rows, positions = each chain's first new position
+    full_drafts: bool  # host: every request has k drafts
+    propose: bool  # host: some request needs new drafts (a sampling one that is not prefill-only)
+    chain_max_seq_len: int  # host bound on draft-chain KV lengths
+    # host copies for the update
+    host_num_drafts: list[int]
+    host_samples: list[bool]
+
+
+def build_spec_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cache: torch.Tensor,
+                     device: torch.device, vocab_size: int, k: int, slots: list[int],
+                     uniform: bool = False) -> SpecBatch:
+    bs = blocks.block_size
+    B, k1 = len(scheduled), k + 1
+    rows = [k1 if uniform else s.num_new_tokens for s in scheduled]
+    T = sum(rows)
+    input_ids = np.zeros(T, dtype=np.int64)
+    positions = np.zeros(T, dtype=np.int64)
+    slot_mapping = np.full(T, -1, dtype=np.int64)
+    next_tokens = np.zeros(T, dtype=np.int64)
+    qsl = np.zeros(B + 1, dtype=np.int32)
+    seq_lens = np.zeros(B, dtype=np.int32)
+    max_blocks = max(len(blocks.table(s.request.request_id)) for s in scheduled)
+    tables = np.zeros((B, max_blocks), dtype=np.int32)
+    verify_rows = np.zeros((B, k1), dtype=np.int64)
+    drafts = np.zeros((B, k), dtype=np.int64)
+    num_drafts = np.zeros(B, dtype=np.int64)
+    samples = np.zeros(B, dtype=bool)
+    slot_limit = np.zeros(B, dtype=np.int64)
+    first_pos = np.zeros(B, dtype=np.int64)
+    propose = False
+
+    t = 0
+    for b, s in enumerate(scheduled):
+        req, n = s.request, s.num_new_tokens
+        start, held = req.num_computed_tokens, blocks.num_slots[req.request_id]
+        table = blocks.table(req.request_id)
+        tables[b, : len(table)] = table
+        ext = req.token_ids + req.spec_token_ids
+        m = rows[b]
+        pos = np.arange(start, start + m, dtype=np.int64)
+        real = min(n, m)
+        input_ids[t : t + real] = ext[start : start + real]
+        positions[t : t + m] = pos
+        ok = pos < held
+        slot_mapping[t : t + m] = np.where(ok, tables[b, np.minimum(pos // bs, max_blocks - 1)].astype(np.int64) * bs
+                                           + pos % bs, -1)
+        after = ext[start + 1 : start + real + 1]
+        next_tokens[t : t + len(after)] = after
+        samples[b] = s.sample
+        slot_limit[b] = held
+        if s.sample:
+            nd = start + n - req.num_tokens
+            num_drafts[b] = nd
+            drafts[b, :nd] = req.spec_token_ids[:nd]
+            first = t + req.num_tokens - 1 - start  # row of the last verified token
+            verify_rows[b] = first + np.minimum(np.arange(k1), nd)
+            propose |= not req.prefill_only
+        else:
+            verify_rows[b] = t + real - 1
+        first_pos[b] = req.num_tokens
+        t += m
+        qsl[b + 1] = t
+        seq_lens[b] = start + m
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    attn = AttentionMetadata(kv_cache=kv_cache, slot_mapping=dev(slot_mapping), block_tables=dev(tables),
+                             seq_lens=dev(seq_lens), query_start_loc=dev(qsl), max_q_len=max(rows),
+                             max_seq_len=int(seq_lens.max()))
+    sampling = build_sampling(scheduled, device, vocab_size)
+    sampling = replace(sampling, positions=dev(first_pos))
+    return SpecBatch(
+        input_ids=dev(input_ids), positions=dev(positions), attn=attn, verify_rows=dev(verify_rows),
+        drafts=dev(drafts), num_drafts=dev(num_drafts), next_tokens=dev(next_tokens), samples=dev(samples),
+        slots=dev(np.asarray(slots, dtype=np.int64)), slot_limit=dev(slot_limit), sampling=sampling,
+        full_drafts=bool((num_drafts[samples] == k).all()), propose=propose,
+        chain_max_seq_len=int(seq_lens.max()) + k + 2,
+        host_num_drafts=num_drafts.tolist(), host_samples=samples.tolist())

@@ -1,0 +1,57 @@
+"""SpecConfig: which speculative method the engine runs, with how many draft tokens per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("mtp", "eagle3", "ngram", "draft_model")
+MAX_K = 8
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """`LLM(model, speculative=SpecConfig(method="eagle3", k=3, draft="path/to/head"))`.
+
+    - mtp: a DeepSeek-V3 MTP layer (`model.layers.{N}.*`, N = the target's num_hidden_layers), reused
+      for all k steps. `draft` is its directory; None reads it from the target's own checkpoint.
+    - eagle3: an EAGLE-3 head in its authors' layout (`LlamaForCausalLMEagle3`); `draft` required.
+    - ngram: prompt lookup over the prompt and the generated tokens; no model.
+    - draft_model: a separate small causal LM with the target's tokenizer; `draft` required.
+    """
+
+    method: str
+    k: int = 3
+    draft: str | None = None
+    prompt_lookup_max: int = 4  # ngram: longest suffix n-gram tried first
+    prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram tried last
+    cuda_graphs: bool = True  # on CUDA, capture the decode step per padded batch size
+    max_graph_batch: int | None = None  # None: the engine's max_num_seqs
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; use one of {METHODS}")
+        if not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
+            raise ValueError(f"speculative k must be an integer in [1, {MAX_K}], got {self.k!r}")
+        if self.method in ("eagle3", "draft_model") and not self.draft:
+            raise ValueError(f"speculative method {self.method!r} needs `draft`: the draft checkpoint directory")
+        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @property
+    def uses_model(self) -> bool:
+        """A draft network runs inside the step (everything but ngram)."""
+        return self.method != "ngram"
+
+    @property
+    def lookahead_slots(self) -> int:
+        """KV slots past the verified chain that the draft chain writes (a full acceptance moves the
+        chain's start k positions further)."""
+        return self.k if self.uses_model else 0
+
+    @staticmethod
+    def coerce(value: "SpecConfig | dict | None") -> "SpecConfig | None":
+        if value is None or isinstance(value, SpecConfig):
+            return value
+        if isinstance(value, dict):
+            return SpecConfig(**value)
+        raise TypeError(f"speculative must be a SpecConfig or a dict, got {type(value).__name__}")

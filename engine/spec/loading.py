@@ -1,0 +1,68 @@
+"""Building a draft network from its checkpoint: MTP, EAGLE-3 or a separate draft model.
+
+Every problem with a draft checkpoint (missing directory, config or weight; a tensor of the wrong
+shape; a head made for another target) is a ModelLoadError that names it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import ModelLoadError
+from engine.loader import load_weights
+from engine.models.eagle3 import Eagle3Head
+from engine.models.llama import LlamaForCausalLM
+from engine.models.mtp import MTPHead, mtp_layer_count
+from engine.parallel import TPContext
+from engine.spec.config import SpecConfig
+from engine.spec.head import check_dims, checkpoint_names, head_model_config, read_config, read_tensor
+from engine.spec.proposer import DraftModelProposer, HeadProposer, Proposer
+
+log = logging.getLogger(__name__)
+
+
+def load_proposer(spec: SpecConfig, cfg: EngineConfig, model_cfg: ModelConfig, target: LlamaForCausalLM,
+                  tp: TPContext, dtype: torch.dtype, device: torch.device, max_pos: int, num_kv_heads: int,
+                  kv_cache_ref) -> tuple[Proposer, tuple[int, int], bool]:
+    """-> (proposer, (kv heads, head dim) of its KV layers, whether they extend the target's cache)."""
+    draft_dir = spec.draft or cfg.model
+    if spec.method == "draft_model":
+        dcfg = ModelConfig.from_dir(draft_dir)
+    else:
+        raw = read_config(draft_dir)
+        dcfg = head_model_config(draft_dir, raw)
+        check_dims(f"{spec.method} head {draft_dir}", dcfg, model_cfg)
+    kv_shape = (max(1, dcfg.num_kv_heads // tp.size), dcfg.head_dim)
+    shares = kv_shape == (num_kv_heads, model_cfg.head_dim)
+    first_layer = model_cfg.num_layers if shares else 0
+
+    with torch.device(device):
+        if spec.method == "mtp":
+            mtp_layer_count(raw, draft_dir)
+            prefix = f"model.layers.{model_cfg.num_layers}."
+            present = {n[len(prefix):] for n in checkpoint_names(draft_dir) if n.startswith(prefix)}
+            if not present:
+                raise ModelLoadError(f"{draft_dir} has no tensors named {prefix}* (the MTP layer after the "
+                                     f"target's {model_cfg.num_layers} layers)")
+            net = MTPHead(dcfg, target, first_layer, tp, dtype, max_pos, present).to(dtype)
+            load_weights(net, draft_dir, dtype, name_map=lambda n: n if n.startswith(prefix) else None)
+            proposer = HeadProposer(net.eval(), spec.k, model_cfg.vocab_size, kv_cache_ref)
+        elif spec.method == "eagle3":
+            if "LlamaForCausalLMEagle3" not in (raw.get("architectures") or []):
+                log.warning("%s does not declare LlamaForCausalLMEagle3; reading it as an EAGLE-3 head", draft_dir)
+            net = Eagle3Head(dcfg, raw, target, first_layer, tp, dtype, max_pos, checkpoint_names(draft_dir)).to(dtype)
+            load_weights(net, draft_dir, dtype, name_map=lambda n: None if n in ("d2t", "t2d") else n)
+            net.set_vocab_map(read_tensor(draft_dir, "d2t"), model_cfg.vocab_size)
+            proposer = HeadProposer(net.eval(), spec.k, model_cfg.vocab_size, kv_cache_ref)
+        else:
+            if dcfg.vocab_size != model_cfg.vocab_size:
+                log.warning("draft model vocabulary %d differs from the target's %d; ids past the smaller one "
+                            "are never drafted", dcfg.vocab_size, model_cfg.vocab_size)
+            net = LlamaForCausalLM(dcfg, tp, dtype, max_pos=max_pos).to(dtype)
+            load_weights(net, draft_dir, dtype)
+            for layer in net.layers:  # the draft's KV layers come after the target's
+                layer.self_attn.attn.layer_idx += first_layer
+            proposer = DraftModelProposer(net.eval(), spec.k, model_cfg.vocab_size, kv_cache_ref)
+    return proposer, kv_shape, shares

@@ -1,0 +1,155 @@
+"""Draft proposers that run inside the step: a one-model head (MTP, EAGLE-3) or a separate draft model.
+
+Both fill their KV over every row the target ran this step (prompt chunks and verification chains),
+then extend a chain of k drafts from each request's last verified row. All shapes are fixed by the
+batch (rows T, requests B, k); positions and slots that depend on the number of accepted drafts
+are computed on the device, so the whole proposal is capturable in a CUDA graph.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.attention import AttentionMetadata, attention_context
+from engine.models.llama import LlamaForCausalLM
+from engine.sampler import SamplingBatch, processed_logits
+from engine.spec.head import DraftHead
+from kernels import rng
+
+
+@dataclass(frozen=True, slots=True)
+class ProposeInputs:
+    hidden: torch.Tensor | None  # [R, H_in] first-step hidden of a head (None for a draft model)
+    input_ids: torch.Tensor  # [R] int64 the target's input tokens of the rows
+    next_tokens: torch.Tensor  # [R] int64 the token after each row (the verified/sampled one where it matters)
+    positions: torch.Tensor  # [R] int64
+    attn: AttentionMetadata  # the target's metadata over the R rows (its kv_cache is swapped for the draft's)
+    out_rows: torch.Tensor  # [B] int64 each request's last verified row: the chain starts after it
+    slot_limit: torch.Tensor  # [B] int64 KV slots the request holds; chain writes at or past it are dropped
+    max_seq_len: int  # host bound on positions + 1 over the chain
+    sampling: SamplingBatch  # [B] rows; drafts use its temperature/top-k/top-p/min-p, not its penalties
+
+
+def chain_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, pos: torch.Tensor, slot_limit: torch.Tensor,
+                   max_seq_len: int) -> AttentionMetadata:
+    """One query row per request at positions `pos` [B], over the requests' block tables."""
+    tables = base.block_tables  # [B, M] int32
+    block_size = kv_cache.shape[3]
+    idx = (pos // block_size).clamp(max=tables.shape[1] - 1)
+    slot = tables.gather(1, idx[:, None].to(torch.int64))[:, 0].to(torch.int64) * block_size + pos % block_size
+    B = pos.shape[0]
+    return AttentionMetadata(
+        kv_cache=kv_cache,
+        slot_mapping=torch.where(pos < slot_limit, slot, -1),
+        block_tables=tables,
+        seq_lens=(pos + 1).to(torch.int32),
+        query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=pos.device),
+        max_q_len=1,
+        max_seq_len=max_seq_len,
+    )
+
+
+def sample_drafts(logits: torch.Tensor, positions: torch.Tensor, s: SamplingBatch,
+                  draft_to_target: torch.Tensor | None, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft logits [B, Vd] -> (draft token in target ids [B], its distribution q over the target vocab
+    [B, V] or None when every row is greedy). Sampled rows draw from the sampler's processed
+    distribution by the exponential race on the STREAM_DRAFT numbers of (seed, position); greedy rows
+    take the argmax."""
+    if s.all_greedy:
+        best = logits.argmax(-1)
+        return (best if draft_to_target is None else draft_to_target[best]), None
+    if draft_to_target is not None:
+        full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+        logits = full.index_copy_(1, draft_to_target, logits)
+    q = processed_logits(logits, s).softmax(-1)  # [B, V]; greedy rows never read it
+    noise = rng.exponential(s.seeds, positions, vocab_size, rng.STREAM_DRAFT)
+    sampled = (q / noise).argmax(-1)
+    return torch.where(s.temperature > 0, sampled, logits.argmax(-1)), q
+
+
+class Proposer(ABC):
+    """A draft network living beside the target in the engine's step."""
+
+    k: int
+    capture_layers: tuple[int, ...] = ()
+    num_cache_layers: int  # KV layers it adds after the target's
+
+    def __init__(self, k: int, vocab_size: int, kv_cache_ref):
+        self.k = k
+        self.vocab_size = vocab_size
+        self._kv_cache = kv_cache_ref  # callable -> the cache tensor holding the draft layers
+
+    def first_hidden(self, final_hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor | None:
+        return None
+
+    @abstractmethod
+    def propose(self, inp: ProposeInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (drafts [B, k] int64 target ids, draft distributions [B, k, V] or None if all greedy)."""
+
+
+class HeadProposer(Proposer):
+    """MTP or EAGLE-3: the first step over all rows reads the target's hidden states, k-1 more steps
+    read the head's own output, one row per request."""
+
+    def __init__(self, head: DraftHead, k: int, vocab_size: int, kv_cache_ref):
+        super().__init__(k, vocab_size, kv_cache_ref)
+        self.head = head
+        self.capture_layers = head.capture_layers
+        self.num_cache_layers = 1
+        small = head.draft_vocab_size is not None and head.draft_vocab_size != vocab_size
+        self.remap = head.draft_to_target if small else None
+
+    def first_hidden(self, final_hidden, captured):
+        return self.head.first_hidden(final_hidden, captured)
+
+    def propose(self, inp: ProposeInputs):
+        cache = self._kv_cache()
+        with attention_context(replace(inp.attn, kv_cache=cache)):
+            state = self.head(inp.hidden, inp.next_tokens, inp.positions)  # [R, H]
+        state = state[inp.out_rows]  # [B, H]
+        start = inp.positions[inp.out_rows]  # index of the chain's first step
+        tokens, probs = [], []
+        for s in range(self.k):
+            if s > 0:
+                pos = start + s
+                with attention_context(chain_metadata(inp.attn, cache, pos, inp.slot_limit, inp.max_seq_len)):
+                    state = self.head(state, tokens[-1], pos)
+            logits = self.head.compute_logits(state)
+            token, q = sample_drafts(logits, start + 2 + s, inp.sampling, self.remap, self.vocab_size)
+            tokens.append(token)
+            probs.append(q)
+        return torch.stack(tokens, 1), (None if probs[0] is None else torch.stack(probs, 1))
+
+
+class DraftModelProposer(Proposer):
+    """A separate causal LM: its KV is filled with the target's own rows, then k single-token steps
+    start from the token after each request's last verified row."""
+
+    def __init__(self, model: LlamaForCausalLM, k: int, vocab_size: int, kv_cache_ref):
+        super().__init__(k, vocab_size, kv_cache_ref)
+        self.model = model
+        self.num_cache_layers = model.cfg.num_layers
+        n = min(model.cfg.vocab_size, vocab_size)
+        self.width = n
+        self.remap = None if n == vocab_size else torch.arange(n, device=model.embed_tokens.weight.device)
+
+    def propose(self, inp: ProposeInputs):
+        cache = self._kv_cache()
+        top = self.model.cfg.vocab_size - 1  # target ids the draft does not know read as its last id
+        with attention_context(replace(inp.attn, kv_cache=cache)):
+            self.model(inp.input_ids.clamp(max=top), inp.positions)
+        start = inp.positions[inp.out_rows] + 1  # the verified token after the last row
+        token = inp.next_tokens[inp.out_rows].clamp(max=top)
+        tokens, probs = [], []
+        for s in range(self.k):
+            pos = start + s
+            with attention_context(chain_metadata(inp.attn, cache, pos, inp.slot_limit, inp.max_seq_len)):
+                hidden, _ = self.model(token, pos)
+            logits = self.model.compute_logits(hidden)[:, : self.width]
+            draft, q = sample_drafts(logits, pos + 1, inp.sampling, self.remap, self.vocab_size)
+            tokens.append(draft)
+            probs.append(q)
+            token = draft.clamp(max=top)
+        return torch.stack(tokens, 1), (None if probs[0] is None else torch.stack(probs, 1))

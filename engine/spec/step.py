@@ -1,0 +1,65 @@
+"""The speculative step as one function (DESIGN.md, "The decode step"):
+
+1. target forward over every row (prompt chunks and [last token + k drafts] chains), capturing the
+   hidden states the draft head reads;
+2. verification of each chain (greedy, or lossless rejection sampling against the draft
+   distributions kept from the previous step);
+3. the draft: its KV over all rows, then k drafts from each request's last verified row.
+
+No host syncs and no data-dependent shapes: everything that depends on how many drafts were
+accepted (rows, positions, slots) is a gather on the device. Rejected drafts need no cleanup: the
+KV past a request's verified length is overwritten before anything reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import attention_context
+from engine.models.llama import LlamaForCausalLM
+from engine.spec.batch import SpecBatch
+from engine.spec.proposer import ProposeInputs, Proposer
+from engine.spec.verify import verify
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    tokens: torch.Tensor  # [B, k+1] int64 emitted tokens, -1 after the last
+    num_accepted: torch.Tensor  # [B] int64 accepted drafts
+    drafts: torch.Tensor | None  # [B, k] int64 next step's drafts (None: no draft network ran)
+    first_hidden: torch.Tensor | None  # [B, H_in] the head's input at each request's last verified row
+    logprobs: torch.Tensor | None  # [B, k+1] f32
+    top_ids: torch.Tensor | None  # [B, k+1, n] int64
+    top_logprobs: torch.Tensor | None  # [B, k+1, n] f32
+
+
+def speculative_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: SpecBatch,
+                     draft_probs: torch.Tensor | None) -> StepOutput:
+    """draft_probs: the draft distributions buffer [slots, k, V] (None while every request is greedy);
+    read at the requests' slots for verification, overwritten there with the new drafts'."""
+    capture = proposer.capture_layers if proposer is not None else ()
+    with attention_context(batch.attn):
+        final, captured = target(batch.input_ids, batch.positions, tuple(sorted(set(capture))))
+    B, k1 = batch.verify_rows.shape
+    logits = target.compute_logits(final[batch.verify_rows.reshape(-1)]).view(B, k1, -1)  # [B, k+1, V]
+    use_probs = proposer is not None and draft_probs is not None and not batch.sampling.all_greedy
+    q = draft_probs[batch.slots] if use_probs else None  # [B, k, V]
+    v = verify(logits, batch.drafts, batch.num_drafts, q, batch.sampling, batch.full_drafts)
+    if proposer is None or not batch.propose:
+        return StepOutput(v.tokens, v.num_accepted, None, None, v.logprobs, v.top_ids, v.top_logprobs)
+
+    a = v.num_accepted[:, None]
+    out_rows = batch.verify_rows.gather(1, a)[:, 0]  # [B] last verified row
+    bonus = v.tokens.gather(1, a)[:, 0]  # [B] the token after it
+    after = batch.next_tokens[out_rows]
+    next_tokens = batch.next_tokens.index_put((out_rows,), torch.where(batch.samples, bonus, after))
+    hidden = proposer.first_hidden(final, captured)  # [T, H_in] or None
+    drafts, probs = proposer.propose(ProposeInputs(
+        hidden=hidden, input_ids=batch.input_ids, next_tokens=next_tokens, positions=batch.positions,
+        attn=batch.attn, out_rows=out_rows, slot_limit=batch.slot_limit, max_seq_len=batch.chain_max_seq_len,
+        sampling=batch.sampling))
+    if use_probs:
+        draft_probs.index_copy_(0, batch.slots, probs.to(draft_probs.dtype))
+    first_hidden = hidden[out_rows] if hidden is not None else None
+    return StepOutput(v.tokens, v.num_accepted, drafts, first_hidden, v.logprobs, v.top_ids, v.top_logprobs)

@@ -1,0 +1,104 @@
+"""The engine's side of verification: logits processed exactly as the sampler does, then the kernels.
+
+The target's logits at the k+1 positions of each chain go through the sampler's own processing
+(penalties counted over the output plus the drafts before each position, then temperature, top-k,
+top-p, min-p), so p is the distribution a run without speculation samples from, and the
+verification kernels (kernels/verify.py) draw with the same counter-based numbers: a request with no
+drafts gets bit for bit the token the plain sampler would give it. Requests may carry fewer drafts
+than k (prompt lookup misses, the end of max_tokens); acceptance is cut at their count and the
+token after it is drawn from p, as the bonus would be.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.sampler import SamplingBatch, apply_penalties, processed_logits
+from kernels import rng
+from kernels.verify import verify_greedy, verify_rejection
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    tokens: torch.Tensor  # [B, k+1] int64: accepted drafts, the bonus/corrected token, then -1
+    num_accepted: torch.Tensor  # [B] int64 accepted drafts (emitted tokens = num_accepted + 1)
+    logprobs: torch.Tensor | None  # [B, k+1] f32 raw-model logprob of each emitted token
+    top_ids: torch.Tensor | None  # [B, k+1, n] int64
+    top_logprobs: torch.Tensor | None  # [B, k+1, n] f32
+
+
+def per_position(b: SamplingBatch, drafts: torch.Tensor) -> SamplingBatch:
+    """[B] rows -> [B * (k+1)] rows, one per chain position: positions advance by one and penalty
+    counts include the drafts before each position."""
+    B, k = drafts.shape
+    k1 = k + 1
+    rep = lambda t: t.repeat_interleave(k1, dim=0)  # noqa: E731
+    offsets = torch.arange(k1, device=drafts.device)
+    fields = dict(temperature=rep(b.temperature), top_k=rep(b.top_k), top_p=rep(b.top_p), min_p=rep(b.min_p),
+                  seeds=rep(b.seeds), positions=(b.positions[:, None] + offsets).reshape(-1))
+    if b.repetition is not None:
+        V = b.output_counts.shape[-1]
+        one_hot = torch.zeros(B, k, V, device=drafts.device).scatter_(2, drafts[..., None], 1.0)
+        before = torch.cat([one_hot.new_zeros(B, 1, V), one_hot.cumsum(1)], 1)  # [B, k+1, V]
+        counts = b.output_counts[:, None] + before
+        fields.update(repetition=rep(b.repetition), presence=rep(b.presence), frequency=rep(b.frequency),
+                      output_counts=counts.reshape(B * k1, V),
+                      seen_mask=(b.seen_mask[:, None] | (before > 0)).reshape(B * k1, V))
+    return replace(b, **fields)
+
+
+def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, draft_probs: torch.Tensor | None,
+           b: SamplingBatch, full_drafts: bool) -> Verified:
+    """logits [B, k+1, V] f32 at each chain's positions; drafts [B, k] int64 (any id past num_drafts);
+    num_drafts [B] int64; draft_probs [B, k, V] (None: drafts are deterministic, q one-hot);
+    b: the requests' sampling with `positions` = the position of each chain's first new token;
+    full_drafts: host fact that every request has k drafts (skips the separate bonus draw)."""
+    B, k1, V = logits.shape
+    flat = logits.reshape(B * k1, V)
+    raw_logprobs = flat.log_softmax(-1) if b.max_logprobs is not None else None
+    pb = per_position(b, drafts)
+    flat = apply_penalties(flat, pb)
+    if b.all_greedy:
+        out, accepted = verify_greedy(flat.view(B, k1, V), drafts)
+        dist = flat.view(B, k1, V)
+    else:
+        flat = processed_logits(flat, pb)
+        # Processing is done: the kernel keeps greedy rows greedy and samples the rest from softmax(flat).
+        temperature = (b.temperature > 0).to(torch.float32)
+        out, accepted = verify_rejection(flat.view(B, k1, V), drafts, draft_probs, temperature,
+                                         torch.zeros_like(b.top_k), torch.ones_like(b.top_p), b.seeds, b.positions,
+                                         has_filters=False)
+        dist = flat.view(B, k1, V)
+    accepted = accepted.to(torch.int64)
+    if not full_drafts:
+        accepted, out = _cut_at_num_drafts(out, accepted, drafts, num_drafts, dist, b)
+    tokens = out
+    if raw_logprobs is None:
+        return Verified(tokens, accepted, None, None, None)
+    lp = raw_logprobs.view(B, k1, V)
+    token_lp = lp.gather(-1, tokens.clamp(min=0)[..., None])[..., 0]
+    if b.max_logprobs > 0:
+        top_lp, top_ids = lp.topk(b.max_logprobs, dim=-1)
+        return Verified(tokens, accepted, token_lp, top_ids, top_lp)
+    return Verified(tokens, accepted, token_lp, None, None)
+
+
+def _cut_at_num_drafts(out, accepted, drafts, num_drafts, dist, b: SamplingBatch):
+    """Acceptance past a request's own drafts does not count; the token after its last draft is then a
+    draw from p at that position (greedy: the argmax; else the STREAM_SAMPLE race, as the sampler)."""
+    B, k1, V = dist.shape
+    n = num_drafts.to(torch.int64)
+    cut = accepted >= n
+    accepted = torch.minimum(accepted, n)
+    at_n = dist.gather(1, n[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
+    bonus = at_n.argmax(-1)
+    if not b.all_greedy:
+        noise = rng.exponential(b.seeds, b.positions + n, V, rng.STREAM_SAMPLE)
+        sampled = (at_n.softmax(-1) / noise).argmax(-1)
+        bonus = torch.where(b.temperature > 0, sampled, bonus)
+    j = torch.arange(k1, device=out.device)[None, :]
+    last = torch.where(cut, bonus, out.gather(1, accepted[:, None])[:, 0])
+    padded = torch.cat([drafts, drafts.new_full((B, 1), -1)], 1)
+    a = accepted[:, None]
+    return accepted, torch.where(j < a, padded, torch.where(j == a, last[:, None], -1))
