@@ -1,0 +1,77 @@
+"""A decode rank that dies ends its group's in-flight requests with an error (never a hang), and the
+decode replica rebuilds its group so that later requests are served again."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.ray
+
+
+def test_killed_decode_rank_gives_errors_not_hangs_and_the_group_recovers(tandem_server):
+    decode = tandem_server.decode_handle()
+    before = decode.stats.remote().result()
+    pids = decode.rank_pids.remote().result()
+    assert len(pids) == tandem_server.config.tp == 2
+
+    async def stream_until_error(client, prompt, started: asyncio.Event):
+        stream = await client.completions.create(model=tandem_server.model, prompt=prompt, max_tokens=230,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = 0
+        try:
+            async for _ in stream:
+                chunks += 1
+                if chunks == 3:
+                    started.set()
+        except openai.APIError as e:
+            return "error", chunks, str(e)
+        return "finished", chunks, ""
+
+    async def non_streaming(client, started: asyncio.Event):
+        await started.wait()
+        try:
+            await client.completions.create(model=tandem_server.model, prompt="lazy dog", max_tokens=230,
+                                            temperature=0, extra_body={"ignore_eos": True})
+        except openai.APIStatusError as e:
+            return "error", e.status_code, e.body
+        return "finished", 200, None
+
+    async def main():
+        async with tandem_server.async_openai(timeout=60) as client:
+            started = [asyncio.Event() for _ in range(3)]
+            tasks = [asyncio.create_task(stream_until_error(client, p, ev))
+                     for p, ev in zip(["Hello, how are you?", "The quick brown fox", "def add(a, b):"], started)]
+            await asyncio.gather(*[ev.wait() for ev in started])
+            blocking = asyncio.create_task(non_streaming(client, started[0]))
+            await asyncio.sleep(0.1)
+            os.kill(pids[1], signal.SIGKILL)
+            start = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks, blocking), timeout=45)
+            return results, time.monotonic() - start
+
+    results, took = asyncio.run(main())
+    streams, plain = results[:3], results[3]
+    for outcome, chunks, message in streams:
+        assert outcome == "error" and "decode rank died" in message, (outcome, chunks, message)
+    assert plain[0] == "error" and plain[1] == 503 and "decode rank died" in plain[2]["message"]
+    assert took < 30
+
+    # The replica builds a new group; requests succeed again.
+    client = tandem_server.openai(timeout=60)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            out = client.completions.create(model=tandem_server.model, prompt="Hello", max_tokens=5, temperature=0)
+            break
+        except openai.APIStatusError:
+            assert time.monotonic() < deadline, "the decode group did not recover"
+            time.sleep(1.0)
+    assert out.usage.completion_tokens == 5
+    after = decode.stats.remote().result()
+    assert after["groups_started"] == before["groups_started"] + 1 and after["group_id"] != before["group_id"]
+    assert set(decode.rank_pids.remote().result()).isdisjoint(pids)
