@@ -12,6 +12,7 @@ in the same run (the practical bandwidth ceiling).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -202,10 +203,12 @@ def run(device: str, quick: bool) -> tuple[list[Result], float]:
     return results, limit
 
 
-def table(results: list[Result], device: str, limit: float) -> str:
+def table(results: list[Result], device: str, limit: float, load: float) -> str:
     lines = [f"# bench/kernels.py on {device_name(device)}",
              f"Measured copy bandwidth (the limit): {limit:.1f} GB/s. Median of repeated runs; "
-             "vs ref = reference median / this median.", "",
+             "vs ref = reference median / this median. Bytes: see the module docstring.",
+             f"1-minute load average at start: {load:.1f} on {os.cpu_count()} cores "
+             "(other work on a shared machine inflates medians; min ms is the cleaner number).", "",
              "| kernel | case | impl | median ms | min ms | GB/s | % limit | vs ref |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.kernel} | {r.case} | {r.impl} | {r.median_ms:.3f} | {r.min_ms:.3f} | {r.gbps:.1f} | "
@@ -221,9 +224,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
     results, limit = run(args.device, args.quick)
-    text = table(results, args.device, limit)
-    write_results(f"kernels_{args.device}", {"device": device_name(args.device), "copy_gbps": limit,
+    text = table(results, args.device, limit, load)
+    write_results(f"kernels_{args.device}", {"device": device_name(args.device), "copy_gbps": limit, "load": load,
                                              "results": [asdict(r) for r in results]}, text)
     print(text)
 
