@@ -1,0 +1,10 @@
+"""Triton kernels, each beside a plain-torch reference with the same signature.
+
+Every module exposes `name` (dispatch: Triton on CUDA or under TRITON_INTERPRET=1, else the
+reference), `name_ref` and `name_triton`:
+  attention     store_kv, paged_attention (varlen, GQA, split-KV flash decoding)
+  bitmask       apply_token_bitmask (xgrammar layout, row flags, index map, d2t)
+  verify        verify_greedy, verify_rejection (+ target_probs), counter RNG from rng.py
+  kv_transfer   pack_kv, unpack_kv (head slices for tp re-sharding)
+  norm_rope     rms_norm (+ residual), apply_rope, build_rope_cache (Llama-3 scaling)
+"""

@@ -191,3 +191,15 @@ def test_paged_attention_triton_cuda(num_splits, dtype, q_lens, seq_lens, D):
     ref = expected(batch, dk, dv, q_lens, seq_lens, D**-0.5)
     n = sum(q_lens)
     torch.testing.assert_close(out[:n].cpu().double(), ref[:n], atol=tol[dtype], rtol=tol[dtype])
+
+
+@pytest.mark.parametrize("fn", [paged_attention_ref, paged_attention_triton])
+def test_paged_attention_strided_query(fn):
+    """q as a view of a fused qkv projection [T, Hq + 2 * Hkv, D] (row stride != Hq * D)."""
+    batch, dk, dv = make_batch([2, 3], [7, 12], 4, 2, 64, 4, torch.float32, pad_rows=0)
+    fused = torch.randn(5, 8, 64)
+    fused[:, :4] = batch["query"]
+    batch["query"] = fused[:, :4]
+    out = fn(**batch, scale=0.125, max_q_len=3, max_seq_len=12)
+    ref = expected(batch, dk, dv, [2, 3], [7, 12], 0.125)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
