@@ -142,6 +142,13 @@ class DecodeRank:
             logprobs = tuple((lp.token_id, lp.logprob, lp.top) for lp in out.logprobs[sent:])
         return TokenDelta(out.request_id, tuple(new), out.finished, out.finish_reason, logprobs)
 
+    def kv_blocks(self, request_id: str):
+        """[L, 2, n, S, local heads, D] copy of a request's KV blocks (for checks; not on the hot path)."""
+        import torch
+
+        table = self.engine.blocks.table(request_id)
+        return self.engine.kv_cache.index_select(2, torch.tensor(table, dtype=torch.long)).clone()
+
     def shutdown(self) -> None:
         if self.receiver is not None:
             self.receiver.close()

@@ -1,0 +1,80 @@
+"""Prefill (tp=1, in this process) -> decode group (tp=2 rank actors): each rank receives exactly its
+KV-head slice of the prefill's blocks, byte for byte, for odd block counts; then decodes what the
+single-process engine decodes."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from cluster.placement import RankResources
+from decode_worker.controller import DecodeController
+from decode_worker.group import GroupSpec, RankGroup
+from engine import EngineConfig, LLMEngine, SamplingParams
+from prefill_worker.config import PrefillRequest
+from prefill_worker.deployment import PrefillServer
+
+pytestmark = pytest.mark.ray
+
+BLOCK = 16
+
+
+def reference_blocks(model_dir: str, prompt: list[int]) -> torch.Tensor:
+    """[L, 2, n, S, H, D] KV of the prompt's blocks from an independent single-process prefill."""
+    eng = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, block_size=BLOCK))
+    eng.add_request("ref", prompt, SamplingParams(max_tokens=4, temperature=0.0), prefill_only=True)
+    while eng.has_unfinished():
+        eng.step()
+    h = eng.take_handover("ref")
+    n = -(-h.header["num_computed_tokens"] // BLOCK)
+    return eng.kv_cache[:, :, h.block_ids[:n]].clone()
+
+
+def test_tp1_prefill_hands_each_tp2_rank_its_head_slice(ray_session, tiny_model_dir):
+    async def main():
+        spec = GroupSpec(engine_config={"model": tiny_model_dir, "num_kv_blocks": 64, "block_size": BLOCK},
+                         tp_size=2, resources=RankResources(num_cpus=1))
+        group = await RankGroup.start(spec)
+        prefill = PrefillServer({"model": tiny_model_dir, "num_kv_blocks": 64, "block_size": BLOCK})
+        ctrl = DecodeController(tp_size=2)
+        try:
+            results = {}
+            for n_tokens in (10, 40, 70):  # 1, 3 and 5 blocks
+                prompt = [(7 * i + n_tokens) % 300 + 3 for i in range(n_tokens)]
+                rid = f"r{n_tokens}"
+                sink: asyncio.Queue = asyncio.Queue()
+                ctrl.expect(rid, sink)
+                first = await prefill.prefill(PrefillRequest(rid, prompt, {"max_tokens": 6, "temperature": 0.0,
+                                                                           "ignore_eos": True}), group.target)
+                deadline = time.monotonic() + 30
+                while ctrl.requests[rid].phase.value != "running":
+                    assert time.monotonic() < deadline, "the hand-over did not land"
+                    ctrl.on_reports(await group.step(ctrl.next_commands(), 0.05))
+                slices = [await r.kv_blocks.remote(rid) for r in group.ranks]
+                tokens = list(first.token_ids)
+                while rid in ctrl.requests:
+                    ctrl.on_reports(await group.step(ctrl.next_commands(), 0.0))
+                while not sink.empty():
+                    tokens += sink.get_nowait().token_ids
+                results[n_tokens] = (prompt, slices, tokens, [r.kv_heads for r in group.target.ranks])
+            return results
+        finally:
+            prefill.loop.stop()
+            group.kill()
+
+    results = asyncio.run(main())
+    from engine import LLM
+
+    llm = LLM(tiny_model_dir, num_kv_blocks=64, block_size=BLOCK)
+    for n_tokens, (prompt, slices, tokens, heads) in results.items():
+        ref = reference_blocks(tiny_model_dir, prompt)
+        assert ref.shape[2] == -(-n_tokens // BLOCK)
+        assert heads == [(0, 1), (1, 1)]
+        for (start, count), got in zip(heads, slices):
+            want = ref[:, :, :, :, start:start + count]
+            assert got.shape == want.shape
+            assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+        want_tokens = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+        assert tokens == want_tokens.token_ids
