@@ -32,8 +32,8 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(layer_idx, self.qkv_proj.local_heads, self.qkv_proj.local_kv_heads, cfg.head_dim)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """rope: this batch's (cos, sin) from RotaryEmbedding.lookup; x [T, H] -> [T, H]."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions [T]; x [T, H] -> [T, H]."""
         T = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(T, -1, self.head_dim)
@@ -41,7 +41,7 @@ class LlamaAttention(nn.Module):
         v = v.view(T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary.apply(rope, q, k)
+        q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -66,13 +66,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, rope, hidden, residual):
+    def forward(self, positions, hidden, residual):
         """Pre-norm block on the residual stream; returns (block output, residual) unsummed."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden)
+        hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -87,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, max_pos: int):
         super().__init__()
         self.cfg = cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, self.rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -100,10 +100,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> (final normed hidden [T, H], hidden states after each layer in
         `capture_layers` (what draft heads read), in that order)."""
         hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.lookup(positions)
         captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(rope, hidden, residual)
+            hidden, residual = layer(positions, hidden, residual)
             if i in capture_layers:
                 captured.append(hidden + residual)
         hidden, _ = self.norm(hidden, residual)
