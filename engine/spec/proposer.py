@@ -29,6 +29,7 @@ class ProposeInputs:
     out_rows: torch.Tensor  # [B] int64 each request's last verified row: the chain starts after it
     slot_limit: torch.Tensor  # [B] int64 KV slots the request holds; chain writes at or past it are dropped
     max_seq_len: int  # host bound on positions + 1 over the chain
+    chain: bool  # host: draft k tokens; False only fills the draft KV over the rows (prefill-only batches)
     sampling: SamplingBatch  # [B] rows; drafts use its temperature/top-k/top-p/min-p, not its penalties
 
 
@@ -85,8 +86,9 @@ class Proposer(ABC):
         return None
 
     @abstractmethod
-    def propose(self, inp: ProposeInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (drafts [B, k] int64 target ids, draft distributions [B, k, V] or None if all greedy)."""
+    def propose(self, inp: ProposeInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """-> (drafts [B, k] int64 target ids, draft distributions [B, k, V] or None if all greedy);
+        (None, None) without `inp.chain`."""
 
 
 class HeadProposer(Proposer):
@@ -108,6 +110,8 @@ class HeadProposer(Proposer):
         cache = self._kv_cache()
         with attention_context(replace(inp.attn, kv_cache=cache)):
             state = self.head(inp.hidden, inp.next_tokens, inp.positions)  # [R, H]
+        if not inp.chain:
+            return None, None
         state = state[inp.out_rows]  # [B, H]
         start = inp.positions[inp.out_rows]  # index of the chain's first step
         tokens, probs = [], []
@@ -140,6 +144,8 @@ class DraftModelProposer(Proposer):
         top = self.model.cfg.vocab_size - 1  # target ids the draft does not know read as its last id
         with attention_context(replace(inp.attn, kv_cache=cache)):
             self.model(inp.input_ids.clamp(max=top), inp.positions)
+        if not inp.chain:
+            return None, None
         start = inp.positions[inp.out_rows] + 1  # the verified token after the last row
         token = inp.next_tokens[inp.out_rows].clamp(max=top)
         tokens, probs = [], []

@@ -181,7 +181,7 @@ class SpecRunner:
             next_tokens=dev([r.token_ids[-1] for r in reqs]), positions=dev(pos), attn=attn,
             out_rows=torch.arange(len(reqs), device=self.device),
             slot_limit=dev([blocks.num_slots[r.request_id] for r in reqs]),
-            max_seq_len=int(seq_lens.max()) + self.k + 2, sampling=sampling))
+            max_seq_len=int(seq_lens.max()) + self.k + 2, chain=True, sampling=sampling))
         if probs is not None:
             slots = torch.tensor([self.slot(r.request_id) for r in reqs], device=self.device)
             self.draft_probs.index_copy_(0, slots, probs)

@@ -46,7 +46,7 @@ def speculative_step(target: LlamaForCausalLM, proposer: Proposer | None, batch:
     use_probs = proposer is not None and draft_probs is not None and not batch.sampling.all_greedy
     q = draft_probs[batch.slots] if use_probs else None  # [B, k, V]
     v = verify(logits, batch.drafts, batch.num_drafts, q, batch.sampling, batch.full_drafts)
-    if proposer is None or not batch.propose:
+    if proposer is None:
         return StepOutput(v.tokens, v.num_accepted, None, None, v.logprobs, v.top_ids, v.top_logprobs)
 
     a = v.num_accepted[:, None]
@@ -58,8 +58,8 @@ def speculative_step(target: LlamaForCausalLM, proposer: Proposer | None, batch:
     drafts, probs = proposer.propose(ProposeInputs(
         hidden=hidden, input_ids=batch.input_ids, next_tokens=next_tokens, positions=batch.positions,
         attn=batch.attn, out_rows=out_rows, slot_limit=batch.slot_limit, max_seq_len=batch.chain_max_seq_len,
-        sampling=batch.sampling))
-    if use_probs:
+        chain=batch.propose, sampling=batch.sampling))
+    if use_probs and probs is not None:
         draft_probs.index_copy_(0, batch.slots, probs.to(draft_probs.dtype))
     first_hidden = hidden[out_rows] if hidden is not None else None
     return StepOutput(v.tokens, v.num_accepted, drafts, first_hidden, v.logprobs, v.top_ids, v.top_logprobs)

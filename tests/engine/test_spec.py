@@ -1,0 +1,227 @@
+"""Speculative decoding is lossless: every method, k, batch size and prefill mode gives the greedy
+tokens of the engine without speculation (and of transformers); stops inside accepted runs end the
+output exactly there; aborts and preemption leave no KV behind; hand-overs carry the draft state."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: intra-op threads only add synchronization, and on a shared CPU they spin."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+METHODS = ["mtp", "eagle3", "ngram", "draft_model", "self_draft"]
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Varied lengths; some with repeats so that prompt lookup finds n-grams."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = [rng.randrange(3, 380) for _ in range(rng.randrange(3, 30))]
+        if i % 2:
+            p = p + p[: rng.randrange(2, 8)] + p
+        out.append(p)
+    return out
+
+
+def _spec(method: str, k: int, drafts: dict, llama_dir: str) -> SpecConfig:
+    if method == "self_draft":  # the target as its own draft model: every draft is accepted
+        return SpecConfig(method="draft_model", k=k, draft=llama_dir)
+    return SpecConfig(method=method, k=k, draft=drafts[method])
+
+
+def _greedy(max_tokens=20, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """Non-speculative greedy outputs of the prompts used below, memoized by (prompt set, max_tokens)."""
+    llm = LLM(llama_dir, num_kv_blocks=512, block_size=4)
+    memo = {}
+
+    def get(n: int, seed: int = 0, max_tokens: int = 20):
+        key = (n, seed, max_tokens)
+        if key not in memo:
+            memo[key] = [o.token_ids for o in llm.generate(_prompts(n, seed), _greedy(max_tokens))]
+        return memo[key]
+
+    return get
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("k,batch,chunked", [(1, 1, True), (1, 16, False), (3, 5, True), (3, 16, False),
+                                             (5, 16, True), (5, 2, False)])
+def test_greedy_equals_no_speculation(llama_dir, spec_drafts, reference, method, k, batch, chunked):
+    llm = LLM(llama_dir, num_kv_blocks=512, block_size=4, max_num_batched_tokens=48 if chunked else 2048,
+              enable_chunked_prefill=chunked, speculative=_spec(method, k, spec_drafts, llama_dir))
+    outs = llm.generate(_prompts(batch), _greedy())
+    assert [o.token_ids for o in outs] == reference(batch)
+    engine = llm.engine
+    assert engine.stats()["kv_blocks_used"] == 0 and not engine.runner.spec._slot_of
+    m = [o.metrics for o in outs]
+    assert sum(sum(x.accepted_lengths) for x in m) + batch == sum(len(o.token_ids) for o in outs)
+    assert all(x.num_accepted_tokens <= x.num_draft_tokens for x in m)
+    if method == "self_draft":  # nothing is ever rejected
+        assert all(x.num_accepted_tokens == x.num_draft_tokens > 0 for x in m)
+        assert max(engine.stats()["spec"]["accepted_length_hist"]) > 0
+        assert engine.stats()["spec"]["mean_accepted_length"] > 0.7 * (k + 1)
+
+
+def test_greedy_equals_transformers(checkpoints, spec_drafts):
+    path, hf = checkpoints["llama"]
+    hf.generation_config.eos_token_id = None
+    llm = LLM(path, num_kv_blocks=128, block_size=4, speculative=SpecConfig("eagle3", k=3, draft=spec_drafts["eagle3"]))
+    prompts = _prompts(3, seed=5)
+    for prompt, out in zip(prompts, llm.generate(prompts, _greedy(24))):
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)[0, len(prompt):]
+        assert out.token_ids == ref.tolist()
+
+
+def test_logprobs_and_penalties_match_no_speculation(llama_dir, spec_drafts):
+    """Penalties count the drafts before each verified position; logprobs are the raw model's."""
+    params = _greedy(16, logprobs=2, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+    prompts = _prompts(4, seed=2)
+    ref = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompts, params)
+    for method in ("self_draft", "ngram"):
+        llm = LLM(llama_dir, num_kv_blocks=128, block_size=4, speculative=_spec(method, 4, spec_drafts, llama_dir))
+        for o, r in zip(llm.generate(prompts, params), ref):
+            assert o.token_ids == r.token_ids
+            assert [lp.token_id for lp in o.logprobs] == o.token_ids
+            torch.testing.assert_close([lp.logprob for lp in o.logprobs], [lp.logprob for lp in r.logprobs],
+                                       atol=1e-4, rtol=1e-4)
+            assert [sorted(lp.top) for lp in o.logprobs] == [sorted(lp.top) for lp in r.logprobs]
+
+
+def test_seeded_sampling_with_prompt_lookup_equals_no_speculation(llama_dir):
+    """Prompt-lookup drafts are verified against the target's own seeded draws, so a seeded request
+    gets exactly the tokens it gets without speculation."""
+    prompts = _prompts(6, seed=3)
+    params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(6)]
+    ref = LLM(llama_dir, num_kv_blocks=256, block_size=4).generate(prompts, params)
+    llm = LLM(llama_dir, num_kv_blocks=256, block_size=4, speculative=SpecConfig("ngram", k=4, prompt_lookup_min=2))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in ref]
+
+
+def test_first_sampled_token_is_the_plain_samplers(llama_dir, spec_drafts):
+    """A request's first token (no drafts yet) is drawn with the sampler's own numbers."""
+    prompts = _prompts(8, seed=4)
+    params = [SamplingParams(max_tokens=1, temperature=1.0, seed=i) for i in range(8)]
+    ref = [o.token_ids for o in LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompts, params)]
+    llm = LLM(llama_dir, num_kv_blocks=128, block_size=4, speculative=SpecConfig("eagle3", 3, spec_drafts["eagle3"]))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+
+
+@pytest.mark.parametrize("method", ["self_draft", "mtp"])
+def test_stops_inside_accepted_drafts(llama_dir, spec_drafts, method):
+    """EOS, stop ids, stop strings and max_tokens falling inside an accepted run end the output there."""
+    prompt = _prompts(1, seed=9)[0]
+    free = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate([prompt], _greedy(30))[0]
+    llm = LLM(llama_dir, num_kv_blocks=128, block_size=4, speculative=_spec(method, 5, spec_drafts, llama_dir))
+    stop_id = free.token_ids[7]
+    cut = free.token_ids.index(stop_id) + 1
+    out = llm.generate([prompt], _greedy(30, stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == free.token_ids[:cut] and out.finish_reason == "stop" and out.stop_reason == stop_id
+    llm.engine.eos_token_ids = frozenset({stop_id})
+    out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0))[0]
+    assert out.token_ids == free.token_ids[:cut] and out.finish_reason == "stop"
+    llm.engine.eos_token_ids = frozenset()
+    for n in (1, 2, 7, 11):
+        out = llm.generate([prompt], _greedy(n))[0]
+        assert out.token_ids == free.token_ids[:n] and out.finish_reason == "length"
+    stop = free.text[8:11]
+    out = llm.generate([prompt], _greedy(30, stop=[stop]))[0]
+    assert out.text == free.text[: free.text.index(stop)] and out.stop_reason == stop
+    assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
+def test_abort_mid_generation_frees_everything(llama_dir, spec_drafts, reference):
+    engine = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=256, block_size=4,
+                                    speculative=SpecConfig("mtp", 3, spec_drafts["mtp"])))
+    prompts = _prompts(5)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, _greedy())
+    done = {}
+    for step in range(30):
+        if step == 3:
+            assert engine.requests["r1"].spec_token_ids  # aborted while holding drafts and lookahead blocks
+            engine.abort("r1")
+            engine.abort("r3")
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not engine.has_unfinished():
+            break
+    assert done["r1"].finish_reason == done["r3"].finish_reason == "abort"
+    for i in (0, 2, 4):
+        assert done[f"r{i}"].token_ids == reference(5)[i]
+    assert engine.stats()["kv_blocks_used"] == 0 and not engine.runner.spec._slot_of
+
+
+def test_preemption_under_block_pressure(llama_dir, spec_drafts, reference):
+    """Too few blocks for everyone's chains and lookahead: requests are preempted and recomputed."""
+    llm = LLM(llama_dir, num_kv_blocks=40, block_size=4, speculative=SpecConfig("eagle3", 4, spec_drafts["eagle3"]))
+    outs = llm.generate(_prompts(8), _greedy())
+    assert [o.token_ids for o in outs] == reference(8)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "self_draft", "ngram"])
+def test_handover_carries_the_draft_state(checkpoints, llama_dir, spec_drafts, reference, method):
+    """Prefill-only on one engine, hand-over (target and draft KV blocks, the head's hidden state),
+    decode on another: same tokens; the first decode step already verifies k drafts, and the drafts
+    after it are those of a from-scratch recomputation (the draft KV over the prompt arrived)."""
+    from tests.engine.test_spec_heads import reference_drafts
+
+    spec = _spec(method, 3, spec_drafts, llama_dir)
+    prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4, speculative=spec))
+    decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4, speculative=spec))
+    prompt = _prompts(2)[1]
+    prefill.add_request("r", prompt, _greedy(), prefill_only=True)
+    while "r" not in prefill.requests or prefill.requests["r"].status.value != "parked":
+        prefill.step()
+    h = prefill.take_handover("r")
+    assert h.header["cache_layers"] == prefill.kv_cache.shape[0]
+    assert (h.hidden is not None) == (method in ("mtp", "eagle3"))
+    blocks = decode.reserve(h.header)
+    decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
+    prefill.release("r")
+    decode.commit("r", hidden=h.hidden)
+    outs = decode.step()
+    req = decode.requests["r"]
+    if method != "ngram":  # drafted at commit: the first step verifies a full chain
+        assert req.metrics.num_draft_tokens == 3
+    if method == "self_draft":
+        assert req.metrics.num_accepted_tokens == 3
+    if method in ("mtp", "eagle3"):
+        assert req.spec_token_ids == reference_drafts(checkpoints["llama"][1], spec_drafts[method], method,
+                                                      req.token_ids, 3)
+    while decode.has_unfinished():
+        outs += decode.step()
+    assert outs[-1].finished and outs[-1].token_ids == reference(2)[1]
+    assert prefill.stats()["kv_blocks_used"] == decode.stats()["kv_blocks_used"] == 0
+
+
+def test_handover_between_mismatched_caches_is_refused(llama_dir, spec_drafts):
+    from engine import InvalidRequestError
+
+    prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=32, block_size=4))
+    decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=32, block_size=4,
+                                    speculative=SpecConfig("mtp", 2, spec_drafts["mtp"])))
+    prefill.add_request("r", [5, 6, 7], _greedy(), prefill_only=True)
+    prefill.step()
+    with pytest.raises(InvalidRequestError, match="cache layers"):
+        decode.reserve(prefill.take_handover("r").header)
