@@ -2,8 +2,9 @@
 
 A request's rows this step are its not-yet-computed tokens: prompt chunks, or [last token, drafts]
 for a decoding request. Column j of a request's chain is the row whose logits predict the token at
-position `num_tokens + j` (j = 0 for a prompt's last chunk). With `uniform`, every request (all of
-them decoding) gets exactly k+1 rows, so the step's shapes depend on the batch size alone (CUDA graphs).
+position `num_tokens + j` (j = 0 for a prompt's last chunk). With `pad` (CUDA graphs; every request
+decoding), every request gets exactly k+1 rows, the batch is padded with idle requests to a captured
+size and block tables to a fixed width, so every shape depends on the padded batch size alone.
 """
 from __future__ import annotations
 
@@ -40,12 +41,24 @@ class SpecBatch:
     host_samples: list[bool]
 
 
+@dataclass(frozen=True, slots=True)
+class Padding:
+    """Graph-mode layout: k+1 rows per request, `batch_size` requests, `table_width` blocks each;
+    idle requests use draft-state row `scratch_slot` and write nothing."""
+
+    batch_size: int
+    table_width: int
+    scratch_slot: int
+    max_seq_len: int  # fixed bound on KV lengths (target rows and draft chains)
+
+
 def build_spec_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cache: torch.Tensor,
                      device: torch.device, vocab_size: int, k: int, slots: list[int],
-                     uniform: bool = False) -> SpecBatch:
+                     pad: Padding | None = None) -> SpecBatch:
     bs = blocks.block_size
-    B, k1 = len(scheduled), k + 1
-    rows = [k1 if uniform else s.num_new_tokens for s in scheduled]
+    k1 = k + 1
+    B = pad.batch_size if pad is not None else len(scheduled)
+    rows = [k1 if pad is not None else s.num_new_tokens for s in scheduled] + [k1] * (B - len(scheduled))
     T = sum(rows)
     input_ids = np.zeros(T, dtype=np.int64)
     positions = np.zeros(T, dtype=np.int64)
@@ -53,7 +66,7 @@ def build_spec_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv
     next_tokens = np.zeros(T, dtype=np.int64)
     qsl = np.zeros(B + 1, dtype=np.int32)
     seq_lens = np.zeros(B, dtype=np.int32)
-    max_blocks = max(len(blocks.table(s.request.request_id)) for s in scheduled)
+    max_blocks = pad.table_width if pad is not None else max(len(blocks.table(s.request.request_id)) for s in scheduled)
     tables = np.zeros((B, max_blocks), dtype=np.int32)
     verify_rows = np.zeros((B, k1), dtype=np.int64)
     drafts = np.zeros((B, k), dtype=np.int64)
@@ -61,6 +74,7 @@ def build_spec_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv
     samples = np.zeros(B, dtype=bool)
     slot_limit = np.zeros(B, dtype=np.int64)
     first_pos = np.zeros(B, dtype=np.int64)
+    slot_ids = np.asarray(list(slots) + [pad.scratch_slot if pad else 0] * (B - len(scheduled)), dtype=np.int64)
     propose = False
 
     t = 0
@@ -95,19 +109,54 @@ def build_spec_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv
         t += m
         qsl[b + 1] = t
         seq_lens[b] = start + m
+    for b in range(len(scheduled), B):  # idle requests: k+1 rows over nothing, writing nothing
+        positions[t : t + k1] = np.arange(k1)
+        verify_rows[b] = t + np.arange(k1)
+        t += k1
+        qsl[b + 1] = t
+        seq_lens[b] = k1
 
     def dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device, non_blocking=True)
 
+    max_seq_len = pad.max_seq_len if pad is not None else int(seq_lens.max())
     attn = AttentionMetadata(kv_cache=kv_cache, slot_mapping=dev(slot_mapping), block_tables=dev(tables),
                              seq_lens=dev(seq_lens), query_start_loc=dev(qsl), max_q_len=max(rows),
-                             max_seq_len=int(seq_lens.max()))
-    sampling = build_sampling(scheduled, device, vocab_size)
-    sampling = replace(sampling, positions=dev(first_pos))
+                             max_seq_len=max_seq_len)
+    sampling = build_sampling(scheduled, device, vocab_size) if scheduled else None
+    sampling = _pad_sampling(sampling, B, vocab_size, device, first_pos)
+    n = len(scheduled)
     return SpecBatch(
         input_ids=dev(input_ids), positions=dev(positions), attn=attn, verify_rows=dev(verify_rows),
         drafts=dev(drafts), num_drafts=dev(num_drafts), next_tokens=dev(next_tokens), samples=dev(samples),
-        slots=dev(np.asarray(slots, dtype=np.int64)), slot_limit=dev(slot_limit), sampling=sampling,
-        full_drafts=bool((num_drafts[samples] == k).all()), propose=propose,
-        chain_max_seq_len=int(seq_lens.max()) + k + 2,
-        host_num_drafts=num_drafts.tolist(), host_samples=samples.tolist())
+        slots=dev(slot_ids), slot_limit=dev(slot_limit), sampling=sampling,
+        full_drafts=pad is None and bool((num_drafts[samples] == k).all()), propose=propose or pad is not None,
+        chain_max_seq_len=max_seq_len + k + 2,
+        host_num_drafts=num_drafts[:n].tolist(), host_samples=samples[:n].tolist())
+
+
+def _pad_sampling(b: SamplingBatch | None, size: int, vocab_size: int, device: torch.device,
+                  positions: np.ndarray) -> SamplingBatch:
+    """The requests' sampling with idle (greedy, penalty-free) rows up to `size`; positions = each
+    chain's first new position."""
+    pos = torch.from_numpy(positions).to(device)
+    if b is None:
+        z = torch.zeros(size, device=device)
+        return SamplingBatch(temperature=z, top_k=torch.zeros(size, dtype=torch.int64, device=device),
+                             top_p=torch.ones(size, device=device), min_p=z.clone(),
+                             seeds=torch.zeros(size, dtype=torch.int64, device=device), positions=pos,
+                             all_greedy=True, use_top_k=False, use_top_p=False, use_min_p=False, max_logprobs=None)
+    extra = size - b.temperature.shape[0]
+    if extra == 0:
+        return replace(b, positions=pos)
+
+    def grow(t: torch.Tensor | None, value) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return torch.cat([t, torch.full((extra, *t.shape[1:]), value, dtype=t.dtype, device=t.device)])
+
+    return replace(b, temperature=grow(b.temperature, 0.0), top_k=grow(b.top_k, 0), top_p=grow(b.top_p, 1.0),
+                   min_p=grow(b.min_p, 0.0), seeds=grow(b.seeds, 0), positions=pos,
+                   repetition=grow(b.repetition, 1.0), presence=grow(b.presence, 0.0),
+                   frequency=grow(b.frequency, 0.0), output_counts=grow(b.output_counts, 0.0),
+                   seen_mask=grow(b.seen_mask, False))

@@ -46,6 +46,7 @@ class SpecRunner:
                  tp: TPContext, dtype: torch.dtype, device: torch.device, max_pos: int, num_kv_heads: int):
         self.spec = spec
         self.k = spec.k
+        self.max_model_len = max_pos - (2 * spec.k + 2)  # the model runner's rope table has this margin
         self.target = target
         self.device = device
         self.vocab_size = model_cfg.vocab_size
@@ -66,7 +67,7 @@ class SpecRunner:
         if device.type == "cuda" and spec.cuda_graphs:
             from engine.spec.graphs import StepGraphs
 
-            self.graphs = StepGraphs(self, spec.max_graph_batch or cfg.max_num_seqs)
+            self.graphs = StepGraphs(self, min(spec.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs))
 
     # ------------------------------------------------------------------ KV layout
     @property
@@ -111,7 +112,7 @@ class SpecRunner:
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], blocks: BlockManager) -> SpecResult:
-        self._ensure_probs([s.request for s in scheduled])
+        self._ensure_probs([s.request for s in scheduled])  # before a graph of a sampled mode is captured
         slots = [self.slot(s.request.request_id) for s in scheduled]
         if self.graphs is not None and self.graphs.fits(scheduled):
             out, batch_info = self.graphs.run(scheduled, blocks, slots)

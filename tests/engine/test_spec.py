@@ -225,3 +225,60 @@ def test_handover_between_mismatched_caches_is_refused(llama_dir, spec_drafts):
     prefill.step()
     with pytest.raises(InvalidRequestError, match="cache layers"):
         decode.reserve(prefill.take_handover("r").header)
+
+
+def _mixed_params(n: int) -> list[SamplingParams]:
+    """Greedy and seeded sampling, different lengths (so the decoding batch shrinks step by step)."""
+    return [SamplingParams(max_tokens=6 + 2 * i, temperature=0.0 if i % 3 else 0.9, top_k=0 if i % 2 else 40,
+                           seed=50 + i, ignore_eos=True, logprobs=1 if i == 4 else None) for i in range(n)]
+
+
+def _graph_runs(llm: LLM, capture: bool, max_batch: int = 8) -> int:
+    from engine.spec.graphs import StepGraphs
+
+    spec = llm.engine.runner.spec
+    spec.graphs = StepGraphs(spec, max_batch, capture=capture)
+    spec.graphs.capture_all()
+    return spec.graphs
+
+
+@pytest.mark.parametrize("method", ["eagle3", "self_draft", "ngram"])
+def test_padded_decode_layout_equals_eager(llama_dir, spec_drafts, method):
+    """The CUDA-graph layout (k+1 rows per request, idle requests up to a captured size, fixed-width
+    block tables, static input buffers) gives the eager step's tokens; run here without capture."""
+    prompts, params = _prompts(11, seed=6), _mixed_params(11)
+    spec = _spec(method, 3, spec_drafts, llama_dir)
+    eager = LLM(llama_dir, num_kv_blocks=256, block_size=4, speculative=spec).generate(prompts, params)
+    llm = LLM(llama_dir, num_kv_blocks=256, block_size=4, speculative=spec)
+    graphs = _graph_runs(llm, capture=False)
+    outs = llm.generate(prompts, params)
+    assert graphs.num_runs > 2
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["eagle3", "mtp", "self_draft", "ngram"])
+def test_cuda_graph_replay_equals_eager(llama_dir, spec_drafts, method):
+    """On CUDA: the captured speculative step, replayed with new inputs for padded batch sizes, gives
+    the tokens of the same padded step run eagerly (greedy and seeded sampling, drafts, logprobs),
+    and those of the unpadded eager step."""
+    prompts, params = _prompts(11, seed=6), _mixed_params(11)
+    spec = _spec(method, 3, spec_drafts, llama_dir)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, block_size=4, max_num_seqs=16)
+    eager_llm = LLM(llama_dir, speculative=spec, **kw)
+    _graph_runs(eager_llm, capture=False, max_batch=16)
+    eager = eager_llm.generate(prompts, params)
+    llm = LLM(llama_dir, speculative=spec, **kw)
+    graphs = llm.engine.runner.spec.graphs
+    assert graphs is not None and graphs.capture and len(graphs._captured) == len(graphs.sizes)
+    outs = llm.generate(prompts, params)
+    assert graphs.num_runs > 2 and any(g.graph is not None for g in graphs._captured.values())
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    for o, e in zip(outs, eager):
+        if o.logprobs is not None:
+            torch.testing.assert_close([lp.logprob for lp in o.logprobs], [lp.logprob for lp in e.logprobs])
+    unpadded = LLM(llama_dir, speculative=SpecConfig(spec.method, spec.k, spec.draft, cuda_graphs=False), **kw)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    ref = unpadded.generate([prompts[i] for i in greedy], [params[i] for i in greedy])
+    assert [outs[i].token_ids for i in greedy] == [o.token_ids for o in ref]

@@ -1,0 +1,158 @@
+"""CUDA graphs of the speculative decode step: one graph per (padded batch size, sampling mode).
+
+Decode-only batches (every request verifying its chain, none prefilling) are laid out with k+1 rows
+per request, padded with idle requests to the next captured size (1, 2, 4, ..., max batch) and with
+block tables of a fixed width (engine/spec/batch.py, `Padding`), so the whole step has fixed shapes.
+At capture the step runs on static input tensors; a replay copies the new batch into them. The
+sampling mode (greedy only, filters used, logprobs asked, penalties) picks which branches the step
+takes, so it is part of the key; the greedy graphs are captured up front, the others on first use.
+Batches with a prompt chunk run eagerly. `capture=False` keeps the same padded path without graphs
+(how the CPU tests exercise it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.sampler import SamplingBatch
+from engine.scheduler import ScheduledRequest
+from engine.spec.batch import Padding, SpecBatch, build_spec_batch
+from engine.spec.step import StepOutput, speculative_step
+
+log = logging.getLogger(__name__)
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def sampling_mode(b: SamplingBatch) -> tuple:
+    return (b.all_greedy, b.use_top_k, b.use_top_p, b.use_min_p, b.max_logprobs, b.repetition is not None)
+
+
+def _copy_into(static, new) -> None:
+    """Copy every tensor of `new` into the same field of `static` (dataclasses, recursively)."""
+    for f in dataclasses.fields(static):
+        a, b = getattr(static, f.name), getattr(new, f.name)
+        if f.name == "kv_cache":
+            assert a is b
+        elif isinstance(a, torch.Tensor):
+            a.copy_(b)
+        elif dataclasses.is_dataclass(a):
+            _copy_into(a, b)
+
+
+@dataclass
+class _Captured:
+    inputs: SpecBatch  # static tensors the graph reads
+    output: StepOutput  # static tensors the graph writes
+    graph: object | None  # torch.cuda.CUDAGraph (None: eager replay)
+
+
+class StepGraphs:
+    def __init__(self, runner, max_batch: int, capture: bool = True):
+        self.runner = runner
+        self.capture = capture
+        self.sizes = [s for s in SIZES if s < max_batch] + [max_batch]
+        kv = runner.kv_cache
+        self.block_size = kv.shape[3] if kv is not None else None
+        self._captured: dict[tuple, _Captured] = {}
+        self._pool = None
+        self.num_runs = 0  # steps that went through the padded (graph) path
+
+    def _padding(self, size: int) -> Padding:
+        r = self.runner
+        max_len = r.max_model_len + 2 * r.k + 2
+        return Padding(batch_size=size, table_width=-(-max_len // self.block_size), scratch_slot=r.num_slots,
+                       max_seq_len=max_len)
+
+    def fits(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Only decode steps: each request runs its last token plus its drafts, nothing of a prompt."""
+        if len(scheduled) > self.sizes[-1]:
+            return False
+        return all(s.sample and s.request.num_computed_tokens == s.request.num_tokens - 1 for s in scheduled)
+
+    def run(self, scheduled: list[ScheduledRequest], blocks: BlockManager, slots: list[int]):
+        r = self.runner
+        size = next(s for s in self.sizes if s >= len(scheduled))
+        batch = build_spec_batch(scheduled, blocks, r.kv_cache, r.device, r.vocab_size, r.k, slots,
+                                 self._padding(size))
+        key = (size, sampling_mode(batch.sampling))
+        cap = self._captured.get(key) or self._capture(key, self._dummy(size, batch.sampling))
+        _copy_into(cap.inputs, batch)
+        self.num_runs += 1
+        if cap.graph is not None:
+            cap.graph.replay()
+            out = cap.output
+        else:
+            out = speculative_step(r.target, r.proposer, cap.inputs, r.draft_probs)
+        return out, (batch.host_num_drafts, batch.host_samples)
+
+    def capture_all(self) -> None:
+        """Greedy graphs for every size, largest first (smaller ones then reuse its memory pool)."""
+        self.block_size = self.runner.kv_cache.shape[3]
+        if not self.capture:
+            return
+        for size in reversed(self.sizes):
+            dummy = self._dummy(size, None)
+            self._capture((size, sampling_mode(dummy.sampling)), dummy)
+
+    def _dummy(self, size: int, like: SamplingBatch | None) -> SpecBatch:
+        """A batch of idle requests only (it writes no KV and only the scratch draft state) with the
+        sampling branches of `like`: what a graph is warmed up and captured on."""
+        r = self.runner
+        dummy = build_spec_batch([], _NoBlocks(self.block_size), r.kv_cache, r.device, r.vocab_size, r.k, [],
+                                 self._padding(size))
+        if like is None:
+            return dummy
+        b = dummy.sampling
+        flags = dict(all_greedy=like.all_greedy, use_top_k=like.use_top_k, use_top_p=like.use_top_p,
+                     use_min_p=like.use_min_p, max_logprobs=like.max_logprobs)
+        if like.repetition is not None:
+            ones = torch.ones(size, device=r.device)
+            flags.update(repetition=ones, presence=ones * 0, frequency=ones * 0,
+                         output_counts=torch.zeros(size, r.vocab_size, device=r.device),
+                         seen_mask=torch.zeros(size, r.vocab_size, dtype=torch.bool, device=r.device))
+        return replace(dummy, sampling=replace(b, **flags))
+
+    def _capture(self, key: tuple, batch: SpecBatch) -> _Captured:
+        r = self.runner
+        inputs = _clone(batch)
+        if not self.capture:
+            cap = _Captured(inputs, None, None)
+        else:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
+                    speculative_step(r.target, r.proposer, inputs, r.draft_probs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+                output = speculative_step(r.target, r.proposer, inputs, r.draft_probs)
+            self._pool = graph.pool()
+            cap = _Captured(inputs, output, graph)
+            log.info("captured the speculative step for batch %d, sampling mode %s", key[0], key[1])
+        self._captured[key] = cap
+        return cap
+
+
+def _clone(batch):
+    """A deep copy of a batch's tensors (the static buffers of a graph)."""
+    changes = {}
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        if isinstance(v, torch.Tensor) and f.name != "kv_cache":
+            changes[f.name] = v.clone()
+        elif dataclasses.is_dataclass(v):
+            changes[f.name] = _clone(v)
+    return replace(batch, **changes)
+
+
+class _NoBlocks:
+    """The block manager of an empty batch (capture inputs)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
