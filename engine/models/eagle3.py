@@ -56,7 +56,7 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Head(DraftHead):
     def __init__(self, cfg: ModelConfig, raw: dict, target: LlamaForCausalLM, cache_layer: int, tp: TPContext,
-                 dtype: torch.dtype, max_pos: int, present: set[str]):
+                 max_pos: int, present: set[str]):
         super().__init__()
         h = cfg.hidden_size
         self.cfg = cfg
@@ -64,7 +64,7 @@ class Eagle3Head(DraftHead):
         self.aux_ids = aux_layer_ids(raw, target.cfg.num_layers)
         self.capture_layers = tuple(i - 1 for i in self.aux_ids)
         target_h = int(raw.get("target_hidden_size") or target.cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
         self.own_embed = "embed_tokens.weight" in present
         self.own_head = "lm_head.weight" in present
         self.embed_tokens = type(target.embed_tokens)(target.cfg.vocab_size, h) if self.own_embed \

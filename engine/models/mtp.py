@@ -37,14 +37,14 @@ class SharedHead(nn.Module):
 
 
 class MTPHead(DraftHead):
-    def __init__(self, cfg: ModelConfig, target: LlamaForCausalLM, cache_layer: int, tp: TPContext,
-                 dtype: torch.dtype, max_pos: int, present: set[str]):
+    def __init__(self, cfg: ModelConfig, target: LlamaForCausalLM, cache_layer: int, tp: TPContext, max_pos: int,
+                 present: set[str]):
         """`present`: the head's checkpoint names (without prefix); shared weights it lacks are the target's."""
         super().__init__()
         h = cfg.hidden_size
         self.cfg = cfg
         self.prefix = f"model.layers.{target.cfg.num_layers}."
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
         self.own = {n for n in SHARED if n in present}
         self.embed_tokens = type(target.embed_tokens)(cfg.vocab_size, h) if "embed_tokens.weight" in self.own \
             else target.embed_tokens

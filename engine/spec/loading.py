@@ -46,13 +46,13 @@ def load_proposer(spec: SpecConfig, cfg: EngineConfig, model_cfg: ModelConfig, t
             if not present:
                 raise ModelLoadError(f"{draft_dir} has no tensors named {prefix}* (the MTP layer after the "
                                      f"target's {model_cfg.num_layers} layers)")
-            net = MTPHead(dcfg, target, first_layer, tp, dtype, max_pos, present).to(dtype)
+            net = MTPHead(dcfg, target, first_layer, tp, max_pos, present).to(dtype)
             load_weights(net, draft_dir, dtype, name_map=lambda n: n if n.startswith(prefix) else None)
             proposer = HeadProposer(net.eval(), spec.k, model_cfg.vocab_size, kv_cache_ref)
         elif spec.method == "eagle3":
             if "LlamaForCausalLMEagle3" not in (raw.get("architectures") or []):
                 log.warning("%s does not declare LlamaForCausalLMEagle3; reading it as an EAGLE-3 head", draft_dir)
-            net = Eagle3Head(dcfg, raw, target, first_layer, tp, dtype, max_pos, checkpoint_names(draft_dir)).to(dtype)
+            net = Eagle3Head(dcfg, raw, target, first_layer, tp, max_pos, checkpoint_names(draft_dir)).to(dtype)
             load_weights(net, draft_dir, dtype, name_map=lambda n: None if n in ("d2t", "t2d") else n)
             net.set_vocab_map(read_tensor(draft_dir, "d2t"), model_cfg.vocab_size)
             proposer = HeadProposer(net.eval(), spec.k, model_cfg.vocab_size, kv_cache_ref)

@@ -1,0 +1,248 @@
+"""Speculative decoding on the zoo's target: tokens/s and mean accepted length per method and k.
+
+Baselines measured in the same run: our engine without speculation, and transformers' `generate`
+(plain greedy, assisted decoding with the zoo's standalone draft, prompt lookup). Prompts: held-out
+JSON-schema prompts (schemas the zoo never trained on, in its prompt template) and HumanEval
+prompts. Greedy decoding to the model's end token or `--max-tokens`; every speculative run's tokens
+are compared with the run without speculation (lossless). Writes bench/results/spec_cpu.{json,md,png}.
+
+    python -m bench.spec [--zoo DIR] [--batches 1,4,16] [--ks 1,2,3,4,5] [--threads 1] [--quick]
+
+"Batch B" = B requests in flight (max_num_seqs = B, continuous batching) over 2B prompts (at least
+--prompts); per-request tokens/s = a request's output tokens over its time from first scheduling to
+finish. transformers' assisted decoding and prompt lookup run one prompt at a time (batch 1 only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import device_name, write_results
+
+METHODS = ("mtp", "eagle3", "ngram", "draft_model")
+DRAFT_DIR = {"mtp": "mtp", "eagle3": "eagle3", "draft_model": "draft", "ngram": None}
+
+
+def load_prompts(n: int) -> dict[str, list[str]]:
+    from zoo.corpus import heldout_cases
+    from zoo.prompts import BOS, json_schema_prompt
+
+    humaneval = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "humaneval" / "HumanEval.jsonl"
+    if not humaneval.is_file():
+        humaneval = Path("/work/shared/data/prompts/humaneval/HumanEval.jsonl")
+    code = [BOS + json.loads(line)["prompt"] for line in humaneval.read_text().splitlines()[:n]]
+    return {"json": [json_schema_prompt(row["schema"]) for row in heldout_cases()[:n]], "humaneval": code}
+
+
+def run_engine(target: str, spec, prompts: list[str], batch: int, max_tokens: int) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(target, max_num_seqs=batch, num_kv_blocks=max(256, batch * 96), block_size=16, speculative=spec)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    llm.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0))  # warm-up
+    if spec is not None:
+        llm.engine.accepted_length_hist = [0] * len(llm.engine.accepted_length_hist)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    per_request = [len(o.token_ids) / (o.metrics.finished_time - o.metrics.first_scheduled_time) for o in outs]
+    stats = llm.engine.stats().get("spec") or {}
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "per_request_tok_s": statistics.mean(per_request),
+            "mean_accepted_length": stats.get("mean_accepted_length"),
+            "accepted_length_hist": stats.get("accepted_length_hist"),
+            "outputs": [o.token_ids for o in outs]}
+
+
+def _new_tokens(row: torch.Tensor, width: int, eos: int) -> list[int]:
+    new = row[width:].tolist()
+    return new[: new.index(eos) + 1] if eos in new else new
+
+
+@torch.inference_mode()
+def run_hf(model, tokenizer, prompts: list[str], batch: int, max_tokens: int, eos: int, **generate_kw) -> dict:
+    """transformers' generate over `prompts`, `batch` at a time (left-padded)."""
+    tokens, per_request, outputs = 0, [], []
+    kw = dict(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0, **generate_kw)
+    first = tokenizer(prompts[:1], return_tensors="pt")
+    model.generate(**first, **{**kw, "max_new_tokens": 8})  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        enc = tokenizer(chunk, return_tensors="pt", padding=True)
+        t0 = time.perf_counter()
+        out = model.generate(**enc, **kw)
+        dt = time.perf_counter() - t0
+        for row in out:
+            new = _new_tokens(row, enc["input_ids"].shape[1], eos)
+            outputs.append(new)
+            tokens += len(new)
+            per_request.append(len(new) / dt)
+    seconds = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "per_request_tok_s": statistics.mean(per_request), "outputs": outputs}
+
+
+def bench(args) -> dict:
+    import zoo
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine import SpecConfig
+
+    root = Path(args.zoo) if args.zoo else zoo.built_path()
+    if root is None:
+        print("building the zoo (tiny) first: a few minutes")
+        root = zoo.build()
+    paths = zoo.layout(root)
+    target = str(paths.target)
+    tokenizer = AutoTokenizer.from_pretrained(target, padding_side="left")
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(str(paths.draft)).eval()
+    eos = tokenizer.eos_token_id
+    prompt_sets = load_prompts(max(args.prompts, 2 * max(args.batches)))
+    results: dict = {"zoo": str(root), "device": device_name("cpu"), "threads": torch.get_num_threads(),
+                     "max_tokens": args.max_tokens, "runs": []}
+
+    def record(**row):
+        results["runs"].append(row)
+        acc = row.get("mean_accepted_length")
+        print(f"{row['dataset']:>9} B={row['batch']:<3} {row['system']:<13} {row['method']:<12} k={row['k']} "
+              f"{row['tok_s']:8.1f} tok/s  {row['per_request_tok_s']:7.1f} tok/s/req"
+              + (f"  accepted {acc:.2f}" if acc else "") + ("" if row.get("lossless", True) else "  NOT LOSSLESS"),
+              flush=True)
+
+    for dataset, all_prompts in prompt_sets.items():
+        for batch in args.batches:
+            prompts = all_prompts[: max(args.prompts, 2 * batch)]
+            base = run_engine(target, None, prompts, batch, args.max_tokens)
+            record(dataset=dataset, batch=batch, system="tandem", method="none", k=0,
+                   **{k: v for k, v in base.items() if k != "outputs"})
+            for method in METHODS:
+                for k in args.ks:
+                    draft = DRAFT_DIR[method]
+                    spec = SpecConfig(method=method, k=k, draft=str(root / draft) if draft else None)
+                    r = run_engine(target, spec, prompts, batch, args.max_tokens)
+                    record(dataset=dataset, batch=batch, system="tandem", method=method, k=k,
+                           lossless=r["outputs"] == base["outputs"], **{x: v for x, v in r.items() if x != "outputs"})
+            hf_runs = [("greedy", 0, {})]
+            if batch == 1:
+                hf_runs += [("assisted", 0, {"assistant_model": hf_draft})]
+                hf_runs += [("prompt_lookup", k, {"prompt_lookup_num_tokens": k}) for k in args.ks if k == 3]
+            for method, k, kw in hf_runs:
+                r = run_hf(hf, tokenizer, prompts, batch, args.max_tokens, eos, **kw)
+                record(dataset=dataset, batch=batch, system="transformers", method=method, k=k,
+                       same_tokens_as_tandem=r["outputs"] == base["outputs"],
+                       **{x: v for x, v in r.items() if x != "outputs"})
+    return results
+
+
+def _find(runs, **match) -> dict | None:
+    return next((r for r in runs if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def summarize(results: dict) -> str:
+    runs = results["runs"]
+    lines = [f"# Speculative decoding on CPU ({results['device']}, torch threads {results['threads']})", "",
+             f"Zoo: `{results['zoo']}`; greedy, up to {results['max_tokens']} new tokens, end token stops. "
+             "The CPU is shared with other jobs: absolute numbers are noisy, ratios within a row are "
+             "measured back to back.", ""]
+    for dataset in dict.fromkeys(r["dataset"] for r in runs):
+        lines += [f"## {dataset}", "",
+                  "| batch | system | method | k | tok/s | tok/s/req | mean accepted | vs no-spec | vs HF greedy | lossless |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in runs if r["dataset"] == dataset):
+            base = _find(runs, dataset=dataset, batch=r["batch"], system="tandem", method="none")
+            hfg = _find(runs, dataset=dataset, batch=r["batch"], system="transformers", method="greedy")
+            acc = r.get("mean_accepted_length")
+            lossless = r.get("lossless", r.get("same_tokens_as_tandem"))
+            lines.append(f"| {r['batch']} | {r['system']} | {r['method']} | {r['k'] or ''} | {r['tok_s']:.1f} | "
+                         f"{r['per_request_tok_s']:.1f} | {'' if acc is None else f'{acc:.2f}'} | "
+                         f"{r['tok_s'] / base['tok_s']:.2f}x | {r['tok_s'] / hfg['tok_s']:.2f}x | "
+                         f"{'' if lossless is None else ('yes' if lossless else 'NO')} |")
+        lines.append("")
+    lines += ["## Targets", ""] + [f"- {t}" for t in targets(results)]
+    return "\n".join(lines)
+
+
+def targets(results: dict) -> list[str]:
+    """The issue's targets, checked against this run."""
+    runs, out = results["runs"], []
+    for method in ("mtp", "eagle3"):
+        r = _find(runs, dataset="json", batch=1, method=method, k=3)
+        if r:
+            out.append(f"json, batch 1, {method} k=3: mean accepted length {r['mean_accepted_length']:.2f} "
+                       f"(target >= 2.5: {'met' if r['mean_accepted_length'] >= 2.5 else 'NOT met'})")
+    for dataset in dict.fromkeys(r["dataset"] for r in runs):
+        base = _find(runs, dataset=dataset, batch=1, system="tandem", method="none")
+        assisted = _find(runs, dataset=dataset, batch=1, system="transformers", method="assisted")
+        best = max((r for r in runs if r["dataset"] == dataset and r["batch"] == 1 and r["method"] in ("mtp", "eagle3")),
+                   key=lambda r: r["tok_s"], default=None)
+        if base and best:
+            ok = best["tok_s"] >= 1.5 * base["tok_s"]
+            out.append(f"{dataset}, batch 1: best one-model run ({best['method']} k={best['k']}) "
+                       f"{best['tok_s'] / base['tok_s']:.2f}x our no-speculation (target >= 1.5x: "
+                       f"{'met' if ok else 'NOT met'})")
+        if assisted and best:
+            out.append(f"{dataset}, batch 1: {best['tok_s'] / assisted['tok_s']:.2f}x transformers' assisted decoding "
+                       f"(target > 1x: {'met' if best['tok_s'] > assisted['tok_s'] else 'NOT met'})")
+    return out
+
+
+def plot(results: dict, path: Path, k: int = 3) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    datasets = list(dict.fromkeys(r["dataset"] for r in runs))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        curves = [("tandem", "none", 0)] + [("tandem", m, k) for m in METHODS] + [("transformers", "greedy", 0)]
+        for system, method, kk in curves:
+            pts = sorted((r["batch"], r["tok_s"], r["per_request_tok_s"]) for r in runs
+                         if r["dataset"] == dataset and r["system"] == system and r["method"] == method and r["k"] == kk)
+            if pts:
+                label = f"{system} {method}" + (f" k={kk}" if kk else "")
+                ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=label)
+                for b, x, y in pts:
+                    ax.annotate(f"B={b}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+        ax.set_xlabel("total tokens/s")
+        ax.set_ylabel("tokens/s per request")
+        ax.set_title(f"{dataset} prompts (zoo target, CPU)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--zoo", default=None, help="a built zoo directory (default: the cached default zoo)")
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--ks", default="1,2,3,4,5")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per dataset at batch 1 (2B at batch B)")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared 2-core CPU)")
+    p.add_argument("--quick", action="store_true", help="batch 1 and k=3 only")
+    args = p.parse_args(argv)
+    args.batches = [1] if args.quick else [int(b) for b in args.batches.split(",")]
+    args.ks = [3] if args.quick else [int(k) for k in args.ks.split(",")]
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    results = bench(args)
+    table = summarize(results)
+    md = write_results("spec_cpu", results, table)
+    plot(results, md.with_suffix(".png"))
+    print(table)
+    print(f"wrote {md} and {md.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
