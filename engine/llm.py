@@ -13,9 +13,11 @@ from engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model_dir: str, device: str = "cpu", dtype=None, max_num_seqs: int = 64,
-                 num_kv_blocks: int | None = None, block_size: int = 16, **kwargs):
+                 num_kv_blocks: int | None = None, block_size: int = 16, speculative=None, **kwargs):
+        """`speculative`: an engine.SpecConfig (or a dict of its fields), e.g.
+        `SpecConfig(method="eagle3", k=3, draft="path/to/head")`; other keywords are EngineConfig's."""
         cfg = EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-                           num_kv_blocks=num_kv_blocks, block_size=block_size, **kwargs)
+                           num_kv_blocks=num_kv_blocks, block_size=block_size, speculative=speculative, **kwargs)
         self.engine = LLMEngine(cfg)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0

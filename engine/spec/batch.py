@@ -83,16 +83,16 @@ def build_spec_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv
         start, held = req.num_computed_tokens, blocks.num_slots[req.request_id]
         table = blocks.table(req.request_id)
         tables[b, : len(table)] = table
-        ext = req.token_ids + req.spec_token_ids
+        window = _tokens(req, start, start + min(n, rows[b]) + 1)  # this step's inputs and the token after
         m = rows[b]
         pos = np.arange(start, start + m, dtype=np.int64)
         real = min(n, m)
-        input_ids[t : t + real] = ext[start : start + real]
+        input_ids[t : t + real] = window[:real]
         positions[t : t + m] = pos
         ok = pos < held
         slot_mapping[t : t + m] = np.where(ok, tables[b, np.minimum(pos // bs, max_blocks - 1)].astype(np.int64) * bs
                                            + pos % bs, -1)
-        after = ext[start + 1 : start + real + 1]
+        after = window[1:]
         next_tokens[t : t + len(after)] = after
         samples[b] = s.sample
         slot_limit[b] = held
@@ -133,6 +133,14 @@ def build_spec_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv
         full_drafts=pad is None and bool((num_drafts[samples] == k).all()), propose=propose or pad is not None,
         chain_max_seq_len=max_seq_len + k + 2,
         host_num_drafts=num_drafts[:n].tolist(), host_samples=samples[:n].tolist())
+
+
+def _tokens(req, lo: int, hi: int) -> list[int]:
+    """Tokens lo..hi-1 of the request's tokens followed by its drafts (without copying all of them)."""
+    n = len(req.token_ids)
+    if hi <= n:
+        return req.token_ids[lo:hi]
+    return req.token_ids[lo:] + req.spec_token_ids[max(0, lo - n) : hi - n]
 
 
 def _pad_sampling(b: SamplingBatch | None, size: int, vocab_size: int, device: torch.device,

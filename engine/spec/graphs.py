@@ -90,6 +90,10 @@ class StepGraphs:
             out = speculative_step(r.target, r.proposer, cap.inputs, r.draft_probs)
         return out, (batch.host_num_drafts, batch.host_samples)
 
+    def reset(self) -> None:
+        """Forget every graph (the buffers they read were replaced); they are captured again on use."""
+        self._captured.clear()
+
     def capture_all(self) -> None:
         """Greedy graphs for every size, largest first (smaller ones then reuse its memory pool)."""
         self.block_size = self.runner.kv_cache.shape[3]

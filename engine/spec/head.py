@@ -24,8 +24,7 @@ from engine.models.llama import LlamaForCausalLM
 class DraftHead(nn.Module, ABC):
     """Base of the heads: the forward contract plus checkpoint-name resolution for the loader."""
 
-    # checkpoint sub-names of a decoder block -> our fused parameter (same table as the target's)
-    FUSED = LlamaForCausalLM.FUSED
+    FUSED = LlamaForCausalLM.FUSED  # checkpoint q/k/v and gate/up -> our fused parameters
     capture_layers: tuple[int, ...] = ()  # target layers (0-based) whose outputs first_hidden reads
     draft_vocab_size: int | None = None  # set when the head's vocabulary is a subset of the target's; then
     # a buffer `draft_to_target` [draft_vocab] int64 holds the target id of each draft id
@@ -44,20 +43,9 @@ class DraftHead(nn.Module, ABC):
 
     # --------------------------------------------------------------------- loading
     def _resolve(self, name: str) -> tuple[nn.Module, str, int | None] | None:
-        """Our-name (after the head's prefix handling) -> (module, leaf, shard id) or None."""
-        shard = None
-        for frag, (fused, sid) in self.FUSED.items():
-            if frag in "." + name:
-                name, shard = ("." + name).replace(frag, fused)[1:], sid
-                break
-        module_path, _, leaf = name.rpartition(".")
-        try:
-            module = self.get_submodule(module_path)
-        except AttributeError:
-            return None
-        if getattr(module, leaf, None) is None:
-            return None
-        return module, leaf, shard
+        """A checkpoint name in HF Llama spelling (relative to this head) -> (module, leaf, shard id):
+        the target's own mapping (fused q/k/v and gate/up), applied to the head's module tree."""
+        return LlamaForCausalLM.param_for(self, name)
 
 
 BLOCK_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",

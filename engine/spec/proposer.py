@@ -76,6 +76,7 @@ class Proposer(ABC):
     k: int
     capture_layers: tuple[int, ...] = ()
     num_cache_layers: int  # KV layers it adds after the target's
+    needs_hidden: bool  # its first step reads the target's hidden states (a head), not only tokens
 
     def __init__(self, k: int, vocab_size: int, kv_cache_ref):
         self.k = k
@@ -100,6 +101,7 @@ class HeadProposer(Proposer):
         self.head = head
         self.capture_layers = head.capture_layers
         self.num_cache_layers = 1
+        self.needs_hidden = True
         small = head.draft_vocab_size is not None and head.draft_vocab_size != vocab_size
         self.remap = head.draft_to_target if small else None
 
@@ -135,6 +137,7 @@ class DraftModelProposer(Proposer):
         super().__init__(k, vocab_size, kv_cache_ref)
         self.model = model
         self.num_cache_layers = model.cfg.num_layers
+        self.needs_hidden = False
         n = min(model.cfg.vocab_size, vocab_size)
         self.width = n
         self.remap = None if n == vocab_size else torch.arange(n, device=model.embed_tokens.weight.device)

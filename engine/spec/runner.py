@@ -94,9 +94,21 @@ class SpecRunner:
     def slot(self, request_id: str) -> int:
         s = self._slot_of.get(request_id)
         if s is None:
-            assert self._free_slots, "more running requests than max_num_seqs"
+            if not self._free_slots:  # hand-overs joined beyond max_num_seqs
+                self._grow_slots()
             s = self._slot_of[request_id] = self._free_slots.popleft()
         return s
+
+    def _grow_slots(self) -> None:
+        old = self.num_slots
+        self.num_slots *= 2
+        self._free_slots.extend(range(old, self.num_slots))
+        if self.draft_probs is not None:
+            grown = self.draft_probs.new_zeros((self.num_slots + 1, *self.draft_probs.shape[1:]))
+            grown[:old] = self.draft_probs[:old]
+            self.draft_probs = grown
+        if self.graphs is not None:  # captured graphs hold the old buffer and scratch row
+            self.graphs.reset()
 
     def release(self, request_id: str) -> None:
         s = self._slot_of.pop(request_id, None)
@@ -156,7 +168,7 @@ class SpecRunner:
             for req in reqs:
                 req.spec_token_ids = self.next_drafts(req, None)
             return
-        needs_hidden = not hasattr(self.proposer, "model")
+        needs_hidden = self.proposer.needs_hidden
         ready = [(r, h) for r, h in zip(reqs, hidden) if (h is not None or not needs_hidden) and
                  blocks.allocate(r.request_id, r.num_computed_tokens + self.k)]
         if not ready:

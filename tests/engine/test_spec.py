@@ -282,3 +282,30 @@ def test_cuda_graph_replay_equals_eager(llama_dir, spec_drafts, method):
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     ref = unpadded.generate([prompts[i] for i in greedy], [params[i] for i in greedy])
     assert [outs[i].token_ids for i in greedy] == [o.token_ids for o in ref]
+
+
+def test_handovers_beyond_max_num_seqs(llama_dir, spec_drafts, reference):
+    """Committed hand-overs join the running batch whatever max_num_seqs says; the draft state
+    (distribution slots) grows for them."""
+    spec = _spec("self_draft", 3, spec_drafts, llama_dir)
+    prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=128, block_size=4, speculative=spec))
+    decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=128, block_size=4, max_num_seqs=2,
+                                    speculative=spec))
+    prompts = _prompts(5)
+    params = [_greedy()] * 4 + [SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        prefill.add_request(f"r{i}", p, sp, prefill_only=True)
+    while any(r.status.value != "parked" for r in prefill.requests.values()):
+        prefill.step()
+    for i in range(5):
+        h = prefill.take_handover(f"r{i}")
+        blocks = decode.reserve(h.header)
+        decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
+        prefill.release(f"r{i}")
+        decode.commit(f"r{i}", hidden=h.hidden)
+    done = {}
+    while decode.has_unfinished():
+        done.update({o.request_id: o for o in decode.step() if o.finished})
+    assert [done[f"r{i}"].token_ids for i in range(4)] == reference(5)[:4]
+    assert len(done["r4"].token_ids) == 20 and decode.runner.spec.num_slots >= 5
+    assert decode.stats()["kv_blocks_used"] == 0 and not decode.runner.spec._slot_of
