@@ -37,7 +37,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def build_tiny_llama(path, seed: int = 0, num_kv_heads: int = 2, vocab: int = 384) -> str:
+def build_tiny_llama(path, seed: int = 0, num_kv_heads: int = 2, vocab: int = 384, hidden: int = 64,
+                     layers: int = 2, heads: int = 4, max_positions: int = 256) -> str:
     """A small random Llama (weights scaled so greedy choices are well separated) with a byte-level BPE
     tokenizer and a chat template; deterministic for a seed. Stands in until the zoo's tiny target."""
     import torch
@@ -55,8 +56,8 @@ def build_tiny_llama(path, seed: int = 0, num_kv_heads: int = 2, vocab: int = 38
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=256,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
                       bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()

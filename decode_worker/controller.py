@@ -55,6 +55,7 @@ class DecodeController:
         self.kv_blocks_total = 0
         self.num_running = 0
         self.handovers: list[tuple[float, int]] = []  # recent (payload seconds, bytes) per request
+        self.handovers_total = 0
 
     # ------------------------------------------------------------------ from streams
     def expect(self, request_id: str, sink: asyncio.Queue) -> None:
@@ -171,7 +172,8 @@ class DecodeController:
             self._commands.append(Command(CommandKind.ABORT, t.request_id))
             return
         self.handovers.append((t.handover_seconds, t.handover_bytes))
-        del self.handovers[:-256]
+        self.handovers_total += 1
+        del self.handovers[:-512]
         t.phase = Phase.RUNNING
         self._commands.append(Command(CommandKind.COMMIT, t.request_id))
 

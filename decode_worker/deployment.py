@@ -37,13 +37,17 @@ class DecodeServer:
         self.groups_started = 1
         self._wake = asyncio.Event()
         self._steps = 0
+        self._step_seconds = 0.0  # inside the ranks (engine + commands), summed over steps
         self._last_error: str | None = None
         self._loop = asyncio.create_task(self._run())
 
     # ------------------------------------------------------------------ the stream of one request
     async def generate(self, request_id: str):
         """Yields the DecodeTarget, then lists of TokenDelta, or a StreamError; cancel to abort."""
-        group = await self._current_group()
+        group = await self._current_group(self.config.handover_timeout_s)
+        if group is None:
+            yield StreamError(f"the decode group is restarting after a failure ({self._last_error}); retry")
+            return
         sink: asyncio.Queue = asyncio.Queue()
         self.ctrl.expect(request_id, sink)
         self._wake.set()
@@ -70,8 +74,9 @@ class DecodeServer:
                 self.ctrl.cancel(request_id)  # client gone, stop string, or prefill failure
                 self._wake.set()
 
-    async def _current_group(self) -> RankGroup:
-        while self.group is None:  # being rebuilt after a failure
+    async def _current_group(self, timeout_s: float = float("inf")) -> RankGroup | None:
+        deadline = time.monotonic() + timeout_s
+        while self.group is None and time.monotonic() < deadline:  # being rebuilt after a failure
             await asyncio.sleep(0.05)
         return self.group
 
@@ -91,6 +96,7 @@ class DecodeServer:
                 await self._recover(group, str(e))
                 continue
             self._steps += 1
+            self._step_seconds += max(r.step_seconds for r in reports)
             self.ctrl.on_reports(reports)
 
     async def _recover(self, group: RankGroup, reason: str) -> None:
@@ -123,13 +129,20 @@ class DecodeServer:
             "kv_blocks_used": self.ctrl.kv_blocks_used,
             "kv_blocks_total": self.ctrl.kv_blocks_total,
             "steps": self._steps,
+            "rank_step_seconds": self._step_seconds,
+            "handovers_total": self.ctrl.handovers_total,
             "handover_seconds": [s for s, _ in handovers],
             "handover_bytes": [b for _, b in handovers],
             "time": time.time(),
         }
 
+    def handover_timings(self, last: int = 512) -> list[tuple[float, int]]:
+        """(payload seconds on the slowest rank, bytes over all ranks) of the most recent hand-overs."""
+        return list(self.ctrl.handovers[-last:])
+
     def record_routing_stats(self) -> dict:
-        return self.stats()
+        """Small: Serve polls it and broadcasts it to every router."""
+        return {k: v for k, v in self.stats().items() if not isinstance(v, list)}
 
     async def rank_pids(self) -> list[int]:
         group = await self._current_group()

@@ -71,11 +71,18 @@ class PrefillServer:
             "kv_blocks_total": s["kv_blocks_total"],
             "steps": self.loop.steps,
             "channels": len(self.loop.sender.channels),
+            "handovers_total": self.loop.sender.total,
             "handovers": [(t.pack_seconds, t.answer_seconds, t.payload_seconds, t.payload_bytes) for t in timings],
         }
 
+    def handover_timings(self, last: int = 512) -> list[tuple[float, float, float, int, bool]]:
+        """(pack, answer wait, payload seconds, payload bytes, dropped) of the most recent hand-overs."""
+        return [(t.pack_seconds, t.answer_seconds, t.payload_seconds, t.payload_bytes, t.dropped)
+                for t in list(self.loop.sender.timings)[-last:]]
+
     def record_routing_stats(self) -> dict:
-        return self.stats()
+        """Small: Serve polls it and broadcasts it to every router."""
+        return {k: v for k, v in self.stats().items() if not isinstance(v, list)}
 
     def __del__(self):
         loop = getattr(self, "loop", None)

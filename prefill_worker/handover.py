@@ -60,6 +60,7 @@ class HandoverSender:
         self.channels: dict[tuple[str, int], KVChannel] = {}
         self.timings: collections.deque[HandoverTiming] = collections.deque(maxlen=512)
         self.failures = 0
+        self.total = 0  # hand-overs attempted (timings keeps the most recent)
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._serve, daemon=True, name="handover-tx")
         self._thread.start()
@@ -84,6 +85,7 @@ class HandoverSender:
             if job is None:
                 return
             handover, target = job
+            self.total += 1
             rid = handover.header["request_id"]
             released = False
             try:

@@ -25,6 +25,7 @@ class ResponseWriter:
         self.arrival, self.endpoint = arrival, endpoint
         self.finish_reason: str | None = None
         self._last_token_time: float | None = None
+        self._closed = False
 
     async def deltas(self):
         """(text, logprobs body) pieces; sets finish_reason at the end. Raises APIError."""
@@ -97,7 +98,17 @@ class ResponseWriter:
                                 else {}, finish_reason, lp)
         return R.completion_chunk(self.rid, self.model, self.created, text, finish_reason, lp)
 
+    def __del__(self):
+        # A streaming response whose client left before its first byte is never iterated, so its
+        # generator's `finally` never runs: clean up when the writer is dropped.
+        if not self._closed:
+            self.gen.cancel()
+            self._done(499)
+
     def _done(self, status: int) -> None:
+        if self._closed:
+            return
+        self._closed = True
         r = self.router
         r.inflight -= 1
         r._gauges()

@@ -1,0 +1,58 @@
+"""`tandem serve`: flags become the deployment config, bad flags fail with a message (exit 2), and the
+printed instructions are valid curl / openai usage for the served model."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from deploy.serve_cmd import parser, tandem_config, usage_text
+
+
+def test_flags_map_onto_the_deployment_config(tiny_model_dir):
+    args = parser().parse_args(["--model", tiny_model_dir, "--tp", "2", "--prefill-replicas", "2",
+                                "--decode-replicas", "3", "--port", "8011", "--max-num-seqs", "32",
+                                "--served-model-name", "m"])
+    cfg = tandem_config(args)
+    assert (cfg.tp, cfg.prefill_replicas, cfg.decode_replicas, cfg.name) == (2, 2, 3, "m")
+    assert cfg.decode().tp_size == 2 and cfg.decode().max_num_seqs == 32
+    assert cfg.prefill().block_size == cfg.decode().block_size == 16
+    assert cfg.router().served_model_name == "m"
+
+
+def test_defaults_are_the_embedded_setup():
+    args = parser().parse_args([])
+    assert (args.host, args.port, args.tp, args.prefill_replicas, args.decode_replicas, args.address,
+            args.device) == ("127.0.0.1", 8000, 2, 1, 1, None, "cpu")
+
+
+def test_speculation_the_engine_lacks_is_refused(tiny_model_dir):
+    args = parser().parse_args(["--model", tiny_model_dir, "--speculative-method", "eagle3", "-k", "3"])
+    with pytest.raises(ValueError, match="speculative|draft"):
+        tandem_config(args)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent/dir"], "not a model directory"),
+    (["--model", ".", "--tp", "0"], "tp"),
+])
+def test_bad_flags_exit_2_with_a_message(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_help_lists_the_flags():
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0
+    for flag in ("--model", "--draft", "--speculative-method", "--num-speculative-tokens", "--tp",
+                 "--prefill-replicas", "--decode-replicas", "--host", "--port", "--address"):
+        assert flag in proc.stdout
+
+
+def test_usage_text_names_the_endpoints():
+    text = usage_text("127.0.0.1", 8000, "tiny")
+    assert "curl http://127.0.0.1:8000/v1/completions" in text and '"model": "tiny"' in text
+    assert "OpenAI(base_url='http://127.0.0.1:8000/v1'" in text and "/metrics" in text
