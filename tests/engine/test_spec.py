@@ -62,7 +62,7 @@ def reference(llama_dir):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("k,batch,chunked", [(1, 1, True), (1, 16, False), (3, 5, True), (3, 16, False),
-                                             (5, 16, True), (5, 2, False)])
+                                             (5, 16, True), (5, 2, False), (8, 3, True)])
 def test_greedy_equals_no_speculation(llama_dir, spec_drafts, reference, method, k, batch, chunked):
     llm = LLM(llama_dir, num_kv_blocks=512, block_size=4, max_num_batched_tokens=48 if chunked else 2048,
               enable_chunked_prefill=chunked, speculative=_spec(method, k, spec_drafts, llama_dir))
@@ -190,9 +190,11 @@ def test_handover_carries_the_draft_state(checkpoints, llama_dir, spec_drafts, r
     prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4, speculative=spec))
     decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4, speculative=spec))
     prompt = _prompts(2)[1]
+    prefill.add_request("other", _prompts(2)[0], _greedy())  # decodes in the same steps as the prefill
     prefill.add_request("r", prompt, _greedy(), prefill_only=True)
-    while "r" not in prefill.requests or prefill.requests["r"].status.value != "parked":
-        prefill.step()
+    others = []
+    while prefill.requests["r"].status.value != "parked":
+        others += prefill.step()
     h = prefill.take_handover("r")
     assert h.header["cache_layers"] == prefill.kv_cache.shape[0]
     assert (h.hidden is not None) == (method in ("mtp", "eagle3"))
@@ -212,6 +214,9 @@ def test_handover_carries_the_draft_state(checkpoints, llama_dir, spec_drafts, r
     while decode.has_unfinished():
         outs += decode.step()
     assert outs[-1].finished and outs[-1].token_ids == reference(2)[1]
+    while prefill.has_unfinished():
+        others += prefill.step()
+    assert [o for o in others if o.request_id == "other"][-1].token_ids == reference(2)[0]
     assert prefill.stats()["kv_blocks_used"] == decode.stats()["kv_blocks_used"] == 0
 
 
