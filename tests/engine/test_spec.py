@@ -314,3 +314,20 @@ def test_handovers_beyond_max_num_seqs(llama_dir, spec_drafts, reference):
     assert [done[f"r{i}"].token_ids for i in range(4)] == reference(5)[:4]
     assert len(done["r4"].token_ids) == 20 and decode.runner.spec.num_slots >= 5
     assert decode.stats()["kv_blocks_used"] == 0 and not decode.runner.spec._slot_of
+
+
+def test_draft_model_with_another_kv_shape_keeps_its_own_cache(checkpoints, llama_dir, reference):
+    """A draft whose KV heads differ from the target's cannot extend its cache tensor: it gets a cache
+    of its own over the same block ids (and its requests cannot be handed over)."""
+    from engine import InvalidRequestError
+
+    draft = checkpoints["llama3"][0]  # one KV head where the target has two
+    llm = LLM(llama_dir, num_kv_blocks=256, block_size=4, speculative=SpecConfig("draft_model", 3, draft))
+    spec = llm.engine.runner.spec
+    assert not spec.shares_cache and spec.draft_cache.shape[4] == 1
+    assert llm.engine.kv_cache.shape[0] == 2  # the target's layers only
+    assert [o.token_ids for o in llm.generate(_prompts(5), _greedy())] == reference(5)
+    llm.engine.add_request("r", [5, 6, 7], _greedy(), prefill_only=True)
+    llm.engine.step()
+    with pytest.raises(InvalidRequestError, match="cache of its own"):
+        llm.engine.take_handover("r")
