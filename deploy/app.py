@@ -9,7 +9,8 @@ from decode_worker.deployment import DecodeServer
 from deploy.config import TandemConfig
 from prefill_worker.deployment import PrefillServer
 from router.app import Router
-from router.policy import STATS_PERIOD_S, LoadAwareRequestRouter
+from router.policy import STATS_PERIOD_S
+from router.request_router import LoadAwareRequestRouter
 
 
 def _routing(role: str) -> RequestRouterConfig:

@@ -71,6 +71,10 @@ class Router:
                 queue = s.get("num_prompts", 0) if role == "prefill" else s.get("num_requests", 0) - s.get("num_running", 0)
                 self.metrics.worker(role, replica, s.get("kv_blocks_used", 0), s.get("kv_blocks_total", 0), queue)
 
+    def routing_snapshot(self) -> dict:
+        """The load each worker replica last reported to this router's routing policy (handle call)."""
+        return {role: latest_stats(role) for role in ("prefill", "decode")}
+
     # ------------------------------------------------------------------ generation endpoints
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):

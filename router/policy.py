@@ -4,14 +4,12 @@ Load comes from two places: each replica's `record_routing_stats()` (queued prom
 running requests; polled by Serve every `STATS_PERIOD_S`) and this router's own count of requests
 it has in flight to each replica, which covers the gap until the next poll. Scores are pure functions
 of those numbers so they can be tested alone; `LoadAwareRequestRouter` plugs them into Serve's
-request routing (it runs inside the router process, beside the deployment handle).
+request routing (router/request_router.py; it runs inside the router process, beside the handle).
 """
 from __future__ import annotations
 
 import threading
 from typing import Any
-
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 STATS_PERIOD_S = 0.5
 
@@ -43,33 +41,13 @@ def latest_stats(role: str) -> dict[str, dict]:
         return dict(_latest.get(role, {}))
 
 
-class LoadAwareRequestRouter(FIFOMixin, RequestRouter):
-    """Orders replicas by score (least loaded first); Serve then takes the first that accepts."""
+def record_stats(role: str, by_replica: dict[str, dict], replace: bool) -> None:
+    """`replace`: the full replica set (membership changed); else fresher stats for some replicas."""
+    with _latest_lock:
+        _latest[role] = dict(by_replica) if replace else {**_latest.get(role, {}), **by_replica}
 
-    def initialize_state(self, role: str = "decode", **kwargs: Any) -> None:
-        if role not in _SCORES:
-            raise ValueError(f"unknown role {role!r}; expected one of {sorted(_SCORES)}")
-        self.role = role
-        self._score = _SCORES[role]
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        scored = []
-        snapshot = {}
-        for r in candidate_replicas:
-            stats = r.routing_stats or {}
-            snapshot[r.replica_id.unique_id] = stats
-            in_flight = self.replica_queue_len_cache.get(r.replica_id) or 0
-            scored.append((self._score(stats, in_flight), r.replica_id.unique_id, r))
-        with _latest_lock:
-            _latest[self.role] = snapshot
-        scored.sort(key=lambda x: (x[0], x[1]))
-        return [[r] for _, _, r in scored]
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        with _latest_lock:
-            _latest[getattr(self, "role", "decode")] = {r.replica_id.unique_id: (r.routing_stats or {})
-                                                        for r in replicas}
+def score_function(role: str):
+    if role not in _SCORES:
+        raise ValueError(f"unknown role {role!r}; expected one of {sorted(_SCORES)}")
+    return _SCORES[role]

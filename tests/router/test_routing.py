@@ -1,0 +1,51 @@
+"""The load-aware routing policy with several replicas: prompts spread over both prefill replicas and
+requests over both decode groups, every worker's load reaches the router, and outputs stay correct."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.ray
+
+
+def test_two_prefill_and_two_decode_replicas_share_the_load(tandem_server):
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.config import TandemConfig
+    from engine import LLM, SamplingParams
+
+    cfg = TandemConfig(model=tandem_server.model_dir, served_model_name="multi", tp=1, prefill_replicas=2,
+                       decode_replicas=2, num_kv_blocks=128, rank_num_cpus=0.5, prefill_num_cpus=0.5)
+    serve.run(build_app(cfg), name="multi", route_prefix="/multi")
+    try:
+        prompts = [f"Hello {i}, how are you?" for i in range(16)]
+
+        async def main():
+            async with httpx.AsyncClient(base_url=f"{tandem_server.base_url}/multi", timeout=120) as http:
+                rs = await asyncio.gather(*[http.post("/v1/completions", json={
+                    "model": "multi", "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+                    for p in prompts])
+                return [r.json()["choices"][0]["text"] for r in rs]
+
+        texts = asyncio.run(main())
+        llm = LLM(tandem_server.model_dir, num_kv_blocks=128)
+        want = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+        assert texts == want
+        router = serve.get_deployment_handle("router", app_name="multi")
+        deadline = time.monotonic() + 10
+        while True:  # routing stats arrive every STATS_PERIOD_S
+            snap = router.routing_snapshot.remote().result()
+            prefill_done = [s.get("handovers_total", 0) for s in snap["prefill"].values()]
+            decode_steps = [s.get("steps", 0) for s in snap["decode"].values()]
+            if len(prefill_done) == 2 and sum(prefill_done) == 16 and len(decode_steps) == 2:
+                break
+            assert time.monotonic() < deadline, snap
+            time.sleep(0.25)
+        assert min(prefill_done) >= 2, prefill_done  # both prefill replicas took prompts
+        assert min(decode_steps) > 0, decode_steps  # both decode groups decoded
+    finally:
+        serve.delete("multi")
