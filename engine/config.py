@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.spec.config import SpecConfig
 
 # Architectures share one module (engine/models/llama.py); these flags are what differs.
 SUPPORTED_ARCHITECTURES = {
@@ -143,8 +144,11 @@ class EngineConfig:
     seed: int = 0  # base of the seeds given to requests without one
     tp_size: int = 1
     tp_rank: int = 0
-    speculative: object | None = None  # engine.spec.SpecConfig (or a dict of its fields); None = off
+    speculative: SpecConfig | None = None  # speculative decoding (a dict of SpecConfig's fields works too); None = off
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", SpecConfig.coerce(self.speculative))
 
     def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
         if self.dtype is None:

@@ -26,7 +26,6 @@ from engine.request import Request, RequestStatus
 from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, ScheduledRequest
-from engine.spec.config import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         # A request alone must always fit, or preemption could not make progress.
         self.max_model_len = min(max_model_len, num_blocks * cfg.block_size)
-        self.spec = SpecConfig.coerce(cfg.speculative)
+        self.spec = cfg.speculative
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
                                    num_lookahead_slots=self.spec.lookahead_slots if self.spec is not None else 0)
         # engine-wide histogram of tokens emitted per decoding step (index = accepted drafts + 1)

@@ -14,7 +14,6 @@ from engine.models.llama import LlamaForCausalLM
 from engine.parallel import TPContext
 from engine.sampler import SamplerOutput, sample
 from engine.scheduler import ScheduledRequest
-from engine.spec.config import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +24,7 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype(model_cfg)
-        spec = SpecConfig.coerce(cfg.speculative)
+        spec = cfg.speculative
         # Draft chains and padded verification rows may run up to 2k + 1 positions past the last token.
         max_pos = max_model_len + (2 * spec.k + 2 if spec is not None else 0)
         with torch.device(self.device):
