@@ -30,3 +30,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
         elif "gpu" in item.keywords and n_gpu < 1:
             item.add_marker(skip_gpu)
+
+
+# `zoo_dir`: the tiny zoo, built once per machine through the zoo's build cache (zoo/testing.py).
+pytest_plugins = ["zoo.testing"]
