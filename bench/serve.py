@@ -71,10 +71,10 @@ async def _level(base_url: str, model: str, prompts: list[list[int]], concurrenc
             "chunk_gap_p99_s": _pct(gaps, 0.99)}
 
 
-def _handover_stats(prefill_new: list, decode_new: list) -> dict:
-    """Sender side: (pack, answer wait, payload, bytes, dropped); receiver side: (payload s, bytes)."""
+def _handover_stats(prefill_new: list, decode_new: list, tp: int) -> dict:
+    """Sender side: (pack, answer wait, payload, bytes, dropped); receiver side: (receive s, unpack s, bytes)."""
     sent = [h for h in prefill_new if not h[4] and h[3] > 0]
-    recv = [d for d in decode_new if d[1] > 0]
+    recv = [d for d in decode_new if d[2] > 0]
     total = [h[0] + h[1] + h[2] for h in sent]
     return {
         "handovers": len(sent),
@@ -84,7 +84,10 @@ def _handover_stats(prefill_new: list, decode_new: list) -> dict:
         "handover_payload_p50_s": _pct([h[2] for h in sent], 0.5),
         "handover_total_p50_s": _pct(total, 0.5),
         "handover_send_gbps": (sum(h[3] for h in sent) / max(1e-9, sum(h[2] for h in sent))) / 1e9 if sent else 0.0,
-        "handover_recv_gbps": (sum(d[1] for d in recv) / max(1e-9, sum(d[0] for d in recv))) / 1e9 if recv else 0.0,
+        # Per rank: each rank receives its slice (bytes / tp) while the others receive theirs.
+        "handover_recv_gbps": (sum(d[2] / tp for d in recv) / max(1e-9, sum(d[0] for d in recv))) / 1e9
+        if recv else 0.0,
+        "handover_unpack_p50_s": _pct([d[1] for d in recv], 0.5),
     }
 
 
@@ -103,8 +106,12 @@ def _raw_channel_bandwidth(sizes: list[int], repeats: int = 20) -> dict[int, flo
     ray.get(tx.send_bytes.remote(cid, 1 << 20, 3))  # warm-up
     out = {}
     for size in sizes:
-        times = ray.get(tx.send_bytes.remote(cid, int(size), repeats))
-        out[int(size)] = size / statistics.median(times) / 1e9
+        ray.get(tx.send_bytes.remote(cid, int(size), repeats))
+        deadline = time.monotonic() + 30
+        while len(hist := [h for h in ray.get(rx.transfer_history.remote(cid)) if h[0] == size]) < repeats:
+            assert time.monotonic() < deadline, "the probe receiver fell behind"
+            time.sleep(0.05)
+        out[int(size)] = size / statistics.median(s for _, s in hist[-repeats:]) / 1e9  # receive side
     ray.get(tx.close.remote(cid))
     for a in (tx, rx):
         ray.kill(a)
@@ -144,8 +151,8 @@ def _plots(levels: list[dict], raw: dict[int, float], out_prefix) -> list[str]:
     axes[1].set(xscale="log", xlabel="concurrency", ylabel="ms/token", title="inter-token latency, throughput")
     sizes = sorted(raw)
     axes[2].plot(sizes, [raw[s] for s in sizes], "o-", label="raw channel")
-    axes[2].plot([lv["handover_bytes_p50"] for lv in levels], [lv["handover_send_gbps"] for lv in levels], "s",
-                 label="hand-over payload (sender)")
+    axes[2].plot([lv["handover_bytes_p50"] / lv["tp"] for lv in levels], [lv["handover_recv_gbps"] for lv in levels], "s",
+                 label="hand-over payload per rank (receiver)")
     axes[2].set(xscale="log", xlabel="payload bytes", ylabel="GB/s", title="channel bandwidth")
     for ax in axes:
         ax.legend(fontsize=8)
@@ -207,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         row = asyncio.run(_level(base, "bench", prompts, c, args.max_tokens))
         p1, d1 = prefill.stats.remote().result()["handovers_total"], decode.stats.remote().result()["handovers_total"]
         row |= _handover_stats(prefill.handover_timings.remote(p1 - p0).result() if p1 > p0 else [],
-                               decode.handover_timings.remote(d1 - d0).result() if d1 > d0 else [])
+                               decode.handover_timings.remote(d1 - d0).result() if d1 > d0 else [], args.tp)
+        row["tp"] = args.tp
         row["handover_share_of_ttft"] = row["handover_total_p50_s"] / row["ttft_p50_s"]
         rows.append(row)
         print(f"c={c:3d} ttft {row['ttft_p50_s'] * 1e3:7.1f} ms  tt2t {row['tt2t_p50_s'] * 1e3:7.1f} ms  "
@@ -225,21 +233,22 @@ def main(argv: list[str] | None = None) -> int:
              f"model `{model_dir}`; {args.prompt_tokens}-token prompts, {args.max_tokens} output tokens, greedy; "
              f"{device_name(args.device)}", "",
              "| conc | reqs | TTFT p50 ms | TTFT p99 ms | 2nd token p50 ms | TPOT p50 ms | TPOT p99 ms | tok/s | "
-             "hand-over p50 ms | of TTFT | send GB/s | recv+unpack GB/s | send vs raw channel |",
+             "hand-over p50 ms | of TTFT | unpack p50 ms | recv GB/s per rank | vs raw channel |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['requests']} | {r['ttft_p50_s'] * 1e3:.1f} | {r['ttft_p99_s'] * 1e3:.1f} | "
                      f"{r['tt2t_p50_s'] * 1e3:.1f} | {r['tpot_p50_s'] * 1e3:.1f} | {r['tpot_p99_s'] * 1e3:.1f} | "
                      f"{r['throughput_tok_s']:.0f} | {r['handover_total_p50_s'] * 1e3:.2f} | "
-                     f"{r['handover_share_of_ttft']:.0%} | {r['handover_send_gbps']:.3f} | "
-                     f"{r['handover_recv_gbps']:.3f} | {r['handover_send_gbps'] / raw_at_kv:.0%} |")
+                     f"{r['handover_share_of_ttft']:.0%} | {r['handover_unpack_p50_s'] * 1e3:.2f} | "
+                     f"{r['handover_recv_gbps']:.3f} | {r['handover_recv_gbps'] / raw_at_kv:.0%} |")
     lines += ["", "Raw channel (ChannelProbe pair, same backend, same run, after the sweep): " +
               ", ".join(f"{s / 2**20:.2f} MiB: {g:.3f} GB/s" for s, g in sorted(raw.items())) +
               f"; before the sweep at {size0 / 2**20:.2f} MiB: {raw_before:.3f} GB/s.", "",
               "TTFT is measured to the first streamed token, which the prefill returns before the hand-over; "
               "the hand-over (pack + headers/answers + payload to every rank) sits on the path to the second "
-              "token. 'of TTFT' is hand-over p50 / TTFT p50. 'vs raw channel' compares the hand-over payload "
-              f"bandwidth with the raw channel at the per-rank hand-over size ({per_rank / 2**20:.2f} MiB)."]
+              "token. 'of TTFT' is hand-over p50 / TTFT p50. Bandwidths are receive-side (recv posted -> payload "
+              "in the buffer; the unpack into the blocks is separate) and per rank, compared with the raw channel "
+              f"at the per-rank hand-over size ({per_rank / 2**20:.2f} MiB), mean of before and after the sweep."]
     table = "\n".join(lines)
     path = write_results(args.name, {"model": model_dir, "tp": args.tp, "device": args.device,
                                      "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,

@@ -74,6 +74,13 @@ class TransferStats:
         del self.history[:-256]
 
 
+@dataclass(slots=True)
+class PendingSend:
+    views: list  # the byte views being sent (kept alive until the sends complete)
+    works: list
+    started: float
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
@@ -129,18 +136,23 @@ class KVChannel:
         return bool(answer.item())
 
     def send_payload(self, tensors: list[torch.Tensor], timeout_s: float = 60.0) -> None:
-        start = time.perf_counter()
-        views = [_as_bytes(t.contiguous()) for t in tensors]
+        self.finish_payload(self.post_payload(tensors), timeout_s)
 
-        def _send():
-            works = [self._data.send([v], self.peer, _TAG_PAYLOAD + i) for i, v in enumerate(views)]
-            for w in works:
+    def post_payload(self, tensors: list[torch.Tensor]) -> "PendingSend":
+        """Start sending; the transfer runs on the group's threads while the caller serves other peers."""
+        views = [_as_bytes(t.contiguous()) for t in tensors]
+        works = self._guard(lambda: [self._data.send([v], self.peer, _TAG_PAYLOAD + i) for i, v in enumerate(views)])
+        return PendingSend(views, works, time.perf_counter())
+
+    def finish_payload(self, pending: "PendingSend", timeout_s: float = 60.0) -> None:
+        def _finish():
+            for w in pending.works:
                 _wait(w, timeout_s, "sending the payload")
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
 
-        self._guard(_send)
-        self.stats.record(sum(v.numel() for v in views), time.perf_counter() - start)
+        self._guard(_finish)
+        self.stats.record(sum(v.numel() for v in pending.views), time.perf_counter() - pending.started)
 
     # ------------------------------------------------------------------ receiver
     def recv_header(self, timeout_s: float = 30.0) -> Message | None:

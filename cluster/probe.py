@@ -53,10 +53,16 @@ class ChannelProbe:
                 ch.answer(accept)
                 payload = ch.recv_payload(msg) if accept else []
                 with self._lock:
-                    log.append((msg.header, [t.cpu() for t in payload]))
+                    keep = [] if msg.header.get("bytes") else [t.cpu() for t in payload]  # bandwidth runs: no copy
+                    log.append((msg.header, keep))
             except ChannelError as e:
                 log.append(f"error: {e}")
                 return
+
+    def transfer_history(self, channel_id: str) -> list[tuple[int, float]]:
+        """(bytes, seconds) of this end's recent payloads: receive-side times on the receiving end."""
+        ch = self.channels.get(channel_id)
+        return list(ch.stats.history) if ch is not None else []
 
     def received_messages(self, channel_id: str) -> list:
         with self._lock:

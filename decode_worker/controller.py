@@ -41,8 +41,9 @@ class Tracked:
     landed: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)  # ranks whose payload transfer broke
     cancelled: bool = False
-    handover_seconds: float = 0.0
-    handover_bytes: int = 0
+    handover_seconds: float = 0.0  # payload receive time of the slowest rank
+    unpack_seconds: float = 0.0
+    handover_bytes: int = 0  # over all ranks
 
 
 class DecodeController:
@@ -54,7 +55,7 @@ class DecodeController:
         self.kv_blocks_used = 0
         self.kv_blocks_total = 0
         self.num_running = 0
-        self.handovers: list[tuple[float, int]] = []  # recent (payload seconds, bytes) per request
+        self.handovers: list[tuple[float, float, int]] = []  # recent (receive s, unpack s, bytes) per request
         self.handovers_total = 0
 
     # ------------------------------------------------------------------ from streams
@@ -110,10 +111,11 @@ class DecodeController:
                 t = self.requests.get(rid)
                 if t is not None and rep.tp_rank == 0:
                     t.phase = Phase.EXPECTED  # no free blocks now (on any rank): ask again after the next step
-            for rid, seconds, nbytes in rep.handover_seconds:
+            for rid, seconds, unpack, nbytes in rep.handover_seconds:
                 t = self.requests.get(rid)
                 if t is not None:
                     t.handover_seconds = max(t.handover_seconds, seconds)
+                    t.unpack_seconds = max(t.unpack_seconds, unpack)
                     t.handover_bytes += nbytes
             for rid in rep.landed:
                 self._on_landed(rid, rep.tp_rank)
@@ -171,7 +173,7 @@ class DecodeController:
             del self.requests[t.request_id]
             self._commands.append(Command(CommandKind.ABORT, t.request_id))
             return
-        self.handovers.append((t.handover_seconds, t.handover_bytes))
+        self.handovers.append((t.handover_seconds, t.unpack_seconds, t.handover_bytes))
         self.handovers_total += 1
         del self.handovers[:-512]
         t.phase = Phase.RUNNING

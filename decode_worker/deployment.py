@@ -131,13 +131,14 @@ class DecodeServer:
             "steps": self._steps,
             "rank_step_seconds": self._step_seconds,
             "handovers_total": self.ctrl.handovers_total,
-            "handover_seconds": [s for s, _ in handovers],
-            "handover_bytes": [b for _, b in handovers],
+            "handover_seconds": [s for s, _, _ in handovers],
+            "handover_unpack_seconds": [u for _, u, _ in handovers],
+            "handover_bytes": [b for _, _, b in handovers],
             "time": time.time(),
         }
 
-    def handover_timings(self, last: int = 512) -> list[tuple[float, int]]:
-        """(payload seconds on the slowest rank, bytes over all ranks) of the most recent hand-overs."""
+    def handover_timings(self, last: int = 512) -> list[tuple[float, float, int]]:
+        """(payload receive s and unpack s on the slowest rank, bytes over all ranks) of recent hand-overs."""
         return list(self.ctrl.handovers[-last:])
 
     def record_routing_stats(self) -> dict:

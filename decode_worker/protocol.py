@@ -20,7 +20,7 @@ class RankEndpoint:
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """The decode group's KV cache format; a hand-over must match it."""
-    num_layers: int
+    num_layers: int  # cache layers: the target's, then the draft's (speculation)
     num_kv_heads: int  # of the full model (each rank holds its slice)
     head_dim: int
     block_size: int
@@ -72,4 +72,4 @@ class StepReport:
     kv_blocks_total: int
     num_running: int
     step_seconds: float
-    handover_seconds: tuple[tuple[str, float, int], ...] = field(default=())  # (rid, payload seconds, bytes)
+    handover_seconds: tuple[tuple[str, float, float, int], ...] = field(default=())  # (rid, recv s, unpack s, bytes)

@@ -65,7 +65,8 @@ class DecodeRank:
         self.engine = LLMEngine(cfg, tp_group=self.tp_group)
         self.receiver = HandoverReceiver(self.engine.kv_cache)
         m = self.engine.model_cfg
-        return KVLayout(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        # Cache layers: the target's, then the draft's when speculation shares the cache.
+        return KVLayout(num_layers=self.engine.kv_cache.shape[0], num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                         block_size=cfg.block_size, dtype=str(self.engine.kv_cache.dtype).removeprefix("torch."))
 
     def local_kv_heads(self) -> int:
@@ -121,7 +122,11 @@ class DecodeRank:
             self._sent[rid] = len(header["handover"]["output_token_ids"])
             self.receiver.provide_blocks(rid, block_ids)
         elif cmd.kind is CommandKind.COMMIT:
-            eng.commit(rid)
+            hidden = self.receiver.take_hidden(rid)
+            if hidden is not None:
+                eng.commit(rid, hidden.to(eng.kv_cache.device))
+            else:
+                eng.commit(rid)
         elif cmd.kind is CommandKind.ABORT:
             eng.abort(rid)
             self.receiver.drop(rid)

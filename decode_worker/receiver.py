@@ -38,7 +38,8 @@ class HandoverReceiver:
         self._arrived: list[str] = []
         self._landed: list[str] = []
         self._failed: list[tuple[str, str]] = []
-        self._timings: list[tuple[str, float, int]] = []
+        self._timings: list[tuple[str, float, float, int]] = []  # (rid, receive s, unpack s, bytes)
+        self._hidden: dict[str, torch.Tensor] = {}  # request id -> the draft head's input (speculation)
         self._channels: list[KVChannel] = []
         self._stopping = False
 
@@ -58,13 +59,18 @@ class HandoverReceiver:
         arrival.block_ids = block_ids
         arrival.decided.set()
 
+    def take_hidden(self, request_id: str) -> torch.Tensor | None:
+        with self._lock:
+            return self._hidden.pop(request_id, None)
+
     def drop(self, request_id: str) -> None:
         with self._lock:
+            self._hidden.pop(request_id, None)
             arrival = self._pending.pop(request_id, None)
         if arrival is not None:
             arrival.decided.set()
 
-    def take_events(self) -> tuple[list[str], list[str], list[tuple[str, str]], list[tuple[str, float, int]]]:
+    def take_events(self) -> tuple[list[str], list[str], list[tuple[str, str]], list[tuple[str, float, float, int]]]:
         with self._lock:
             out = self._arrived, self._landed, self._failed, self._timings
             self._arrived, self._landed, self._failed, self._timings = [], [], [], []
@@ -117,12 +123,16 @@ class HandoverReceiver:
                 channel.answer(True)
                 start = time.perf_counter()
                 payload = channel.recv_payload(message, timeout_s=self.payload_timeout_s)
+                received = time.perf_counter()
                 self._write(message, arrival.block_ids, payload)
-                seconds = time.perf_counter() - start
+                unpacked = time.perf_counter()
                 with self._lock:
+                    if len(payload) > 1:
+                        self._hidden[rid] = payload[1]
                     self._pending.pop(rid, None)
                     self._landed.append(rid)
-                    self._timings.append((rid, seconds, sum(t.numel() * t.element_size() for t in payload)))
+                    self._timings.append((rid, received - start, unpacked - received,
+                                          sum(t.numel() * t.element_size() for t in payload)))
                     self._lock.notify_all()
                 rid = None
         except (ChannelError, ValueError, KeyError) as e:

@@ -2,7 +2,6 @@
 configs of the router, prefill and decode deployments."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Literal
 
@@ -18,8 +17,8 @@ class TandemConfig(BaseModel):
     served_model_name: str | None = Field(None, description="Name clients use in `model`; default: the "
                                                             "directory's name.")
     draft: str | None = Field(None, description="Draft model or head directory for speculative decoding.")
-    speculative_method: Literal["none", "mtp", "eagle3", "draft_model"] = Field(
-        "none", description="Speculative decoding method.")
+    speculative_method: Literal["none", "mtp", "eagle3", "ngram", "draft_model"] = Field(
+        "none", description="Speculative decoding method (one-model heads: mtp, eagle3; or ngram, draft_model).")
     num_speculative_tokens: int = Field(0, ge=0, description="Draft tokens per step (k).")
     tp: int = Field(2, ge=1, description="Tensor-parallel ranks per decode group.")
     prefill_replicas: int = Field(1, ge=1, description="Prefill replicas (one engine each).")
@@ -45,16 +44,9 @@ class TandemConfig(BaseModel):
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model {self.model!r} is not a model directory (no config.json)")
         if self.speculative_method != "none":
-            from engine import EngineConfig
+            from engine.spec.config import SpecConfig
 
-            fields = {f.name for f in dataclasses.fields(EngineConfig)}
-            if "speculative_method" not in fields:
-                raise ValueError(f"speculative decoding ({self.speculative_method}) is not available in this "
-                                 "engine yet; run with --speculative-method none")
-            if self.num_speculative_tokens < 1:
-                raise ValueError("a speculative method needs --num-speculative-tokens >= 1")
-            if self.speculative_method in ("eagle3", "draft_model") and not self.draft:
-                raise ValueError(f"--speculative-method {self.speculative_method} needs --draft DIR")
+            SpecConfig.coerce(self._speculative())  # the engine's own checks (k range, draft needed), early
         return self
 
     @property
@@ -64,21 +56,21 @@ class TandemConfig(BaseModel):
     def _speculative(self) -> dict:
         if self.speculative_method == "none":
             return {}
-        return {"speculative_method": self.speculative_method, "draft": self.draft,
-                "num_speculative_tokens": self.num_speculative_tokens}
+        return {"method": self.speculative_method, "k": self.num_speculative_tokens or 3, "draft": self.draft}
 
     def prefill(self) -> PrefillConfig:
         return PrefillConfig(model=self.model, device=self.device, dtype=self.dtype, num_kv_blocks=self.num_kv_blocks,
                              block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                              max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                             kv_cache_memory_gb=self.kv_cache_memory_gb, torch_threads=self.torch_threads)
+                             kv_cache_memory_gb=self.kv_cache_memory_gb, torch_threads=self.torch_threads,
+                             speculative=self._speculative() or None)
 
     def decode(self) -> DecodeConfig:
         return DecodeConfig(model=self.model, tp_size=self.tp, device=self.device, dtype=self.dtype,
                             num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
                             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                             kv_cache_memory_gb=self.kv_cache_memory_gb, rank_num_cpus=self.rank_num_cpus,
-                            torch_threads=self.torch_threads)
+                            torch_threads=self.torch_threads, speculative=self._speculative() or None)
 
     def router(self) -> RouterConfig:
         return RouterConfig(model=self.model, served_model_name=self.name, max_inflight=self.max_inflight)

@@ -22,8 +22,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", help="target model directory (default: the zoo's tiny target, built if missing)")
     ap.add_argument("--served-model-name", help="name clients send as `model` (default: the directory's name)")
     ap.add_argument("--draft", help="draft model / head directory for speculative decoding")
-    ap.add_argument("--speculative-method", default="none", choices=["none", "mtp", "eagle3", "draft_model"])
-    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=0, help="draft tokens per step")
+    ap.add_argument("--speculative-method", default="none", choices=["none", "mtp", "eagle3", "ngram", "draft_model"])
+    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=0, help="draft tokens per step "
+                                                                               "(default 3 with a method)")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per decode group")
     ap.add_argument("--prefill-replicas", type=int, default=1)
     ap.add_argument("--decode-replicas", type=int, default=1)

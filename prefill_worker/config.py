@@ -20,12 +20,15 @@ class PrefillConfig(BaseModel):
     transfer_timeout_s: float = Field(60.0, description="Deadline of one hand-over's answer and payload.")
     connect_timeout_s: float = Field(30.0, description="Deadline for opening a channel to a decode rank.")
     seed: int = Field(0, description="Base of the seeds of requests that bring none.")
+    speculative: dict | None = Field(None, description="engine SpecConfig fields (method, k, draft); None: off. "
+                                                       "Prefill and decode must agree (the draft's KV is handed over).")
 
     def engine_config(self) -> dict:
         return dict(model=self.model, device=self.device, dtype=self.dtype, num_kv_blocks=self.num_kv_blocks,
                     block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                    kv_cache_memory_gb=self.kv_cache_memory_gb, seed=self.seed)
+                    kv_cache_memory_gb=self.kv_cache_memory_gb, seed=self.seed,
+                    speculative=self.speculative)
 
 
 @dataclass(frozen=True, slots=True)

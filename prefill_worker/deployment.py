@@ -43,7 +43,7 @@ class PrefillServer:
     def _check_layout(self, target: DecodeTarget) -> None:
         m, kv = self.engine.model_cfg, self.engine.kv_cache
         lay = target.layout
-        mine = (m.num_layers, m.num_kv_heads, m.head_dim, self.config.block_size,
+        mine = (kv.shape[0], m.num_kv_heads, m.head_dim, self.config.block_size,
                 str(kv.dtype).removeprefix("torch."))
         theirs = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype)
         if mine != theirs:

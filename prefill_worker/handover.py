@@ -105,36 +105,43 @@ class HandoverSender:
                 if not released:
                     self.release(rid)
 
-    def _pack(self, handover: Handover, target: DecodeTarget) -> tuple[list[torch.Tensor], float]:
+    def _pack(self, handover: Handover, target: DecodeTarget) -> tuple[list[list[torch.Tensor]], float]:
         start = time.perf_counter()
         h = handover.header
         n_blocks = -(-h["num_computed_tokens"] // h["block_size"])
         block_ids = handover.block_ids[:n_blocks]
         by_slice: dict[tuple[int, int], torch.Tensor] = {}
         payloads = []
+        # With speculation the cache's extra layers hold the draft's KV (same heads, same slices), and the
+        # draft head's input at the last prompt row travels along whole to every rank.
+        extra = [handover.hidden.contiguous()] if handover.hidden is not None else []
         for rank in target.ranks:
             if rank.kv_heads not in by_slice:
                 by_slice[rank.kv_heads] = pack_blocks(self.kv_cache, block_ids, rank.kv_heads)
-            payloads.append(by_slice[rank.kv_heads])
+            payloads.append([by_slice[rank.kv_heads], *extra])
         if self.kv_cache.device.type == "cuda":
             torch.cuda.current_stream(self.kv_cache.device).synchronize()
         return payloads, time.perf_counter() - start
 
-    def _send(self, handover: Handover, target: DecodeTarget, payloads: list[torch.Tensor], pack_s: float) -> None:
+    def _send(self, handover: Handover, target: DecodeTarget, payloads: list[list[torch.Tensor]], pack_s: float) -> None:
         rid = handover.header["request_id"]
         channels = [self._channel(target, rank) for rank in target.ranks]
         start = time.perf_counter()
         for rank, ch, payload in zip(target.ranks, channels, payloads):
             header = {"request_id": rid, "handover": handover.header, "kv_heads": list(rank.kv_heads),
                       "sent_at": time.time()}
-            ch.send_header(header, [payload], self.transfer_timeout_s)
-        answers = [ch.wait_answer(self.transfer_timeout_s) for ch in channels]
-        answered = time.perf_counter()
-        nbytes = 0
-        for ch, payload, go in zip(channels, payloads, answers):
+            ch.send_header(header, payload, self.transfer_timeout_s)
+        # Each rank's payload starts as soon as that rank answers, and all of them move at once.
+        pending, answers = [], []
+        for ch, payload in zip(channels, payloads):
+            go = ch.wait_answer(self.transfer_timeout_s)
+            answers.append(go)
             if go:
-                ch.send_payload([payload], self.transfer_timeout_s)
-                nbytes += payload.numel() * payload.element_size()
+                pending.append((ch, ch.post_payload(payload)))
+        answered = time.perf_counter()
+        for ch, p in pending:
+            ch.finish_payload(p, self.transfer_timeout_s)
+        nbytes = sum(v.numel() for _, p in pending for v in p.views)
         done = time.perf_counter()
         self.timings.append(HandoverTiming(rid, pack_s, answered - start, done - answered, nbytes, not any(answers)))
 

@@ -27,10 +27,14 @@ def test_defaults_are_the_embedded_setup():
             args.device) == ("127.0.0.1", 8000, 2, 1, 1, None, "cpu")
 
 
-def test_speculation_the_engine_lacks_is_refused(tiny_model_dir):
-    args = parser().parse_args(["--model", tiny_model_dir, "--speculative-method", "eagle3", "-k", "3"])
-    with pytest.raises(ValueError, match="speculative|draft"):
-        tandem_config(args)
+def test_speculation_flags_reach_both_engines_and_are_checked_early(tiny_model_dir):
+    args = parser().parse_args(["--model", tiny_model_dir, "--speculative-method", "ngram", "-k", "4"])
+    cfg = tandem_config(args)
+    assert cfg.prefill().speculative == cfg.decode().speculative == {"method": "ngram", "k": 4, "draft": None}
+    with pytest.raises(ValueError, match="draft"):
+        tandem_config(parser().parse_args(["--model", tiny_model_dir, "--speculative-method", "eagle3"]))
+    with pytest.raises(ValueError, match="k must"):
+        tandem_config(parser().parse_args(["--model", tiny_model_dir, "--speculative-method", "ngram", "-k", "99"]))
 
 
 @pytest.mark.parametrize("argv, message", [

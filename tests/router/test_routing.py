@@ -49,3 +49,36 @@ def test_two_prefill_and_two_decode_replicas_share_the_load(tandem_server):
         assert min(decode_steps) > 0, decode_steps  # both decode groups decoded
     finally:
         serve.delete("multi")
+
+
+def test_speculative_decode_group_gets_the_draft_kv_and_stays_lossless(tandem_server):
+    """draft_model speculation (the draft shares the cache, so its KV layers ride in every hand-over)
+    with a tp=2 decode group: greedy text equals the plain single-process engine's."""
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.config import TandemConfig
+    from engine import LLM, SamplingParams
+
+    cfg = TandemConfig(model=tandem_server.model_dir, served_model_name="spec", tp=2, num_kv_blocks=128,
+                       speculative_method="draft_model", draft=tandem_server.model_dir, num_speculative_tokens=3,
+                       rank_num_cpus=0.5, prefill_num_cpus=0.5)
+    serve.run(build_app(cfg), name="spec", route_prefix="/spec")
+    try:
+        prompts = ["Hello, how are you?", "The quick brown fox jumps over", "def add(a, b):"]
+        with httpx.Client(base_url=f"{tandem_server.base_url}/spec", timeout=120) as http:
+            texts = [http.post("/v1/completions", json={"model": "spec", "prompt": p, "max_tokens": 20,
+                                                        "temperature": 0, "ignore_eos": True}).json()
+                     for p in prompts]
+        llm = LLM(tandem_server.model_dir, num_kv_blocks=128)
+        want = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))]
+        assert [t["choices"][0]["text"] for t in texts] == want
+        decode = serve.get_deployment_handle("decode", app_name="spec")
+        sent = decode.handover_timings.remote(3).result()
+        m = llm.engine.model_cfg
+        per_token_layer = 2 * 16 * m.num_kv_heads * m.head_dim * 4  # K and V of one block, fp32, all ranks
+        for (_, _, nbytes), body in zip(sent, texts):
+            blocks = -(-body["usage"]["prompt_tokens"] // 16)
+            assert nbytes >= blocks * 2 * m.num_layers * per_token_layer  # target and draft layers
+    finally:
+        serve.delete("spec")
