@@ -107,7 +107,7 @@ def build_cached(recipe: Recipe, force: bool = False) -> Path:
             return final  # another process built it while we waited
         staging = final.with_name(f".{final.name}.tmp{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
-        command = [sys.executable, "-m", "zoo.build", "--recipe", json.dumps(recipe.to_dict()), "--dest", str(staging)]
+        command = [sys.executable, "-m", "zoo.builder", "--recipe", json.dumps(recipe.to_dict()), "--dest", str(staging)]
         result = subprocess.run(command, env=build_env(), stdout=subprocess.PIPE, text=True)
         if result.returncode != 0:
             shutil.rmtree(staging, ignore_errors=True)

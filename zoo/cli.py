@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--zoo", type=Path, default=None, help="a zoo directory (default: the cached build)")
     ev.add_argument("--results", type=Path, default=None, help="output directory (default: bench/results)")
     ev.add_argument("--docs", type=int, default=120, help="held-out documents per domain")
+    ev.add_argument("--prompts", type=int, default=24, help="held-out schema prompts to generate from")
     return parser
 
 
@@ -110,7 +111,7 @@ def _eval(args) -> int:
     if root is None or not zoo.layout(root).manifest.is_file():
         print("tandem zoo eval: no built zoo; run `tandem zoo build` or pass --zoo DIR", file=sys.stderr)
         return 1
-    result = evaluate_zoo(Path(root), max_docs=args.docs)
+    result = evaluate_zoo(Path(root), max_docs=args.docs, gen_prompts=args.prompts)
     json_path, md_path = write_results(result, args.results or RESULTS_DIR)
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)

@@ -43,40 +43,44 @@ def unroll(head, features: dict, ids: torch.Tensor, depth: int) -> list[torch.Te
     return logits
 
 
-def step_teacher(head, probs: torch.Tensor, real: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(teacher distribution over the head's vocab [B, T, Vh], valid mask [B, T]) for `step`."""
+def step_teacher(head, probs: torch.Tensor, weight: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(teacher distribution over the head's vocab [B, T, Vh], loss weight [B, T]) for `step`.
+
+    Step s at index i predicts token i+2+s: its teacher is the target at i+1+s, its weight that of
+    token i+2+s (0 past the end or on padding).
+    """
     teacher = shift_left(probs, 1 + step, 0.0)
-    valid = shift_left(real, 1 + step, False)
+    valid = shift_left(weight, 2 + step, 0.0)
     if head.kind == "eagle3":
         draft_ids = torch.arange(head.d2t.numel(), device=probs.device) + head.d2t
-        valid = valid & head.t2d[teacher.argmax(-1)]
+        valid = valid * head.t2d[teacher.argmax(-1)]
         teacher = teacher[..., draft_ids]
         teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-12)
     return teacher, valid
 
 
-def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     per_pos = -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1)
-    return (per_pos * valid).sum() / valid.sum().clamp_min(1)
+    return (per_pos * weight).sum() / weight.sum().clamp_min(1e-6)
 
 
-def head_loss(head, features: dict, probs: torch.Tensor, ids: torch.Tensor, real: torch.Tensor, depth: int) -> torch.Tensor:
+def head_loss(head, features: dict, probs: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, depth: int) -> torch.Tensor:
     total = 0.0
     for step, logits in enumerate(unroll(head, features, ids, depth)):
-        teacher, valid = step_teacher(head, probs, real, step)
+        teacher, valid = step_teacher(head, probs, weight, step)
         total = total + STEP_DECAY**step * soft_cross_entropy(logits, teacher, valid)
     return total
 
 
-def draft_model_loss(draft, probs: torch.Tensor, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+def draft_model_loss(draft, probs: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     logits = draft(input_ids=ids, use_cache=False).logits
-    return soft_cross_entropy(logits, probs, real)
+    return soft_cross_entropy(logits, probs, shift_left(weight, 1, 0.0))
 
 
-def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, real: torch.Tensor,
+def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, weight: torch.Tensor,
             schedule: Schedule, depth: int, aux_layer_ids: list[int] | None, device: str = "cpu",
             desc: str = "heads") -> dict[str, list[float]]:
-    """Train every student on rows ids/real [steps * batch, T]; -> per-student step losses.
+    """Train every student on rows ids/weight [steps * batch, T]; -> per-student step losses.
 
     students: name -> MTPHead | Eagle3Head | an HF causal LM sharing the target's tokenizer.
     """
@@ -93,7 +97,7 @@ def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, rea
     bar = tqdm(range(schedule.steps), desc=desc, unit="step", leave=False)
     for step in bar:
         rows = slice(step * schedule.batch_size, (step + 1) * schedule.batch_size)
-        x, r = ids[rows].to(device), real[rows].to(device)
+        x, r = ids[rows].to(device), weight[rows].to(device)
         features = target_features(target, x, aux_layer_ids)
         probs = torch.softmax(features["logits"], dim=-1)
         for name, student in students.items():

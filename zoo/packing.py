@@ -4,7 +4,10 @@ A sequence is filled with whole JSON-Schema documents (a document never straddle
 the model always sees the schema it has to satisfy), and the room left at its end is filled with a
 slice of the code/text stream. A `json_fraction` of the sequences are built this way; the others are
 pure code/text. Documents longer than the sequence are dropped (json) or cut (code/text).
-Everything is a pure function of the inputs and the `random.Random` passed in.
+
+Alongside the ids comes a per-token loss weight: 1 for JSON instances and code/text, `prompt_weight`
+for the tokens of a JSON document's prompt (the schema is read, not generated, at serving time), 0 on
+padding. Everything is a pure function of the inputs and the `random.Random` passed in.
 """
 from __future__ import annotations
 
@@ -45,26 +48,33 @@ class _Stream:
 
 
 def pack(json_docs: list[list[int]], filler_docs: list[list[int]], seq_len: int, num_sequences: int,
-         json_fraction: float, pad_id: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (input_ids [N, seq_len] int64, real [N, seq_len] bool: False only on padding)."""
-    json_docs = [d for d in json_docs if len(d) <= seq_len]
-    json_cycle = _Cycle(json_docs, rng) if json_docs else None
+         json_fraction: float, pad_id: int, rng: random.Random, prompt_lens: list[int] | None = None,
+         prompt_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (input_ids [N, seq_len] int64, weight [N, seq_len] float32; weight == 0 only on padding).
+
+    prompt_lens[k] is the number of prompt tokens of json_docs[k] (they get `prompt_weight`).
+    """
+    lens = prompt_lens if prompt_lens is not None else [0] * len(json_docs)
+    kept = [(d, p) for d, p in zip(json_docs, lens) if len(d) <= seq_len]
+    json_cycle = _Cycle(kept, rng) if kept else None
     filler = _Stream(filler_docs, rng) if filler_docs else None
     ids = torch.full((num_sequences, seq_len), pad_id, dtype=torch.int64)
-    real = torch.zeros((num_sequences, seq_len), dtype=torch.bool)
+    weight = torch.zeros((num_sequences, seq_len), dtype=torch.float32)
     pending = None
     for row in range(num_sequences):
         tokens: list[int] = []
         if json_cycle is not None and (filler is None or rng.random() < json_fraction):
             while True:
-                doc = pending if pending is not None else json_cycle.next()
+                doc, prompt_len = pending if pending is not None else json_cycle.next()
                 if len(tokens) + len(doc) > seq_len:
-                    pending = doc  # starts the next json sequence
+                    pending = (doc, prompt_len)  # starts the next json sequence
                     break
+                weight[row, len(tokens): len(tokens) + len(doc)] = 1.0
+                weight[row, len(tokens): len(tokens) + prompt_len] = prompt_weight
                 tokens.extend(doc)
                 pending = None
         if filler is not None and len(tokens) < seq_len:
+            weight[row, len(tokens):] = 1.0
             tokens.extend(filler.take(seq_len - len(tokens)))
         ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-        real[row, : len(tokens)] = True
-    return ids, real
+    return ids, weight

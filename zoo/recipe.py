@@ -46,6 +46,7 @@ class Recipe:
     draft_vocab_size: int  # EAGLE-3 lm_head rows
     stdlib_modules: int  # how many stdlib modules the corpus reads (code + docstrings)
     json_fraction: float = 0.8  # share of training sequences that start with JSON-Schema documents
+    prompt_weight: float = 0.3  # loss weight of JSON prompt tokens (instances, code and text weigh 1)
     tokenizer_docs: int = 6000  # documents the tokenizer trains on
     max_docs_per_domain: int | None = None  # cap on training documents per domain (tests)
     seed: int = 0

@@ -74,7 +74,7 @@ def train_draft_head(target_dir: Path, kind: str, data_file: Path, out_dir: Path
     schedule = Schedule(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=max(1, steps // 20))
     whole = [d for d in docs if len(d) <= seq_len]
     long = [d for d in docs if len(d) > seq_len]
-    ids, real = pack(whole, long, seq_len, steps * batch_size, 1.0 if not long else 0.8, pad, random.Random(seed))
+    ids, weight = pack(whole, long, seq_len, steps * batch_size, 1.0 if not long else 0.8, pad, random.Random(seed))
     generator = torch.Generator().manual_seed(seed)
     num_layers = target.config.num_hidden_layers
     aux_ids = None
@@ -89,7 +89,7 @@ def train_draft_head(target_dir: Path, kind: str, data_file: Path, out_dir: Path
         aux_ids = default_aux_layer_ids(num_layers)
         head = Eagle3Head.from_target(target, d2t, t2d, aux_ids, generator)
     torch.manual_seed(seed)
-    losses = distill(target, {kind: head}, ids, real, schedule, depth, aux_ids, device=device, desc=kind)
+    losses = distill(target, {kind: head}, ids, weight, schedule, depth, aux_ids, device=device, desc=kind)
     head.to("cpu").save(Path(out_dir))
     return {"kind": kind, "out": str(out_dir), "device": device, "documents": len(docs),
             "first_loss": losses[kind][0], "last_loss": losses[kind][-1]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -63,9 +64,16 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def train_lm(model: LlamaForCausalLM, ids: torch.Tensor, real: torch.Tensor, schedule: Schedule,
+def weighted_lm_loss(logits: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy; token t's loss (predicted at t-1) counts weight[t]."""
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+    w = weight[:, 1:].flatten()
+    return (nll * w).sum() / w.sum().clamp_min(1e-6)
+
+
+def train_lm(model: LlamaForCausalLM, ids: torch.Tensor, weight: torch.Tensor, schedule: Schedule,
              desc: str = "target", device: str = "cpu") -> list[float]:
-    """Next-token training on packed rows ids/real [steps * batch, seq_len]; returns the step losses."""
+    """Next-token training on packed rows ids/weight [steps * batch, seq_len]; -> the step losses."""
     if ids.shape[0] < schedule.steps * schedule.batch_size:
         raise ValueError(f"need {schedule.steps * schedule.batch_size} sequences, got {ids.shape[0]}")
     model.to(device).train()
@@ -75,8 +83,7 @@ def train_lm(model: LlamaForCausalLM, ids: torch.Tensor, real: torch.Tensor, sch
     for step in bar:
         rows = slice(step * schedule.batch_size, (step + 1) * schedule.batch_size)
         x = ids[rows].to(device)
-        labels = x.masked_fill(~real[rows].to(device), -100)
-        loss = model(input_ids=x, labels=labels, use_cache=False).loss
+        loss = weighted_lm_loss(model(input_ids=x, use_cache=False).logits, x, weight[rows].to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         set_lr(optimizer, lr_at(step, schedule))

@@ -183,7 +183,7 @@ def test_training_reduces_head_loss(target, kind):
     mtp, eagle3 = _heads(target)
     head = (mtp if kind == "mtp" else eagle3).train()
     ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(5))
-    real = torch.ones_like(ids, dtype=torch.bool)
+    real = torch.ones_like(ids, dtype=torch.float32)
     features = target_features(target, ids, eagle3.aux_layer_ids)
     probs = torch.softmax(features["logits"] * 30, -1)  # a peaked teacher leaves room to learn
     opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)

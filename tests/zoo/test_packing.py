@@ -14,8 +14,8 @@ def _docs():
 
 def test_json_documents_never_straddle_rows():
     json_docs, filler = _docs()
-    ids, real = pack(json_docs, filler, 16, 40, 1.0, 0, random.Random(0))
-    assert ids.shape == (40, 16) and real.all()
+    ids, weight = pack(json_docs, filler, 16, 40, 1.0, 0, random.Random(0))
+    assert ids.shape == (40, 16) and (weight == 1).all()
     for row in ids.tolist():
         # the row is complete json documents (bos, body, eos), then filler tokens only
         i = 0
@@ -29,8 +29,8 @@ def test_json_documents_never_straddle_rows():
 
 def test_padding_only_without_filler_and_long_docs_dropped():
     json_docs, _ = _docs()
-    ids, real = pack(json_docs + [[1] * 40], [], 16, 10, 1.0, 0, random.Random(0))
-    assert (ids[~real] == 0).all()
+    ids, weight = pack(json_docs + [[1] * 40], [], 16, 10, 1.0, 0, random.Random(0))
+    assert (ids[weight == 0] == 0).all() and (weight[ids != 0] == 1).all()
     assert not (ids == 1).all(dim=1).any()  # the 40-token document never appears
 
 
@@ -39,3 +39,9 @@ def test_deterministic():
     a = pack(json_docs, filler, 16, 30, 0.5, 0, random.Random(3))
     b = pack(json_docs, filler, 16, 30, 0.5, 0, random.Random(3))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_prompt_tokens_get_the_prompt_weight():
+    json_docs = [[1, 7, 7, 7, 9, 9, 2]] * 3  # 4 prompt tokens, then the instance
+    ids, weight = pack(json_docs, [], 14, 2, 1.0, 0, random.Random(0), prompt_lens=[4] * 3, prompt_weight=0.25)
+    assert weight[0].tolist() == [0.25] * 4 + [1.0] * 3 + [0.25] * 4 + [1.0] * 3

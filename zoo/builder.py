@@ -68,8 +68,12 @@ def save_hf_model(model, out_dir: Path, tokenizer_dir: Path) -> None:
         shutil.copy(tokenizer_dir / name, out_dir / name)
 
 
+def _encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    return [e.ids for e in tokenizer.encode_batch(texts)]
+
+
 def _encode(tokenizer, docs) -> list[list[int]]:
-    return [e.ids for e in tokenizer.encode_batch([d.text for d in docs])]
+    return _encode_texts(tokenizer, [d.text for d in docs])
 
 
 def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
@@ -88,16 +92,19 @@ def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
         save_tokenizer(tokenizer, out_dir / "tokenizer", model_max_length=2048)
         tokenizer = load_tokenizer(out_dir / "tokenizer")
         special = _special_ids(tokenizer)
-        json_docs = _encode(tokenizer, [d for d in train_docs if d.domain == "json"])
+        json_train = [d for d in train_docs if d.domain == "json"]
+        json_docs = _encode(tokenizer, json_train)
+        prompt_lens = [len(ids) for ids in _encode_texts(tokenizer, [d.text[: d.prompt_chars] for d in json_train])]
         filler_docs = _encode(tokenizer, [d for d in train_docs if d.domain != "json"])
         stages.update()
 
         stages.set_postfix_str("target")
         sched = recipe.target_schedule
-        ids, real = pack(json_docs, filler_docs, recipe.seq_len, sched.steps * sched.batch_size,
-                         recipe.json_fraction, special["pad"], random.Random(recipe.seed + 1))
+        ids, weight = pack(json_docs, filler_docs, recipe.seq_len, sched.steps * sched.batch_size,
+                           recipe.json_fraction, special["pad"], random.Random(recipe.seed + 1),
+                           prompt_lens, recipe.prompt_weight)
         target = new_llama(recipe.target, tokenizer.get_vocab_size(), special, recipe.seed)
-        target_losses = train_lm(target, ids, real, sched, desc="target")
+        target_losses = train_lm(target, ids, weight, sched, desc="target")
         save_hf_model(target, out_dir / "target", out_dir / "tokenizer")
         stages.update()
 
@@ -113,9 +120,10 @@ def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
         with torch.no_grad():
             draft.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
         hs = recipe.heads_schedule
-        ids, real = pack(json_docs, filler_docs, recipe.seq_len, hs.steps * hs.batch_size,
-                         recipe.json_fraction, special["pad"], random.Random(recipe.seed + 4))
-        head_losses = distill(target, {"mtp": mtp, "eagle3": eagle3, "draft": draft}, ids, real, hs,
+        ids, weight = pack(json_docs, filler_docs, recipe.seq_len, hs.steps * hs.batch_size,
+                           recipe.json_fraction, special["pad"], random.Random(recipe.seed + 4),
+                           prompt_lens, recipe.prompt_weight)
+        head_losses = distill(target, {"mtp": mtp, "eagle3": eagle3, "draft": draft}, ids, weight, hs,
                               recipe.ttt_depth, aux_ids)
         stages.update()
 
