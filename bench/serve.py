@@ -220,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"c={c:3d} ttft {row['ttft_p50_s'] * 1e3:7.1f} ms  tt2t {row['tt2t_p50_s'] * 1e3:7.1f} ms  "
               f"tpot {row['tpot_p50_s'] * 1e3:6.1f} ms  {row['throughput_tok_s']:7.1f} tok/s  hand-over "
-              f"{row['handover_total_p50_s'] * 1e3:6.2f} ms ({row['handover_share_of_ttft']:.0%} of TTFT), "
-              f"{row['handover_send_gbps']:.3f} GB/s", flush=True)
+              f"{row['handover_total_p50_s'] * 1e3:6.2f} ms ({row['handover_share_of_ttft']:.0%} of TTFT, answer wait "
+              f"{row['handover_answer_wait_p50_s'] * 1e3:.1f} ms), {row['handover_recv_gbps']:.3f} GB/s per rank",
+              flush=True)
 
     kv_sizes = sorted({int(r["handover_bytes_p50"] // args.tp) for r in rows if r["handovers"]})
     per_rank = kv_sizes[len(kv_sizes) // 2] if kv_sizes else 0
