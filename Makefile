@@ -6,7 +6,7 @@ STAMP     := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 HAS_GPU   := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup serve test test-fast bench zoo clean
+.PHONY: setup serve test test-fast bench bench-serve zoo clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,9 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.engine $(ARGS)
+
+bench-serve: $(STAMP)
+	$(PY) -m bench.serve $(ARGS)
 
 zoo: $(STAMP)
 	$(VENV)/bin/tandem zoo build
