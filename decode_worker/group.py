@@ -15,7 +15,8 @@ import ray
 from cluster.errors import WorkerDiedError
 from cluster.placement import RankResources, in_bundle, release, reserve_ranks
 from decode_worker.protocol import Command, DecodeTarget, KVLayout, RankEndpoint, StepReport
-from decode_worker.rank import kv_head_slice, rank_actor_class
+from decode_worker.rank import rank_actor_class
+from engine.parallel import kv_head_slice
 
 log = logging.getLogger(__name__)
 

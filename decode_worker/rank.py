@@ -25,14 +25,6 @@ from engine import CapacityError, EngineConfig, LLMEngine, TandemError
 log = logging.getLogger(__name__)
 
 
-def kv_head_slice(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """(first KV head, count) held by `tp_rank`: contiguous slices, one replicated head per rank when
-    there are more ranks than KV heads (the engine's QKVParallelLinear sharding)."""
-    local = max(1, num_kv_heads // tp_size)
-    replicas = max(1, tp_size // num_kv_heads)
-    return (tp_rank // replicas) * local, local
-
-
 class DecodeRank:
     """Created through `ray.remote(...)` by decode_worker.group with the rank's resources."""
 

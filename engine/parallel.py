@@ -41,3 +41,14 @@ class TPContext:
             raise ValueError(f"{what}={total} is not divisible by tp_size={self.size}")
         per = total // self.size
         return self.rank * per, per
+
+
+def kv_head_slice(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """(first KV head, count) held by `tp_rank`: contiguous slices, one replicated head per rank when
+    there are more ranks than KV heads. The sharding rule of QKVParallelLinear and of the KV cache,
+    which the hand-over also follows to send each decode rank its slice."""
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} and tp_size={tp_size} do not divide")
+    local = max(1, num_kv_heads // tp_size)
+    replicas = max(1, tp_size // num_kv_heads)
+    return (tp_rank // replicas) * local, local

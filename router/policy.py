@@ -9,7 +9,6 @@ request routing (router/request_router.py; it runs inside the router process, be
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 STATS_PERIOD_S = 0.5
 

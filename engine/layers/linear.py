@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.parallel import TPContext
+from engine.parallel import TPContext, kv_head_slice
 
 
 class _ParallelLinear(nn.Module):
@@ -84,15 +84,12 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  tp: TPContext):
-        if num_kv_heads % tp.size and tp.size % num_kv_heads:
-            raise ValueError(f"num_kv_heads={num_kv_heads} and tp_size={tp.size} do not divide")
         self.head_dim = head_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.local_heads = tp.shard(num_heads, "num_attention_heads")[1]
         # With more ranks than KV heads each rank keeps one (replicated) KV head.
-        self.local_kv_heads = max(1, num_kv_heads // tp.size)
-        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        self.kv_head_start, self.local_kv_heads = kv_head_slice(num_kv_heads, tp.size, tp.rank)
         nn.Module.__init__(self)
         self.tp = tp
         self.part_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
@@ -107,8 +104,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         if shard_id == 0:
             start, size, offset = self.tp.rank * q_size, q_size, 0
         else:
-            kv_rank = self.tp.rank // self.kv_replicas
-            start, size = kv_rank * kv_size, kv_size
+            start, size = self.kv_head_start * d, kv_size
             offset = q_size + (shard_id - 1) * kv_size
         param = self.weight if name.endswith("weight") else self.bias
         copy_checked(param.narrow(0, offset, size), tensor.narrow(0, start, size), name)
