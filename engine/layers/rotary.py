@@ -11,14 +11,9 @@ from kernels.norm_rope import apply_rope, build_rope_cache
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None, dtype=None):
-        super().__init__()  # `dtype` is accepted for callers written before the cache became fp32-only
+    def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None):
+        super().__init__()
         self.register_buffer("cos_sin", build_rope_cache(head_dim, max_pos, theta, scaling), persistent=False)
-
-    @staticmethod
-    def lookup(positions: torch.Tensor) -> torch.Tensor:
-        """What attention layers take as their rotary argument (the kernels gather by position)."""
-        return positions
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated (q, k)."""
