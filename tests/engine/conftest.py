@@ -80,3 +80,12 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(checkpoints):
     return checkpoints["llama"][0]
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """Tiny models: intra-op threads only add synchronization, and on a shared CPU they spin."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -12,12 +12,8 @@ from engine import LLM, EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add synchronization, and on a shared CPU they spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread_module):
+    """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
 
 
 METHODS = ["mtp", "eagle3", "ngram", "draft_model", "self_draft"]

@@ -16,12 +16,8 @@ N = 3000
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add synchronization, and on a shared CPU they spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread_module):
+    """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
 
 
 def _processed(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:

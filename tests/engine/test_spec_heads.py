@@ -14,12 +14,8 @@ from safetensors.torch import load_file, save_file
 from engine import EngineConfig, LLMEngine, ModelLoadError, SamplingParams, SpecConfig
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add synchronization, and on a shared CPU they spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread_module):
+    """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
 
 
 PROMPT = [5, 9, 22, 41, 8, 120, 7, 33, 8, 120]

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams, SpecConfig
 
@@ -29,11 +28,8 @@ pytestmark = pytest.mark.skipif(ROOT is None, reason="the zoo is not built (run 
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread_module):
+    """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

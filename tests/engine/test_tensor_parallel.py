@@ -1,6 +1,5 @@
 """tp=2 over gloo in two processes gives the same greedy tokens as one process (sharded attention
 heads, sharded MLP, row-parallel all-reduce), for MHA, GQA and more ranks than KV heads."""
-import os
 import socket
 
 import torch
