@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams, SpecConfig
 
@@ -56,3 +57,43 @@ def test_zoo_heads_are_lossless_and_accepted(json_prompts, reference, method, dr
     assert [o.token_ids for o in outs] == reference
     mean = llm.engine.stats()["spec"]["mean_accepted_length"]
     assert mean >= min_mean, f"{method}: mean accepted length {mean:.2f} (random heads give about 1.0)"
+
+
+def _trainer_drafts(kind: str, hf, head, tokens: list[int], k: int) -> list[int]:
+    """Greedy drafts after `tokens` from the zoo's own head code (its training-time unrolled form):
+    an independent implementation of the chain, run over the whole sequence."""
+    from zoo.features import target_features
+
+    aux = head.aux_layer_ids if kind == "eagle3" else None
+    features = target_features(hf, torch.tensor([tokens[:-1]]), aux)
+    hidden = head.first_hidden(features)
+    nxt = torch.tensor([tokens[1:]])
+    pos = torch.arange(len(tokens) - 1)[None]
+    cache, drafts = [], []
+    with torch.no_grad():
+        for s in range(k):
+            hidden, logits = head.step(hidden, nxt, pos + s, cache)
+            best = head.to_target_vocab(logits).argmax(-1)  # [1, T]
+            drafts.append(int(best[0, -1]))
+            nxt = best
+    return drafts
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_engine_drafts_equal_the_zoo_trainers_heads(json_prompts, kind):
+    from transformers import AutoModelForCausalLM
+
+    from zoo.heads.eagle3 import Eagle3Head
+    from zoo.heads.mtp import MTPHead
+
+    hf = AutoModelForCausalLM.from_pretrained(str(ROOT / "target")).eval()
+    head = (MTPHead.load(ROOT / "mtp") if kind == "mtp" else
+            Eagle3Head.load(ROOT / "eagle3", hf.get_input_embeddings())).eval()
+    llm = LLM(str(ROOT / "target"), num_kv_blocks=256, block_size=16,
+              speculative=SpecConfig(method=kind, k=3, draft=str(ROOT / kind)))
+    engine = llm.engine
+    engine.add_request("r", json_prompts[0], SamplingParams(max_tokens=24, temperature=0))
+    req = engine.requests["r"]
+    for _ in range(3):
+        engine.step()
+        assert req.spec_token_ids == _trainer_drafts(kind, hf, head, req.token_ids, 3)
