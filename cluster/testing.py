@@ -42,20 +42,13 @@ def build_tiny_llama(path, seed: int = 0, num_kv_heads: int = 2, vocab: int = 38
     """A small random Llama (weights scaled so greedy choices are well separated) with a byte-level BPE
     tokenizer and a chat template; deterministic for a seed. Stands in until the zoo's tiny target."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    from engine.testing import save_tiny_tokenizer
+
     text = ["The quick brown fox jumps over the lazy dog. Tandem serves models on Ray.",
             "def add(a, b):\n    return a + b\n", "Grüße aus Köln, naïve café, 東京", "Hello, how are you?"] * 20
-    tok.train_from_iterator(text, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
+    save_tiny_tokenizer(path, vocab, text, CHAT_TEMPLATE)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
                       bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)

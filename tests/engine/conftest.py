@@ -9,20 +9,11 @@ VOCAB = 384
 
 
 def _tokenizer(path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from engine.testing import save_tiny_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     text = ["The quick brown fox jumps over the lazy dog. {\"name\": \"Ada\", \"age\": 36}",
             "def add(a, b):\n    return a + b\n", "Grüße aus Köln, naïve café, 東京"] * 20
-    tok.train_from_iterator(text, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.save_pretrained(path)
-    return fast
+    return save_tiny_tokenizer(path, VOCAB, text)
 
 
 def _config(arch: str):
