@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from kernels.attention import paged_attention, store_kv
+from kernels._dispatch import use_triton
+from kernels.attention import AttentionPlan, StorePlan, paged_attention, plan_paged_attention, plan_store_kv, store_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,25 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     max_q_len: int  # host bound on the new tokens of any request
     max_seq_len: int  # host bound on seq_lens
+    # Reference-path (CPU) plans of this step, made by the first layer and reused by the others
+    # (dataclasses.replace shares the dict: a plan depends only on the fields above and its key).
+    # Whoever rewrites those tensors in place (static graph buffers) must clear it.
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def store_plan(self) -> StorePlan:
+        plan = self.plans.get("store")
+        if plan is None:
+            plan = self.plans["store"] = plan_store_kv(self.slot_mapping)
+        return plan
+
+    def attention_plan(self, num_tokens: int, page_size: int, group: int) -> AttentionPlan:
+        key = (num_tokens, page_size, group)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = plan_paged_attention(self.block_tables, self.seq_lens, self.query_start_loc,
+                                                          num_tokens, page_size, group, self.max_q_len,
+                                                          self.max_seq_len)
+        return plan
 
 
 _current: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar("attention_metadata", default=None)
@@ -62,7 +82,13 @@ class PagedAttention(nn.Module):
         meta = current_metadata()
         k_cache = meta.kv_cache[self.layer_idx, 0]
         v_cache = meta.kv_cache[self.layer_idx, 1]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              self.scale, meta.max_q_len, meta.max_seq_len)
+        if use_triton(q):
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                  self.scale, meta.max_q_len, meta.max_seq_len)
+        else:  # the torch reference: index math once per step, shared by every layer
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.store_plan())
+            plan = meta.attention_plan(q.shape[0], k_cache.shape[1], self.num_heads // self.num_kv_heads)
+            out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                  self.scale, meta.max_q_len, meta.max_seq_len, plan=plan)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

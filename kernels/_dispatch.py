@@ -6,11 +6,12 @@ import os
 
 import torch
 
+# Read once: the dispatcher runs several times per layer per step.
+_TRITON_ON_CPU = os.environ.get("TANDEM_TRITON_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def use_triton(t: torch.Tensor) -> bool:
-    if t.is_cuda:
-        return True
-    return os.environ.get("TANDEM_TRITON_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+    return t.is_cuda or _TRITON_ON_CPU
 
 
 def next_pow2(n: int) -> int:

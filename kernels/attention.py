@@ -10,13 +10,13 @@ vectorized torch reference otherwise. Neither path reads tensor data on the host
 (`max_q_len`, `max_seq_len`) are host ints supplied by the caller, so both are CUDA-graph capturable.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels._dispatch import use_triton
 from kernels import _attention_triton as _tr
-from kernels._dispatch import next_pow2
+from kernels._dispatch import next_pow2, use_triton
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -28,19 +28,16 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------- store_kv
 
 
-def store_kv_ref(
-    key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [N, S, Hkv, D]
-    v_cache: torch.Tensor,  # [N, S, Hkv, D]
-    slot_mapping: torch.Tensor,  # [T] int64, -1 = padding
-) -> None:
-    _check_cache(k_cache, v_cache)
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_flat = k_cache.view(num_slots, *k_cache.shape[2:])
-    v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
-    if key.shape[0] == 0:
-        return
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """Where store_kv_ref writes: index math that depends only on slot_mapping (one per step)."""
+
+    src: torch.Tensor  # [T] row of key/value to write
+    dst: torch.Tensor  # [T] flat slot
+    keep: torch.Tensor  # [] bool: no real row at all, slot 0 rewrites its own contents
+
+
+def plan_store_kv(slot_mapping: torch.Tensor) -> StorePlan:
     # Padding rows are redirected onto a real row of the batch (same slot, same value), so every
     # duplicate index writes identical data and index_copy_ stays deterministic without a host sync
     # (boolean indexing would make the shape data-dependent). With no real row at all, slot 0 is
@@ -48,13 +45,30 @@ def store_kv_ref(
     valid = slot_mapping >= 0
     first = valid.to(torch.int8).argmax()  # a real row if any exists
     any_valid = valid.any()
-    rows = torch.arange(key.shape[0], device=key.device)
+    rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
     src = torch.where(valid, rows, first)
     dst = torch.where(valid, slot_mapping, torch.where(any_valid, slot_mapping[first], 0)).clamp_(min=0)
-    keep = ~any_valid
+    return StorePlan(src, dst, ~any_valid)
+
+
+def store_kv_ref(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, S, Hkv, D]
+    v_cache: torch.Tensor,  # [N, S, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = padding
+    plan: StorePlan | None = None,  # plan_store_kv(slot_mapping), shared by the layers of a step
+) -> None:
+    _check_cache(k_cache, v_cache)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_flat = k_cache.view(num_slots, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
+    if key.shape[0] == 0:
+        return
+    plan = plan if plan is not None else plan_store_kv(slot_mapping)
     for flat, new in ((k_flat, key), (v_flat, value)):
-        data = torch.where(keep, flat[0].to(new.dtype), new[src]).to(flat.dtype)
-        flat.index_copy_(0, dst, data)
+        data = torch.where(plan.keep, flat[0].to(new.dtype), new.index_select(0, plan.src))
+        flat.index_copy_(0, plan.dst, data.to(flat.dtype))
 
 
 def store_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -73,15 +87,70 @@ def store_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
     )
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Write key/value `[T, Hkv, D]` into the paged caches at `slot_mapping` `[T]` (-1 = skip). In place."""
+def store_kv(key, value, k_cache, v_cache, slot_mapping, plan: StorePlan | None = None) -> None:
+    """Write key/value `[T, Hkv, D]` into the paged caches at `slot_mapping` `[T]` (-1 = skip). In place.
+    `plan` (reference path only) carries the index math of plan_store_kv, computed once per step."""
     if use_triton(key):
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
-        store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping, plan)
 
 
 # ---------------------------------------------------------------------------------- paged attention
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """The index math of paged_attention_ref for one step: it depends only on the step's metadata
+    (block tables, lengths, query layout) and the GQA group size, so every layer of a step shares
+    one plan and only gathers, one SDPA call and a scatter remain per layer."""
+
+    T: int
+    B: int
+    L: int  # padded KV length
+    mq: int  # padded query length
+    G: int  # query heads per KV head
+    slots: torch.Tensor  # [B * L] flat cache slot of each padded KV position
+    rows: torch.Tensor  # [B * mq] query row of each padded query position
+    mask: torch.Tensor  # [B, 1, G * mq, L] bool
+    out_rows: torch.Tensor  # [T] padded query position of each token row
+    in_batch: torch.Tensor  # [T, 1, 1] bool: the row belongs to a request
+
+
+def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         num_tokens: int, page_size: int, group: int, max_q_len: int, max_seq_len: int) -> AttentionPlan:
+    T, S, G = num_tokens, page_size, group
+    B = block_tables.shape[0]
+    dev = block_tables.device
+    L = max(1, min(max_seq_len, block_tables.shape[1] * S))
+    mq = max(1, max_q_len)
+    q_start = query_start_loc[:-1].long()
+    q_len = query_start_loc[1:].long() - q_start  # [B]
+    seq = seq_lens.long()
+    ctx = seq - q_len  # [B] tokens already in the cache before this chunk
+    kpos = torch.arange(L, device=dev)
+    qi = torch.arange(mq, device=dev)
+
+    # KV gathered per slot into [B, L]. Positions past seq_len read the request's position 0 instead
+    # of whatever the cache holds there: the cache may hold garbage (even NaN) in unwritten slots, and
+    # a masked softmax still multiplies 0 * V. index_select is far faster than advanced indexing on CPU.
+    pos = torch.where(kpos[None, :] < seq[:, None], kpos[None, :], 0)  # [B, L]
+    page = block_tables.gather(1, (pos // S).clamp_(max=block_tables.shape[1] - 1)).long()
+    slots = (page * S + pos % S).view(-1)
+    rows = (q_start[:, None] + qi[None, :]).clamp_(max=max(T - 1, 0)).view(-1)
+
+    # Causal + length mask [B, 1, G * mq, L]; padded query rows get key 0 so no row is fully masked.
+    qpos = ctx[:, None] + qi[None, :]  # [B, mq]
+    mask = (kpos[None, None, :] <= qpos[:, :, None]) | (kpos == 0)[None, None, :]
+    mask = mask[:, None, None].expand(B, 1, G, mq, L).reshape(B, 1, G * mq, L)
+
+    # Back to token rows: token t belongs to request b = #(ends <= t); rows past the batch get zeros.
+    t = torch.arange(T, device=dev, dtype=query_start_loc.dtype)
+    b = torch.searchsorted(query_start_loc[1:].contiguous(), t, right=True)
+    in_batch = b < B
+    b = b.clamp_(max=max(B - 1, 0))
+    i = (t.long() - q_start[b]).clamp_(0, mq - 1)
+    return AttentionPlan(T, B, L, mq, G, slots, rows, mask, b * mq + i, in_batch[:, None, None])
 
 
 def paged_attention_ref(
@@ -95,6 +164,7 @@ def paged_attention_ref(
     max_q_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [T, Hq, D]
+    plan: AttentionPlan | None = None,  # plan_paged_attention(...) of this step, shared by its layers
 ) -> torch.Tensor:
     """Gather each request's KV into a padded batch and run one masked SDPA call (no per-request loop)."""
     _check_cache(k_cache, v_cache)
@@ -107,46 +177,18 @@ def paged_attention_ref(
         out = torch.zeros_like(query)
     if T == 0 or B == 0:
         return out
-    dev = query.device
-    L = max(1, min(max_seq_len, block_tables.shape[1] * S))
-    mq = max(1, max_q_len)
-
-    q_start = query_start_loc[:-1].long()
-    q_len = query_start_loc[1:].long() - q_start  # [B]
-    seq = seq_lens.long()
-    ctx = seq - q_len  # [B] tokens already in the cache before this chunk
-    kpos = torch.arange(L, device=dev)
-    qi = torch.arange(mq, device=dev)
-
-    # KV gathered per slot into [B, L, Hkv, D], viewed as [B, Hkv, L, D]. Positions past seq_len read
-    # the request's position 0 instead of whatever the cache holds there: the cache may hold garbage
-    # (even NaN) in unwritten slots, and a masked softmax still multiplies 0 * V. index_select is
-    # far faster than advanced indexing on CPU.
-    pos = torch.where(kpos[None, :] < seq[:, None], kpos[None, :], 0)  # [B, L]
-    page = block_tables.gather(1, (pos // S).clamp_(max=block_tables.shape[1] - 1)).long()
-    slots = (page * S + pos % S).view(-1)
-    k = k_cache.view(-1, Hkv, D).index_select(0, slots).view(B, L, Hkv, D).transpose(1, 2)
-    v = v_cache.view(-1, Hkv, D).index_select(0, slots).view(B, L, Hkv, D).transpose(1, 2)
-
+    if plan is None:
+        plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, T, S, G, max_q_len, max_seq_len)
+    assert (plan.T, plan.B, plan.G) == (T, B, G), "the plan was made for another batch"
+    L, mq = plan.L, plan.mq
+    k = k_cache.view(-1, Hkv, D).index_select(0, plan.slots).view(B, L, Hkv, D).transpose(1, 2)
+    v = v_cache.view(-1, Hkv, D).index_select(0, plan.slots).view(B, L, Hkv, D).transpose(1, 2)
     # Queries: padded [B, mq, Hq, D], then the G query heads of a KV head folded into the row dim so
     # that KV is never expanded for GQA: [B, Hkv, G * mq, D].
-    rows = (q_start[:, None] + qi[None, :]).clamp_(max=T - 1)
-    q = query[rows].view(B, mq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * mq, D)
-
-    # Causal + length mask [B, 1, G * mq, L]; padded query rows get key 0 so no row is fully masked.
-    qpos = ctx[:, None] + qi[None, :]  # [B, mq]
-    mask = (kpos[None, None, :] <= qpos[:, :, None]) | (kpos == 0)[None, None, :]
-    mask = mask[:, None, None].expand(B, 1, G, mq, L).reshape(B, 1, G * mq, L)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G * mq, D]
-
-    # Back to token rows: token t belongs to request b = #(ends <= t); rows past the batch get zeros.
-    t = torch.arange(T, device=dev, dtype=query_start_loc.dtype)
-    b = torch.searchsorted(query_start_loc[1:].contiguous(), t, right=True)
-    in_batch = b < B
-    b = b.clamp_(max=B - 1)
-    i = (t.long() - q_start[b]).clamp_(0, mq - 1)
-    o = o.view(B, Hkv, G, mq, D).permute(0, 3, 1, 2, 4)[b, i].reshape(T, Hq, D)
-    out.copy_(o.masked_fill_(~in_batch[:, None, None], 0))
+    q = query.index_select(0, plan.rows).view(B, mq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * mq, D)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale)  # [B, Hkv, G * mq, D]
+    o = o.view(B, Hkv, G, mq, D).permute(0, 3, 1, 2, 4).reshape(B * mq, Hq, D).index_select(0, plan.out_rows)
+    out.copy_(o.masked_fill_(~plan.in_batch, 0))
     return out
 
 
@@ -217,13 +259,15 @@ def paged_attention_triton(
 
 def paged_attention(
     query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len, max_seq_len,
-    out=None,
+    out=None, plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of `query` `[T, Hq, D]` over paged KV; returns `out` `[T, Hq, D]`.
 
     Rows of T past `query_start_loc[B]` belong to no request: zero (reference, or fresh `out`) or
     untouched (Triton with a caller `out`). `max_q_len`/`max_seq_len` must bound the batch's maxima.
     """
-    fn = paged_attention_triton if use_triton(query) else paged_attention_ref
-    return fn(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len,
-              max_seq_len, out)
+    if use_triton(query):
+        return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                      max_q_len, max_seq_len, out)
+    return paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len,
+                               max_seq_len, out, plan)

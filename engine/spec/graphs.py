@@ -86,7 +86,8 @@ class StepGraphs:
         if cap.graph is not None:
             cap.graph.replay()
             out = cap.output
-        else:
+        else:  # the padded layout run eagerly: the static metadata's tensors changed in place
+            cap.inputs.attn.plans.clear()
             out = speculative_step(r.target, r.proposer, cap.inputs, r.draft_probs)
         return out, (batch.host_num_drafts, batch.host_samples)
 
