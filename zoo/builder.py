@@ -29,7 +29,7 @@ from zoo.distill import distill
 from zoo.heads.eagle3 import Eagle3Head, default_aux_layer_ids, draft_vocab
 from zoo.heads.mtp import MTPHead
 from zoo.packing import pack
-from zoo.prompts import BOS, END, PAD
+from zoo.prompts import BOS, END, PAD, json_schema_prompt
 from zoo.recipe import Recipe
 from zoo.tokenizer import TOKENIZER_FILES, load_tokenizer, save_tokenizer, train_tokenizer
 from zoo.training import new_llama, train_lm
@@ -86,7 +86,7 @@ def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
         stages.set_postfix_str("corpus + tokenizer")
         corpus = build_corpus(recipe.stdlib_modules)
         rng = random.Random(recipe.seed)
-        train_docs = _limit(corpus.train, recipe.max_docs_per_domain)
+        train_docs = _limit(_short_schemas(corpus.train, recipe.max_schema_chars), recipe.max_docs_per_domain)
         sample = rng.sample(train_docs, min(recipe.tokenizer_docs, len(train_docs)))
         tokenizer = train_tokenizer((d.text for d in sample), recipe.vocab_size)
         save_tokenizer(tokenizer, out_dir / "tokenizer", model_max_length=2048)
@@ -164,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     manifest = build_zoo(Recipe.from_dict(json.loads(args.recipe)), args.dest)
     print(json.dumps({k: manifest[k] for k in ("build_seconds", "peak_rss_mb", "losses")}))
     return 0
+
+
+def _short_schemas(docs, max_schema_chars: int | None) -> list:
+    if max_schema_chars is None:
+        return list(docs)
+    overhead = len(json_schema_prompt({})) - len("{}")
+    return [d for d in docs if d.domain != "json" or d.prompt_chars - overhead <= max_schema_chars]
 
 
 def _limit(docs, per_domain: int | None) -> list:

@@ -43,32 +43,45 @@ def unroll(head, features: dict, ids: torch.Tensor, depth: int) -> list[torch.Te
     return logits
 
 
-def step_teacher(head, probs: torch.Tensor, weight: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(teacher distribution over the head's vocab [B, T, Vh], loss weight [B, T]) for `step`.
-
-    Step s at index i predicts token i+2+s: its teacher is the target at i+1+s, its weight that of
-    token i+2+s (0 past the end or on padding).
-    """
-    teacher = shift_left(probs, 1 + step, 0.0)
-    valid = shift_left(weight, 2 + step, 0.0)
-    if head.kind == "eagle3":
-        draft_ids = torch.arange(head.d2t.numel(), device=probs.device) + head.d2t
-        valid = valid * head.t2d[teacher.argmax(-1)]
-        teacher = teacher[..., draft_ids]
-        teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-12)
-    return teacher, valid
-
-
 def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     per_pos = -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1)
     return (per_pos * weight).sum() / weight.sum().clamp_min(1e-6)
 
 
-def head_loss(head, features: dict, probs: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, depth: int) -> torch.Tensor:
-    total = 0.0
-    for step, logits in enumerate(unroll(head, features, ids, depth)):
-        teacher, valid = step_teacher(head, probs, weight, step)
-        total = total + STEP_DECAY**step * soft_cross_entropy(logits, teacher, valid)
+def head_loss(head, features: dict, probs: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, depth: int,
+              hard: bool = False) -> torch.Tensor:
+    """Weighted soft cross-entropy of a `depth`-step unroll against the target's distributions.
+
+    Step s at index i predicts token i+2+s: its teacher is the target at index i+1+s and it counts
+    the weight of token i+2+s. The head's vocabulary projection runs only where that weight is > 0.
+    """
+    b, t = ids.shape
+    positions = torch.arange(t, device=ids.device).expand(b, t)
+    target_top = probs.argmax(-1)  # [B, T]
+    hidden, cache, total = head.first_hidden(features), [], 0.0
+    for step in range(depth):
+        hidden = head.step_hidden(hidden, shift_left(ids, 1 + step, 0), positions + step, cache)
+        n = t - 2 - step
+        if n <= 0:
+            break
+        w = weight[:, 2 + step:]  # [B, n]
+        if head.kind == "eagle3":
+            w = w * head.t2d[target_top[:, 1 + step: 1 + step + n]]
+        keep = w > 0
+        logits = head.logits_from(hidden[:, :n][keep])  # [K, head vocab]
+        if hard:  # the target's argmax as the label (mapped into the draft vocabulary for EAGLE-3)
+            label = target_top[:, 1 + step: 1 + step + n][keep]
+            if head.kind == "eagle3":
+                label = head.t2d[: label.max() + 1].cumsum(0)[label] - 1
+            per_pos = F.cross_entropy(logits.float(), label, reduction="none")
+            total = total + STEP_DECAY**step * (per_pos * w[keep]).sum() / w.sum().clamp_min(1e-6)
+            continue
+        teacher = probs[:, 1 + step: 1 + step + n][keep]  # [K, V]
+        if head.kind == "eagle3":
+            teacher = teacher[:, torch.arange(head.d2t.numel(), device=ids.device) + head.d2t]
+            teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-12)
+        per_pos = -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+        total = total + STEP_DECAY**step * (per_pos * w[keep]).sum() / w.sum().clamp_min(1e-6)
     return total
 
 

@@ -30,6 +30,13 @@ from zoo.prompts import END, json_schema_prompt
 from zoo.tokenizer import load_tokenizer
 
 
+def spread(items: list, n: int) -> list:
+    """n items evenly spaced over the list (held-out files are sorted by subset; this mixes them)."""
+    if len(items) <= n:
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]
+
+
 def load_models(root: Path):
     paths = layout(root)
     target = AutoModelForCausalLM.from_pretrained(paths.target, dtype=torch.float32).eval()
@@ -60,7 +67,7 @@ def domain_losses(target, tokenizer, docs) -> dict[str, float]:
 
 @torch.no_grad()
 def agreement(target, draft, heads, tokenizer, docs, depth: int) -> dict:
-    aux_ids = heads["eagle3"].aux_layer_ids
+    aux_ids = heads["eagle3"].aux_layer_ids if "eagle3" in heads else None
     counts = {f"{name}/{scope}": [[0, 0] for _ in range(depth)] for name in heads for scope in ("instance", "all")}
     counts.update({f"draft/{scope}": [[0, 0]] for scope in ("instance", "all")})
     for doc in docs:
@@ -124,11 +131,11 @@ def evaluate_zoo(root: Path, max_docs: int = 120, depth: int = 3, gen_prompts: i
     by_domain: dict[str, list] = {}
     for doc in corpus.heldout:
         by_domain.setdefault(doc.domain, []).append(doc)
-    picked = [d for docs in by_domain.values() for d in docs[:max_docs]]
-    json_docs = by_domain.get("json", [])[:max_docs]
+    picked = [d for docs in by_domain.values() for d in spread(docs, max_docs)]
+    json_docs = spread(by_domain.get("json", []), max_docs)
     losses = domain_losses(target, tokenizer, picked)
     agree = agreement(target, draft, {"mtp": mtp, "eagle3": eagle3}, tokenizer, json_docs, depth)
-    gen = generation(target, tokenizer, list(corpus.heldout_schemas)[:gen_prompts], max_new_tokens)
+    gen = generation(target, tokenizer, spread(list(corpus.heldout_schemas), gen_prompts), max_new_tokens)
     return {
         "zoo": str(root),
         "recipe": manifest["recipe"]["name"],
@@ -139,5 +146,6 @@ def evaluate_zoo(root: Path, max_docs: int = 120, depth: int = 3, gen_prompts: i
         "agreement": agree,
         "generation": gen,
         "heldout_docs": {k: min(len(v), max_docs) for k, v in by_domain.items()},
+        "build": {k: manifest.get(k) for k in ("build_seconds", "peak_rss_mb", "target_parameters", "draft_parameters")},
         "eval_seconds": round(time.perf_counter() - started, 1),
     }

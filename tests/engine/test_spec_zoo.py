@@ -1,11 +1,10 @@
 """The zoo's trained heads (zoo/README.md) in the engine: lossless, and they actually predict.
 
-Skipped, with the reason, when the zoo is not built: unit tests never build it (`make zoo` or
-`tandem zoo build` does, in a few minutes; TANDEM_ZOO_DIR points at a zoo built elsewhere).
+The first test session on a machine builds the default zoo (a few minutes, zoo.testing's `zoo_dir`);
+later sessions reuse the cache.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -13,19 +12,13 @@ import torch
 
 from engine import LLM, SamplingParams, SpecConfig
 
-
-def _zoo_root() -> Path | None:
-    given = os.environ.get("TANDEM_ZOO_DIR")
-    if given:
-        return Path(given)
-    import zoo
-
-    return zoo.built_path()
+pytestmark = pytest.mark.slow
 
 
-ROOT = _zoo_root()
-pytestmark = pytest.mark.skipif(ROOT is None, reason="the zoo is not built (run `make zoo`); its trained heads "
-                                                      "are not tested in this session")
+@pytest.fixture(scope="module")
+def root(zoo_dir) -> Path:
+    """The default zoo, built once per machine by the session fixture (TANDEM_ZOO_DIR: one built elsewhere)."""
+    return Path(zoo_dir)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -43,16 +36,16 @@ def json_prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(json_prompts):
-    llm = LLM(str(ROOT / "target"), num_kv_blocks=1024, block_size=16)
+def reference(root, json_prompts):
+    llm = LLM(str(root / "target"), num_kv_blocks=1024, block_size=16)
     return [o.token_ids for o in llm.generate(json_prompts, SamplingParams(max_tokens=48, temperature=0))]
 
 
 @pytest.mark.parametrize("method,draft,min_mean", [("mtp", "mtp", 1.5), ("eagle3", "eagle3", 1.5),
                                                    ("draft_model", "draft", 1.5), ("ngram", None, 1.0)])
-def test_zoo_heads_are_lossless_and_accepted(json_prompts, reference, method, draft, min_mean):
-    spec = SpecConfig(method=method, k=3, draft=str(ROOT / draft) if draft else None)
-    llm = LLM(str(ROOT / "target"), num_kv_blocks=1024, block_size=16, speculative=spec)
+def test_zoo_heads_are_lossless_and_accepted(root, json_prompts, reference, method, draft, min_mean):
+    spec = SpecConfig(method=method, k=3, draft=str(root / draft) if draft else None)
+    llm = LLM(str(root / "target"), num_kv_blocks=1024, block_size=16, speculative=spec)
     outs = llm.generate(json_prompts, SamplingParams(max_tokens=48, temperature=0))
     assert [o.token_ids for o in outs] == reference
     mean = llm.engine.stats()["spec"]["mean_accepted_length"]
@@ -80,17 +73,17 @@ def _trainer_drafts(kind: str, hf, head, tokens: list[int], k: int) -> list[int]
 
 
 @pytest.mark.parametrize("kind", ["mtp", "eagle3"])
-def test_engine_drafts_equal_the_zoo_trainers_heads(json_prompts, kind):
+def test_engine_drafts_equal_the_zoo_trainers_heads(root, json_prompts, kind):
     from transformers import AutoModelForCausalLM
 
     from zoo.heads.eagle3 import Eagle3Head
     from zoo.heads.mtp import MTPHead
 
-    hf = AutoModelForCausalLM.from_pretrained(str(ROOT / "target")).eval()
-    head = (MTPHead.load(ROOT / "mtp") if kind == "mtp" else
-            Eagle3Head.load(ROOT / "eagle3", hf.get_input_embeddings())).eval()
-    llm = LLM(str(ROOT / "target"), num_kv_blocks=256, block_size=16,
-              speculative=SpecConfig(method=kind, k=3, draft=str(ROOT / kind)))
+    hf = AutoModelForCausalLM.from_pretrained(str(root / "target")).eval()
+    head = (MTPHead.load(root / "mtp") if kind == "mtp" else
+            Eagle3Head.load(root / "eagle3", hf.get_input_embeddings())).eval()
+    llm = LLM(str(root / "target"), num_kv_blocks=256, block_size=16,
+              speculative=SpecConfig(method=kind, k=3, draft=str(root / kind)))
     engine = llm.engine
     engine.add_request("r", json_prompts[0], SamplingParams(max_tokens=24, temperature=0))
     req = engine.requests["r"]

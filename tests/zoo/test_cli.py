@@ -41,7 +41,7 @@ def test_train_draft_writes_a_loadable_head(micro_zoo, data_file, tmp_path, kind
         assert set(state) == set(EAGLE3_WEIGHT_NAMES)
         assert Eagle3Head.load(out).lm_head.weight.shape[0] == json.loads((out / "config.json").read_text())["draft_vocab_size"]
     else:
-        assert MTPHead.load(out).layer_index == 3
+        assert MTPHead.load(out).layer_index == 4
     assert all(torch.isfinite(t.float()).all() for t in state.values())
 
 

@@ -174,7 +174,9 @@ def test_draft_vocab_keeps_frequent_and_forced_tokens():
     assert t2d.tolist() == [False, True, True, True, False, False]  # forced 1, then 2 and 3 (ties -> lower id)
     assert (torch.arange(3) + d2t).tolist() == [1, 2, 3]
     assert default_aux_layer_ids(32) == [2, 16, 29] and default_aux_layer_ids(8) == [2, 4, 5]
-    assert len(set(default_aux_layer_ids(6))) == 3
+    assert default_aux_layer_ids(6) == [1, 3, 5] and default_aux_layer_ids(4) == [1, 2, 3]
+    with pytest.raises(ValueError):
+        default_aux_layer_ids(3)
 
 
 @pytest.mark.parametrize("kind", ["mtp", "eagle3"])

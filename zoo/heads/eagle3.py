@@ -16,7 +16,8 @@ id is in the draft vocabulary.
 
 Captured layers: `eagle_config.eagle_aux_hidden_state_layer_ids` in vLLM's convention: id j is HF
 `output_hidden_states[j]`, the output of decoder layer j-1 (0-based; j = 0 would be the
-embeddings). The default (2, L//2, L-3) captures the outputs of layers 1, L/2-1 and L-4.
+embeddings). The default (2, L//2, L-3) captures the outputs of layers 1, L/2-1 and L-4; targets
+with fewer than 7 layers get three ids spread over 1..L-1.
 
 Checkpoint (config.json + model.safetensors), no embed_tokens (the target's embedding is used):
     fc.weight                                   [H, 3H]
@@ -59,14 +60,15 @@ _TARGET_KEYS = (
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """vLLM's default capture ids (2, L//2, L-3); for targets too shallow for three distinct ids
-    (L < 7), ids spread evenly over 1..L instead (id L is the last layer's output, pre-norm)."""
+    """vLLM's default capture ids (2, L//2, L-3). Targets too shallow for three distinct ids (L < 7)
+    get ids spread evenly over 1..L-1 instead: vLLM captures id j before running layer j, so an id
+    must stay below L (id L, the last layer's output, is never captured there)."""
     ids = [2, num_layers // 2, num_layers - 3]
     if len(set(ids)) == 3 and min(ids) >= 1:
         return ids
-    if num_layers < 3:
-        raise ValueError(f"EAGLE-3 needs a target with at least 3 layers, got {num_layers}")
-    return [1 + round(k * (num_layers - 1) / 2) for k in range(3)]
+    if num_layers < 4:
+        raise ValueError(f"EAGLE-3 needs a target with at least 4 layers, got {num_layers}")
+    return [1 + round(k * (num_layers - 2) / 2) for k in range(3)]
 
 
 def draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int, always: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,16 +138,24 @@ class Eagle3Head(nn.Module):
             raise RuntimeError("Eagle3Head needs the target's embedding: pass embed_tokens")
         return self._embed[0](tokens).detach().to(self.norm.weight.dtype)
 
-    def step(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-             cache: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, T, 3H] (first step) or [B, T, H]; -> (pre-norm out [B, T, H], draft logits)."""
+    def step_hidden(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                    cache: list) -> torch.Tensor:
+        """hidden [B, T, 3H] (first step) or [B, T, H] -> pre-norm out [B, T, H]."""
         if hidden.shape[-1] != self.norm.weight.shape[0]:
             hidden = self.fc(hidden)
         layer = self.midlayer
         x = torch.cat((layer.input_layernorm(self.embed(next_tokens)), layer.hidden_norm(hidden)), dim=-1)
         x = hidden + layer.self_attn(x, positions, cache)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x, self.lm_head(self.norm(x))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def logits_from(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+    def step(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+             cache: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (pre-norm out [B, T, H], draft logits [B, T, draft_vocab])."""
+        x = self.step_hidden(hidden, next_tokens, positions, cache)
+        return x, self.logits_from(x)
 
     def first_hidden(self, features: dict) -> torch.Tensor:
         return features["aux_hidden"]

@@ -92,15 +92,23 @@ class MTPHead(nn.Module):
             param.requires_grad_(name not in FROZEN)
         return head
 
-    def step(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-             cache: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, T, H], next_tokens/positions [B, T] -> (out hidden [B, T, H], logits [B, T, V])."""
+    def step_hidden(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                    cache: list) -> torch.Tensor:
+        """hidden [B, T, H], next_tokens/positions [B, T] -> out hidden [B, T, H] (post shared_head.norm)."""
         x = torch.cat((self.enorm(self.embed_tokens(next_tokens)), self.hnorm(hidden)), dim=-1)
         x = self.eh_proj(x)
         x = x + self.self_attn(self.input_layernorm(x), positions, cache)
         x = x + self.mlp(self.post_attention_layernorm(x))
-        out = self.shared_head.norm(x)
-        return out, self.shared_head.head(out)
+        return self.shared_head.norm(x)
+
+    def logits_from(self, out: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(out)
+
+    def step(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+             cache: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (out hidden [B, T, H], logits [B, T, V])."""
+        out = self.step_hidden(hidden, next_tokens, positions, cache)
+        return out, self.logits_from(out)
 
     def first_hidden(self, features: dict) -> torch.Tensor:
         return features["last_hidden"]
