@@ -6,8 +6,10 @@ varlen set of B requests: request b owns query rows `query_start_loc[b]:query_st
 new tokens sit at the end of its `seq_lens[b]` KV positions (store_kv has already written them).
 
 Each public function picks the Triton kernel on CUDA (or everywhere when TRITON_INTERPRET=1) and the
-vectorized torch reference otherwise. Neither path reads tensor data on the host: launch bounds
-(`max_q_len`, `max_seq_len`) are host ints supplied by the caller, so both are CUDA-graph capturable.
+vectorized torch reference otherwise. The Triton path reads no tensor data on the host: launch bounds
+(`max_q_len`, `max_seq_len`) are host ints supplied by the caller, so it is CUDA-graph capturable. The
+reference's attention plan reads the query lengths on the host (it runs eagerly, never in a graph) to
+pad decode rows and prefill chunks separately.
 """
 import math
 from dataclasses import dataclass
@@ -99,58 +101,84 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, plan: StorePlan | None 
 # ---------------------------------------------------------------------------------- paged attention
 
 
+# Requests with at most this many new tokens (decode, k+1 verification chains) are padded together;
+# longer ones (prefill chunks) form a second group, so one long chunk does not pad every decode row.
+DECODE_GROUP_MAX_Q = 16
+
+
+@dataclass(frozen=True, slots=True)
+class _PlanGroup:
+    B: int
+    L: int  # padded KV length
+    mq: int  # padded query length
+    slots: torch.Tensor  # [B * L] flat cache slot of each padded KV position
+    rows: torch.Tensor  # [B * mq] query row of each padded query position
+    mask: torch.Tensor  # [B, 1, G * mq, L] bool
+    token_rows: torch.Tensor  # [n] the token rows of the group's requests
+    padded_rows: torch.Tensor  # [n] their padded query positions (b * mq + i)
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
     """The index math of paged_attention_ref for one step: it depends only on the step's metadata
     (block tables, lengths, query layout) and the GQA group size, so every layer of a step shares
-    one plan and only gathers, one SDPA call and a scatter remain per layer."""
+    one plan and only gathers, one SDPA call per group and a scatter remain per layer."""
 
     T: int
     B: int
-    L: int  # padded KV length
-    mq: int  # padded query length
     G: int  # query heads per KV head
-    slots: torch.Tensor  # [B * L] flat cache slot of each padded KV position
-    rows: torch.Tensor  # [B * mq] query row of each padded query position
-    mask: torch.Tensor  # [B, 1, G * mq, L] bool
-    out_rows: torch.Tensor  # [T] padded query position of each token row
+    groups: tuple[_PlanGroup, ...]
     in_batch: torch.Tensor  # [T, 1, 1] bool: the row belongs to a request
 
 
-def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                         num_tokens: int, page_size: int, group: int, max_q_len: int, max_seq_len: int) -> AttentionPlan:
-    T, S, G = num_tokens, page_size, group
-    B = block_tables.shape[0]
-    dev = block_tables.device
-    L = max(1, min(max_seq_len, block_tables.shape[1] * S))
-    mq = max(1, max_q_len)
-    q_start = query_start_loc[:-1].long()
-    q_len = query_start_loc[1:].long() - q_start  # [B]
-    seq = seq_lens.long()
+def _plan_group(block_tables, seq, q_start, q_len, T: int, S: int, G: int, max_q: int, max_seq: int) -> _PlanGroup:
+    B, dev = block_tables.shape[0], block_tables.device
+    L = max(1, min(max_seq, block_tables.shape[1] * S))
+    mq = max(1, max_q)
     ctx = seq - q_len  # [B] tokens already in the cache before this chunk
     kpos = torch.arange(L, device=dev)
     qi = torch.arange(mq, device=dev)
-
     # KV gathered per slot into [B, L]. Positions past seq_len read the request's position 0 instead
     # of whatever the cache holds there: the cache may hold garbage (even NaN) in unwritten slots, and
     # a masked softmax still multiplies 0 * V. index_select is far faster than advanced indexing on CPU.
     pos = torch.where(kpos[None, :] < seq[:, None], kpos[None, :], 0)  # [B, L]
     page = block_tables.gather(1, (pos // S).clamp_(max=block_tables.shape[1] - 1)).long()
     slots = (page * S + pos % S).view(-1)
-    rows = (q_start[:, None] + qi[None, :]).clamp_(max=max(T - 1, 0)).view(-1)
-
+    rows = q_start[:, None] + qi[None, :]  # [B, mq]
+    valid = qi[None, :] < q_len[:, None]
     # Causal + length mask [B, 1, G * mq, L]; padded query rows get key 0 so no row is fully masked.
     qpos = ctx[:, None] + qi[None, :]  # [B, mq]
     mask = (kpos[None, None, :] <= qpos[:, :, None]) | (kpos == 0)[None, None, :]
     mask = mask[:, None, None].expand(B, 1, G, mq, L).reshape(B, 1, G * mq, L)
+    padded = torch.arange(B * mq, device=dev).view(B, mq)
+    return _PlanGroup(B, L, mq, slots, rows.clamp(max=max(T - 1, 0)).view(-1), mask, rows[valid], padded[valid])
 
-    # Back to token rows: token t belongs to request b = #(ends <= t); rows past the batch get zeros.
-    t = torch.arange(T, device=dev, dtype=query_start_loc.dtype)
-    b = torch.searchsorted(query_start_loc[1:].contiguous(), t, right=True)
-    in_batch = b < B
-    b = b.clamp_(max=max(B - 1, 0))
-    i = (t.long() - q_start[b]).clamp_(0, mq - 1)
-    return AttentionPlan(T, B, L, mq, G, slots, rows, mask, b * mq + i, in_batch[:, None, None])
+
+def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         num_tokens: int, page_size: int, group: int, max_q_len: int, max_seq_len: int) -> AttentionPlan:
+    T, B = num_tokens, block_tables.shape[0]
+    q_start = query_start_loc[:-1].long()
+    q_len = query_start_loc[1:].long() - q_start  # [B]
+    seq = seq_lens.long()
+    host_q = q_len.tolist()
+    short = [b for b, n in enumerate(host_q) if n <= DECODE_GROUP_MAX_Q]
+    parts = [short, [b for b, n in enumerate(host_q) if n > DECODE_GROUP_MAX_Q]]
+    if not parts[0] or not parts[1]:
+        parts = [list(range(B))]
+    groups = []
+    for members in parts:
+        if len(parts) == 1:
+            sel = lambda x: x  # noqa: E731
+            max_q, max_seq = max_q_len, max_seq_len
+        else:
+            idx = torch.tensor(members, device=block_tables.device)
+            sel = lambda x, idx=idx: x.index_select(0, idx)  # noqa: E731
+            max_q = max(host_q[b] for b in members)
+            max_seq = min(max_seq_len, int(seq_lens.index_select(0, idx).max()))
+        groups.append(_plan_group(sel(block_tables), sel(seq), sel(q_start), sel(q_len), T, page_size, group,
+                                  max_q, max_seq))
+    in_batch = torch.arange(T, device=block_tables.device) < query_start_loc[-1].long()
+    return AttentionPlan(T, B, group, tuple(groups), in_batch[:, None, None])
 
 
 def paged_attention_ref(
@@ -166,7 +194,8 @@ def paged_attention_ref(
     out: torch.Tensor | None = None,  # [T, Hq, D]
     plan: AttentionPlan | None = None,  # plan_paged_attention(...) of this step, shared by its layers
 ) -> torch.Tensor:
-    """Gather each request's KV into a padded batch and run one masked SDPA call (no per-request loop)."""
+    """Gather each request's KV into a padded batch and run one masked SDPA call per group of
+    similar query lengths (no per-request loop)."""
     _check_cache(k_cache, v_cache)
     T, Hq, D = query.shape
     _, S, Hkv, _ = k_cache.shape
@@ -180,16 +209,18 @@ def paged_attention_ref(
     if plan is None:
         plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, T, S, G, max_q_len, max_seq_len)
     assert (plan.T, plan.B, plan.G) == (T, B, G), "the plan was made for another batch"
-    L, mq = plan.L, plan.mq
-    k = k_cache.view(-1, Hkv, D).index_select(0, plan.slots).view(B, L, Hkv, D).transpose(1, 2)
-    v = v_cache.view(-1, Hkv, D).index_select(0, plan.slots).view(B, L, Hkv, D).transpose(1, 2)
-    # Queries: padded [B, mq, Hq, D], then the G query heads of a KV head folded into the row dim so
-    # that KV is never expanded for GQA: [B, Hkv, G * mq, D].
-    q = query.index_select(0, plan.rows).view(B, mq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * mq, D)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale)  # [B, Hkv, G * mq, D]
-    o = o.view(B, Hkv, G, mq, D).permute(0, 3, 1, 2, 4).reshape(B * mq, Hq, D).index_select(0, plan.out_rows)
-    out.copy_(o.masked_fill_(~plan.in_batch, 0))
-    return out
+    k_flat, v_flat = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+    for g in plan.groups:
+        b, L, mq = g.B, g.L, g.mq
+        k = k_flat.index_select(0, g.slots).view(b, L, Hkv, D).transpose(1, 2)
+        v = v_flat.index_select(0, g.slots).view(b, L, Hkv, D).transpose(1, 2)
+        # Queries: padded [b, mq, Hq, D], then the G query heads of a KV head folded into the row dim
+        # so that KV is never expanded for GQA: [b, Hkv, G * mq, D].
+        q = query.index_select(0, g.rows).view(b, mq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(b, Hkv, G * mq, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)  # [b, Hkv, G * mq, D]
+        o = o.view(b, Hkv, G, mq, D).permute(0, 3, 1, 2, 4).reshape(b * mq, Hq, D)
+        out.index_copy_(0, g.token_rows, o.index_select(0, g.padded_rows).to(out.dtype))
+    return out.masked_fill_(~plan.in_batch, 0)
 
 
 def paged_attention_triton(

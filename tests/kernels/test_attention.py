@@ -83,6 +83,8 @@ CASES = [
     ([4, 4, 4], [4, 33, 70]),
     ([0, 7, 0], [0, 29, 0]),
     ([1] * 5, [3, 17, 40, 1, 66]),
+    # Prefill chunks beside decode rows: the reference pads the two groups separately.
+    ([1, 40, 4, 0, 17, 1], [30, 40, 9, 0, 50, 2]),
 ]
 HEADS = [(4, 4), (6, 2), (8, 1)]
 
