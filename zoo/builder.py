@@ -124,7 +124,7 @@ def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
                            recipe.json_fraction, special["pad"], random.Random(recipe.seed + 4),
                            prompt_lens, recipe.prompt_weight)
         head_losses = distill(target, {"mtp": mtp, "eagle3": eagle3, "draft": draft}, ids, weight, hs,
-                              recipe.ttt_depth, aux_ids)
+                              recipe.ttt_depth, aux_ids, hard_labels=tuple(recipe.hard_labels))
         stages.update()
 
         stages.set_postfix_str("save")

@@ -9,7 +9,8 @@ output hidden states of the previous step, with the text's tokens as inputs, att
 keys of the prefix and to their own chain (see zoo.heads.layers). Step s at index i predicts the
 token at i+2+s, so its teacher is the target's distribution at index i+1+s. Step s weighs 0.8**s.
 EAGLE-3 learns the target distribution renormalized over its draft vocabulary, at positions whose
-target argmax is in that vocabulary (as the EAGLE-3 authors train).
+target argmax is in that vocabulary (as the EAGLE-3 authors train); students named in `hard_labels`
+learn the target's argmax instead (cross-entropy), which the tiny recipe uses for EAGLE-3.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def draft_model_loss(draft, probs: torch.Tensor, ids: torch.Tensor, weight: torc
 
 def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, weight: torch.Tensor,
             schedule: Schedule, depth: int, aux_layer_ids: list[int] | None, device: str = "cpu",
-            desc: str = "heads") -> dict[str, list[float]]:
+            desc: str = "heads", hard_labels: tuple[str, ...] = ()) -> dict[str, list[float]]:
     """Train every student on rows ids/weight [steps * batch, T]; -> per-student step losses.
 
     students: name -> MTPHead | Eagle3Head | an HF causal LM sharing the target's tokenizer.
@@ -115,7 +116,7 @@ def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, wei
         probs = torch.softmax(features["logits"], dim=-1)
         for name, student in students.items():
             if getattr(student, "kind", None) in ("mtp", "eagle3"):
-                loss = head_loss(student, features, probs, x, r, depth)
+                loss = head_loss(student, features, probs, x, r, depth, hard=name in hard_labels)
             else:
                 loss = draft_model_loss(student, probs, x, r)
             loss.backward()

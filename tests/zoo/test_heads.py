@@ -199,3 +199,25 @@ def test_training_reduces_head_loss(target, kind):
     assert loss.item() < first * 0.9
     if kind == "mtp":  # shared weights stay the target's
         assert torch.equal(head.shared_head.head.weight, target.lm_head.weight)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_hard_labels_are_the_targets_argmax_in_the_heads_vocabulary(target, kind):
+    """hard=True is cross-entropy against the target's argmax at the predicted position, mapped to
+    the draft vocabulary for EAGLE-3 (positions whose argmax it cannot express do not count)."""
+    mtp, eagle3 = _heads(target)
+    head = mtp if kind == "mtp" else eagle3
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(7))
+    weight = torch.rand(2, 12, generator=torch.Generator().manual_seed(8))
+    features = target_features(target, ids, eagle3.aux_layer_ids)
+    probs = torch.softmax(features["logits"], -1)
+    logits = unroll(head, features, ids, 1)[0]
+    label, w = probs.argmax(-1)[:, 1:-1], weight[:, 2:]  # index i predicts token i+2, as the target at i+1
+    if kind == "eagle3":
+        draft_ids = torch.arange(head.d2t.numel()) + head.d2t
+        w = w * head.t2d[label]
+        label = torch.searchsorted(draft_ids, label).clamp(max=draft_ids.numel() - 1)
+    nll = torch.nn.functional.cross_entropy(logits[:, :-2].flatten(0, 1), label.flatten(), reduction="none")
+    want = (nll * w.flatten()).sum() / w.sum()
+    got = head_loss(head, features, probs, ids, weight, 1, hard=True)
+    torch.testing.assert_close(got, want)
