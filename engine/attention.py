@@ -82,13 +82,9 @@ class PagedAttention(nn.Module):
         meta = current_metadata()
         k_cache = meta.kv_cache[self.layer_idx, 0]
         v_cache = meta.kv_cache[self.layer_idx, 1]
-        if use_triton(q):
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                  self.scale, meta.max_q_len, meta.max_seq_len)
-        else:  # the torch reference: index math once per step, shared by every layer
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.store_plan())
-            plan = meta.attention_plan(q.shape[0], k_cache.shape[1], self.num_heads // self.num_kv_heads)
-            out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                  self.scale, meta.max_q_len, meta.max_seq_len, plan=plan)
+        ref = not use_triton(q)  # the torch reference: its index math is planned once per step, for every layer
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.store_plan() if ref else None)
+        plan = meta.attention_plan(q.shape[0], k_cache.shape[1], self.num_heads // self.num_kv_heads) if ref else None
+        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                              self.scale, meta.max_q_len, meta.max_seq_len, plan=plan)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

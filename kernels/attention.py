@@ -155,7 +155,8 @@ def _plan_group(block_tables, seq, q_start, q_len, T: int, S: int, G: int, max_q
 
 
 def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                         num_tokens: int, page_size: int, group: int, max_q_len: int, max_seq_len: int) -> AttentionPlan:
+                         num_tokens: int, page_size: int, group: int, max_q_len: int,
+                         max_seq_len: int) -> AttentionPlan:
     T, B = num_tokens, block_tables.shape[0]
     q_start = query_start_loc[:-1].long()
     q_len = query_start_loc[1:].long() - q_start  # [B]
@@ -168,15 +169,12 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, que
     groups = []
     for members in parts:
         if len(parts) == 1:
-            sel = lambda x: x  # noqa: E731
-            max_q, max_seq = max_q_len, max_seq_len
+            tables, s, qs, ql, max_q, max_seq = block_tables, seq, q_start, q_len, max_q_len, max_seq_len
         else:
             idx = torch.tensor(members, device=block_tables.device)
-            sel = lambda x, idx=idx: x.index_select(0, idx)  # noqa: E731
-            max_q = max(host_q[b] for b in members)
-            max_seq = min(max_seq_len, int(seq_lens.index_select(0, idx).max()))
-        groups.append(_plan_group(sel(block_tables), sel(seq), sel(q_start), sel(q_len), T, page_size, group,
-                                  max_q, max_seq))
+            tables, s, qs, ql = (x.index_select(0, idx) for x in (block_tables, seq, q_start, q_len))
+            max_q, max_seq = max(host_q[b] for b in members), min(max_seq_len, int(s.max()))
+        groups.append(_plan_group(tables, s, qs, ql, T, page_size, group, max_q, max_seq))
     in_batch = torch.arange(T, device=block_tables.device) < query_start_loc[-1].long()
     return AttentionPlan(T, B, group, tuple(groups), in_batch[:, None, None])
 
