@@ -8,8 +8,8 @@ new tokens sit at the end of its `seq_lens[b]` KV positions (store_kv has alread
 Each public function picks the Triton kernel on CUDA (or everywhere when TRITON_INTERPRET=1) and the
 vectorized torch reference otherwise. The Triton path reads no tensor data on the host: launch bounds
 (`max_q_len`, `max_seq_len`) are host ints supplied by the caller, so it is CUDA-graph capturable. The
-reference's attention plan reads the query lengths on the host (it runs eagerly, never in a graph) to
-pad decode rows and prefill chunks separately.
+reference's attention plan reads the query lengths on the host when a step has a long query (it runs
+eagerly, never in a graph) to pad decode rows and prefill chunks separately.
 """
 import math
 from dataclasses import dataclass
@@ -161,11 +161,12 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, que
     q_start = query_start_loc[:-1].long()
     q_len = query_start_loc[1:].long() - q_start  # [B]
     seq = seq_lens.long()
-    host_q = q_len.tolist()
-    short = [b for b, n in enumerate(host_q) if n <= DECODE_GROUP_MAX_Q]
-    parts = [short, [b for b, n in enumerate(host_q) if n > DECODE_GROUP_MAX_Q]]
-    if not parts[0] or not parts[1]:
-        parts = [list(range(B))]
+    parts = [list(range(B))]
+    if max_q_len > DECODE_GROUP_MAX_Q:  # only then can the batch mix short and long queries
+        host_q = q_len.tolist()
+        short = [b for b, n in enumerate(host_q) if n <= DECODE_GROUP_MAX_Q]
+        if 0 < len(short) < B:
+            parts = [short, [b for b, n in enumerate(host_q) if n > DECODE_GROUP_MAX_Q]]
     groups = []
     for members in parts:
         if len(parts) == 1:
