@@ -1,7 +1,7 @@
 """`tandem serve`: deploy the router, prefill and decode deployments on Ray Serve and keep serving.
 
-Embedded default: starts Ray in this process (the zoo's tiny target, one prefill replica, one decode
-group of two ranks, on CPU) and serves on 127.0.0.1:8000. With --address it joins a running cluster
+Embedded default: starts Ray in this process (the zoo's tiny target with its MTP head drafting k=3,
+one prefill replica, one decode group of two ranks, on CPU) and serves on 127.0.0.1:8000. With --address it joins a running cluster
 (`ray up deploy/cluster.yaml`, then `tandem serve --address auto --model DIR --device cuda`).
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", help="target model directory (default: the zoo's tiny target, built if missing)")
     ap.add_argument("--served-model-name", help="name clients send as `model` (default: the directory's name)")
     ap.add_argument("--draft", help="draft model / head directory for speculative decoding")
-    ap.add_argument("--speculative-method", default="none", choices=["none", "mtp", "eagle3", "ngram", "draft_model"])
+    ap.add_argument("--speculative-method", default=None, choices=["none", "mtp", "eagle3", "ngram", "draft_model"],
+                    help="default: mtp with the zoo's head when serving the zoo (no --model), else none")
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=0, help="draft tokens per step "
                                                                                "(default 3 with a method)")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per decode group")
@@ -46,19 +47,32 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _default_model() -> str:
+ZOO_MODEL_NAME = "tandem-tiny"
+
+
+def _zoo_defaults(args: argparse.Namespace) -> dict:
+    """Serving the zoo (no --model): its target, named ZOO_MODEL_NAME, drafting with its MTP head
+    unless a speculative method was asked for."""
     import zoo
 
-    print("building (or reusing) the zoo's tiny target model...", flush=True)
-    return str(zoo.layout(zoo.build()).target)
+    print("building (or reusing) the zoo's tiny models...", flush=True)
+    paths = zoo.layout(zoo.build())
+    method = args.speculative_method or "mtp"
+    heads = {"mtp": paths.mtp, "eagle3": paths.eagle3, "draft_model": paths.draft}
+    draft = args.draft or (str(heads[method]) if method in heads else None)
+    return dict(model=str(paths.target), served_model_name=args.served_model_name or ZOO_MODEL_NAME,
+                speculative_method=method, draft=draft)
 
 
 def tandem_config(args: argparse.Namespace):
     from deploy.config import TandemConfig
 
+    chosen = dict(model=args.model, served_model_name=args.served_model_name, draft=args.draft,
+                  speculative_method=args.speculative_method or "none")
+    if args.model is None:
+        chosen = _zoo_defaults(args)
     return TandemConfig(
-        model=args.model or _default_model(), served_model_name=args.served_model_name, draft=args.draft,
-        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        **chosen, num_speculative_tokens=args.num_speculative_tokens,
         tp=args.tp, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
         router_replicas=args.router_replicas, device=args.device, dtype=args.dtype,
         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,

@@ -27,6 +27,19 @@ def test_defaults_are_the_embedded_setup():
             args.device) == ("127.0.0.1", 8000, 2, 1, 1, None, "cpu")
 
 
+@pytest.mark.slow
+def test_serving_the_zoo_drafts_with_its_mtp_head_by_default(zoo_dir):
+    import zoo
+
+    cfg = tandem_config(parser().parse_args([]))
+    paths = zoo.layout(zoo.build())  # what `tandem serve` resolves: the default zoo (zoo_dir built it)
+    assert cfg.name == "tandem-tiny" and cfg.model == str(paths.target)
+    assert cfg.decode().speculative == {"method": "mtp", "k": 3, "draft": str(paths.mtp)}
+    eagle = tandem_config(parser().parse_args(["--speculative-method", "eagle3", "-k", "2"]))
+    assert eagle.prefill().speculative == {"method": "eagle3", "k": 2, "draft": str(paths.eagle3)}
+    assert tandem_config(parser().parse_args(["--speculative-method", "none"])).decode().speculative is None
+
+
 def test_speculation_flags_reach_both_engines_and_are_checked_early(tiny_model_dir):
     args = parser().parse_args(["--model", tiny_model_dir, "--speculative-method", "ngram", "-k", "4"])
     cfg = tandem_config(args)
