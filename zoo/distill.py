@@ -51,7 +51,8 @@ def soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor, weight: torc
 
 def head_loss(head, features: dict, probs: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, depth: int,
               hard: bool = False) -> torch.Tensor:
-    """Weighted soft cross-entropy of a `depth`-step unroll against the target's distributions.
+    """Weighted cross-entropy of a `depth`-step unroll against the target: its whole distribution
+    (soft), or with `hard` its argmax as the label (mapped into the draft vocabulary for EAGLE-3).
 
     Step s at index i predicts token i+2+s: its teacher is the target at index i+1+s and it counts
     the weight of token i+2+s. The head's vocabulary projection runs only where that weight is > 0.
@@ -70,18 +71,17 @@ def head_loss(head, features: dict, probs: torch.Tensor, ids: torch.Tensor, weig
             w = w * head.t2d[target_top[:, 1 + step: 1 + step + n]]
         keep = w > 0
         logits = head.logits_from(hidden[:, :n][keep])  # [K, head vocab]
-        if hard:  # the target's argmax as the label (mapped into the draft vocabulary for EAGLE-3)
+        if hard:
             label = target_top[:, 1 + step: 1 + step + n][keep]
-            if head.kind == "eagle3":
+            if head.kind == "eagle3":  # draft ids are the vocabulary's ids in increasing order
                 label = head.t2d[: label.max() + 1].cumsum(0)[label] - 1
             per_pos = F.cross_entropy(logits.float(), label, reduction="none")
-            total = total + STEP_DECAY**step * (per_pos * w[keep]).sum() / w.sum().clamp_min(1e-6)
-            continue
-        teacher = probs[:, 1 + step: 1 + step + n][keep]  # [K, V]
-        if head.kind == "eagle3":
-            teacher = teacher[:, torch.arange(head.d2t.numel(), device=ids.device) + head.d2t]
-            teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-12)
-        per_pos = -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+        else:
+            teacher = probs[:, 1 + step: 1 + step + n][keep]  # [K, V]
+            if head.kind == "eagle3":
+                teacher = teacher[:, torch.arange(head.d2t.numel(), device=ids.device) + head.d2t]
+                teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-12)
+            per_pos = -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1)
         total = total + STEP_DECAY**step * (per_pos * w[keep]).sum() / w.sum().clamp_min(1e-6)
     return total
 
