@@ -1,8 +1,9 @@
 """`tandem serve`: deploy the router, prefill and decode deployments on Ray Serve and keep serving.
 
 Embedded default: starts Ray in this process (the zoo's tiny target with its MTP head drafting k=3,
-one prefill replica, one decode group of two ranks, on CPU) and serves on 127.0.0.1:8000. With --address it joins a running cluster
-(`ray up deploy/cluster.yaml`, then `tandem serve --address auto --model DIR --device cuda`).
+one prefill replica, one decode group of two ranks, on CPU) and serves on 127.0.0.1:8000. With
+--address it joins a running cluster (`ray up deploy/cluster.yaml`, then
+`tandem serve --address auto --model DIR --device cuda`).
 """
 from __future__ import annotations
 
@@ -67,10 +68,9 @@ def _zoo_defaults(args: argparse.Namespace) -> dict:
 def tandem_config(args: argparse.Namespace):
     from deploy.config import TandemConfig
 
-    chosen = dict(model=args.model, served_model_name=args.served_model_name, draft=args.draft,
-                  speculative_method=args.speculative_method or "none")
-    if args.model is None:
-        chosen = _zoo_defaults(args)
+    chosen = _zoo_defaults(args) if args.model is None else dict(
+        model=args.model, served_model_name=args.served_model_name, draft=args.draft,
+        speculative_method=args.speculative_method or "none")
     return TandemConfig(
         **chosen, num_speculative_tokens=args.num_speculative_tokens,
         tp=args.tp, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,

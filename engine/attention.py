@@ -74,6 +74,7 @@ class PagedAttention(nn.Module):
         self.layer_idx = layer_idx  # index into the cache's layer dim (draft layers come after the target's)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads  # query heads per KV head
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
 
@@ -84,7 +85,7 @@ class PagedAttention(nn.Module):
         v_cache = meta.kv_cache[self.layer_idx, 1]
         ref = not use_triton(q)  # the torch reference: its index math is planned once per step, for every layer
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.store_plan() if ref else None)
-        plan = meta.attention_plan(q.shape[0], k_cache.shape[1], self.num_heads // self.num_kv_heads) if ref else None
+        plan = meta.attention_plan(q.shape[0], k_cache.shape[1], self.group) if ref else None
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                               self.scale, meta.max_q_len, meta.max_seq_len, plan=plan)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
