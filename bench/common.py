@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -18,9 +20,17 @@ def device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
 
 
+def command_line() -> str:
+    """How this benchmark was started (`python -m module args`), written beside its results."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = f"python -m {spec.name}" if spec is not None else f"python {sys.argv[0]}"
+    return f"{head} {shlex.join(sys.argv[1:])}".strip()
+
+
 def write_results(name: str, payload: dict, table: str) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    command = command_line()
+    payload = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command, **payload}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(table + "\n")
+    (RESULTS / f"{name}.md").write_text(f"{table}\n\nCommand: `{command}`\n")
     return RESULTS / f"{name}.md"
