@@ -20,7 +20,7 @@ from cluster.groups import backend_for, build_group
 from cluster.rendezvous import StoreAddress, StoreServer, connect_store
 from decode_worker.protocol import Command, CommandKind, KVLayout, StepReport, TokenDelta
 from decode_worker.receiver import HandoverReceiver
-from engine import CapacityError, EngineConfig, LLMEngine, TandemError
+from engine import CapacityError, EngineConfig, HandoverRequest, LLMEngine, TandemError
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class DecodeRank:
         if cmd.kind is CommandKind.RESERVE:
             header = self.receiver.header(rid)
             try:
-                block_ids = eng.reserve(header["handover"])
+                block_ids = eng.reserve(HandoverRequest.from_dict(header["handover"]))
             except CapacityError:
                 deferred.append(rid)
                 return

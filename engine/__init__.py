@@ -5,11 +5,12 @@ No Ray here: one process, one device. The distributed workers wrap LLMEngine.
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import CapacityError, InvalidRequestError, ModelLoadError, TandemError, UnsupportedModelError
 from engine.llm import LLM
-from engine.llm_engine import Handover, LLMEngine
+from engine.handover import Handover, HandoverRequest
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.spec.config import SpecConfig
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "SpecConfig", "RequestOutput", "TokenLogprob",
-           "Handover", "TandemError", "InvalidRequestError", "ModelLoadError", "UnsupportedModelError",
+           "Handover", "HandoverRequest", "TandemError", "InvalidRequestError", "ModelLoadError", "UnsupportedModelError",
            "CapacityError"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import append_text, find_stop_string, visible_text
 from engine.errors import CapacityError, InvalidRequestError
+from engine.handover import Handover, HandoverRequest
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.parallel import TPContext
@@ -28,13 +28,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, ScheduledRequest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Handover:
-    header: dict  # msgpack-able description of the request (see LLMEngine.take_handover)
-    block_ids: list[int]  # blocks holding the prompt's KV (target and draft layers), in order
-    hidden: torch.Tensor | None = None  # [H_in] the draft head's input at the last prompt row (speculation)
 
 
 class LLMEngine:
@@ -291,44 +284,39 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.status is not RequestStatus.PARKED:
             raise InvalidRequestError(f"request {request_id!r} is not parked for a hand-over")
-        p = req.params
-        header = {
-            "request_id": req.request_id,
-            "prompt_token_ids": req.prompt_token_ids,
-            "output_token_ids": req.output_token_ids,
-            "num_computed_tokens": req.num_computed_tokens,
-            "seed": req.seed,
-            "params": {k: getattr(p, k) for k in p.__dataclass_fields__},
-            "logprobs": [(lp.token_id, lp.logprob, lp.top) for lp in req.logprobs],
-            "block_size": self.cfg.block_size,
-            "cache_layers": self.runner.num_cache_layers,  # target layers, then the draft's
-        }
-        if self.spec is not None:
-            if not self.runner.spec.shares_cache:
-                raise InvalidRequestError("this engine's draft model keeps its KV in a cache of its own; "
-                                          "hand-overs need the draft's KV layers in the target's cache")
-            header["spec"] = {"method": self.spec.method, "k": self.spec.k}
-        return Handover(header, list(self.blocks.table(request_id)), req.draft_hidden)
+        if self.spec is not None and not self.runner.spec.shares_cache:
+            raise InvalidRequestError("this engine's draft model keeps its KV in a cache of its own; "
+                                      "hand-overs need the draft's KV layers in the target's cache")
+        state = HandoverRequest(
+            request_id=req.request_id, prompt_token_ids=tuple(req.prompt_token_ids),
+            output_token_ids=tuple(req.output_token_ids), num_computed_tokens=req.num_computed_tokens,
+            seed=req.seed, params=req.params, logprobs=tuple((lp.token_id, lp.logprob, lp.top) for lp in req.logprobs),
+            block_size=self.cfg.block_size, cache_layers=self.runner.num_cache_layers,
+            speculative_method=self.spec.method if self.spec is not None else None)
+        return Handover(state, list(self.blocks.table(request_id)), req.draft_hidden)
 
     def release(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.blocks.free(request_id)
 
-    def reserve(self, header: dict) -> list[int]:
+    def reserve(self, handover: HandoverRequest) -> list[int]:
         """Decode side: allocate blocks for an incoming request's prompt KV; raises CapacityError if full."""
-        layers = header.get("cache_layers")
-        if layers is not None and layers != self.runner.num_cache_layers:
-            raise InvalidRequestError(f"the hand-over carries KV for {layers} cache layers but this engine's cache "
-                                      f"has {self.runner.num_cache_layers} (speculation differs between the two sides)")
-        params = SamplingParams(**header["params"])
-        req = self._new_request(header["request_id"], header["prompt_token_ids"], params, False, seed=header["seed"])
-        n = header["num_computed_tokens"]
+        if handover.cache_layers != self.runner.num_cache_layers:
+            raise InvalidRequestError(f"the hand-over carries KV for {handover.cache_layers} cache layers but this "
+                                      f"engine's cache has {self.runner.num_cache_layers} (speculation differs "
+                                      f"between the two sides)", param="handover")
+        if handover.block_size != self.cfg.block_size:
+            raise InvalidRequestError(f"the hand-over's KV blocks hold {handover.block_size} tokens, this engine's "
+                                      f"{self.cfg.block_size}", param="handover")
+        req = self._new_request(handover.request_id, list(handover.prompt_token_ids), handover.params, False,
+                                seed=handover.seed)
+        n = handover.num_computed_tokens
         if not self.blocks.allocate(req.request_id, n):
             raise CapacityError(f"no room for {n} tokens of KV ({self.blocks.pool.num_free} free blocks)")
         req.num_computed_tokens = n
-        req.logprobs = [TokenLogprob(t, lp, top) for t, lp, top in header.get("logprobs", [])]
-        for token in header["output_token_ids"]:
+        req.logprobs = [TokenLogprob(t, lp, top) for t, lp, top in handover.logprobs]
+        for token in handover.output_token_ids:
             req.token_ids.append(token)
             if self.tokenizer is not None:
                 append_text(self.tokenizer, req)

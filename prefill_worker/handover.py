@@ -86,7 +86,7 @@ class HandoverSender:
                 return
             handover, target = job
             self.total += 1
-            rid = handover.header["request_id"]
+            rid = handover.request.request_id
             released = False
             try:
                 payloads, pack_s = self._pack(handover, target)
@@ -107,8 +107,8 @@ class HandoverSender:
 
     def _pack(self, handover: Handover, target: DecodeTarget) -> tuple[list[list[torch.Tensor]], float]:
         start = time.perf_counter()
-        h = handover.header
-        n_blocks = -(-h["num_computed_tokens"] // h["block_size"])
+        h = handover.request
+        n_blocks = -(-h.num_computed_tokens // h.block_size)
         block_ids = handover.block_ids[:n_blocks]
         by_slice: dict[tuple[int, int], torch.Tensor] = {}
         payloads = []
@@ -124,11 +124,11 @@ class HandoverSender:
         return payloads, time.perf_counter() - start
 
     def _send(self, handover: Handover, target: DecodeTarget, payloads: list[list[torch.Tensor]], pack_s: float) -> None:
-        rid = handover.header["request_id"]
+        rid = handover.request.request_id
         channels = [self._channel(target, rank) for rank in target.ranks]
         start = time.perf_counter()
         for rank, ch, payload in zip(target.ranks, channels, payloads):
-            header = {"request_id": rid, "handover": handover.header, "kv_heads": list(rank.kv_heads),
+            header = {"request_id": rid, "handover": handover.request.to_dict(), "kv_heads": list(rank.kv_heads),
                       "sent_at": time.time()}
             ch.send_header(header, payload, self.transfer_timeout_s)
         # Each rank's payload starts as soon as that rank answers, and all of them move at once.

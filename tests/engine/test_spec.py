@@ -192,9 +192,9 @@ def test_handover_carries_the_draft_state(checkpoints, llama_dir, spec_drafts, r
     while prefill.requests["r"].status.value != "parked":
         others += prefill.step()
     h = prefill.take_handover("r")
-    assert h.header["cache_layers"] == prefill.kv_cache.shape[0]
+    assert h.request.cache_layers == prefill.kv_cache.shape[0]
     assert (h.hidden is not None) == (method in ("mtp", "eagle3"))
-    blocks = decode.reserve(h.header)
+    blocks = decode.reserve(h.request)
     decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
     prefill.release("r")
     decode.commit("r", hidden=h.hidden)
@@ -225,7 +225,7 @@ def test_handover_between_mismatched_caches_is_refused(llama_dir, spec_drafts):
     prefill.add_request("r", [5, 6, 7], _greedy(), prefill_only=True)
     prefill.step()
     with pytest.raises(InvalidRequestError, match="cache layers"):
-        decode.reserve(prefill.take_handover("r").header)
+        decode.reserve(prefill.take_handover("r").request)
 
 
 def _mixed_params(n: int) -> list[SamplingParams]:
@@ -300,7 +300,7 @@ def test_handovers_beyond_max_num_seqs(llama_dir, spec_drafts, reference):
         prefill.step()
     for i in range(5):
         h = prefill.take_handover(f"r{i}")
-        blocks = decode.reserve(h.header)
+        blocks = decode.reserve(h.request)
         decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
         prefill.release(f"r{i}")
         decode.commit(f"r{i}", hidden=h.hidden)

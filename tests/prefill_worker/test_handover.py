@@ -28,7 +28,7 @@ def reference_blocks(model_dir: str, prompt: list[int]) -> torch.Tensor:
     while eng.has_unfinished():
         eng.step()
     h = eng.take_handover("ref")
-    n = -(-h.header["num_computed_tokens"] // BLOCK)
+    n = -(-h.request.num_computed_tokens // BLOCK)
     return eng.kv_cache[:, :, h.block_ids[:n]].clone()
 
 
