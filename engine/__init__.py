@@ -9,7 +9,7 @@ from engine.handover import Handover, HandoverRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.spec.config import SpecConfig
+from engine.speculative.config import SpecConfig
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "SpecConfig", "RequestOutput", "TokenLogprob",
            "Handover", "HandoverRequest", "TandemError", "InvalidRequestError", "ModelLoadError", "UnsupportedModelError",

@@ -1,7 +1,11 @@
-"""Turns a scheduler decision into the flat tensors one forward needs.
+"""Host-side inputs of one step: the varlen target rows plus, per request, the chain layout.
 
-All indexing is done here, on the host, with numpy; the forward then sees only fixed-layout tensors
-(no host syncs inside it). Rows of the varlen batch are requests in scheduling order.
+There is one batch builder for every step: without speculation k = 0 and each chain is one column.
+A request's rows this step are its not-yet-computed tokens: prompt chunks, or [last token, drafts]
+for a decoding request. Column j of a request's chain is the row whose logits predict the token at
+position `num_tokens + j` (j = 0 for a prompt's last chunk). With `pad` (CUDA graphs; every request
+decoding), every request gets exactly k+1 rows, the batch is padded with idle requests to a captured
+size and block tables to a fixed width, so every shape depends on the padded batch size alone.
 """
 from __future__ import annotations
 
@@ -12,110 +16,146 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.block_manager import BlockManager
-from engine.sampler import SamplingBatch
+from engine.sampler import SamplingBatch, build_sampling
 from engine.scheduler import ScheduledRequest
+from engine.speculative.config import chain_margin
 
 
 @dataclass(frozen=True, slots=True)
-class ModelInputs:
+class StepBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] int64: rows of T whose hidden state is sampled
-    sampling: SamplingBatch | None  # None when no request samples this step
-    sample_rows: list[int]  # index into the scheduled list for each of the N sampled rows
+    attn: AttentionMetadata  # target metadata over the T rows
+    verify_rows: torch.Tensor  # [B, k+1] int64 row whose logits give chain column j (padding repeats)
+    drafts: torch.Tensor  # [B, k] int64 drafts in target ids, 0 past num_drafts
+    num_drafts: torch.Tensor  # [B] int64
+    next_tokens: torch.Tensor  # [T] int64 token after each row where the host knows it (else 0)
+    samples: torch.Tensor  # [B] bool request emits tokens this step
+    slots: torch.Tensor  # [B] int64 row of the draft-state buffers
+    slot_limit: torch.Tensor  # [B] int64 KV slots held; draft-chain writes at or past it are dropped
+    sampling: SamplingBatch  # [B] rows, positions = each chain's first new position
+    # Logits row (b, j) is request b's chain column j, predicting position sampling.positions[b] + j.
+    # Room for a LogitsMasker (engine/logits_masker.py) to write into during the step; None when no
+    # masker runs. A row whose flag is False is left as it is.
+    verify_bitmask: torch.Tensor | None  # [B, k+1, ceil(V/32)] int32, xgrammar's packed layout
+    verify_mask_flags: torch.Tensor | None  # [B, k+1] bool
+    draft_bitmask: torch.Tensor | None  # [B, ceil(V/32)] int32, reused by each draft step
+    draft_mask_flags: torch.Tensor | None  # [B] bool
+    full_drafts: bool  # host: every request has k drafts
+    propose: bool  # host: some request needs new drafts (a sampling one that is not prefill-only)
+    chain_max_seq_len: int  # host bound on draft-chain KV lengths
+    # host copies for the update
+    host_num_drafts: list[int]
+    host_samples: list[bool]
 
 
-def build_inputs(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cache: torch.Tensor,
-                 device: torch.device, vocab_size: int) -> ModelInputs:
+@dataclass(frozen=True, slots=True)
+class Padding:
+    """Graph-mode layout: k+1 rows per request, `batch_size` requests, `table_width` blocks each;
+    idle requests use draft-state row `scratch_slot` and write nothing."""
+
+    batch_size: int
+    table_width: int
+    scratch_slot: int
+    max_seq_len: int  # fixed bound on KV lengths (target rows and draft chains)
+
+
+def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cache: torch.Tensor,
+                device: torch.device, vocab_size: int, k: int, slots: list[int] | None,
+                pad: Padding | None = None, masked: bool = False) -> StepBatch:
+    """slots: each request's row of the draft-state buffers (None: no draft network keeps state);
+    masked: leave room for a LogitsMasker's bitmasks."""
     bs = blocks.block_size
-    num_tokens = sum(s.num_new_tokens for s in scheduled)
-    input_ids = np.empty(num_tokens, dtype=np.int64)
-    positions = np.empty(num_tokens, dtype=np.int64)
-    slot_mapping = np.empty(num_tokens, dtype=np.int64)
-    query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
-    seq_lens = np.empty(len(scheduled), dtype=np.int32)
-    max_blocks = max(len(blocks.table(s.request.request_id)) for s in scheduled)
-    block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-    logits_indices: list[int] = []
-    sample_rows: list[int] = []
+    k1 = k + 1
+    B = pad.batch_size if pad is not None else len(scheduled)
+    rows = [k1 if pad is not None else s.num_new_tokens for s in scheduled] + [k1] * (B - len(scheduled))
+    T = sum(rows)
+    input_ids = np.zeros(T, dtype=np.int64)
+    positions = np.zeros(T, dtype=np.int64)
+    slot_mapping = np.full(T, -1, dtype=np.int64)
+    next_tokens = np.zeros(T, dtype=np.int64)
+    qsl = np.zeros(B + 1, dtype=np.int32)
+    seq_lens = np.zeros(B, dtype=np.int32)
+    max_blocks = pad.table_width if pad is not None else max(len(blocks.table(s.request.request_id)) for s in scheduled)
+    tables = np.zeros((B, max_blocks), dtype=np.int32)
+    verify_rows = np.zeros((B, k1), dtype=np.int64)
+    drafts = np.zeros((B, k), dtype=np.int64)
+    num_drafts = np.zeros(B, dtype=np.int64)
+    samples = np.zeros(B, dtype=bool)
+    slot_limit = np.zeros(B, dtype=np.int64)
+    first_pos = np.zeros(B, dtype=np.int64)
+    slot_ids = np.zeros(B, dtype=np.int64)
+    if slots is not None:
+        slot_ids[:] = list(slots) + [pad.scratch_slot if pad else 0] * (B - len(scheduled))
+    propose = False
 
     t = 0
     for b, s in enumerate(scheduled):
         req, n = s.request, s.num_new_tokens
-        start = req.num_computed_tokens
+        start, held = req.num_computed_tokens, blocks.num_slots[req.request_id]
         table = blocks.table(req.request_id)
-        block_tables[b, : len(table)] = table
-        pos = np.arange(start, start + n, dtype=np.int64)
-        input_ids[t : t + n] = req.token_ids[start : start + n]
-        positions[t : t + n] = pos
-        slot_mapping[t : t + n] = block_tables[b, pos // bs].astype(np.int64) * bs + pos % bs
-        t += n
-        query_start_loc[b + 1] = t
-        seq_lens[b] = start + n
+        tables[b, : len(table)] = table
+        window = _tokens(req, start, start + min(n, rows[b]) + 1)  # this step's inputs and the token after
+        m = rows[b]
+        pos = np.arange(start, start + m, dtype=np.int64)
+        real = min(n, m)
+        input_ids[t : t + real] = window[:real]
+        positions[t : t + m] = pos
+        ok = pos < held
+        slot_mapping[t : t + m] = np.where(ok, tables[b, np.minimum(pos // bs, max_blocks - 1)].astype(np.int64) * bs
+                                           + pos % bs, -1)
+        after = window[1:]
+        next_tokens[t : t + len(after)] = after
+        samples[b] = s.sample
+        slot_limit[b] = held
         if s.sample:
-            logits_indices.append(t - 1)
-            sample_rows.append(b)
+            nd = start + n - req.num_tokens
+            num_drafts[b] = nd
+            drafts[b, :nd] = req.spec_token_ids[:nd]
+            first = t + req.num_tokens - 1 - start  # row of the last verified token
+            verify_rows[b] = first + np.minimum(np.arange(k1), nd)
+            propose |= not req.prefill_only
+        else:
+            verify_rows[b] = t + real - 1
+        first_pos[b] = req.num_tokens
+        t += m
+        qsl[b + 1] = t
+        seq_lens[b] = start + m
+    for b in range(len(scheduled), B):  # idle requests: k+1 rows over nothing, writing nothing
+        positions[t : t + k1] = np.arange(k1)
+        verify_rows[b] = t + np.arange(k1)
+        t += k1
+        qsl[b + 1] = t
+        seq_lens[b] = k1
 
     def dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device, non_blocking=True)
 
-    q_lens = np.diff(query_start_loc)
-    attn = AttentionMetadata(
-        kv_cache=kv_cache,
-        slot_mapping=dev(slot_mapping),
-        block_tables=dev(block_tables),
-        seq_lens=dev(seq_lens),
-        query_start_loc=dev(query_start_loc),
-        max_q_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-    )
-    sampled = [scheduled[b] for b in sample_rows]
-    sampling = build_sampling(sampled, device, vocab_size) if sampled else None
-    return ModelInputs(dev(input_ids), dev(positions), attn, dev(np.asarray(logits_indices, dtype=np.int64)),
-                       sampling, sample_rows)
+    max_seq_len = pad.max_seq_len if pad is not None else int(seq_lens.max())
+    attn = AttentionMetadata(kv_cache=kv_cache, slot_mapping=dev(slot_mapping), block_tables=dev(tables),
+                             seq_lens=dev(seq_lens), query_start_loc=dev(qsl), max_q_len=max(rows),
+                             max_seq_len=max_seq_len)
+    sampling = build_sampling([s.request for s in scheduled], first_pos, B, device, vocab_size)
+    n = len(scheduled)
+    words = -(-vocab_size // 32)
+    masks = dict(verify_bitmask=None, verify_mask_flags=None, draft_bitmask=None, draft_mask_flags=None)
+    if masked:
+        masks = dict(verify_bitmask=torch.zeros((B, k1, words), dtype=torch.int32, device=device),
+                     verify_mask_flags=torch.zeros((B, k1), dtype=torch.bool, device=device),
+                     draft_bitmask=torch.zeros((B, words), dtype=torch.int32, device=device),
+                     draft_mask_flags=torch.zeros(B, dtype=torch.bool, device=device))
+    return StepBatch(
+        input_ids=dev(input_ids), positions=dev(positions), attn=attn, verify_rows=dev(verify_rows),
+        drafts=dev(drafts), num_drafts=dev(num_drafts), next_tokens=dev(next_tokens), samples=dev(samples),
+        slots=dev(slot_ids), slot_limit=dev(slot_limit), sampling=sampling, **masks,
+        full_drafts=pad is None and bool((num_drafts[samples] == k).all()), propose=propose or pad is not None,
+        chain_max_seq_len=max_seq_len + chain_margin(k),
+        host_num_drafts=num_drafts[:n].tolist(), host_samples=samples[:n].tolist())
 
 
-def build_sampling(sampled: list[ScheduledRequest], device: torch.device, vocab_size: int) -> SamplingBatch:
-    reqs = [s.request for s in sampled]
-    params = [r.params for r in reqs]
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-    seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64)
-    # The token being sampled sits right after everything computed so far.
-    positions = torch.tensor([s.request.num_computed_tokens + s.num_new_tokens for s in sampled], dtype=torch.int64)
-    asked = [p.logprobs for p in params if p.logprobs is not None]
-    sampling_rows = [p for p in params if not p.greedy]
-    penalties = {}
-    if any(p.uses_penalties for p in params):
-        penalties = _penalty_tensors(reqs, vocab_size)
-    return SamplingBatch(
-        temperature=temperature.to(device), top_k=top_k.to(device), top_p=top_p.to(device),
-        min_p=min_p.to(device), seeds=seeds.to(device), positions=positions.to(device),
-        all_greedy=not sampling_rows,
-        use_top_k=any(0 < p.top_k < vocab_size for p in sampling_rows),
-        use_top_p=any(p.top_p < 1.0 for p in sampling_rows),
-        use_min_p=any(p.min_p > 0.0 for p in sampling_rows),
-        max_logprobs=max(asked) if asked else None,
-        **{k: v.to(device) for k, v in penalties.items()},
-    )
-
-
-def _penalty_tensors(reqs, vocab_size: int) -> dict[str, torch.Tensor]:
-    n = len(reqs)
-    counts = torch.zeros(n, vocab_size, dtype=torch.float32)
-    seen = torch.zeros(n, vocab_size, dtype=torch.bool)
-    for i, r in enumerate(reqs):
-        out = torch.tensor(r.output_token_ids, dtype=torch.int64)
-        if out.numel():
-            counts[i].scatter_add_(0, out, torch.ones(out.numel()))
-        seen[i, torch.tensor(r.token_ids, dtype=torch.int64)] = True
-    return {
-        "repetition": torch.tensor([r.params.repetition_penalty for r in reqs], dtype=torch.float32),
-        "presence": torch.tensor([r.params.presence_penalty for r in reqs], dtype=torch.float32),
-        "frequency": torch.tensor([r.params.frequency_penalty for r in reqs], dtype=torch.float32),
-        "output_counts": counts,
-        "seen_mask": seen,
-    }
+def _tokens(req, lo: int, hi: int) -> list[int]:
+    """Tokens lo..hi-1 of the request's tokens followed by its drafts (without copying all of them)."""
+    n = len(req.token_ids)
+    if hi <= n:
+        return req.token_ids[lo:hi]
+    return req.token_ids[lo:] + req.spec_token_ids[max(0, lo - n) : hi - n]

@@ -52,9 +52,6 @@ class BlockManager:
         have = len(self.tables.get(request_id, ()))
         return max(0, -(-num_slots // self.block_size) - have)
 
-    def can_allocate(self, request_id: str, num_slots: int) -> bool:
-        return self.blocks_needed(request_id, num_slots) <= self.pool.num_free
-
     def allocate(self, request_id: str, num_slots: int) -> bool:
         """Grow the request's table to cover `num_slots` positions. False (nothing taken) if out of blocks."""
         need = self.blocks_needed(request_id, num_slots)

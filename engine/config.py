@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.errors import ModelLoadError, UnsupportedModelError
-from engine.spec.config import SpecConfig
+from engine.speculative.config import SpecConfig
 
 # Architectures share one module (engine/models/llama.py); these flags are what differs.
 SUPPORTED_ARCHITECTURES = {
@@ -145,7 +145,9 @@ class EngineConfig:
     tp_size: int = 1
     tp_rank: int = 0
     speculative: SpecConfig | None = None  # speculative decoding (a dict of SpecConfig's fields works too); None = off
-    extra: dict = field(default_factory=dict)
+    cuda_graphs: bool = True  # on CUDA, capture the decode step per padded batch size
+    max_graph_batch: int | None = None  # None: max_num_seqs
+    detokenize: bool = True  # keep each request's text and apply stop strings (off where the router does both)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpecConfig.coerce(self.speculative))

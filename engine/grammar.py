@@ -110,46 +110,50 @@ class GrammarCompiler:
         packed = bits.sum(dim=1)
         return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
-    def compile_async(self, spec: StructuredOutput) -> Future:
-        """A future of the CompiledGrammar; the same source compiles once."""
-        key = spec.key()
+    def compile_async(self, structured: StructuredOutput) -> Future:
+        """A future of the CompiledGrammar; the same source compiles once. A failed compilation leaves
+        the cache as soon as it fails, so a later request with the same source is compiled again."""
+        key = structured.key()
         with self._lock:
             fut = self._cache.get(key)
-            if fut is not None:
+            # A failure whose callback has not run yet (callbacks follow the waiters' wake-up) is stale too.
+            if fut is not None and not (fut.done() and (fut.cancelled() or fut.exception() is not None)):
                 self._cache.move_to_end(key)
                 return fut
-            fut = self._pool.submit(self._compile, spec)
+            fut = self._pool.submit(self._compile, structured)
             self._cache[key] = fut
             while len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)
-            return fut
+        # Outside the lock: a future that is already done runs the callback right here.
+        fut.add_done_callback(lambda f: self._forget_failure(key, f))
+        return fut
 
-    def compile(self, spec: StructuredOutput):
-        fut = self.compile_async(spec)
-        try:
-            return fut.result()
-        except InvalidRequestError:
+    def _forget_failure(self, key: str, fut: Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
             with self._lock:
-                self._cache.pop(spec.key(), None)  # do not keep failures around
-            raise
+                if self._cache.get(key) is fut:
+                    del self._cache[key]
 
-    def _compile(self, spec: StructuredOutput):
+    def compile(self, structured: StructuredOutput):
+        return self.compile_async(structured).result()
+
+    def _compile(self, structured: StructuredOutput):
         sep = (", ", ": ")
         try:
-            if spec.kind == "json_schema":
-                return self._compiler.compile_json_schema(spec.canonical_source(), any_whitespace=not spec.compact,
-                                                          separators=sep if spec.compact else None)
-            if spec.kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=not spec.compact,
-                                                          separators=sep if spec.compact else None)
-            if spec.kind == "regex":
-                return self._compiler.compile_regex(spec.regex)
-            if spec.kind == "choice":
-                alternatives = " | ".join(json.dumps(c) for c in spec.choice)
+            if structured.kind == "json_schema":
+                return self._compiler.compile_json_schema(structured.canonical_source(), any_whitespace=not structured.compact,
+                                                          separators=sep if structured.compact else None)
+            if structured.kind == "json_object":
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=not structured.compact,
+                                                          separators=sep if structured.compact else None)
+            if structured.kind == "regex":
+                return self._compiler.compile_regex(structured.regex)
+            if structured.kind == "choice":
+                alternatives = " | ".join(json.dumps(c) for c in structured.choice)
                 return self._compiler.compile_grammar(f"root ::= {alternatives}")
-            return self._compiler.compile_grammar(spec.grammar)
+            return self._compiler.compile_grammar(structured.grammar)
         except (RuntimeError, ValueError) as e:
-            raise InvalidRequestError(f"cannot compile the {spec.kind.replace('_', ' ')}: {e}",
+            raise InvalidRequestError(f"cannot compile the {structured.kind.replace('_', ' ')}: {e}",
                                       param="response_format") from e
 
     def serialize(self, compiled) -> str:
@@ -158,8 +162,8 @@ class GrammarCompiler:
     def deserialize(self, text: str):
         return xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info)
 
-    def new_state(self, compiled, spec: StructuredOutput | None = None) -> "GrammarState":
-        extra = self._no_control_chars if spec is not None and spec.is_compact_json else None
+    def new_state(self, compiled, structured: StructuredOutput | None = None) -> "GrammarState":
+        extra = self._no_control_chars if structured is not None and structured.is_compact_json else None
         return GrammarState(xgr.GrammarMatcher(compiled), extra)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:

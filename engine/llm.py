@@ -7,18 +7,21 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.logits_masker import LogitsMasker
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model_dir: str, device: str = "cpu", dtype=None, max_num_seqs: int = 64,
-                 num_kv_blocks: int | None = None, block_size: int = 16, speculative=None, **kwargs):
+                 num_kv_blocks: int | None = None, block_size: int = 16, speculative=None,
+                 logits_masker: LogitsMasker | None = None, **kwargs):
         """`speculative`: an engine.SpecConfig (or a dict of its fields), e.g.
-        `SpecConfig(method="eagle3", k=3, draft="path/to/head")`; other keywords are EngineConfig's."""
+        `SpecConfig(method="eagle3", k=3, draft="path/to/head")`; `logits_masker`: constrains every
+        step's tokens (engine/logits_masker.py); other keywords are EngineConfig's."""
         cfg = EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                            num_kv_blocks=num_kv_blocks, block_size=block_size, speculative=speculative, **kwargs)
-        self.engine = LLMEngine(cfg)
+        self.engine = LLMEngine(cfg, logits_masker=logits_masker)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 

@@ -1,9 +1,11 @@
 """LLMEngine: the step-level API the workers drive (add_request, step, abort) plus the hand-over
 hooks of disaggregated serving (prefill-only requests that park, and reserve/commit on the decode side).
 
-One step is schedule -> execute -> update. Bad input raises InvalidRequestError from add_request and
-never reaches the running batch, so other requests are unaffected. With speculation (EngineConfig.
-speculative) a step verifies each decoding request's drafts and emits up to k+1 tokens per request.
+One step is schedule -> build the batch -> run -> update, the same with and without speculation (no
+speculation is k = 0 of the speculative step). Bad input raises InvalidRequestError from add_request
+and never reaches the running batch, so other requests are unaffected. With speculation
+(EngineConfig.speculative) a step verifies each decoding request's drafts and emits up to k+1 tokens
+per request.
 """
 from __future__ import annotations
 
@@ -16,14 +18,14 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.detokenizer import append_text, find_stop_string, visible_text
+from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import CapacityError, InvalidRequestError
 from engine.handover import Handover, HandoverRequest
-from engine.model_runner import ModelRunner
+from engine.logits_masker import LogitsMasker
+from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.parallel import TPContext
 from engine.request import Request, RequestStatus
-from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, ScheduledRequest
 
@@ -31,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, tp_group=None):
+    def __init__(self, cfg: EngineConfig, tp_group=None, logits_masker: LogitsMasker | None = None):
+        """logits_masker: constrains the tokens of every step (engine/logits_masker.py)."""
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_dir(cfg.model)
         self.tp = TPContext(cfg.tp_rank, cfg.tp_size, tp_group)
@@ -40,6 +43,7 @@ class LLMEngine:
             limit = min(limit, self.model_cfg.sliding_window)  # no sliding-window attention yet: stay inside it
         max_model_len = min(cfg.max_model_len or limit, limit)
         self.runner = ModelRunner(cfg, self.model_cfg, self.tp, max_model_len)
+        self.runner.masker = logits_masker
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(max_model_len)
         self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
@@ -52,6 +56,7 @@ class LLMEngine:
         self.accepted_length_hist = [0] * (self.spec.k + 2) if self.spec is not None else []
         self._received: list[Request] = []  # hand-overs committed since the last step (draft first)
         self.tokenizer = _load_tokenizer(cfg.model)
+        self._detokenize = cfg.detokenize and self.tokenizer is not None
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -88,8 +93,12 @@ class LLMEngine:
                 f"(max_model_len {self.max_model_len} includes at least one output token)", param="prompt")
         if seed is None:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        detokenizer = None
+        if self._detokenize:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
+                                                 params.skip_special_tokens)
         return Request(request_id, ids, params, seed=seed, max_total_tokens=self.max_model_len,
-                       prefill_only=prefill_only)
+                       prefill_only=prefill_only, detokenizer=detokenizer)
 
     def _tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -138,45 +147,20 @@ class LLMEngine:
         if self._received:
             self._draft_received()
         sched = self.scheduler.schedule()
+        for req in sched.preempted:
+            self._release_draft_state(req.request_id)
         touched: list[Request] = []
-        if self.spec is not None:
-            for req in sched.preempted:
-                self.runner.spec.release(req.request_id)
-            if not sched.empty:
-                result = self.runner.spec.execute(sched.scheduled, self.blocks)
-                touched = self._update_spec(sched.scheduled, result)
-        elif not sched.empty:
-            sampled, inputs = self.runner.execute(sched.scheduled, self.blocks)
-            for s in sched.scheduled:
-                s.request.num_computed_tokens += s.num_new_tokens
-            if sampled is not None:
-                touched = self._update(sched.scheduled, inputs.sample_rows, sampled)
+        if not sched.empty:
+            step = self.runner.prepare(sched.scheduled, self.blocks)
+            touched = self._update(sched.scheduled, self.runner.run(step))
         reports = self._finished_unreported + touched
         self._finished_unreported = []
         return [self._output(r) for r in reports]
 
-    def _update(self, scheduled: list[ScheduledRequest], rows: list[int], out: SamplerOutput) -> list[Request]:
-        tokens = out.token_ids.tolist()  # the one host sync of a step, after the forward
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        now = time.monotonic()
-        touched = []
-        for i, b in enumerate(rows):
-            req = scheduled[b].request
-            if req.status is not RequestStatus.RUNNING:
-                continue
-            if req.params.logprobs is not None:
-                n = req.params.logprobs
-                top = dict(zip(top_ids[i][:n], top_lps[i][:n])) if n > 0 else None
-                req.logprobs.append(TokenLogprob(tokens[i], lps[i], top))
-            self._append_token(req, tokens[i], now)
-            touched.append(req)
-        return touched
-
-    def _update_spec(self, scheduled: list[ScheduledRequest], res) -> list[Request]:
-        """Emit each request's accepted drafts and bonus token, stopping at the first that ends it;
-        rewind the KV of rejected drafts (and of the draft chain's lookahead) by lengths alone."""
+    def _update(self, scheduled: list[ScheduledRequest], res: StepResult) -> list[Request]:
+        """Emit each request's accepted drafts and bonus token (one token without speculation), stopping
+        at the first that ends it; rewind the KV of rejected drafts (and of the draft chain's lookahead)
+        by lengths alone."""
         now = time.monotonic()
         touched = []
         for b, s in enumerate(scheduled):
@@ -188,38 +172,45 @@ class LLMEngine:
             num_drafts, accepted = res.num_drafts[b], len(emitted) - 1
             req.num_computed_tokens -= num_drafts - accepted
             req.spec_token_ids = []
-            if req.num_output_tokens and s.num_new_tokens == num_drafts + 1:  # decoding, not a prompt's end
-                m = req.metrics
-                m.num_draft_tokens += num_drafts
-                m.num_accepted_tokens += accepted
-                m.accepted_lengths.append(accepted + 1)
-                self.accepted_length_hist[accepted + 1] += 1
-            for j, token in enumerate(emitted):
+            if self.spec is not None and req.num_output_tokens and s.num_new_tokens == num_drafts + 1:
+                self._count_acceptance(req, num_drafts, accepted)  # decoding, not a prompt's end
+            n = 0
+            while n < len(emitted) and req.status is RequestStatus.RUNNING:
                 if req.params.logprobs is not None:
-                    n = req.params.logprobs
-                    top = dict(zip(res.top_ids[b][j][:n], res.top_logprobs[b][j][:n])) if n > 0 else None
-                    req.logprobs.append(TokenLogprob(token, res.logprobs[b][j], top))
-                self._append_token(req, token, now)
-                if req.status is not RequestStatus.RUNNING:
-                    break
+                    top = None
+                    if req.params.logprobs > 0:
+                        top = dict(zip(res.top_ids[b][n][: req.params.logprobs],
+                                       res.top_logprobs[b][n][: req.params.logprobs]))
+                    req.logprobs.append(TokenLogprob(emitted[n], res.logprobs[b][n], top))
+                self._append_token(req, emitted[n], now)
+                n += 1
+            if self.runner.masker is not None and not req.status.finished:
+                self.runner.masker.accept(req.request_id, emitted[:n])
             touched.append(req)
-            if req.status.finished:
+            if req.status.finished or self.spec is None:
                 continue
             held = self.blocks.num_slots.get(req.request_id, 0)
             self.blocks.rewind(req.request_id, held - req.num_computed_tokens)
             if req.status is RequestStatus.PARKED:
-                self.runner.spec.release(req.request_id)
+                self.runner.drafter.release(req.request_id)
                 if res.first_hidden is not None:
                     req.draft_hidden = res.first_hidden[b].clone()
             else:
-                req.spec_token_ids = self.runner.spec.next_drafts(req, res.drafts[b] if res.drafts else None)
+                req.spec_token_ids = self.runner.drafter.next_drafts(req, res.drafts[b] if res.drafts else None)
         return touched
+
+    def _count_acceptance(self, req: Request, num_drafts: int, accepted: int) -> None:
+        m = req.metrics
+        m.num_draft_tokens += num_drafts
+        m.num_accepted_tokens += accepted
+        m.accepted_lengths.append(accepted + 1)
+        self.accepted_length_hist[accepted + 1] += 1
 
     def _draft_received(self) -> None:
         reqs = [r for r in self._received if r.status is RequestStatus.RUNNING and r.num_computed_tokens >= 1]
         self._received = []
         if self.spec is not None and reqs:
-            self.runner.spec.propose_received(reqs, [r.draft_hidden for r in reqs], self.blocks)
+            self.runner.drafter.propose_received(reqs, [r.draft_hidden for r in reqs], self.blocks)
         for r in reqs:
             r.draft_hidden = None
 
@@ -230,26 +221,25 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now
-        delta = append_text(self.tokenizer, req) if self.tokenizer is not None else ""
-        status = self._stop_status(req, token, len(delta))
+        stop_string = req.detokenizer.push((token,)).stop if req.detokenizer is not None else None
+        status = self._stop_status(req, token, stop_string)
         if status is not None:
-            if req.stop_reason is None and self.tokenizer is not None:
-                append_text(self.tokenizer, req, final=True)  # flush a held-back partial character
+            if req.stop_reason is None and req.detokenizer is not None:
+                req.detokenizer.flush()  # a held-back partial character
             self._finish(req, status)
         elif req.prefill_only:
             self.scheduler.remove(req)
             req.status = RequestStatus.PARKED
 
-    def _stop_status(self, req: Request, token: int, delta_len: int) -> RequestStatus | None:
+    def _stop_status(self, req: Request, token: int, stop_string: str | None) -> RequestStatus | None:
         p = req.params
         if token in p.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if not p.ignore_eos and token in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        stop = find_stop_string(req, delta_len)
-        if stop is not None:
-            req.stop_reason = stop
+        if stop_string is not None:
+            req.stop_reason = stop_string
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
@@ -258,8 +248,9 @@ class LLMEngine:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.remove(req)
         self.blocks.free(req.request_id)
-        if self.spec is not None:
-            self.runner.spec.release(req.request_id)
+        self._release_draft_state(req.request_id)
+        if self.runner.masker is not None:
+            self.runner.masker.release(req.request_id)
         req.spec_token_ids = []
         req.draft_hidden = None
         req.status = status
@@ -274,7 +265,8 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=req.output_token_ids,
-            new_token_ids=new, text=visible_text(req), finished=finished, finish_reason=req.finish_reason,
+            new_token_ids=new, text=req.detokenizer.visible_text(finished) if req.detokenizer is not None else "",
+            finished=finished, finish_reason=req.finish_reason,
             stop_reason=req.stop_reason, logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             metrics=req.metrics)
 
@@ -284,7 +276,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.status is not RequestStatus.PARKED:
             raise InvalidRequestError(f"request {request_id!r} is not parked for a hand-over")
-        if self.spec is not None and not self.runner.spec.shares_cache:
+        if self.runner.drafter is not None and not self.runner.drafter.shares_cache:
             raise InvalidRequestError("this engine's draft model keeps its KV in a cache of its own; "
                                       "hand-overs need the draft's KV layers in the target's cache")
         state = HandoverRequest(
@@ -299,6 +291,12 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.blocks.free(request_id)
+            if self.runner.masker is not None:
+                self.runner.masker.release(request_id)
+
+    def _release_draft_state(self, request_id: str) -> None:
+        if self.runner.drafter is not None:
+            self.runner.drafter.release(request_id)
 
     def reserve(self, handover: HandoverRequest) -> list[int]:
         """Decode side: allocate blocks for an incoming request's prompt KV; raises CapacityError if full."""
@@ -316,10 +314,9 @@ class LLMEngine:
             raise CapacityError(f"no room for {n} tokens of KV ({self.blocks.pool.num_free} free blocks)")
         req.num_computed_tokens = n
         req.logprobs = [TokenLogprob(t, lp, top) for t, lp, top in handover.logprobs]
-        for token in handover.output_token_ids:
-            req.token_ids.append(token)
-            if self.tokenizer is not None:
-                append_text(self.tokenizer, req)
+        req.token_ids.extend(handover.output_token_ids)
+        if req.detokenizer is not None:
+            req.detokenizer.push(handover.output_token_ids)
         req.metrics.num_output_tokens = req.num_output_tokens
         req.status = RequestStatus.RESERVED
         self.requests[req.request_id] = req

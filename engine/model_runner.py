@@ -1,21 +1,53 @@
-"""Owns the model and the KV cache of one process and runs one step: inputs -> forward -> logits -> sample."""
+"""Owns the model, the KV cache and the (optional) drafter of one process and runs one step:
+build the batch -> run the step (eagerly, or as a captured CUDA graph) -> bring its outputs to the host.
+
+There is one step for every configuration: without speculation it is k = 0 of the speculative step
+(one chain column per request, no draft network), so masking, graphs and the host update are shared.
+"""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from engine.attention import attention_context
-from engine.batch import ModelInputs, build_inputs
+from engine.batch import StepBatch, build_batch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import load_weights
+from engine.logits_masker import LogitsMasker, MaskRow
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import TPContext
-from engine.sampler import SamplerOutput, sample
 from engine.scheduler import ScheduledRequest
+from engine.speculative.config import position_margin
+from engine.speculative.drafter import Drafter
+from engine.speculative.proposer import Proposer
+from engine.step import StepOutput, model_step
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """One step's outcome on the host, per scheduled request (rows in scheduling order)."""
+
+    tokens: list[list[int]]  # emitted tokens (accepted drafts then the bonus); [] when not sampling
+    num_drafts: list[int]  # drafts verified
+    drafts: list[list[int]] | None  # the draft network's next drafts
+    logprobs: list[list[float]] | None
+    top_ids: list[list[list[int]]] | None
+    top_logprobs: list[list[list[float]]] | None
+    first_hidden: torch.Tensor | None  # [B, H_in] on the device
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedStep:
+    """A step ready to launch (ModelRunner.prepare -> run)."""
+
+    batch: StepBatch
+    num_requests: int  # real requests; the batch may be padded past them
+    graph: bool  # replay a captured graph (batch is padded to its size)
+    masker: LogitsMasker | None  # None: no row of this step is constrained
 
 
 class ModelRunner:
@@ -24,46 +56,115 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype(model_cfg)
+        self.vocab_size = model_cfg.vocab_size
+        self.max_model_len = max_model_len
         spec = cfg.speculative
-        # Draft chains and padded verification rows may run up to 2k + 1 positions past the last token.
-        max_pos = max_model_len + (2 * spec.k + 2 if spec is not None else 0)
+        self.k = spec.k if spec is not None else 0
+        # Draft chains and padded verification rows run past the last token: the rope table covers them.
+        max_pos = max_model_len + position_margin(self.k)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, tp, self.dtype, max_pos=max_pos).to(self.dtype)
         load_weights(self.model, cfg.model, self.dtype)
         self.model.eval()
         self.num_kv_heads = self.model.layers[0].self_attn.attn.num_kv_heads
         self.kv_cache: torch.Tensor | None = None
-        self.spec = None
-        if spec is not None:
-            from engine.spec.runner import SpecRunner
+        self.drafter = (Drafter(cfg, spec, model_cfg, self.model, tp, self.dtype, self.device, max_pos,
+                                self.num_kv_heads, lambda: self.kv_cache) if spec is not None else None)
+        self.masker: LogitsMasker | None = None
+        self.graphs = None
+        if self.device.type == "cuda" and cfg.cuda_graphs:
+            from engine.graphs import StepGraphs
 
-            self.spec = SpecRunner(cfg, spec, model_cfg, self.model, tp, self.dtype, self.device, max_pos,
-                                   self.num_kv_heads)
+            self.graphs = StepGraphs(self, min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs))
+            if self.drafter is not None:
+                self.drafter.on_slots_grown = self.graphs.reset
 
+    # ------------------------------------------------------------------ KV layout
     @property
     def num_cache_layers(self) -> int:
         """Layers of the cache tensor: the target's, then the draft's when they share its shape."""
-        return self.model_cfg.num_layers + (self.spec.num_shared_layers if self.spec is not None else 0)
+        return self.model_cfg.num_layers + (self.drafter.num_shared_layers if self.drafter is not None else 0)
 
     def kv_block_bytes(self) -> int:
         m = self.model_cfg
         per = 2 * self.num_cache_layers * self.cfg.block_size * self.num_kv_heads * m.head_dim * self.dtype.itemsize
-        return per + (self.spec.separate_block_bytes(self.cfg.block_size, self.dtype) if self.spec is not None else 0)
+        extra = self.drafter.separate_block_bytes(self.cfg.block_size, self.dtype) if self.drafter is not None else 0
+        return per + extra
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         m = self.model_cfg
         shape = (self.num_cache_layers, 2, num_blocks, self.cfg.block_size, self.num_kv_heads, m.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.spec is not None:
-            self.spec.attach_caches(self.kv_cache, num_blocks, self.cfg.block_size, self.dtype)
+        if self.drafter is not None:
+            self.drafter.attach_caches(self.kv_cache, num_blocks, self.cfg.block_size, self.dtype)
+        if self.graphs is not None:
+            self.graphs.capture_all()
         return self.kv_cache
 
+    # ------------------------------------------------------------------ what the step and its graphs read
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.drafter.proposer if self.drafter is not None else None
+
+    @property
+    def draft_probs(self) -> torch.Tensor | None:
+        return self.drafter.draft_probs if self.drafter is not None else None
+
+    @property
+    def scratch_slot(self) -> int:
+        """Draft-state row that padding requests of a graph use."""
+        return self.drafter.num_slots if self.drafter is not None else 0
+
+    def run_step(self, batch: StepBatch, masker: LogitsMasker | None = None) -> StepOutput:
+        return model_step(self.model, self.proposer, batch, self.draft_probs, masker)
+
+    # ------------------------------------------------------------------ the step
+    def prepare(self, scheduled: list[ScheduledRequest], blocks: BlockManager) -> PreparedStep:
+        """Host work before launch: draft-state slots, the masker's snapshot, the batch's tensors
+        (padded to a captured size when a graph will replay it)."""
+        slots = None
+        if self.drafter is not None:
+            self.drafter.prepare([s.request for s in scheduled])  # before a graph of a sampled mode is captured
+            slots = [self.drafter.slot(s.request.request_id) for s in scheduled]
+        masker = self._begin_masks(scheduled)
+        # A masked step runs eagerly until the masker's fills are host functions a graph can capture.
+        graph = masker is None and self.graphs is not None and self.graphs.fits(scheduled)
+        if graph:
+            batch = self.graphs.padded_batch(scheduled, blocks, slots)
+        else:
+            batch = build_batch(scheduled, blocks, self.kv_cache, self.device, self.vocab_size, self.k, slots,
+                                masked=masker is not None)
+        return PreparedStep(batch, len(scheduled), graph, masker)
+
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], blocks: BlockManager) -> tuple[SamplerOutput | None, ModelInputs]:
-        inputs = build_inputs(scheduled, blocks, self.kv_cache, self.device, self.model_cfg.vocab_size)
-        with attention_context(inputs.attn):
-            hidden, _ = self.model(inputs.input_ids, inputs.positions)
-        if inputs.sampling is None:
-            return None, inputs
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return sample(logits, inputs.sampling), inputs
+    def run(self, step: PreparedStep) -> StepResult:
+        try:
+            out = self.graphs.replay(step.batch) if step.graph else self.run_step(step.batch, step.masker)
+            return _to_host(out, step.num_requests, step.batch.host_num_drafts, step.batch.host_samples)
+        finally:
+            if step.masker is not None:
+                step.masker.end_step()
+
+    def _begin_masks(self, scheduled: list[ScheduledRequest]) -> LogitsMasker | None:
+        """The masker when some request of this step is constrained; its host snapshot is taken here."""
+        if self.masker is None:
+            return None
+        rows = []
+        for s in scheduled:
+            req = s.request
+            num_drafts = req.num_computed_tokens + s.num_new_tokens - req.num_tokens if s.sample else 0
+            rows.append(MaskRow(req.request_id, tuple(req.spec_token_ids[:num_drafts]), s.sample))
+        return self.masker if self.masker.begin_step(tuple(rows)) else None
+
+
+def _to_host(out: StepOutput, B: int, num_drafts: list[int], samples: list[bool]) -> StepResult:
+    # The one host sync of a step, after everything ran.
+    tokens = out.tokens[:B].tolist()
+    accepted = out.num_accepted[:B].tolist()
+    emitted = [row[: a + 1] if s else [] for row, a, s in zip(tokens, accepted, samples)]
+    drafts = out.drafts[:B].tolist() if out.drafts is not None else None
+    lps = out.logprobs[:B].tolist() if out.logprobs is not None else None
+    top_ids = out.top_ids[:B].tolist() if out.top_ids is not None else None
+    top_lps = out.top_logprobs[:B].tolist() if out.top_logprobs is not None else None
+    first_hidden = out.first_hidden[:B] if out.first_hidden is not None else None
+    return StepResult(emitted, num_drafts, drafts, lps, top_ids, top_lps, first_hidden)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 
 
@@ -61,13 +62,10 @@ class Request:
     prefill_only: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list = field(default_factory=list)  # per output token: (logprob, {top id: logprob})
+    logprobs: list = field(default_factory=list)  # one engine.outputs.TokenLogprob per output token, when asked
     num_reported: int = 0  # output tokens already returned by step()
     metrics: RequestMetrics = None  # type: ignore[assignment]
-    # incremental detokenization state
-    text: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
+    detokenizer: IncrementalDetokenizer | None = None  # text and stop strings; None where the router does both
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "empty prompts are rejected before a Request is built"
@@ -76,10 +74,6 @@ class Request:
         if self.metrics is None:
             self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.metrics.num_prompt_tokens = len(self.prompt_token_ids)
-        # Decoding starts with a few prompt tokens as context so the first output token keeps its
-        # leading space (SentencePiece) and multi-byte characters are not split.
-        self.read_offset = len(self.prompt_token_ids)
-        self.prefix_offset = max(0, self.read_offset - 5)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,7 +90,3 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
-
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens

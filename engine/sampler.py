@@ -8,10 +8,16 @@ Order of processing: penalties -> temperature -> top-k -> top-p -> min-p -> expo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
 
 import torch
 
 from kernels import rng
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +91,12 @@ def _top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-    """logits [N, V] fp32 -> one token per row."""
+def sample(logits: torch.Tensor, b: SamplingBatch, mask: Callable[[torch.Tensor], None] | None = None) -> SamplerOutput:
+    """logits [N, V] fp32 -> one token per row. mask: constrains the logits in place (a LogitsMasker's);
+    logprobs stay those of the raw model."""
     raw_logprobs = logits.log_softmax(dim=-1) if b.max_logprobs is not None else None
+    if mask is not None:
+        mask(logits)
     logits = apply_penalties(logits, b)
     greedy = logits.argmax(dim=-1)
     if b.all_greedy:
@@ -102,3 +111,58 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     token_lp = raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     top_lp, top_ids = (raw_logprobs.topk(b.max_logprobs, dim=-1) if b.max_logprobs > 0 else (None, None))
     return SamplerOutput(tokens, token_lp, top_ids, top_lp)
+
+
+# ------------------------------------------------------------------ building a batch
+def build_sampling(requests: list["Request"], positions: np.ndarray, size: int, device: torch.device,
+                   vocab_size: int) -> SamplingBatch:
+    """The requests' sampling parameters, padded with idle (greedy, penalty-free) rows up to `size`.
+    positions [size] int64: the sequence position of each row's first sampled token."""
+    params = [r.params for r in requests]
+    pad = size - len(requests)
+
+    def column(values: list, fill, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values + [fill] * pad, dtype=dtype).to(device, non_blocking=True)
+
+    sampling_rows = [p for p in params if not p.greedy]
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    penalties = {}
+    if any(p.uses_penalties for p in params):
+        penalties = _penalty_tensors(requests, size, vocab_size, device)
+    return SamplingBatch(
+        temperature=column([p.temperature for p in params], 0.0, torch.float32),
+        top_k=column([p.top_k for p in params], 0, torch.int64),
+        top_p=column([p.top_p for p in params], 1.0, torch.float32),
+        min_p=column([p.min_p for p in params], 0.0, torch.float32),
+        seeds=column([r.seed for r in requests], 0, torch.int64),
+        positions=torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(device, non_blocking=True),
+        all_greedy=not sampling_rows,
+        use_top_k=any(0 < p.top_k < vocab_size for p in sampling_rows),
+        use_top_p=any(p.top_p < 1.0 for p in sampling_rows),
+        use_min_p=any(p.min_p > 0.0 for p in sampling_rows),
+        max_logprobs=max(asked) if asked else None,
+        **penalties,
+    )
+
+
+def _penalty_tensors(requests: list["Request"], size: int, vocab_size: int, device: torch.device) -> dict:
+    counts = torch.zeros(size, vocab_size, dtype=torch.float32)
+    seen = torch.zeros(size, vocab_size, dtype=torch.bool)
+    for i, r in enumerate(requests):
+        out = torch.tensor(r.output_token_ids, dtype=torch.int64)
+        if out.numel():
+            counts[i].scatter_add_(0, out, torch.ones(out.numel()))
+        seen[i, torch.tensor(r.token_ids, dtype=torch.int64)] = True
+    pad = size - len(requests)
+
+    def column(values: list, fill: float) -> torch.Tensor:
+        return torch.tensor(values + [fill] * pad, dtype=torch.float32)
+
+    fields = {
+        "repetition": column([r.params.repetition_penalty for r in requests], 1.0),
+        "presence": column([r.params.presence_penalty for r in requests], 0.0),
+        "frequency": column([r.params.frequency_penalty for r in requests], 0.0),
+        "output_counts": counts,
+        "seen_mask": seen,
+    }
+    return {k: v.to(device) for k, v in fields.items()}

@@ -60,7 +60,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def remove(self, req: Request) -> None:
-        """Take a request out of the queues (finished, aborted or parked) and free its blocks."""
+        """Take a request out of the queues (finished, aborted or parked); its blocks stay with the caller
+        (the engine frees them on finish and keeps them for a parked request's hand-over)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from router import responses as R
-from router.detokenize import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer
 from router.errors import APIError
 from router.generation import Generation
 

@@ -26,7 +26,7 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab import LMHead
 from engine.models.llama import LlamaAttention, LlamaMLP, LlamaForCausalLM
 from engine.parallel import TPContext
-from engine.spec.head import BLOCK_WEIGHTS, DraftHead
+from engine.speculative.head import BLOCK_WEIGHTS, DraftHead
 
 
 def aux_layer_ids(raw: dict, num_target_layers: int) -> list[int]:

@@ -24,7 +24,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.parallel import TPContext
-from engine.spec.head import BLOCK_WEIGHTS, DraftHead
+from engine.speculative.head import BLOCK_WEIGHTS, DraftHead
 
 SHARED = {"embed_tokens.weight", "shared_head.norm.weight", "shared_head.head.weight"}
 

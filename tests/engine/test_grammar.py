@@ -132,3 +132,13 @@ def test_exactly_one_kind():
         StructuredOutput()
     with pytest.raises(InvalidRequestError):
         StructuredOutput(regex="a", json_object=True)
+
+
+def test_a_failed_compilation_is_not_cached(compiler):
+    """Regression: a failed compile_async future stayed in the cache, so every later request with the
+    same source got the old failure without being compiled again."""
+    bad = StructuredOutput(regex="(unclosed")
+    fut = compiler.compile_async(bad)
+    with pytest.raises(InvalidRequestError):
+        fut.result()
+    assert compiler.compile_async(bad) is not fut

@@ -7,7 +7,7 @@ import torch
 
 from engine import EngineConfig, LLM, LLMEngine, SamplingParams
 from engine.attention import attention_context
-from engine.batch import build_inputs
+from engine.batch import build_batch
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from tests.engine.conftest import ARCHS
@@ -22,7 +22,8 @@ def engine_logits(engine: LLMEngine, tokens: list[int], chunks: list[int]) -> to
     for n in chunks:
         assert engine.blocks.allocate("r", req.num_computed_tokens + n)
         sched = [ScheduledRequest(req, n, sample=False)]
-        inputs = build_inputs(sched, engine.blocks, engine.kv_cache, engine.runner.device, engine.model_cfg.vocab_size)
+        inputs = build_batch(sched, engine.blocks, engine.kv_cache, engine.runner.device, engine.model_cfg.vocab_size,
+                             0, None)
         with torch.inference_mode(), attention_context(inputs.attn):
             hidden, _ = engine.runner.model(inputs.input_ids, inputs.positions)
             out.append(engine.runner.model.compute_logits(hidden))

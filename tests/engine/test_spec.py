@@ -65,7 +65,7 @@ def test_greedy_equals_no_speculation(llama_dir, spec_drafts, reference, method,
     outs = llm.generate(_prompts(batch), _greedy())
     assert [o.token_ids for o in outs] == reference(batch)
     engine = llm.engine
-    assert engine.stats()["kv_blocks_used"] == 0 and not engine.runner.spec._slot_of
+    assert engine.stats()["kv_blocks_used"] == 0 and not engine.runner.drafter._slot_of
     m = [o.metrics for o in outs]
     assert sum(sum(x.accepted_lengths) for x in m) + batch == sum(len(o.token_ids) for o in outs)
     assert all(x.num_accepted_tokens <= x.num_draft_tokens for x in m)
@@ -163,7 +163,7 @@ def test_abort_mid_generation_frees_everything(llama_dir, spec_drafts, reference
     assert done["r1"].finish_reason == done["r3"].finish_reason == "abort"
     for i in (0, 2, 4):
         assert done[f"r{i}"].token_ids == reference(5)[i]
-    assert engine.stats()["kv_blocks_used"] == 0 and not engine.runner.spec._slot_of
+    assert engine.stats()["kv_blocks_used"] == 0 and not engine.runner.drafter._slot_of
 
 
 def test_preemption_under_block_pressure(llama_dir, spec_drafts, reference):
@@ -235,12 +235,12 @@ def _mixed_params(n: int) -> list[SamplingParams]:
 
 
 def _graph_runs(llm: LLM, capture: bool, max_batch: int = 8) -> int:
-    from engine.spec.graphs import StepGraphs
+    from engine.graphs import StepGraphs
 
-    spec = llm.engine.runner.spec
-    spec.graphs = StepGraphs(spec, max_batch, capture=capture)
-    spec.graphs.capture_all()
-    return spec.graphs
+    runner = llm.engine.runner
+    runner.graphs = StepGraphs(runner, max_batch, capture=capture)
+    runner.graphs.capture_all()
+    return runner.graphs
 
 
 @pytest.mark.parametrize("method", ["eagle3", "self_draft", "ngram"])
@@ -271,7 +271,7 @@ def test_cuda_graph_replay_equals_eager(llama_dir, spec_drafts, method):
     _graph_runs(eager_llm, capture=False, max_batch=16)
     eager = eager_llm.generate(prompts, params)
     llm = LLM(llama_dir, speculative=spec, **kw)
-    graphs = llm.engine.runner.spec.graphs
+    graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.capture and len(graphs._captured) == len(graphs.sizes)
     outs = llm.generate(prompts, params)
     assert graphs.num_runs > 2 and any(g.graph is not None for g in graphs._captured.values())
@@ -279,7 +279,7 @@ def test_cuda_graph_replay_equals_eager(llama_dir, spec_drafts, method):
     for o, e in zip(outs, eager):
         if o.logprobs is not None:
             torch.testing.assert_close([lp.logprob for lp in o.logprobs], [lp.logprob for lp in e.logprobs])
-    unpadded = LLM(llama_dir, speculative=SpecConfig(spec.method, spec.k, spec.draft, cuda_graphs=False), **kw)
+    unpadded = LLM(llama_dir, speculative=spec, cuda_graphs=False, **kw)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     ref = unpadded.generate([prompts[i] for i in greedy], [params[i] for i in greedy])
     assert [outs[i].token_ids for i in greedy] == [o.token_ids for o in ref]
@@ -308,8 +308,8 @@ def test_handovers_beyond_max_num_seqs(llama_dir, spec_drafts, reference):
     while decode.has_unfinished():
         done.update({o.request_id: o for o in decode.step() if o.finished})
     assert [done[f"r{i}"].token_ids for i in range(4)] == reference(5)[:4]
-    assert len(done["r4"].token_ids) == 20 and decode.runner.spec.num_slots >= 5
-    assert decode.stats()["kv_blocks_used"] == 0 and not decode.runner.spec._slot_of
+    assert len(done["r4"].token_ids) == 20 and decode.runner.drafter.num_slots >= 5
+    assert decode.stats()["kv_blocks_used"] == 0 and not decode.runner.drafter._slot_of
 
 
 def test_draft_model_with_another_kv_shape_keeps_its_own_cache(checkpoints, llama_dir, reference):
@@ -319,7 +319,7 @@ def test_draft_model_with_another_kv_shape_keeps_its_own_cache(checkpoints, llam
 
     draft = checkpoints["llama3"][0]  # one KV head where the target has two
     llm = LLM(llama_dir, num_kv_blocks=256, block_size=4, speculative=SpecConfig("draft_model", 3, draft))
-    spec = llm.engine.runner.spec
+    spec = llm.engine.runner.drafter
     assert not spec.shares_cache and spec.draft_cache.shape[4] == 1
     assert llm.engine.kv_cache.shape[0] == 2  # the target's layers only
     assert [o.token_ids for o in llm.generate(_prompts(5), _greedy())] == reference(5)

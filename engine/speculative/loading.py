@@ -16,9 +16,9 @@ from engine.models.eagle3 import Eagle3Head
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mtp import MTPHead, mtp_layer_count
 from engine.parallel import TPContext
-from engine.spec.config import SpecConfig
-from engine.spec.head import check_dims, checkpoint_names, head_model_config, read_config, read_tensor
-from engine.spec.proposer import DraftModelProposer, HeadProposer, Proposer
+from engine.speculative.config import SpecConfig
+from engine.speculative.head import check_dims, checkpoint_names, head_model_config, read_config, read_tensor
+from engine.speculative.proposer import DraftModelProposer, HeadProposer, Proposer
 
 log = logging.getLogger(__name__)
 

@@ -1,73 +1,55 @@
-"""SpecRunner: the speculative half of the model runner. Loads the draft, owns the per-request draft
-state (a slot in the draft-distribution buffer), runs the step eagerly or as a captured CUDA graph,
-and hands the host what it needs: emitted tokens, accepted counts, the next drafts."""
+"""Drafter: the draft half of the model runner. Loads the draft network (or prompt lookup), owns the
+per-request draft state (a slot in the draft-distribution buffer), picks each request's next drafts,
+and drafts for requests that arrive by hand-over. The step itself is engine/step.py."""
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.batch import build_sampling
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import TPContext
 from engine.request import Request
-from engine.scheduler import ScheduledRequest
-from engine.spec.batch import build_spec_batch
-from engine.spec.config import SpecConfig
-from engine.spec.loading import load_proposer
-from engine.spec.ngram import propose_ngram
-from engine.spec.proposer import ProposeInputs, Proposer
-from engine.spec.step import StepOutput, speculative_step
+from engine.sampler import build_sampling
+from engine.speculative.config import SpecConfig, chain_margin
+from engine.speculative.loading import load_proposer
+from engine.speculative.ngram import propose_ngram
+from engine.speculative.proposer import ProposeInputs, Proposer
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class SpecResult:
-    """One step's outcome on the host, per scheduled request (rows in scheduling order)."""
-
-    tokens: list[list[int]]  # emitted tokens (accepted drafts then the bonus); [] when not sampling
-    num_drafts: list[int]  # drafts verified
-    drafts: list[list[int]] | None  # the draft network's next drafts
-    logprobs: list[list[float]] | None
-    top_ids: list[list[list[int]]] | None
-    top_logprobs: list[list[list[float]]] | None
-    first_hidden: torch.Tensor | None  # [B, H_in] on the device
-
-
-class SpecRunner:
+class Drafter:
     def __init__(self, cfg: EngineConfig, spec: SpecConfig, model_cfg: ModelConfig, target: LlamaForCausalLM,
-                 tp: TPContext, dtype: torch.dtype, device: torch.device, max_pos: int, num_kv_heads: int):
+                 tp: TPContext, dtype: torch.dtype, device: torch.device, max_pos: int, num_kv_heads: int,
+                 target_cache):
+        """target_cache: callable -> the target's KV cache tensor (allocated after construction)."""
         self.spec = spec
         self.k = spec.k
-        self.max_model_len = max_pos - (2 * spec.k + 2)  # the model runner's rope table has this margin
-        self.target = target
         self.device = device
         self.vocab_size = model_cfg.vocab_size
-        self.kv_cache: torch.Tensor | None = None  # the target's cache (set by the model runner)
+        self._target_cache = target_cache
         self.draft_cache: torch.Tensor | None = None  # a cache of its own when the draft's KV shape differs
         self.proposer: Proposer | None = None
         self.draft_kv_shape: tuple[int, int] | None = None  # (kv heads, head dim) of the draft layers
         self.shares_cache = True
         if spec.uses_model:
             self.proposer, self.draft_kv_shape, self.shares_cache = load_proposer(
-                spec, cfg, model_cfg, target, tp, dtype, device, max_pos, num_kv_heads,
-                lambda: self.kv_cache if self.shares_cache else self.draft_cache)
+                spec, cfg, model_cfg, target, tp, dtype, device, max_pos, num_kv_heads, self.cache)
         self.num_slots = cfg.max_num_seqs
         self._free_slots = deque(range(self.num_slots))
         self._slot_of: dict[str, int] = {}
         self.draft_probs: torch.Tensor | None = None  # [slots + 1, k, V] (last row: scratch), on first sampled request
-        self.graphs = None
-        if device.type == "cuda" and spec.cuda_graphs:
-            from engine.spec.graphs import StepGraphs
+        self.on_slots_grown = None  # callable: buffers captured graphs read were replaced
 
-            self.graphs = StepGraphs(self, min(spec.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs))
+    def cache(self) -> torch.Tensor:
+        """The cache tensor holding the draft's KV layers."""
+        return self._target_cache() if self.shares_cache else self.draft_cache
 
     # ------------------------------------------------------------------ KV layout
     @property
@@ -76,13 +58,10 @@ class SpecRunner:
         return self.proposer.num_cache_layers if self.proposer is not None and self.shares_cache else 0
 
     def attach_caches(self, kv_cache: torch.Tensor, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
-        self.kv_cache = kv_cache
         if self.proposer is not None and not self.shares_cache:
             heads, head_dim = self.draft_kv_shape
             self.draft_cache = torch.zeros((self.proposer.num_cache_layers, 2, num_blocks, block_size, heads, head_dim),
                                            dtype=dtype, device=kv_cache.device)
-        if self.graphs is not None:
-            self.graphs.capture_all()
 
     def separate_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
         if self.proposer is None or self.shares_cache:
@@ -107,45 +86,22 @@ class SpecRunner:
             grown = self.draft_probs.new_zeros((self.num_slots + 1, *self.draft_probs.shape[1:]))
             grown[:old] = self.draft_probs[:old]
             self.draft_probs = grown
-        if self.graphs is not None:  # captured graphs hold the old buffer and scratch row
-            self.graphs.reset()
+        if self.on_slots_grown is not None:  # captured graphs hold the old buffer and scratch row
+            self.on_slots_grown()
 
     def release(self, request_id: str) -> None:
         s = self._slot_of.pop(request_id, None)
         if s is not None:
             self._free_slots.append(s)
 
-    def _ensure_probs(self, requests) -> None:
+    def prepare(self, requests: list[Request]) -> None:
+        """Before a step: the draft-distribution buffer exists once any request samples."""
         if self.proposer is None or self.draft_probs is not None or all(r.params.greedy for r in requests):
             return
         self.draft_probs = torch.zeros((self.num_slots + 1, self.k, self.vocab_size), dtype=torch.float32,
                                        device=self.device)
 
-    # ------------------------------------------------------------------ the step
-    @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], blocks: BlockManager) -> SpecResult:
-        self._ensure_probs([s.request for s in scheduled])  # before a graph of a sampled mode is captured
-        slots = [self.slot(s.request.request_id) for s in scheduled]
-        if self.graphs is not None and self.graphs.fits(scheduled):
-            out, batch_info = self.graphs.run(scheduled, blocks, slots)
-        else:
-            batch = build_spec_batch(scheduled, blocks, self.kv_cache, self.device, self.vocab_size, self.k, slots)
-            out = speculative_step(self.target, self.proposer, batch, self.draft_probs)
-            batch_info = (batch.host_num_drafts, batch.host_samples)
-        return self._to_host(out, len(scheduled), *batch_info)
-
-    def _to_host(self, out: StepOutput, B: int, num_drafts: list[int], samples: list[bool]) -> SpecResult:
-        # The one host sync of a step, after everything ran.
-        tokens = out.tokens[:B].tolist()
-        accepted = out.num_accepted[:B].tolist()
-        emitted = [row[: a + 1] if s else [] for row, a, s in zip(tokens, accepted, samples)]
-        drafts = out.drafts[:B].tolist() if out.drafts is not None else None
-        lps = out.logprobs[:B].tolist() if out.logprobs is not None else None
-        top_ids = out.top_ids[:B].tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs[:B].tolist() if out.top_logprobs is not None else None
-        first_hidden = out.first_hidden[:B] if out.first_hidden is not None else None
-        return SpecResult(emitted, num_drafts, drafts, lps, top_ids, top_lps, first_hidden)
-
+    # ------------------------------------------------------------------ drafts
     def next_drafts(self, req: Request, step_drafts: list[int] | None) -> list[int]:
         """The drafts a request carries into its next step: the draft network's, or prompt lookup's;
         never more than the request may still emit after the next step's own token."""
@@ -174,7 +130,7 @@ class SpecRunner:
         if not ready:
             return
         reqs = [r for r, _ in ready]
-        self._ensure_probs(reqs)
+        self.prepare(reqs)
         bs = blocks.block_size
         pos = np.array([r.num_tokens - 2 for r in reqs], dtype=np.int64)
         max_blocks = max(len(blocks.table(r.request_id)) for r in reqs)
@@ -184,17 +140,17 @@ class SpecRunner:
         slot_mapping = tables[np.arange(len(reqs)), pos // bs].astype(np.int64) * bs + pos % bs
         dev = lambda a: torch.from_numpy(np.asarray(a)).to(self.device)  # noqa: E731
         seq_lens = (pos + 1).astype(np.int32)
-        attn = AttentionMetadata(kv_cache=self.kv_cache, slot_mapping=dev(slot_mapping), block_tables=dev(tables),
+        attn = AttentionMetadata(kv_cache=self._target_cache(), slot_mapping=dev(slot_mapping), block_tables=dev(tables),
                                  seq_lens=dev(seq_lens), query_start_loc=dev(np.arange(len(reqs) + 1, dtype=np.int32)),
                                  max_q_len=1, max_seq_len=int(seq_lens.max()))
-        sampling = build_sampling([ScheduledRequest(r, 0, True) for r in reqs], self.device, self.vocab_size)
+        sampling = build_sampling(reqs, pos + 1, len(reqs), self.device, self.vocab_size)
         first = torch.stack([h.to(self.device) for _, h in ready]) if needs_hidden else None
         drafts, probs = self.proposer.propose(ProposeInputs(
             hidden=first, input_ids=dev([r.token_ids[-2] for r in reqs]),
             next_tokens=dev([r.token_ids[-1] for r in reqs]), positions=dev(pos), attn=attn,
             out_rows=torch.arange(len(reqs), device=self.device),
             slot_limit=dev([blocks.num_slots[r.request_id] for r in reqs]),
-            max_seq_len=int(seq_lens.max()) + self.k + 2, chain=True, sampling=sampling))
+            max_seq_len=int(seq_lens.max()) + chain_margin(self.k), chain=True, sampling=sampling))
         if probs is not None:
             slots = torch.tensor([self.slot(r.request_id) for r in reqs], device=self.device)
             self.draft_probs.index_copy_(0, slots, probs)

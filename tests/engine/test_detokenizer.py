@@ -1,17 +1,17 @@
-"""Router-side incremental detokenization: same text as decoding everything at once, split characters
+"""Incremental detokenization (engine and router share it): same text as decoding everything at once, split characters
 wait, stop strings cut the text and held-back tails never leak."""
 from __future__ import annotations
 
 import pytest
 
-from router.detokenize import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
+def tokenizer(llama_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
+    return AutoTokenizer.from_pretrained(llama_dir)
 
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Grüße aus Köln, naïve café, 東京 and more",

@@ -7,6 +7,18 @@ METHODS = ("mtp", "eagle3", "ngram", "draft_model")
 MAX_K = 8
 
 
+def chain_margin(k: int) -> int:
+    """Positions a draft chain reaches past the KV lengths of the rows it starts from: k draft steps
+    after the verified token."""
+    return k + 2
+
+
+def position_margin(k: int) -> int:
+    """Positions past max_model_len that a step with k drafts may touch (the rope table and graph
+    block tables cover them): padded verification rows (k+1) plus a chain after a full acceptance."""
+    return 2 * k + 2 if k else 0
+
+
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
     """`LLM(model, speculative=SpecConfig(method="eagle3", k=3, draft="path/to/head"))`.
@@ -23,8 +35,6 @@ class SpecConfig:
     draft: str | None = None
     prompt_lookup_max: int = 4  # ngram: longest suffix n-gram tried first
     prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram tried last
-    cuda_graphs: bool = True  # on CUDA, capture the decode step per padded batch size
-    max_graph_batch: int | None = None  # None: the engine's max_num_seqs
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
 from engine.attention import AttentionMetadata, attention_context
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SamplingBatch, processed_logits
-from engine.spec.head import DraftHead
+from engine.speculative.head import DraftHead
 from kernels import rng
 
 
@@ -31,6 +32,9 @@ class ProposeInputs:
     max_seq_len: int  # host bound on positions + 1 over the chain
     chain: bool  # host: draft k tokens; False only fills the draft KV over the rows (prefill-only batches)
     sampling: SamplingBatch  # [B] rows; drafts use its temperature/top-k/top-p/min-p, not its penalties
+    # mask(step, drafts so far, logits [B, Vd], d2t [Vd] | None): constrains a draft step's logits in
+    # place before it samples (engine/logits_masker.py); None when no masker runs
+    mask: Callable[[int, list[torch.Tensor], torch.Tensor, torch.Tensor | None], None] | None = None
 
 
 def chain_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, pos: torch.Tensor, slot_limit: torch.Tensor,
@@ -103,7 +107,9 @@ class HeadProposer(Proposer):
         self.num_cache_layers = 1
         self.needs_hidden = True
         small = head.draft_vocab_size is not None and head.draft_vocab_size != vocab_size
-        self.remap = head.draft_to_target if small else None
+        self.remap = head.draft_to_target if small else None  # [Vd] target id of each draft id
+        # the same map as offsets (target id = draft id + d2t), the form bitmask kernels take
+        self.d2t = self.remap - torch.arange(len(self.remap), device=self.remap.device) if small else None
 
     def first_hidden(self, final_hidden, captured):
         return self.head.first_hidden(final_hidden, captured)
@@ -123,6 +129,8 @@ class HeadProposer(Proposer):
                 with attention_context(chain_metadata(inp.attn, cache, pos, inp.slot_limit, inp.max_seq_len)):
                     state = self.head(state, tokens[-1], pos)
             logits = self.head.compute_logits(state)
+            if inp.mask is not None:
+                inp.mask(s, tokens, logits, self.d2t)
             token, q = sample_drafts(logits, start + 2 + s, inp.sampling, self.remap, self.vocab_size)
             tokens.append(token)
             probs.append(q)
@@ -157,6 +165,8 @@ class DraftModelProposer(Proposer):
             with attention_context(chain_metadata(inp.attn, cache, pos, inp.slot_limit, inp.max_seq_len)):
                 hidden, _ = self.model(token, pos)
             logits = self.model.compute_logits(hidden)[:, : self.width]
+            if inp.mask is not None:
+                inp.mask(s, tokens, logits, None)
             draft, q = sample_drafts(logits, pos + 1, inp.sampling, self.remap, self.vocab_size)
             tokens.append(draft)
             probs.append(q)

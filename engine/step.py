@@ -1,10 +1,12 @@
-"""The speculative step as one function (DESIGN.md, "The decode step"):
+"""The engine's step as one function (DESIGN.md, "The decode step"); no speculation is k = 0 of it:
 
 1. target forward over every row (prompt chunks and [last token + k drafts] chains), capturing the
    hidden states the draft head reads;
-2. verification of each chain (greedy, or lossless rejection sampling against the draft
-   distributions kept from the previous step);
-3. the draft: its KV over all rows, then k drafts from each request's last verified row.
+2. logits at each chain's k+1 columns, masked by the LogitsMasker when one runs;
+3. verification of each chain (greedy, or lossless rejection sampling against the draft
+   distributions kept from the previous step); with k = 0 that is plain sampling;
+4. the draft: its KV over all rows, then k drafts from each request's last verified row, each draft
+   step masked too.
 
 No host syncs and no data-dependent shapes: everything that depends on how many drafts were
 accepted (rows, positions, slots) is a gather on the device. Rejected drafts need no cleanup: the
@@ -17,10 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import attention_context
+from engine.batch import StepBatch
+from engine.logits_masker import LogitsMasker, StepMasks
 from engine.models.llama import LlamaForCausalLM
-from engine.spec.batch import SpecBatch
-from engine.spec.proposer import ProposeInputs, Proposer
-from engine.spec.verify import verify
+from engine.speculative.proposer import ProposeInputs, Proposer
+from engine.speculative.verify import verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,18 +37,21 @@ class StepOutput:
     top_logprobs: torch.Tensor | None  # [B, k+1, n] f32
 
 
-def speculative_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: SpecBatch,
-                     draft_probs: torch.Tensor | None) -> StepOutput:
+def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepBatch,
+               draft_probs: torch.Tensor | None, masker: LogitsMasker | None = None) -> StepOutput:
     """draft_probs: the draft distributions buffer [slots, k, V] (None while every request is greedy);
-    read at the requests' slots for verification, overwritten there with the new drafts'."""
+    read at the requests' slots for verification, overwritten there with the new drafts'.
+    masker: fills the batch's bitmasks (its host snapshot of the step was taken before launch)."""
     capture = proposer.capture_layers if proposer is not None else ()
     with attention_context(batch.attn):
         final, captured = target(batch.input_ids, batch.positions, tuple(sorted(set(capture))))
     B, k1 = batch.verify_rows.shape
     logits = target.compute_logits(final[batch.verify_rows.reshape(-1)]).view(B, k1, -1)  # [B, k+1, V]
+    masks = StepMasks(masker, batch) if masker is not None else None
     use_probs = proposer is not None and draft_probs is not None and not batch.sampling.all_greedy
     q = draft_probs[batch.slots] if use_probs else None  # [B, k, V]
-    v = verify(logits, batch.drafts, batch.num_drafts, q, batch.sampling, batch.full_drafts)
+    v = verify(logits, batch.drafts, batch.num_drafts, q, batch.sampling, batch.full_drafts,
+               masks.verify if masks is not None else None)
     if proposer is None:
         return StepOutput(v.tokens, v.num_accepted, None, None, v.logprobs, v.top_ids, v.top_logprobs)
 
@@ -58,7 +64,8 @@ def speculative_step(target: LlamaForCausalLM, proposer: Proposer | None, batch:
     drafts, probs = proposer.propose(ProposeInputs(
         hidden=hidden, input_ids=batch.input_ids, next_tokens=next_tokens, positions=batch.positions,
         attn=batch.attn, out_rows=out_rows, slot_limit=batch.slot_limit, max_seq_len=batch.chain_max_seq_len,
-        chain=batch.propose, sampling=batch.sampling))
+        chain=batch.propose, sampling=batch.sampling,
+        mask=masks.draft_step(v.tokens, v.num_accepted) if masks is not None else None))
     if use_probs and probs is not None:
         draft_probs.index_copy_(0, batch.slots, probs.to(draft_probs.dtype))
     first_hidden = hidden[out_rows] if hidden is not None else None

@@ -11,10 +11,11 @@ token after it is drawn from p, as the bonus would be.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
-from engine.sampler import SamplingBatch, apply_penalties, processed_logits
+from engine.sampler import SamplingBatch, apply_penalties, processed_logits, sample
 from kernels import rng
 from kernels.verify import verify_greedy, verify_rejection
 
@@ -49,14 +50,23 @@ def per_position(b: SamplingBatch, drafts: torch.Tensor) -> SamplingBatch:
 
 
 def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, draft_probs: torch.Tensor | None,
-           b: SamplingBatch, full_drafts: bool) -> Verified:
+           b: SamplingBatch, full_drafts: bool, mask: Callable[[torch.Tensor], None] | None = None) -> Verified:
     """logits [B, k+1, V] f32 at each chain's positions; drafts [B, k] int64 (any id past num_drafts);
     num_drafts [B] int64; draft_probs [B, k, V] (None: drafts are deterministic, q one-hot);
     b: the requests' sampling with `positions` = the position of each chain's first new token;
-    full_drafts: host fact that every request has k drafts (skips the separate bonus draw)."""
+    full_drafts: host fact that every request has k drafts (skips the separate bonus draw);
+    mask: constrains [B * (k+1), V] logits in place (a LogitsMasker's), after the raw logprobs.
+    With k = 0 this is the sampler itself: verifying no drafts is sampling one token."""
     B, k1, V = logits.shape
     flat = logits.reshape(B * k1, V)
+    if k1 == 1:
+        s = sample(flat, b, mask)
+        column = lambda t: None if t is None else t[:, None]  # noqa: E731  [B, ...] -> [B, 1, ...]
+        return Verified(s.token_ids[:, None], torch.zeros_like(s.token_ids), column(s.logprobs),
+                        column(s.top_ids), column(s.top_logprobs))
     raw_logprobs = flat.log_softmax(-1) if b.max_logprobs is not None else None
+    if mask is not None:
+        mask(flat)
     pb = per_position(b, drafts)
     flat = apply_penalties(flat, pb)
     if b.all_greedy:

@@ -1,8 +1,9 @@
-"""CUDA graphs of the speculative decode step: one graph per (padded batch size, sampling mode).
+"""CUDA graphs of the decode step: one graph per (padded batch size, sampling mode).
 
 Decode-only batches (every request verifying its chain, none prefilling) are laid out with k+1 rows
-per request, padded with idle requests to the next captured size (1, 2, 4, ..., max batch) and with
-block tables of a fixed width (engine/spec/batch.py, `Padding`), so the whole step has fixed shapes.
+per request (one without speculation), padded with idle requests to the next captured size (1, 2, 4,
+..., max batch) and with block tables of a fixed width (engine/batch.py, `Padding`), so the whole
+step has fixed shapes.
 At capture the step runs on static input tensors; a replay copies the new batch into them. The
 sampling mode (greedy only, filters used, logprobs asked, penalties) picks which branches the step
 takes, so it is part of the key; the greedy graphs are captured up front, the others on first use.
@@ -20,8 +21,9 @@ import torch
 from engine.block_manager import BlockManager
 from engine.sampler import SamplingBatch
 from engine.scheduler import ScheduledRequest
-from engine.spec.batch import Padding, SpecBatch, build_spec_batch
-from engine.spec.step import StepOutput, speculative_step
+from engine.batch import Padding, StepBatch, build_batch
+from engine.speculative.config import position_margin
+from engine.step import StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def _copy_into(static, new) -> None:
 
 @dataclass
 class _Captured:
-    inputs: SpecBatch  # static tensors the graph reads
+    inputs: StepBatch  # static tensors the graph reads
     output: StepOutput  # static tensors the graph writes
     graph: object | None  # torch.cuda.CUDAGraph (None: eager replay)
 
@@ -64,8 +66,8 @@ class StepGraphs:
 
     def _padding(self, size: int) -> Padding:
         r = self.runner
-        max_len = r.max_model_len + 2 * r.k + 2
-        return Padding(batch_size=size, table_width=-(-max_len // self.block_size), scratch_slot=r.num_slots,
+        max_len = r.max_model_len + position_margin(r.k)
+        return Padding(batch_size=size, table_width=-(-max_len // self.block_size), scratch_slot=r.scratch_slot,
                        max_seq_len=max_len)
 
     def fits(self, scheduled: list[ScheduledRequest]) -> bool:
@@ -74,22 +76,25 @@ class StepGraphs:
             return False
         return all(s.sample and s.request.num_computed_tokens == s.request.num_tokens - 1 for s in scheduled)
 
-    def run(self, scheduled: list[ScheduledRequest], blocks: BlockManager, slots: list[int]):
+    def padded_batch(self, scheduled: list[ScheduledRequest], blocks: BlockManager,
+                     slots: list[int] | None) -> StepBatch:
         r = self.runner
         size = next(s for s in self.sizes if s >= len(scheduled))
-        batch = build_spec_batch(scheduled, blocks, r.kv_cache, r.device, r.vocab_size, r.k, slots,
-                                 self._padding(size))
+        return build_batch(scheduled, blocks, r.kv_cache, r.device, r.vocab_size, r.k, slots, self._padding(size))
+
+    def replay(self, batch: StepBatch) -> StepOutput:
+        """Run a padded batch through its size's graph (captured on first use for a new sampling mode)."""
+        size = batch.verify_rows.shape[0]
         key = (size, sampling_mode(batch.sampling))
         cap = self._captured.get(key) or self._capture(key, self._dummy(size, batch.sampling))
         _copy_into(cap.inputs, batch)
         self.num_runs += 1
         if cap.graph is not None:
             cap.graph.replay()
-            out = cap.output
-        else:  # the padded layout run eagerly: the static metadata's tensors changed in place
-            cap.inputs.attn.plans.clear()
-            out = speculative_step(r.target, r.proposer, cap.inputs, r.draft_probs)
-        return out, (batch.host_num_drafts, batch.host_samples)
+            return cap.output
+        # the padded layout run eagerly: the static metadata's tensors changed in place
+        cap.inputs.attn.plans.clear()
+        return self.runner.run_step(cap.inputs)
 
     def reset(self) -> None:
         """Forget every graph (the buffers they read were replaced); they are captured again on use."""
@@ -104,12 +109,12 @@ class StepGraphs:
             dummy = self._dummy(size, None)
             self._capture((size, sampling_mode(dummy.sampling)), dummy)
 
-    def _dummy(self, size: int, like: SamplingBatch | None) -> SpecBatch:
+    def _dummy(self, size: int, like: SamplingBatch | None) -> StepBatch:
         """A batch of idle requests only (it writes no KV and only the scratch draft state) with the
         sampling branches of `like`: what a graph is warmed up and captured on."""
         r = self.runner
-        dummy = build_spec_batch([], _NoBlocks(self.block_size), r.kv_cache, r.device, r.vocab_size, r.k, [],
-                                 self._padding(size))
+        dummy = build_batch([], _NoBlocks(self.block_size), r.kv_cache, r.device, r.vocab_size, r.k, [],
+                            self._padding(size))
         if like is None:
             return dummy
         b = dummy.sampling
@@ -122,7 +127,7 @@ class StepGraphs:
                          seen_mask=torch.zeros(size, r.vocab_size, dtype=torch.bool, device=r.device))
         return replace(dummy, sampling=replace(b, **flags))
 
-    def _capture(self, key: tuple, batch: SpecBatch) -> _Captured:
+    def _capture(self, key: tuple, batch: StepBatch) -> _Captured:
         r = self.runner
         inputs = _clone(batch)
         if not self.capture:
@@ -132,11 +137,11 @@ class StepGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                    speculative_step(r.target, r.proposer, inputs, r.draft_probs)
+                    r.run_step(inputs)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-                output = speculative_step(r.target, r.proposer, inputs, r.draft_probs)
+                output = r.run_step(inputs)
             self._pool = graph.pool()
             cap = _Captured(inputs, output, graph)
             log.info("captured the speculative step for batch %d, sampling mode %s", key[0], key[1])

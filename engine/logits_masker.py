@@ -1,0 +1,91 @@
+"""Logits maskers: constraints on which tokens a step may emit (grammars, allowed-token sets).
+
+A masker fills token bitmasks (xgrammar's packed int32 layout, see kernels/bitmask.py) for the rows
+of a step; the step applies them between the logits and verification/sampling, and between each
+draft step's logits and its sampling, so drafts are valid too and acceptance does not suffer:
+
+  host, before launch   begin_step(rows)        snapshot of each request's drafts (never live objects)
+  in the step           fill_verify(...)        rows (b, j): after the request's tokens and drafts[:j]
+                        fill_draft(step, ...)   after the emitted tokens and the new drafts so far
+  host, after the step  end_step(); accept(request_id, tokens) for what was emitted; release()
+
+On CPU the fills run inline, in order. On CUDA they are host functions launched on the step's
+stream and captured in its graph (the fills read device tensors that have landed in pinned memory
+by then); that sibling implementation comes with structured outputs. No speculation is k = 0: one
+verification row per request, no draft steps, the same calls.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kernels.bitmask import apply_token_bitmask
+
+
+@dataclass(frozen=True, slots=True)
+class MaskRow:
+    """One request of a step, as the masker sees it (a host snapshot taken before launch)."""
+
+    request_id: str
+    drafts: tuple[int, ...]  # drafts verified this step, in target ids (rows 1..len(drafts))
+    samples: bool  # the request emits tokens this step; a prompt chunk that does not sample needs no mask
+
+
+class LogitsMasker(ABC):
+    """Per-request token constraints. Every tensor argument is on the step's device."""
+
+    @abstractmethod
+    def begin_step(self, rows: tuple[MaskRow, ...]) -> bool:
+        """Host, before launch. Returns whether any row of this step is constrained (if not, the
+        step runs without masks and no fill_* is called)."""
+
+    @abstractmethod
+    def fill_verify(self, bitmask: torch.Tensor, flags: torch.Tensor) -> None:
+        """bitmask [B, k+1, W] int32, flags [B, k+1] bool (all False on entry): for request b, row j
+        allows the tokens that may follow its tokens and its first j drafts. Rows after the first
+        draft the constraint rejects may stay unflagged (that draft is rejected anyway)."""
+
+    @abstractmethod
+    def fill_draft(self, step: int, emitted: torch.Tensor, num_accepted: torch.Tensor, drafts: list[torch.Tensor],
+                   bitmask: torch.Tensor, flags: torch.Tensor) -> None:
+        """Draft step `step` (0-based): emitted [B, k+1] int64 this step's verified tokens (-1 past
+        num_accepted [B] + 1), drafts: `step` tensors [B] int64 of new drafts so far (target ids);
+        fill bitmask [B, W] / flags [B] for the next draft."""
+
+    def end_step(self) -> None:
+        """Host, after the step's outputs landed: drop what begin_step snapshotted."""
+
+    def accept(self, request_id: str, token_ids: list[int]) -> None:
+        """Host: tokens the engine emitted for a request (after verification and stop checks)."""
+
+    def release(self, request_id: str) -> None:
+        """Host: the request finished, was aborted or handed over; forget its state."""
+
+
+class StepMasks:
+    """A masker bound to one step's bitmask buffers (StepBatch.verify_bitmask and friends)."""
+
+    def __init__(self, masker: LogitsMasker, batch):
+        self.masker = masker
+        self.batch = batch
+
+    def verify(self, logits: torch.Tensor) -> None:
+        """logits [B * (k+1), V], masked in place."""
+        b = self.batch
+        b.verify_mask_flags.zero_()
+        self.masker.fill_verify(b.verify_bitmask, b.verify_mask_flags)
+        apply_token_bitmask(logits, b.verify_bitmask.flatten(0, 1), b.verify_mask_flags.flatten())
+
+    def draft_step(self, emitted: torch.Tensor, num_accepted: torch.Tensor):
+        """-> mask(step, drafts, logits [B, Vd], d2t) for the draft loop: fills and applies the next
+        draft's mask (d2t [Vd]: draft id j is target id j + d2t[j], or None)."""
+        b = self.batch
+
+        def mask(step: int, drafts: list[torch.Tensor], logits: torch.Tensor, d2t: torch.Tensor | None) -> None:
+            b.draft_mask_flags.zero_()
+            self.masker.fill_draft(step, emitted, num_accepted, drafts, b.draft_bitmask, b.draft_mask_flags)
+            apply_token_bitmask(logits, b.draft_bitmask, b.draft_mask_flags, d2t=d2t)
+
+        return mask
