@@ -48,6 +48,19 @@ class StructuredOutput:
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param="response_format")
 
+    def to_dict(self) -> dict:
+        """msgpack-able fields (a hand-over carries them); from_dict reverses it."""
+        return {"json_schema": self.json_schema, "json_object": self.json_object, "regex": self.regex,
+                "grammar": self.grammar, "choice": list(self.choice) if self.choice is not None else None,
+                "compact": self.compact}
+
+    @staticmethod
+    def from_dict(fields: dict) -> "StructuredOutput":
+        unknown = set(fields) - {"json_schema", "json_object", "regex", "grammar", "choice", "compact"}
+        if unknown:
+            raise InvalidRequestError(f"unknown structured output field(s) {sorted(unknown)}", param="response_format")
+        return StructuredOutput(**fields)
+
     @property
     def kind(self) -> str:
         for name in ("json_schema", "regex", "grammar", "choice"):

@@ -38,7 +38,7 @@ class HandoverRequest:
             "output_token_ids": list(self.output_token_ids),
             "num_computed_tokens": self.num_computed_tokens,
             "seed": self.seed,
-            "params": {f.name: getattr(self.params, f.name) for f in dataclasses.fields(SamplingParams)},
+            "params": _params_dict(self.params),
             "logprobs": [[t, lp, top] for t, lp, top in self.logprobs],
             "block_size": self.block_size,
             "cache_layers": self.cache_layers,
@@ -84,6 +84,13 @@ class Handover:
     request: HandoverRequest
     block_ids: list[int]  # blocks holding the prompt's KV (target and draft layers), in order
     hidden: torch.Tensor | None = None  # [H_in] the draft head's input at the last prompt row (speculation)
+
+
+def _params_dict(params: SamplingParams) -> dict:
+    out = {f.name: getattr(params, f.name) for f in dataclasses.fields(SamplingParams)}
+    if params.structured_output is not None:
+        out["structured_output"] = params.structured_output.to_dict()
+    return out
 
 
 def _typed(d: dict, key: str, kind: type):

@@ -20,6 +20,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import CapacityError, InvalidRequestError
+from engine.grammar import GrammarCompiler
 from engine.handover import Handover, HandoverRequest
 from engine.logits_masker import LogitsMasker
 from engine.model_runner import ModelRunner, StepResult
@@ -28,6 +29,7 @@ from engine.parallel import TPContext
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, ScheduledRequest
+from engine.structured_output import GrammarMasker
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class LLMEngine:
         max_model_len = min(cfg.max_model_len or limit, limit)
         self.runner = ModelRunner(cfg, self.model_cfg, self.tp, max_model_len)
         self.runner.masker = logits_masker
+        self._grammar: GrammarMasker | None = None  # made on the first guided request
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(max_model_len)
         self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
@@ -79,6 +82,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     prefill_only: bool = False) -> None:
         req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only)
+        self._start_grammar(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -99,6 +103,22 @@ class LLMEngine:
                                                  params.skip_special_tokens)
         return Request(request_id, ids, params, seed=seed, max_total_tokens=self.max_model_len,
                        prefill_only=prefill_only, detokenizer=detokenizer)
+
+    def _start_grammar(self, req: Request) -> None:
+        """A guided request's matcher, after the tokens it already has; InvalidRequestError for a bad grammar."""
+        structured = req.params.structured_output
+        if structured is None:
+            return
+        if self._grammar is None:
+            if self.runner.masker is not None:
+                raise InvalidRequestError("this engine runs a logits masker of its own; structured outputs need "
+                                          "the built-in one", param="structured_output")
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured outputs need the model's tokenizer", param="structured_output")
+            self._grammar = GrammarMasker(GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size,
+                                                          sorted(self.eos_token_ids)))
+            self.runner.masker = self._grammar
+        self._grammar.add(req.request_id, structured, req.output_token_ids)
 
     def _tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -184,8 +204,6 @@ class LLMEngine:
                     req.logprobs.append(TokenLogprob(emitted[n], res.logprobs[b][n], top))
                 self._append_token(req, emitted[n], now)
                 n += 1
-            if self.runner.masker is not None and not req.status.finished:
-                self.runner.masker.accept(req.request_id, emitted[:n])
             touched.append(req)
             if req.status.finished or self.spec is None:
                 continue
@@ -221,6 +239,8 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now
+        if self.runner.masker is not None:
+            self.runner.masker.accept(req.request_id, [token])
         stop_string = req.detokenizer.push((token,)).stop if req.detokenizer is not None else None
         status = self._stop_status(req, token, stop_string)
         if status is not None:
@@ -238,6 +258,8 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         if not p.ignore_eos and token in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
+        if self._grammar is not None and self._grammar.terminated(req.request_id):
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if stop_string is not None:
             req.stop_reason = stop_string
             return RequestStatus.FINISHED_STOPPED
@@ -317,6 +339,11 @@ class LLMEngine:
         req.token_ids.extend(handover.output_token_ids)
         if req.detokenizer is not None:
             req.detokenizer.push(handover.output_token_ids)
+        try:
+            self._start_grammar(req)
+        except InvalidRequestError:
+            self.blocks.free(req.request_id)
+            raise
         req.metrics.num_output_tokens = req.num_output_tokens
         req.status = RequestStatus.RESERVED
         self.requests[req.request_id] = req

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.grammar import StructuredOutput
 
 
 @dataclass
@@ -23,6 +24,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
     skip_special_tokens: bool = True
+    # constrain the output to a JSON Schema, any JSON object, a regex, an EBNF grammar or a choice
+    # (a StructuredOutput, or a dict of its fields)
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -31,6 +35,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_output, dict):
+            self.structured_output = StructuredOutput.from_dict(self.structured_output)
+        _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+               "structured_output must be a StructuredOutput or a dict of its fields", "structured_output")
         _check(isinstance(self.max_tokens, int) and self.max_tokens > 0,
                f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}", "temperature")

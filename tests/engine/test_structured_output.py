@@ -1,0 +1,128 @@
+"""engine/structured_output.py: guided requests in the engine's step, with real xgrammar.
+
+The grammars here describe finite languages (enums, booleans, bounded regexes, choices), so even the
+random test model always completes them: every guided output must finish with "stop" and validate
+(jsonschema, re.fullmatch, membership). Speculative guided output must equal non-speculative guided
+output token for token (masks on verification rows and on draft steps keep it lossless), in mixed
+batches with unguided requests, with chunked prefill, and across a prefill -> decode hand-over.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine import LLM, EngineConfig, HandoverRequest, InvalidRequestError, LLMEngine, SamplingParams, StructuredOutput
+from tests.engine.test_spec import _prompts, _spec
+from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+
+SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"},
+                                           "size": {"enum": [1, 22, 333]}},
+          "required": ["kind", "ok", "size"], "additionalProperties": False}
+REGEX = "[a-c]{2}-[0-9]{2}"
+CHOICES = ["yes", "no", "maybe later"]
+GUIDES = {"json_schema": StructuredOutput(json_schema=SCHEMA), "regex": StructuredOutput(regex=REGEX),
+          "choice": StructuredOutput(choice=CHOICES)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_thread_module):
+    """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
+
+
+def _valid(kind: str, text: str) -> bool:
+    if kind == "json_schema":
+        try:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            return False
+        return True
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    return text in CHOICES
+
+
+def _params(i: int, kind: str | None) -> SamplingParams:
+    sampled = i % 3 == 1
+    return SamplingParams(max_tokens=48, temperature=0.8 if sampled else 0.0, seed=7 + i,
+                          structured_output=GUIDES[kind] if kind else None)
+
+
+def _batch(n: int) -> tuple[list[list[int]], list[SamplingParams], list[str | None]]:
+    kinds = [list(GUIDES)[i % 3] if i % 4 != 3 else None for i in range(n)]  # every fourth is unguided
+    return _prompts(n, seed=21), [_params(i, k) for i, k in enumerate(kinds)], kinds
+
+
+def test_guided_outputs_complete_and_validate(llama_dir):
+    prompts, params, kinds = _batch(8)
+    llm = LLM(llama_dir, num_kv_blocks=512, block_size=4)
+    outs = llm.generate(prompts, params)
+    for o, kind in zip(outs, kinds):
+        if kind is not None:
+            assert o.finish_reason == "stop" and _valid(kind, o.text), (kind, o.text)
+    assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine._grammar.states
+
+
+@pytest.mark.parametrize("method", ["self_draft", "eagle3", "mtp", "ngram"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_guided_speculation_equals_guided_plain_decoding(llama_dir, spec_drafts, method, chunked):
+    """Greedy: token for token. Sampled: still complete and valid (rejection sampling against masked
+    target and draft distributions)."""
+    prompts, params, kinds = _batch(8)
+    kw = dict(num_kv_blocks=512, block_size=4, max_num_batched_tokens=24 if chunked else 2048)
+    ref = LLM(llama_dir, **kw).generate(prompts, params)
+    llm = LLM(llama_dir, speculative=_spec(method, 3, spec_drafts, llama_dir), **kw)
+    outs = llm.generate(prompts, params)
+    for o, r, p, kind in zip(outs, ref, params, kinds):
+        if p.temperature == 0:
+            assert o.token_ids == r.token_ids, kind
+        if kind is not None:
+            assert o.finish_reason == "stop" and _valid(kind, o.text), (kind, o.text)
+    assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine._grammar.states
+
+
+def test_a_bad_grammar_is_refused_and_others_keep_running(llama_dir):
+    engine = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4))
+    engine.add_request("good", [5, 6, 7], _params(0, "regex"))
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("bad", [5, 6, 7], SamplingParams(structured_output=StructuredOutput(regex="(unclosed")))
+    assert e.value.param == "response_format"
+    assert "bad" not in engine.requests and "bad" not in engine._grammar.states
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == ["good"] and _valid("regex", done[0].text)
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_abort_frees_the_matcher(llama_dir):
+    engine = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4))
+    engine.add_request("r", [5, 6, 7], _params(0, "json_schema"))
+    engine.step()
+    engine.abort("r")
+    engine.step()
+    assert not engine._grammar.states and engine.stats()["kv_blocks_used"] == 0
+
+
+def test_guided_request_survives_a_handover(llama_dir):
+    """Prefill samples the first token under the grammar; the decode engine rebuilds the matcher from
+    the hand-over's description (structured output and tokens) and continues to the same tokens."""
+    prompt, params = _prompts(1, seed=3)[0], _params(0, "json_schema")
+    want = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompt, params)[0]
+    prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=128, block_size=4))
+    decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=128, block_size=4))
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    while prefill.requests["r"].status.value != "parked":
+        prefill.step()
+    h = prefill.take_handover("r")
+    blocks = decode.reserve(HandoverRequest.from_dict(h.request.to_dict()))  # through its wire form
+    decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
+    prefill.release("r")
+    decode.commit("r")
+    done = []
+    while decode.has_unfinished():
+        done += [o for o in decode.step() if o.finished]
+    assert done[0].token_ids == want.token_ids and _valid("json_schema", done[0].text)
+    assert not prefill._grammar.states and not decode._grammar.states
