@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from router.structured import structured_output
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="Send a last chunk with token usage before [DONE].")
@@ -35,6 +37,17 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")
     user: str | None = Field(None, description="An end-user id, for the caller's bookkeeping.")
+    # structured outputs (router/structured.py): at most one of these may be set
+    response_format: dict | None = Field(None, description="OpenAI: {type: text | json_object | json_schema, "
+                                                           "json_schema: {name, schema, strict}}.")
+    structured_outputs: dict | None = Field(None, description="vLLM: {json | regex | choice | grammar | "
+                                                              "json_object}.")
+    guided_json: dict | str | None = Field(None, description="Older vLLM spelling of a JSON schema constraint.")
+    guided_regex: str | None = Field(None, description="Older vLLM spelling of a regex constraint.")
+    guided_choice: list | None = Field(None, description="Older vLLM spelling of a choice constraint.")
+    guided_grammar: str | None = Field(None, description="Older vLLM spelling of an EBNF grammar constraint.")
+    tools: list | None = Field(None, description="Function calling: not supported yet (refused with a 400).")
+    tool_choice: str | dict | None = Field(None, description="Function calling: not supported yet.")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> dict:
         """Engine SamplingParams fields; the engine validates them (bad values -> HTTP 400)."""
@@ -50,6 +63,9 @@ class SamplingFields(BaseModel):
             p["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.stop_token_ids:
             p["stop_token_ids"] = list(self.stop_token_ids)
+        structured = structured_output(self)
+        if structured is not None:
+            p["structured_output"] = structured
         return p
 
 
