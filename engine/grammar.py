@@ -107,6 +107,8 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._max_cached = max_cached
+        # what /metrics reports per side: a decode engine fed by hand-overs should show no compiles
+        self.stats = {"compiles": 0, "cache_hits": 0, "deserializations": 0}
         self._no_control_chars = self._control_free_mask()
 
     def _control_free_mask(self) -> torch.Tensor:
@@ -132,7 +134,9 @@ class GrammarCompiler:
             # A failure whose callback has not run yet (callbacks follow the waiters' wake-up) is stale too.
             if fut is not None and not (fut.done() and (fut.cancelled() or fut.exception() is not None)):
                 self._cache.move_to_end(key)
+                self.stats["cache_hits"] += 1
                 return fut
+            self.stats["compiles"] += 1
             fut = self._pool.submit(self._compile, structured)
             self._cache[key] = fut
             while len(self._cache) > self._max_cached:
@@ -174,6 +178,34 @@ class GrammarCompiler:
 
     def deserialize(self, text: str):
         return xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info)
+
+    def serialized(self, structured: StructuredOutput) -> str | None:
+        """The compiled form of a grammar this compiler holds (for a hand-over), or None."""
+        with self._lock:
+            fut = self._cache.get(structured.key())
+        if fut is None or not fut.done() or fut.exception() is not None:
+            return None
+        return self.serialize(fut.result())
+
+    def adopt(self, structured: StructuredOutput, serialized: str) -> None:
+        """Put a grammar compiled elsewhere (the prefill side) into the cache under its content key, so
+        that compile() finds it instead of compiling; a grammar already held is not deserialized again."""
+        key = structured.key()
+        with self._lock:
+            held = self._cache.get(key)
+            if held is not None and held.done() and held.exception() is None:
+                return
+        try:
+            compiled = self.deserialize(serialized)
+        except (RuntimeError, ValueError) as e:
+            raise InvalidRequestError(f"the handed-over compiled grammar does not load: {e}", param="handover") from e
+        fut: Future = Future()
+        fut.set_result(compiled)
+        with self._lock:
+            self.stats["deserializations"] += 1
+            self._cache[key] = fut
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
 
     def new_state(self, compiled, structured: StructuredOutput | None = None) -> "GrammarState":
         extra = self._no_control_chars if structured is not None and structured.is_compact_json else None

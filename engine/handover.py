@@ -84,6 +84,7 @@ class Handover:
     request: HandoverRequest
     block_ids: list[int]  # blocks holding the prompt's KV (target and draft layers), in order
     hidden: torch.Tensor | None = None  # [H_in] the draft head's input at the last prompt row (speculation)
+    compiled_grammar: str | None = None  # xgrammar's serialized CompiledGrammar of a guided request
 
 
 def _params_dict(params: SamplingParams) -> dict:

@@ -104,7 +104,7 @@ class LLMEngine:
         return Request(request_id, ids, params, seed=seed, max_total_tokens=self.max_model_len,
                        prefill_only=prefill_only, detokenizer=detokenizer)
 
-    def _start_grammar(self, req: Request) -> None:
+    def _start_grammar(self, req: Request, compiled: str | None = None) -> None:
         """A guided request's matcher, after the tokens it already has; InvalidRequestError for a bad grammar."""
         structured = req.params.structured_output
         if structured is None:
@@ -118,7 +118,7 @@ class LLMEngine:
             self._grammar = GrammarMasker(GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size,
                                                           sorted(self.eos_token_ids)))
             self.runner.masker = self._grammar
-        self._grammar.add(req.request_id, structured, req.output_token_ids)
+        self._grammar.add(req.request_id, structured, req.output_token_ids, compiled)
 
     def _tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -160,6 +160,8 @@ class LLMEngine:
             steps = sum(hist)
             out["spec"] = {"method": self.spec.method, "k": self.spec.k, "accepted_length_hist": list(hist),
                            "mean_accepted_length": sum(i * n for i, n in enumerate(hist)) / steps if steps else None}
+        if self._grammar is not None:
+            out["grammar"] = dict(self._grammar.compiler.stats)
         return out
 
     # ------------------------------------------------------------------ the step
@@ -307,7 +309,10 @@ class LLMEngine:
             seed=req.seed, params=req.params, logprobs=tuple((lp.token_id, lp.logprob, lp.top) for lp in req.logprobs),
             block_size=self.cfg.block_size, cache_layers=self.runner.num_cache_layers,
             speculative_method=self.spec.method if self.spec is not None else None)
-        return Handover(state, list(self.blocks.table(request_id)), req.draft_hidden)
+        compiled = None
+        if req.params.structured_output is not None:
+            compiled = self._grammar.compiler.serialized(req.params.structured_output)
+        return Handover(state, list(self.blocks.table(request_id)), req.draft_hidden, compiled)
 
     def release(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -320,8 +325,9 @@ class LLMEngine:
         if self.runner.drafter is not None:
             self.runner.drafter.release(request_id)
 
-    def reserve(self, handover: HandoverRequest) -> list[int]:
-        """Decode side: allocate blocks for an incoming request's prompt KV; raises CapacityError if full."""
+    def reserve(self, handover: HandoverRequest, compiled_grammar: str | None = None) -> list[int]:
+        """Decode side: allocate blocks for an incoming request's prompt KV; raises CapacityError if full.
+        compiled_grammar: Handover.compiled_grammar of a guided request (else its grammar is compiled here)."""
         if handover.cache_layers != self.runner.num_cache_layers:
             raise InvalidRequestError(f"the hand-over carries KV for {handover.cache_layers} cache layers but this "
                                       f"engine's cache has {self.runner.num_cache_layers} (speculation differs "
@@ -340,7 +346,7 @@ class LLMEngine:
         if req.detokenizer is not None:
             req.detokenizer.push(handover.output_token_ids)
         try:
-            self._start_grammar(req)
+            self._start_grammar(req, compiled_grammar)
         except InvalidRequestError:
             self.blocks.free(req.request_id)
             raise

@@ -60,6 +60,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         spec = cfg.speculative
         self.k = spec.k if spec is not None else 0
+        self.draft_masks = spec is not None and spec.draft_masks
         # Draft chains and padded verification rows run past the last token: the rope table covers them.
         max_pos = max_model_len + position_margin(self.k)
         with torch.device(self.device):
@@ -116,7 +117,7 @@ class ModelRunner:
         return self.drafter.num_slots if self.drafter is not None else 0
 
     def run_step(self, batch: StepBatch, masker: LogitsMasker | None = None) -> StepOutput:
-        return model_step(self.model, self.proposer, batch, self.draft_probs, masker)
+        return model_step(self.model, self.proposer, batch, self.draft_probs, masker, self.draft_masks)
 
     # ------------------------------------------------------------------ the step
     def prepare(self, scheduled: list[ScheduledRequest], blocks: BlockManager) -> PreparedStep:

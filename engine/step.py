@@ -38,10 +38,12 @@ class StepOutput:
 
 
 def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepBatch,
-               draft_probs: torch.Tensor | None, masker: LogitsMasker | None = None) -> StepOutput:
+               draft_probs: torch.Tensor | None, masker: LogitsMasker | None = None,
+               draft_masks: bool = True) -> StepOutput:
     """draft_probs: the draft distributions buffer [slots, k, V] (None while every request is greedy);
     read at the requests' slots for verification, overwritten there with the new drafts'.
-    masker: fills the batch's bitmasks (its host snapshot of the step was taken before launch)."""
+    masker: fills the batch's bitmasks (its host snapshot of the step was taken before launch);
+    draft_masks: it masks the draft steps too, not only the verification rows."""
     capture = proposer.capture_layers if proposer is not None else ()
     with attention_context(batch.attn):
         final, captured = target(batch.input_ids, batch.positions, tuple(sorted(set(capture))))
@@ -65,7 +67,7 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
         hidden=hidden, input_ids=batch.input_ids, next_tokens=next_tokens, positions=batch.positions,
         attn=batch.attn, out_rows=out_rows, slot_limit=batch.slot_limit, max_seq_len=batch.chain_max_seq_len,
         chain=batch.propose, sampling=batch.sampling,
-        mask=masks.draft_step(v.tokens, v.num_accepted) if masks is not None else None))
+        mask=masks.draft_step(v.tokens, v.num_accepted) if masks is not None and draft_masks else None))
     if use_probs and probs is not None:
         draft_probs.index_copy_(0, batch.slots, probs.to(draft_probs.dtype))
     first_hidden = hidden[out_rows] if hidden is not None else None

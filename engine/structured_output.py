@@ -35,9 +35,13 @@ class GrammarMasker(LogitsMasker):
         self._cpu_rows: torch.Tensor | None = None  # [k+1, W] host scratch when the step's device is not the CPU
 
     # ------------------------------------------------------------------ requests
-    def add(self, request_id: str, structured: StructuredOutput, output_token_ids: list[int] = ()) -> None:
+    def add(self, request_id: str, structured: StructuredOutput, output_token_ids: list[int] = (),
+            compiled: str | None = None) -> None:
         """Compile (or find in the cache) and start a matcher; raises InvalidRequestError on a bad grammar.
-        `output_token_ids`: tokens already emitted (a hand-over's first token), accepted first."""
+        `output_token_ids`: tokens already emitted (a hand-over's first token), accepted first;
+        `compiled`: the grammar serialized by the side that compiled it (a hand-over): never recompiled."""
+        if compiled is not None:
+            self.compiler.adopt(structured, compiled)
         state = self.compiler.new_state(self.compiler.compile(structured), structured)
         for t in output_token_ids:
             state.accept(t)

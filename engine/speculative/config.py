@@ -35,6 +35,9 @@ class SpecConfig:
     draft: str | None = None
     prompt_lookup_max: int = 4  # ngram: longest suffix n-gram tried first
     prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram tried last
+    # Mask the draft network's own steps with the request's grammar (or other LogitsMasker), so its
+    # drafts are valid and acceptance rises; off only to measure what it gains.
+    draft_masks: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -141,6 +141,27 @@ def test_masks_constrain_verification_and_draft_rows(llama_dir, spec_drafts, met
     assert llm.engine.stats()["kv_blocks_used"] == 0
 
 
+def test_draft_masks_switch(llama_dir):
+    """SpecConfig(draft_masks=False) masks verification rows only: the self-draft's unmasked drafts
+    are then rejected wherever the constraint bans them, and the tokens stay the same."""
+    from engine import SpecConfig
+
+    prompts, n = _prompts(3, seed=2), 3
+    allowed = {f"gen-{i}": _allowed(30 + i) for i in range(n)}
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    runs = {}
+    for on in (True, False):
+        masker = AllowedTokensMasker(allowed, 384)
+        spec = SpecConfig(method="draft_model", k=3, draft=llama_dir, draft_masks=on)
+        runs[on] = (LLM(llama_dir, num_kv_blocks=256, block_size=4, logits_masker=masker,
+                        speculative=spec).generate(prompts, params), masker)
+    assert [o.token_ids for o in runs[True][0]] == [o.token_ids for o in runs[False][0]]
+    assert runs[False][1].draft_fills == 0 and runs[True][1].draft_fills > 0
+    mean = {on: sum(sum(o.metrics.accepted_lengths) for o in outs) / sum(len(o.metrics.accepted_lengths) for o in outs)
+            for on, (outs, _) in runs.items()}
+    assert mean[True] > mean[False]
+
+
 def test_unconstrained_steps_skip_masking(llama_dir):
     """A masker that constrains nothing this step makes the step run without bitmasks."""
     masker = AllowedTokensMasker({}, 384)

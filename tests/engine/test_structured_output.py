@@ -117,7 +117,8 @@ def test_guided_request_survives_a_handover(llama_dir):
     while prefill.requests["r"].status.value != "parked":
         prefill.step()
     h = prefill.take_handover("r")
-    blocks = decode.reserve(HandoverRequest.from_dict(h.request.to_dict()))  # through its wire form
+    assert h.compiled_grammar is not None
+    blocks = decode.reserve(HandoverRequest.from_dict(h.request.to_dict()), h.compiled_grammar)  # wire forms
     decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
     prefill.release("r")
     decode.commit("r")
@@ -126,3 +127,5 @@ def test_guided_request_survives_a_handover(llama_dir):
         done += [o for o in decode.step() if o.finished]
     assert done[0].token_ids == want.token_ids and _valid("json_schema", done[0].text)
     assert not prefill._grammar.states and not decode._grammar.states
+    assert prefill.stats()["grammar"]["compiles"] == 1
+    assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 1, "deserializations": 1}
