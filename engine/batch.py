@@ -102,8 +102,7 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
         input_ids[t : t + real] = window[:real]
         positions[t : t + m] = pos
         ok = pos < held
-        slot_mapping[t : t + m] = np.where(ok, tables[b, np.minimum(pos // bs, max_blocks - 1)].astype(np.int64) * bs
-                                           + pos % bs, -1)
+        slot_mapping[t : t + m] = np.where(ok, kv_slots(tables, b, pos, bs), -1)
         after = window[1:]
         next_tokens[t : t + len(after)] = after
         samples[b] = s.sample
@@ -151,6 +150,13 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
         full_drafts=pad is None and bool((num_drafts[samples] == k).all()), propose=propose or pad is not None,
         chain_max_seq_len=max_seq_len + chain_margin(k),
         host_num_drafts=num_drafts[:n].tolist(), host_samples=samples[:n].tolist())
+
+
+def kv_slots(tables: np.ndarray, rows, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """KV-cache slot of each (block-table row, position): tables [B, M] int32, rows [T] (or one row),
+    positions [T] int64 -> [T] int64. Positions past the table's width read its last block (padding)."""
+    blocks = tables[rows, np.minimum(positions // block_size, tables.shape[1] - 1)].astype(np.int64)
+    return blocks * block_size + positions % block_size
 
 
 def _tokens(req, lo: int, hi: int) -> list[int]:

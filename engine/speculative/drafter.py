@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.batch import kv_slots
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.models.llama import LlamaForCausalLM
@@ -137,7 +138,7 @@ class Drafter:
         tables = np.zeros((len(reqs), max_blocks), dtype=np.int32)
         for b, r in enumerate(reqs):
             tables[b, : len(blocks.table(r.request_id))] = blocks.table(r.request_id)
-        slot_mapping = tables[np.arange(len(reqs)), pos // bs].astype(np.int64) * bs + pos % bs
+        slot_mapping = kv_slots(tables, np.arange(len(reqs)), pos, bs)
         dev = lambda a: torch.from_numpy(np.asarray(a)).to(self.device)  # noqa: E731
         seq_lens = (pos + 1).astype(np.int32)
         attn = AttentionMetadata(kv_cache=self._target_cache(), slot_mapping=dev(slot_mapping), block_tables=dev(tables),

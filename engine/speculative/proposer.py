@@ -82,6 +82,9 @@ class Proposer(ABC):
     num_cache_layers: int  # KV layers it adds after the target's
     needs_hidden: bool  # its first step reads the target's hidden states (a head), not only tokens
 
+    remap: torch.Tensor | None = None  # [Vd] target id of each draft id, when the vocabularies differ
+    d2t: torch.Tensor | None = None  # [Vd] the same map as offsets (target id = draft id + d2t): bitmask kernels
+
     def __init__(self, k: int, vocab_size: int, kv_cache_ref):
         self.k = k
         self.vocab_size = vocab_size
@@ -95,6 +98,21 @@ class Proposer(ABC):
         """-> (drafts [B, k] int64 target ids, draft distributions [B, k, V] or None if all greedy);
         (None, None) without `inp.chain`."""
 
+    def _chain(self, inp: ProposeInputs, step: Callable[[int, torch.Tensor | None], torch.Tensor]):
+        """The k-step draft loop of every proposer: step(s, previous draft [B] or None) -> the draft
+        network's logits [B, Vd] for draft s, which sits at position (last verified row) + 2 + s; each
+        is masked (when a masker runs) and sampled."""
+        first = inp.positions[inp.out_rows] + 2
+        tokens, probs = [], []
+        for s in range(self.k):
+            logits = step(s, tokens[-1] if tokens else None)
+            if inp.mask is not None:
+                inp.mask(s, tokens, logits, self.d2t)
+            token, q = sample_drafts(logits, first + s, inp.sampling, self.remap, self.vocab_size)
+            tokens.append(token)
+            probs.append(q)
+        return torch.stack(tokens, 1), (None if probs[0] is None else torch.stack(probs, 1))
+
 
 class HeadProposer(Proposer):
     """MTP or EAGLE-3: the first step over all rows reads the target's hidden states, k-1 more steps
@@ -107,8 +125,7 @@ class HeadProposer(Proposer):
         self.num_cache_layers = 1
         self.needs_hidden = True
         small = head.draft_vocab_size is not None and head.draft_vocab_size != vocab_size
-        self.remap = head.draft_to_target if small else None  # [Vd] target id of each draft id
-        # the same map as offsets (target id = draft id + d2t), the form bitmask kernels take
+        self.remap = head.draft_to_target if small else None
         self.d2t = self.remap - torch.arange(len(self.remap), device=self.remap.device) if small else None
 
     def first_hidden(self, final_hidden, captured):
@@ -120,21 +137,18 @@ class HeadProposer(Proposer):
             state = self.head(inp.hidden, inp.next_tokens, inp.positions)  # [R, H]
         if not inp.chain:
             return None, None
-        state = state[inp.out_rows]  # [B, H]
-        start = inp.positions[inp.out_rows]  # index of the chain's first step
-        tokens, probs = [], []
-        for s in range(self.k):
+        state = state[inp.out_rows]  # [B, H]: the first step's output
+        start = inp.positions[inp.out_rows]  # position of each request's last verified row
+
+        def step(s: int, previous: torch.Tensor | None) -> torch.Tensor:
+            nonlocal state
             if s > 0:
                 pos = start + s
                 with attention_context(chain_metadata(inp.attn, cache, pos, inp.slot_limit, inp.max_seq_len)):
-                    state = self.head(state, tokens[-1], pos)
-            logits = self.head.compute_logits(state)
-            if inp.mask is not None:
-                inp.mask(s, tokens, logits, self.d2t)
-            token, q = sample_drafts(logits, start + 2 + s, inp.sampling, self.remap, self.vocab_size)
-            tokens.append(token)
-            probs.append(q)
-        return torch.stack(tokens, 1), (None if probs[0] is None else torch.stack(probs, 1))
+                    state = self.head(state, previous, pos)
+            return self.head.compute_logits(state)
+
+        return self._chain(inp, step)
 
 
 class DraftModelProposer(Proposer):
@@ -158,17 +172,14 @@ class DraftModelProposer(Proposer):
         if not inp.chain:
             return None, None
         start = inp.positions[inp.out_rows] + 1  # the verified token after the last row
-        token = inp.next_tokens[inp.out_rows].clamp(max=top)
-        tokens, probs = [], []
-        for s in range(self.k):
+        first = inp.next_tokens[inp.out_rows]
+
+        def step(s: int, previous: torch.Tensor | None) -> torch.Tensor:
+            token = (first if previous is None else previous).clamp(max=top)
             pos = start + s
             with attention_context(chain_metadata(inp.attn, cache, pos, inp.slot_limit, inp.max_seq_len)):
                 hidden, _ = self.model(token, pos)
-            logits = self.model.compute_logits(hidden)[:, : self.width]
-            if inp.mask is not None:
-                inp.mask(s, tokens, logits, None)
-            draft, q = sample_drafts(logits, pos + 1, inp.sampling, self.remap, self.vocab_size)
-            tokens.append(draft)
-            probs.append(q)
-            token = draft.clamp(max=top)
-        return torch.stack(tokens, 1), (None if probs[0] is None else torch.stack(probs, 1))
+            return self.model.compute_logits(hidden)[:, : self.width]
+
+        return self._chain(inp, step)
+
