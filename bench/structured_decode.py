@@ -5,7 +5,7 @@ other with --cases, as the held-out evaluation does), with greedy decoding and a
   - refused (the grammar cannot be compiled or enforced), completed (the grammar ended), and valid
     (jsonschema) among the completed;
   - mean accepted tokens per step at k = 3 for MTP, EAGLE-3 and ngram, with draft masks on and off;
-  - guided vs unguided tokens/s with MTP k = 3 at batch 1 and 16 (same prompts; both run to their end).
+  - guided vs unguided tokens/s with MTP k = 3 at batch 1 and 16 (same prompts, same output lengths).
 The compile/faithfulness side of the benchmark is bench/structured.py.
 
     python -m bench.structured_decode [--zoo DIR] [--cases DIR] [--n 24]
@@ -41,8 +41,9 @@ def load_cases(cases_dir: str | None, n: int) -> list[dict]:
     return out
 
 
-def generate(llm, prompts: list[str], schemas: list[dict | None], max_tokens: int) -> tuple[list, float, list[str]]:
-    """Outputs (None where refused), seconds, refusal reasons."""
+def generate(llm, prompts: list[str], schemas: list[dict | None], max_tokens: int | list[int],
+             ignore_eos: bool = False) -> tuple[list, float, list[str]]:
+    """Outputs (None where refused), seconds, refusal reasons. A list of max_tokens gives each request its own."""
     from engine import InvalidRequestError, SamplingParams, StructuredOutput
 
     eng = llm.engine
@@ -50,7 +51,8 @@ def generate(llm, prompts: list[str], schemas: list[dict | None], max_tokens: in
     start = time.perf_counter()
     for i, (prompt, schema) in enumerate(zip(prompts, schemas)):
         structured = StructuredOutput(json_schema=schema) if schema is not None else None
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, structured_output=structured)
+        limit = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+        params = SamplingParams(max_tokens=limit, temperature=0, structured_output=structured, ignore_eos=ignore_eos)
         try:
             eng.add_request(f"r{i}", prompt, params)
             ids[f"r{i}"] = i
@@ -120,18 +122,27 @@ def main(argv=None) -> int:
             results["acceptance"].append(row)
             print(row, flush=True)
 
-    # 3. guided vs unguided speed, MTP k = 3
+    # 3. guided vs unguided speed, MTP k = 3: the unguided run makes exactly as many tokens per request
+    # as the guided one did (its outputs run to max_tokens otherwise, and lengths change tokens/s)
+    lengths = [len(o.token_ids) if o is not None else 1 for o in outs]
     results["speed"] = []
     for batch in (1, 16):
-        for guided in (False, True):
-            spec = SpecConfig(method="mtp", k=3, draft=str(paths.mtp))
-            llm = LLM(str(paths.target), speculative=spec, **{**kw, "max_num_seqs": batch})
-            got, secs, _ = generate(llm, prompts, schemas if guided else [None] * len(prompts), args.max_tokens)
-            tokens = sum(len(o.token_ids) for o in got if o is not None)
-            row = {"batch": batch, "guided": guided, "tok_s": tokens / secs, "tokens": tokens,
-                   "mean_accepted": llm.engine.stats()["spec"]["mean_accepted_length"]}
-            results["speed"].append(row)
-            print(row, flush=True)
+        best: dict[bool, dict] = {}
+        for _ in range(2):  # interleaved, best of two: the machine is shared
+            for guided in (False, True):
+                spec = SpecConfig(method="mtp", k=3, draft=str(paths.mtp))
+                llm = LLM(str(paths.target), speculative=spec, **{**kw, "max_num_seqs": batch})
+                if guided:
+                    got, secs, _ = generate(llm, prompts, schemas, args.max_tokens)
+                else:
+                    got, secs, _ = generate(llm, prompts, [None] * len(prompts), lengths, ignore_eos=True)
+                tokens = sum(len(o.token_ids) for o in got if o is not None)
+                row = {"batch": batch, "guided": guided, "tok_s": tokens / secs, "tokens": tokens,
+                       "mean_accepted": llm.engine.stats()["spec"]["mean_accepted_length"]}
+                if guided not in best or row["tok_s"] > best[guided]["tok_s"]:
+                    best[guided] = row
+        results["speed"] += [best[False], best[True]]
+        print(best, flush=True)
 
     q = results["quality"]
     lines = [f"# Structured outputs in the engine ({results['device']})", "",
