@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.schema_support import CompileWorker, WorkerFailed, WorkerTimeout, check_enforceable
 
 try:
     import xgrammar as xgr
 except ImportError:  # pragma: no cover - xgrammar is a hard dependency; this keeps the error readable
     xgr = None
 
+DEFAULT_COMPILE_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class StructuredOutput:
@@ -92,17 +94,52 @@ class StructuredOutput:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
+def compile_structured(compiler, structured: StructuredOutput):
+    """The xgrammar CompiledGrammar of `structured` on `compiler` (an xgr.GrammarCompiler), no checks:
+    compact JSON is one line with ", " and ": " separators (StructuredOutput.compact)."""
+    sep = (", ", ": ")
+    try:
+        if structured.kind == "json_schema":
+            return compiler.compile_json_schema(structured.canonical_source(), any_whitespace=not structured.compact,
+                                                separators=sep if structured.compact else None)
+        if structured.kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=not structured.compact,
+                                                separators=sep if structured.compact else None)
+        if structured.kind == "regex":
+            return compiler.compile_regex(structured.regex)
+        if structured.kind == "choice":
+            alternatives = " | ".join(json.dumps(c) for c in structured.choice)
+            return compiler.compile_grammar(f"root ::= {alternatives}")
+        return compiler.compile_grammar(structured.grammar)
+    except (RuntimeError, ValueError) as e:
+        raise InvalidRequestError(f"cannot compile the {structured.kind.replace('_', ' ')}: {e}",
+                                  param="response_format") from e
+
+
+def _worker_compiler(tokenizer_info_json: str, max_threads: int):
+    """A compile process's state: an xgrammar compiler for the parent's tokenizer."""
+    return xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=max_threads)
+
+
+def _compile_serialized(compiler, fields: dict) -> str:
+    return compile_structured(compiler, StructuredOutput.from_dict(fields)).serialize_json()
+
+
 class GrammarCompiler:
     """Compiles and caches grammars for one tokenizer and one model vocabulary size."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None,
-                 max_threads: int = 2, max_cached: int = 512):
+                 max_threads: int = 2, max_cached: int = 512, compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S):
+        """`compile_timeout_s`: a compile past it is ended (it runs in a child process) and the request
+        gets a 400; None compiles in this process without a limit."""
         if xgr is None:
             raise RuntimeError("xgrammar is not installed; structured output needs it (pip install xgrammar)")
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                                  stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+        self.compile_timeout_s = compile_timeout_s
+        self._worker = CompileWorker(_worker_compiler, (self.tokenizer_info.serialize_json(), max_threads))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -155,23 +192,21 @@ class GrammarCompiler:
         return self.compile_async(structured).result()
 
     def _compile(self, structured: StructuredOutput):
-        sep = (", ", ": ")
+        if structured.kind == "json_schema":
+            check_enforceable(json.loads(structured.canonical_source()))
+        if self.compile_timeout_s is None:
+            return compile_structured(self._compiler, structured)
         try:
-            if structured.kind == "json_schema":
-                return self._compiler.compile_json_schema(structured.canonical_source(), any_whitespace=not structured.compact,
-                                                          separators=sep if structured.compact else None)
-            if structured.kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=not structured.compact,
-                                                          separators=sep if structured.compact else None)
-            if structured.kind == "regex":
-                return self._compiler.compile_regex(structured.regex)
-            if structured.kind == "choice":
-                alternatives = " | ".join(json.dumps(c) for c in structured.choice)
-                return self._compiler.compile_grammar(f"root ::= {alternatives}")
-            return self._compiler.compile_grammar(structured.grammar)
-        except (RuntimeError, ValueError) as e:
-            raise InvalidRequestError(f"cannot compile the {structured.kind.replace('_', ' ')}: {e}",
+            text = self._worker.call(_compile_serialized, structured.to_dict(), timeout=self.compile_timeout_s)
+        except WorkerTimeout as e:
+            raise InvalidRequestError(f"the {structured.kind.replace('_', ' ')} did not compile within the "
+                                      f"{self.compile_timeout_s:g} s compile time limit; simplify it",
                                       param="response_format") from e
+        except WorkerFailed as e:
+            if e.kind == "InvalidRequestError":
+                raise InvalidRequestError(str(e), param="response_format") from e
+            raise RuntimeError(f"grammar compile process failed: {e.kind}: {e}") from e
+        return self.deserialize(text)
 
     def serialize(self, compiled) -> str:
         return compiled.serialize_json()

@@ -1,0 +1,322 @@
+"""What xgrammar cannot be trusted with: JSON Schema keywords it does not enforce, and compiles it
+cannot bound in time.
+
+Enforce or refuse (issue 11): a completed output that is invalid against its schema must never be
+returned as if it were fine. `first_unenforceable` walks a schema and names the first keyword whose
+constraint the grammar would not enforce (measured on JSONSchemaBench by bench/structured.py: the
+keywords below are those under which the matcher accepted instances the schema rejects); the
+compiler refuses such a schema with a 400 before compiling. Pure annotations are ignored.
+
+`CompileWorker` runs a compile in a child process that can be killed: xgrammar has no compile
+timeout and a thread cannot be stopped, so a schema that compiles for too long is answered with a
+400 naming the limit and its process is ended (a fresh one starts on the next compile).
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine.errors import InvalidRequestError
+
+# Keywords whose constraint xgrammar's JSON-schema grammar does not carry at all (it ignores them),
+# so a matcher completes on instances the schema rejects (measured: bench/structured.py). Values: why.
+UNENFORCED: dict[str, str] = {
+    "not": "negation is ignored",
+    "if": "conditionals are ignored", "then": "conditionals are ignored", "else": "conditionals are ignored",
+    "dependencies": "property dependencies are ignored",
+    "dependentRequired": "property dependencies are ignored",
+    "dependentSchemas": "property dependencies are ignored",
+    "contains": "contains is ignored", "minContains": "contains is ignored", "maxContains": "contains is ignored",
+    "propertyNames": "property name constraints are ignored",
+    "unevaluatedProperties": "unevaluated keywords are not tracked",
+    "unevaluatedItems": "unevaluated keywords are not tracked",
+    "$dynamicRef": "dynamic references are not resolved", "$recursiveRef": "dynamic references are not resolved",
+}
+# Annotations: no effect on validation, never a reason to refuse.
+ANNOTATIONS = frozenset({"title", "description", "examples", "example", "$comment", "default", "deprecated",
+                         "readOnly", "writeOnly", "$schema", "$id", "id", "markdownDescription", "$anchor"})
+
+# Keywords whose value is a schema, a list of schemas, or a map of name -> schema (walked into).
+_SCHEMA_VALUED = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not",
+                  "if", "then", "else", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+@dataclass(frozen=True, slots=True)
+class Unenforceable:
+    keyword: str
+    path: str  # JSON pointer of the keyword, "#/properties/tags/uniqueItems"
+    reason: str
+
+
+def _pointer(parts: tuple) -> str:
+    return "#" + "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def _violation(node: dict, parts: tuple) -> Unenforceable | None:
+    """The first keyword of one schema object (not its subschemas) that cannot be enforced."""
+    for keyword, value in node.items():
+        if keyword in ANNOTATIONS:
+            continue
+        reason = _unenforced(keyword, value, node)
+        if reason is not None:
+            return Unenforceable(keyword, _pointer(parts + (keyword,)), reason)
+    return None
+
+
+def _unenforced(keyword: str, value: Any, node: dict) -> str | None:
+    if keyword in UNENFORCED:
+        return UNENFORCED[keyword]
+    if keyword == "uniqueItems" and value is True:
+        return "item uniqueness is not enforced"
+    if keyword in ("minProperties", "maxProperties"):
+        return "property counts are not enforced exactly"
+    if keyword == "multipleOf" and not (node.get("type") == "integer" and isinstance(value, int)):
+        return "multipleOf is enforced only for integers"
+    if keyword == "allOf" and isinstance(value, list) and len(value) > 1:
+        return "an intersection of several schemas is only approximated"
+    if keyword == "oneOf" and isinstance(value, list) and not _provably_disjoint(value):
+        return "oneOf is enforced as anyOf unless its branches are provably disjoint"
+    if keyword == "pattern" and isinstance(value, str):
+        if "minLength" in node or "maxLength" in node:
+            return "a pattern combined with minLength/maxLength drops the length bounds"
+        problem = _regex_problem(value)
+        if problem is not None:
+            return problem
+    if keyword == "patternProperties" and isinstance(value, dict):
+        for regex in value:
+            problem = _regex_problem(regex)
+            if problem is not None:
+                return problem
+    return None
+
+
+def _branch_types(branch: Any) -> set[str] | None:
+    if not isinstance(branch, dict):
+        return None
+    t = branch.get("type")
+    if isinstance(t, str):
+        t = [t]
+    if not isinstance(t, list) or not t:
+        if "const" in branch:
+            return {_json_type(branch["const"])}
+        if isinstance(branch.get("enum"), list) and branch["enum"]:
+            return {_json_type(v) for v in branch["enum"]}
+        return None
+    types = set(t)
+    return types | {"number"} if "integer" in types else types | ({"integer"} if "number" in types else set())
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object", type(None): "null"}[type(value)]
+
+
+def _literals(branch: Any) -> list | None:
+    if isinstance(branch, dict) and "const" in branch:
+        return [branch["const"]]
+    if isinstance(branch, dict) and isinstance(branch.get("enum"), list):
+        return branch["enum"]
+    return None
+
+
+def _discriminator(branch: Any) -> dict[str, list]:
+    """property -> the literal values a branch requires for it (const/enum on a required property)."""
+    if not isinstance(branch, dict) or not isinstance(branch.get("properties"), dict):
+        return {}
+    required = set(branch.get("required", [])) if isinstance(branch.get("required"), list) else set()
+    return {name: lits for name, sub in branch["properties"].items()
+            if name in required and (lits := _literals(sub)) is not None}
+
+
+def _provably_disjoint(branches: list) -> bool:
+    """No instance can match two branches: cheap sufficient tests only (types, literals, a required
+    discriminating property), so that "exactly one" equals "at least one" and anyOf is exact."""
+    if len(branches) < 2:
+        return True
+    types = [_branch_types(b) for b in branches]
+    if all(t is not None for t in types) and all(
+            not (types[i] & types[j]) for i in range(len(types)) for j in range(i + 1, len(types))):
+        return True
+    literals = [_literals(b) for b in branches]
+    if all(lits is not None for lits in literals):
+        keys = [{json.dumps(v, sort_keys=True) for v in lits} for lits in literals]
+        return all(not (keys[i] & keys[j]) for i in range(len(keys)) for j in range(i + 1, len(keys)))
+    discriminators = [_discriminator(b) for b in branches]
+    for name in discriminators[0]:
+        if all(name in d for d in discriminators):
+            keys = [{json.dumps(v, sort_keys=True) for v in d[name]} for d in discriminators]
+            if all(not (keys[i] & keys[j]) for i in range(len(keys)) for j in range(i + 1, len(keys))):
+                return True
+    return False
+
+
+_UNSUPPORTED_ESCAPE = re.compile(r"\\(?:[1-9bBkAZzGQE]|[pP]\{)")
+
+
+def _regex_problem(regex: str) -> str | None:
+    """Why xgrammar's regex would not match exactly what an ECMA regex matches, or None."""
+    if "(?" in regex.replace("(?:", ""):
+        return "lookaround and inline flags in regexes are ignored"
+    if _UNSUPPORTED_ESCAPE.search(regex):
+        return "backreferences, word boundaries and anchors other than ^ $ are not supported in regexes"
+    # ^ and $ anywhere but the ends (alternatives of anchored branches) are dropped, changing the language
+    in_class = False
+    escaped = False
+    for i, ch in enumerate(regex):
+        if escaped:
+            escaped = False
+            continue
+        if ch == "\\":
+            escaped = True
+        elif ch == "[":
+            in_class = True
+        elif ch == "]":
+            in_class = False
+        elif not in_class and ((ch == "^" and i > 0) or (ch == "$" and i < len(regex) - 1)):
+            return "anchors inside a regex (not at its ends) are ignored"
+    return None
+
+
+def _subschemas(node: dict, parts: tuple):
+    """(subschema, its path) for every schema nested directly in `node`, in declaration order."""
+    for keyword, value in node.items():
+        if keyword in ANNOTATIONS:
+            continue
+        if keyword in _SCHEMA_VALUED or (keyword == "items" and isinstance(value, list)):
+            if isinstance(value, list):
+                yield from ((v, parts + (keyword, i)) for i, v in enumerate(value))
+            else:
+                yield value, parts + (keyword,)
+        elif keyword in _SCHEMA_LISTS and isinstance(value, list):
+            yield from ((v, parts + (keyword, i)) for i, v in enumerate(value))
+        elif keyword in _SCHEMA_MAPS and isinstance(value, dict):
+            yield from ((v, parts + (keyword, name)) for name, v in value.items())
+        elif keyword == "dependencies" and isinstance(value, dict):
+            yield from ((v, parts + (keyword, name)) for name, v in value.items() if isinstance(v, dict))
+
+
+def first_unenforceable(schema: Any) -> Unenforceable | None:
+    """The first keyword (depth first, in declaration order) that xgrammar would not enforce, or None.
+
+    Every subschema is walked, $defs included, whether or not a $ref reaches it: a definition nobody
+    references costs a refusal at worst, never a wrong answer."""
+    stack = [(schema, ())]
+    while stack:
+        node, parts = stack.pop()
+        if not isinstance(node, dict):
+            continue  # true/false schemas and malformed values: the compiler's to judge
+        found = _violation(node, parts)
+        if found is not None:
+            return found
+        stack.extend(reversed(list(_subschemas(node, parts))))
+    return None
+
+
+def check_enforceable(schema: Any) -> None:
+    """Raise InvalidRequestError (HTTP 400, param response_format) naming the first unenforceable keyword."""
+    found = first_unenforceable(schema)
+    if found is not None:
+        raise InvalidRequestError(f"json_schema keyword {found.keyword!r} at {found.path} cannot be enforced by "
+                                  f"the grammar backend ({found.reason}); remove it or relax the schema",
+                                  param="response_format")
+
+
+# ---------------------------------------------------------------------------------------- compile time
+class WorkerTimeout(Exception):
+    """The call ran past its limit; its process was ended."""
+
+
+class WorkerFailed(Exception):
+    """The call raised in the child: `kind` is the exception's type name, the message its text."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _serve(conn, init: Callable | None, init_args: tuple) -> None:
+    state = init(*init_args) if init is not None else None
+    conn.send((True, "ready"))
+    while True:
+        try:
+            fn, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            conn.send((True, fn(state, *args)))
+        except Exception as e:  # any failure is the caller's to report; exceptions may not unpickle
+            conn.send((False, (type(e).__name__, str(e))))
+
+
+class CompileWorker:
+    """One child process that runs `fn(state, *args)` calls one at a time, `state = init(*init_args)`
+    made once per process. A call past its timeout kills the process (a compile cannot be interrupted
+    any other way); the next call starts a fresh one. `fn` and `init` must be module-level functions."""
+
+    def __init__(self, init: Callable | None = None, init_args: tuple = ()):
+        self._init, self._init_args = init, init_args
+        self._ctx = multiprocessing.get_context("spawn")  # fork would copy the parent's locked threads
+        self._proc = None
+        self._conn = None
+        self._lock = threading.Lock()
+
+    def _start(self, startup_timeout: float) -> None:
+        parent, child = self._ctx.Pipe()
+        self._proc = self._ctx.Process(target=_serve, args=(child, self._init, self._init_args), daemon=True,
+                                       name="grammar-compile-worker")
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        if not parent.poll(startup_timeout):
+            self.close()
+            raise WorkerFailed("WorkerStartup", f"the compile process did not start within {startup_timeout:g} s")
+        try:
+            parent.recv()
+        except (EOFError, OSError) as e:
+            self.close()
+            raise WorkerFailed("WorkerStartup", f"the compile process failed to start: {e}") from e
+
+    def call(self, fn: Callable, *args, timeout: float, startup_timeout: float = 120.0):
+        """fn's result; WorkerTimeout past `timeout` seconds of the call itself (a fresh process's
+        start-up is not counted: it has `startup_timeout`), WorkerFailed if it raised."""
+        with self._lock:
+            if self._proc is None or not self._proc.is_alive():
+                self.close()
+                self._start(startup_timeout)
+            self._conn.send((fn, args))
+            if not self._conn.poll(timeout):
+                self.close()
+                raise WorkerTimeout(f"no result within {timeout:g} s")
+            try:
+                ok, value = self._conn.recv()
+            except (EOFError, OSError) as e:  # the child died (out of memory, a crash in C++)
+                self.close()
+                raise WorkerFailed("WorkerDied", f"the compile process died: {e}") from e
+        if not ok:
+            raise WorkerFailed(*value)
+        return value
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(timeout=5)
+            self._proc = None
+
+    def __del__(self):  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,145 @@
+"""engine/schema_support.py: the walker that names keywords xgrammar cannot enforce, the refusal in
+GrammarCompiler (a 400 on response_format), the compile time limit, and faithfulness on real cases."""
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.errors import InvalidRequestError
+from engine.grammar import GrammarCompiler, StructuredOutput
+from engine.schema_support import check_enforceable, first_unenforceable
+from tests.engine.conftest import VOCAB, _tokenizer
+
+CASES = Path("/work/shared/data/jsonschemabench/cases")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return _tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _found(schema):
+    found = first_unenforceable(schema)
+    return None if found is None else (found.keyword, found.path)
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"not": {"type": "string"}}, "not"),
+    ({"if": {"type": "string"}, "then": {"minLength": 2}}, "if"),
+    ({"type": "object", "dependencies": {"a": ["b"]}}, "dependencies"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+    ({"type": "array", "contains": {"type": "integer"}}, "contains"),
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
+    ({"type": "object", "minProperties": 1}, "minProperties"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf"),
+    ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "oneOf"),
+    ({"type": "string", "pattern": "^a+$", "minLength": 2}, "pattern"),
+    ({"type": "string", "pattern": "^(?!x).*$"}, "pattern"),
+    ({"type": "string", "pattern": "^a$|^b$"}, "pattern"),
+])
+def test_each_refused_keyword(schema, keyword):
+    assert _found(schema) == (keyword, f"#/{keyword}")
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "title": "T", "description": "d", "$comment": "c", "examples": [{"not": 1}],
+     "default": {"uniqueItems": True}, "properties": {"a": {"type": "string", "description": "not me"}}},
+    {"type": "array", "uniqueItems": False, "items": {"type": "integer", "multipleOf": 3}},
+    {"oneOf": [{"type": "string"}, {"type": "integer"}]},  # disjoint by type
+    {"oneOf": [{"const": "a"}, {"enum": ["b", "c"]}]},  # disjoint literals
+    {"oneOf": [{"properties": {"kind": {"const": "x"}, "v": {"type": "string"}}, "required": ["kind"]},
+               {"properties": {"kind": {"const": "y"}, "v": {"type": "integer"}}, "required": ["kind"]}]},
+    {"allOf": [{"type": "object", "properties": {"a": {"type": "string"}}}]},
+    {"type": "string", "pattern": "^[a-z^$]+$"},  # anchors inside a class are characters
+    {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},  # property names
+])
+def test_annotations_and_enforceable_schemas_pass(schema):
+    assert first_unenforceable(schema) is None
+
+
+def test_nested_paths_and_defs():
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}},
+                                               "meta": {"anyOf": [{"type": "null"}, {"not": {"type": "string"}}]}},
+              "$defs": {"tag": {"type": "array", "uniqueItems": True}}}
+    assert _found(schema) == ("not", "#/properties/meta/anyOf/1/not")
+    del schema["properties"]["meta"]
+    assert _found(schema) == ("uniqueItems", "#/$defs/tag/uniqueItems")
+    assert _found({"definitions": {"a/b": {"if": {}}}}) == ("if", "#/definitions/a~1b/if")
+
+
+def test_check_enforceable_message_names_keyword_and_path():
+    with pytest.raises(InvalidRequestError) as err:
+        check_enforceable({"properties": {"x": {"type": "array", "uniqueItems": True}}})
+    assert err.value.param == "response_format" and err.value.http_status == 400
+    assert "'uniqueItems'" in err.value.message and "#/properties/x/uniqueItems" in err.value.message
+
+
+def test_refused_schema_is_a_400_before_compiling(tokenizer):
+    """Regression: a schema with a keyword xgrammar ignores used to compile and let invalid JSON through."""
+    compiler = GrammarCompiler(tokenizer, VOCAB, compile_timeout_s=None)
+    with pytest.raises(InvalidRequestError) as err:
+        compiler.compile(StructuredOutput(json_schema={"type": "object", "not": {"required": ["a"]}}))
+    assert err.value.param == "response_format" and err.value.http_status == 400
+    assert "'not'" in err.value.message
+    assert compiler.compile(StructuredOutput(json_schema={"type": "object", "title": "ok"})) is not None
+
+
+def test_compile_past_the_time_limit_is_ended(tokenizer):
+    """A schema whose compile takes seconds (large bounded regex repetitions) gets a 400 naming the
+    limit, its compile process is killed, and the next compile works in a fresh one."""
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^([a-z]{1,20}[0-9]{1,20}){1,400}$"}
+                                             for i in range(10)}}
+    compiler = GrammarCompiler(tokenizer, VOCAB, compile_timeout_s=0.3)
+    try:
+        with pytest.raises(InvalidRequestError) as err:
+            compiler.compile(StructuredOutput(json_schema=slow))
+        assert err.value.param == "response_format" and "0.3 s" in err.value.message
+        compiled = compiler.compile(StructuredOutput(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}}))
+        state = compiler.new_state(compiled)
+        assert state.matcher.accept_string('{"a": 7}') and state.matcher.is_completed()
+        with pytest.raises(InvalidRequestError, match="cannot compile"):
+            compiler.compile(StructuredOutput(json_schema={"type": "object", "properties": {"a": {"$ref": "#/nope"}}}))
+    finally:
+        compiler._worker.close()
+
+
+def _case_files(n: int) -> list[Path]:
+    if not CASES.is_dir():
+        pytest.skip(f"shared JSONSchemaBench cases not found at {CASES} (../shared/data); faithfulness not checked")
+    from bench.structured import sample_cases
+
+    return sample_cases(CASES, n)
+
+
+def test_refusal_removes_leaks_on_real_cases(tokenizer):
+    """On a spread of real cases, invalid instances the matcher accepts ("leaks") are counted for all
+    compiled schemas and for the schemas the engine serves: the refusal must remove leaks, and what
+    it serves must leak at most once in the sample. Known residual (bench/results/structured_faithfulness_cpu.json,
+    leaking_cases): Github_medium---o21112 accepts `"deliveryTypes": []` despite minItems 1, a miss
+    of xgrammar's inside that object that standalone arrays do not show; not yet attributed."""
+    import xgrammar as xgr
+
+    from bench.structured import serialize
+
+    compiler = GrammarCompiler(tokenizer, VOCAB, compile_timeout_s=None)
+    leaks_all, leaks_served, checked = set(), set(), 0
+    for path in _case_files(60):
+        case = json.loads(path.read_text())
+        refused = first_unenforceable(case["schema"]) is not None
+        try:
+            compiled = compiler.compile(StructuredOutput(json_schema=case["schema"])) if not refused else \
+                compiler._compiler.compile_json_schema(json.dumps(case["schema"]), any_whitespace=False,
+                                                        separators=(", ", ": "))
+        except (InvalidRequestError, RuntimeError):
+            continue
+        for test in (t for t in case["tests"] if not t["valid"]):
+            checked += 1
+            matcher = xgr.GrammarMatcher(compiled)
+            if matcher.accept_string(serialize(test["data"], case["schema"])) and matcher.is_completed():
+                leaks_all.add(path.name)
+                leaks_served.update([] if refused else [path.name])
+    assert checked > 20
+    assert len(leaks_served) < len(leaks_all), (leaks_all, leaks_served)
+    assert len(leaks_served) <= 1, f"served schemas accepted invalid instances: {sorted(leaks_served)}"
