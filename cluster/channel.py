@@ -2,7 +2,8 @@
 
 One message is:
   1. sender -> receiver: a meta frame int64[2] (magic, header length) and the msgpack header bytes,
-     which carry the caller's header plus the dtype and shape of every payload tensor;
+     which carry the caller's header (a hand-over's is `cluster.protocol.HandoverHeader.to_wire()`,
+     bytes the channel does not read) plus the dtype and shape of every payload tensor;
   2. receiver -> sender: an answer int64[1], 1 = "blocks are ready, send", 0 = "drop it";
   3. sender -> receiver: the payload tensors, as raw bytes, only after a "send" answer.
 
@@ -54,7 +55,7 @@ class TensorSpec:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    header: dict
+    header: dict | bytes  # as the sender gave it
     payload: tuple[TensorSpec, ...]
 
 
@@ -119,7 +120,7 @@ class KVChannel:
         return not self._closed.is_set() and self._broken is None
 
     # ------------------------------------------------------------------ sender
-    def send_header(self, header: dict, payload: list[torch.Tensor] | tuple[TensorSpec, ...],
+    def send_header(self, header: dict | bytes, payload: list[torch.Tensor] | tuple[TensorSpec, ...],
                     timeout_s: float = 30.0) -> None:
         specs = [p if isinstance(p, TensorSpec) else TensorSpec.of(p) for p in payload]
         body = msgpack.packb({"h": header, "p": [s.to_wire() for s in specs]}, use_bin_type=True)

@@ -14,3 +14,14 @@ class WorkerDiedError(TandemError):
 
     http_status = 503
     error_type = "unavailable_error"
+
+
+class HandoverHeaderError(TandemError):
+    """A hand-over header is not what this decode rank's protocol expects (version, fields, bytes)."""
+
+    http_status = 503
+    error_type = "unavailable_error"
+
+    def __init__(self, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.request_id = request_id  # when the header says which request it was for

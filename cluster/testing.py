@@ -1,18 +1,23 @@
-"""Test support: one embedded Ray per test session, shared by every test package that needs it.
+"""Test support: one embedded Ray per test session, shared by every test package that needs it, a tiny
+checkpoint, and bounded waits on events (tests assert events, never wall-clock limits).
 
-Each test folder's conftest imports `ray_session`. Pytest then holds one fixture per folder, so the
-fixture counts its users: the first starts Ray, the last (at session end) shuts it down.
+tests/conftest.py imports `ray_session`; the fixture counts its users (a conftest of its own elsewhere
+would make a second fixture): the first starts Ray, the last (at session end) shuts it down.
 """
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
+import time
+from typing import Callable, TypeVar
 
 import pytest
 
 from cluster.runtime import RayOptions, init_ray, shutdown_ray
 
 _users = 0
+T = TypeVar("T")
 TEST_NUM_CPUS = int(os.environ.get("TANDEM_TEST_RAY_CPUS", "8"))  # logical: actors mostly wait
 
 
@@ -30,6 +35,41 @@ def ray_session():
     _users -= 1
     if _users == 0:
         shutdown_ray()
+
+
+# Tests wait for events, never assert wall-clock limits: the machine is shared and slow at times. These
+# bounds only turn a hang into a failure that says what never happened.
+def wait_for(condition: Callable[[], T], what: str, timeout_s: float = 120.0, poll_s: float = 0.05) -> T:
+    """Poll `condition` until it returns something truthy, and return that; AssertionError naming `what`
+    if it never does within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f}s (last seen: {value!r})")
+        time.sleep(poll_s)
+
+
+def returns(fn: Callable[[], T], what: str, timeout_s: float = 120.0) -> T:
+    """`fn()` run on a thread: its result, or what it raised; AssertionError naming `what` if it hangs."""
+    done: dict = {}
+
+    def _run():
+        try:
+            done["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller
+            done["error"] = e
+
+    t = threading.Thread(target=_run, daemon=True, name=f"returns-{what}")
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise AssertionError(f"{what}: still blocked after {timeout_s:.0f}s")
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 CHAT_TEMPLATE = (

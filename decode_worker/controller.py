@@ -3,7 +3,10 @@
 Each request it serves goes EXPECTED (its stream is open, its hand-over is on the way) -> RESERVING
 (every rank has the header; blocks are reserved and the payload is coming) -> RUNNING (committed on
 every rank; its tokens flow to its stream). The controller turns the ranks' step reports into the
-next step's commands and the per-request stream events. A request whose client went away is dropped
+next step's work for each rank (a RankStep: its commands, and whether the group runs a forward) and the
+per-request stream events. A request is placed on ranks (under tensor parallelism: every rank, and rank 0
+reports its tokens); its commands go to those ranks only, and every rank gets a RankStep each step, with
+or without commands of its own, so that the ranks step in lockstep. A request whose client went away is dropped
 before its blocks exist, or aborted after its payload landed (never while a payload is being written
 into its blocks, which could by then belong to someone else).
 """
@@ -13,16 +16,11 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
-from decode_worker.protocol import Command, CommandKind, StepReport, TokenDelta
+from cluster.protocol import Command, CommandKind, RankStep, StepReport, StreamError, TokenDelta
 
-
-@dataclass(frozen=True, slots=True)
-class StreamError:
-    """Ends a request's stream with an error (a typed value: the router maps it to a response)."""
-    message: str
-    error_type: str = "unavailable_error"
-    status: int = 503
+Placement = tuple[int, ...]  # the ranks that hold a request, in order; the first reports its tokens
 
 
 class Phase(enum.Enum):
@@ -36,6 +34,7 @@ class Tracked:
     request_id: str
     sink: asyncio.Queue  # TokenDelta | StreamError items
     deadline: float  # for the header to reach every rank
+    ranks: Placement
     phase: Phase = Phase.EXPECTED
     arrived: set[int] = field(default_factory=set)
     landed: set[int] = field(default_factory=set)
@@ -46,12 +45,20 @@ class Tracked:
     handover_bytes: int = 0  # over all ranks
 
 
+def tensor_parallel(tp_size: int) -> Callable[[str], Placement]:
+    """Every rank holds every request (its KV-head slice); rank 0 reports the tokens all ranks compute."""
+    every = tuple(range(tp_size))
+    return lambda request_id: every
+
+
 class DecodeController:
-    def __init__(self, tp_size: int, handover_timeout_s: float = 60.0):
+    def __init__(self, tp_size: int, handover_timeout_s: float = 60.0,
+                 place: Callable[[str], Placement] | None = None):
         self.tp_size = tp_size
         self.handover_timeout_s = handover_timeout_s
+        self.place = place or tensor_parallel(tp_size)
         self.requests: dict[str, Tracked] = {}
-        self._commands: list[Command] = []
+        self._commands: list[list[Command]] = [[] for _ in range(tp_size)]  # per rank, for the next step
         self.kv_blocks_used = 0
         self.kv_blocks_total = 0
         self.num_running = 0
@@ -62,7 +69,8 @@ class DecodeController:
     def expect(self, request_id: str, sink: asyncio.Queue) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already being decoded")
-        self.requests[request_id] = Tracked(request_id, sink, time.monotonic() + self.handover_timeout_s)
+        self.requests[request_id] = Tracked(request_id, sink, time.monotonic() + self.handover_timeout_s,
+                                            self.place(request_id))
 
     def cancel(self, request_id: str) -> None:
         """The stream is gone (client disconnect, stop string, prefill failure)."""
@@ -71,37 +79,43 @@ class DecodeController:
             return
         if t.phase is Phase.EXPECTED:
             del self.requests[request_id]
-            self._commands.append(Command(CommandKind.DROP, request_id))
+            self._send(CommandKind.DROP, t)
         elif t.phase is Phase.RESERVING:
             t.cancelled = True  # aborted once the payload has landed (or failed)
         else:
             del self.requests[request_id]
-            self._commands.append(Command(CommandKind.ABORT, request_id))
+            self._send(CommandKind.ABORT, t)
 
     # ------------------------------------------------------------------ the step loop
     @property
     def has_work(self) -> bool:
-        return bool(self.requests) or bool(self._commands)
+        return bool(self.requests) or any(self._commands)
 
     @property
     def decoding(self) -> bool:
         return self.num_running > 0
 
-    def next_commands(self, now: float | None = None) -> list[Command]:
+    def next_step(self, now: float | None = None) -> list[RankStep]:
+        """One RankStep per rank, in rank order (a rank without commands still steps with the group)."""
         now = time.monotonic() if now is None else now
         for t in list(self.requests.values()):
             if t.phase is Phase.EXPECTED and now > t.deadline:
                 self._fail(t, f"the hand-over did not reach the decode group within {self.handover_timeout_s:.0f}s",
-                           Command(CommandKind.DROP, t.request_id))
-        commands, self._commands = self._commands, []
-        return commands
+                           CommandKind.DROP)
+        running = [t for t in self.requests.values() if t.phase is Phase.RUNNING]
+        reporters = {t.ranks[0] for t in running}
+        steps = [RankStep(tuple(commands), forward=bool(running), reports_tokens=rank in reporters)
+                 for rank, commands in enumerate(self._commands)]
+        self._commands = [[] for _ in range(self.tp_size)]
+        return steps
 
     def on_reports(self, reports: list[StepReport]) -> None:
-        lead = reports[0]
+        lead = reports[0]  # under TP every rank holds the same requests and blocks
         self.kv_blocks_used, self.kv_blocks_total = lead.kv_blocks_used, lead.kv_blocks_total
         self.num_running = lead.num_running
-        for d in lead.deltas:
-            self._deliver(d)
+        for rep in reports:
+            for d in rep.deltas:
+                self._deliver(d, rep.tp_rank)
         for rep in reports:
             for rid, reason in rep.failed:
                 self._on_failed(rid, rep.tp_rank, reason)
@@ -109,7 +123,7 @@ class DecodeController:
                 self._on_arrived(rid, rep.tp_rank)
             for rid in rep.deferred:
                 t = self.requests.get(rid)
-                if t is not None and rep.tp_rank == 0:
+                if t is not None and rep.tp_rank == t.ranks[0]:
                     t.phase = Phase.EXPECTED  # no free blocks now (on any rank): ask again after the next step
             for rid, seconds, unpack, nbytes in rep.handover_seconds:
                 t = self.requests.get(rid)
@@ -120,20 +134,20 @@ class DecodeController:
             for rid in rep.landed:
                 self._on_landed(rid, rep.tp_rank)
         for t in list(self.requests.values()):
-            if t.phase is Phase.EXPECTED and len(t.arrived) == self.tp_size:
+            if t.phase is Phase.EXPECTED and t.arrived.issuperset(t.ranks):
                 if t.cancelled:
                     del self.requests[t.request_id]
-                    self._commands.append(Command(CommandKind.DROP, t.request_id))
+                    self._send(CommandKind.DROP, t)
                 else:
                     t.phase = Phase.RESERVING
-                    self._commands.append(Command(CommandKind.RESERVE, t.request_id))
+                    self._send(CommandKind.RESERVE, t)
 
     def fail_all(self, message: str) -> None:
         """The group died: every stream ends with an error; the next group starts clean."""
         for t in list(self.requests.values()):
             t.sink.put_nowait(StreamError(message))
         self.requests.clear()
-        self._commands.clear()
+        self._commands = [[] for _ in range(self.tp_size)]
         self.num_running = 0
         self.kv_blocks_used = 0
 
@@ -141,7 +155,9 @@ class DecodeController:
     def _on_arrived(self, rid: str, rank: int) -> None:
         t = self.requests.get(rid)
         if t is None or t.phase is not Phase.EXPECTED:
-            self._commands.append(Command(CommandKind.DROP, rid))  # nobody waits for it any more
+            # Nobody waits for it any more. Where the other ranks' copies are is unknown (it is not tracked):
+            # every rank drops it, which is a no-op on a rank that never got it.
+            self._send(CommandKind.DROP, rid, range(self.tp_size))
             return
         t.arrived.add(rank)
 
@@ -157,7 +173,7 @@ class DecodeController:
         if t is None:
             return
         if t.phase is Phase.EXPECTED:  # no blocks yet: refuse the header wherever it is parked
-            self._fail(t, f"hand-over failed on rank {rank}: {reason}", Command(CommandKind.DROP, rid))
+            self._fail(t, f"hand-over failed on rank {rank}: {reason}", CommandKind.DROP)
             return
         if not t.cancelled:
             t.sink.put_nowait(StreamError(f"hand-over failed on rank {rank}: {reason}"))
@@ -167,27 +183,33 @@ class DecodeController:
 
     def _settle(self, t: Tracked) -> None:
         """Once every rank's payload has landed or failed, commit, or abort (which frees the blocks)."""
-        if len(t.landed | t.failed) < self.tp_size:
+        if not (t.landed | t.failed).issuperset(t.ranks):
             return
         if t.cancelled:
             del self.requests[t.request_id]
-            self._commands.append(Command(CommandKind.ABORT, t.request_id))
+            self._send(CommandKind.ABORT, t)
             return
         self.handovers.append((t.handover_seconds, t.unpack_seconds, t.handover_bytes))
         self.handovers_total += 1
         del self.handovers[:-512]
         t.phase = Phase.RUNNING
-        self._commands.append(Command(CommandKind.COMMIT, t.request_id))
+        self._send(CommandKind.COMMIT, t)
 
-    def _deliver(self, delta: TokenDelta) -> None:
+    def _deliver(self, delta: TokenDelta, rank: int) -> None:
         t = self.requests.get(delta.request_id)
-        if t is None or t.phase is not Phase.RUNNING:
+        if t is None or t.phase is not Phase.RUNNING or rank != t.ranks[0]:
             return
         t.sink.put_nowait(delta)
         if delta.finished:
             del self.requests[delta.request_id]
 
-    def _fail(self, t: Tracked, message: str, *commands: Command) -> None:
+    def _fail(self, t: Tracked, message: str, kind: CommandKind) -> None:
         t.sink.put_nowait(StreamError(message))
         self.requests.pop(t.request_id, None)
-        self._commands.extend(commands)
+        self._send(kind, t)
+
+    def _send(self, kind: CommandKind, t: Tracked | str, ranks=None) -> None:
+        """Queue a command for the next step on the ranks that hold the request (or `ranks`)."""
+        rid = t if isinstance(t, str) else t.request_id
+        for rank in (t.ranks if ranks is None else ranks):
+            self._commands[rank].append(Command(kind, rid))

@@ -13,10 +13,10 @@ import time
 
 from cluster.errors import WorkerDiedError
 from cluster.placement import RankResources
+from cluster.protocol import StreamError, TokenDelta
 from decode_worker.config import DecodeConfig
-from decode_worker.controller import DecodeController, StreamError
+from decode_worker.controller import DecodeController
 from decode_worker.group import GroupSpec, RankGroup
-from decode_worker.protocol import TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +27,10 @@ class DecodeServer:
     async def __init__(self, config: DecodeConfig | dict):
         self.config = config if isinstance(config, DecodeConfig) else DecodeConfig(**config)
         c = self.config
-        gpus = 1.0 if c.device.startswith("cuda") else 0.0
-        self.spec = GroupSpec(engine_config=c.engine_config(), tp_size=c.tp_size,
-                              resources=RankResources(num_cpus=c.rank_num_cpus, num_gpus=gpus),
-                              torch_threads=c.torch_threads if gpus == 0 else None,
+        gpus = 1.0 if c.device == "cuda" else 0.0
+        self.spec = GroupSpec(engine=c, tp_size=c.tp, resources=RankResources(num_cpus=c.rank_num_cpus, num_gpus=gpus),
                               step_timeout_s=c.step_timeout_s)
-        self.ctrl = DecodeController(c.tp_size, c.handover_timeout_s)
+        self.ctrl = DecodeController(c.tp, c.handover_timeout_s)
         self.group: RankGroup = await RankGroup.start(self.spec)
         self.groups_started = 1
         self._wake = asyncio.Event()
@@ -88,10 +86,10 @@ class DecodeServer:
                 await self._wake.wait()
                 continue
             group = self.group
-            commands = self.ctrl.next_commands()
-            wait_s = 0.0 if (commands or self.ctrl.decoding) else IDLE_POLL_S
+            work = self.ctrl.next_step()
+            wait_s = 0.0 if (any(w.commands for w in work) or self.ctrl.decoding) else IDLE_POLL_S
             try:
-                reports = await group.step(commands, wait_s)
+                reports = await group.step(work, wait_s)
             except WorkerDiedError as e:
                 await self._recover(group, str(e))
                 continue
@@ -123,7 +121,7 @@ class DecodeServer:
             "group_id": self.group.group_id if self.group else None,
             "max_num_seqs": self.config.max_num_seqs,
             "groups_started": self.groups_started,
-            "tp_size": self.config.tp_size,
+            "tp_size": self.config.tp,
             "num_requests": len(self.ctrl.requests),
             "num_running": self.ctrl.num_running,
             "kv_blocks_used": self.ctrl.kv_blocks_used,

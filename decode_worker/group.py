@@ -14,7 +14,8 @@ import ray
 
 from cluster.errors import WorkerDiedError
 from cluster.placement import RankResources, in_bundle, release, reserve_ranks
-from decode_worker.protocol import Command, DecodeTarget, KVLayout, RankEndpoint, StepReport
+from cluster.protocol import DecodeTarget, KVLayout, RankEndpoint, RankStep, StepReport
+from cluster.settings import EngineSettings
 from decode_worker.rank import rank_actor_class
 from engine.parallel import kv_head_slice
 
@@ -23,10 +24,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
-    engine_config: dict  # EngineConfig fields (model, device, dtype, num_kv_blocks, ...) without tp
+    engine: EngineSettings  # every rank's engine, each with its own tp_rank
     tp_size: int
     resources: RankResources
-    torch_threads: int | None = 1
     strategy: str = "PACK"
     start_timeout_s: float = 300.0
     step_timeout_s: float = 120.0
@@ -47,7 +47,7 @@ class RankGroup:
                                  name=f"tandem-decode-{group_id}")
         cls = rank_actor_class(spec.resources.num_cpus, spec.resources.num_gpus)
         ranks = [cls.options(scheduling_strategy=in_bundle(pg, r), name=f"tandem-decode-{group_id}-rank{r}")
-                 .remote(spec.engine_config, r, spec.tp_size, spec.torch_threads) for r in range(spec.tp_size)]
+                 .remote(spec.engine, r, spec.tp_size) for r in range(spec.tp_size)]
         try:
             addresses = await asyncio.wait_for(asyncio.gather(*[r.address.remote() for r in ranks]),
                                                spec.start_timeout_s)
@@ -65,14 +65,15 @@ class RankGroup:
             RankEndpoint(actor=ranks[r], store=addresses[r], tp_rank=r,
                          kv_heads=kv_head_slice(layout.num_kv_heads, spec.tp_size, r))
             for r in range(spec.tp_size))
-        target = DecodeTarget(group_id=group_id, ranks=endpoints, layout=layout,
-                              device="cuda" if str(spec.engine_config.get("device", "cpu")).startswith("cuda") else "cpu")
+        target = DecodeTarget(group_id=group_id, ranks=endpoints, layout=layout, device=spec.engine.device)
         log.info("decode group %s up: tp=%d, layout %s", group_id, spec.tp_size, layout)
         return RankGroup(spec, group_id, pg, ranks, target)
 
-    async def step(self, commands: list[Command], wait_s: float) -> list[StepReport]:
-        """Every rank applies `commands` and steps; WorkerDiedError if any rank dies or hangs."""
-        refs = [r.step.remote(commands, wait_s) for r in self.ranks]
+    async def step(self, work: list[RankStep], wait_s: float) -> list[StepReport]:
+        """Every rank applies its RankStep (one per rank, in rank order) and steps; WorkerDiedError if any
+        rank dies or hangs."""
+        assert len(work) == len(self.ranks), (len(work), len(self.ranks))
+        refs = [r.step.remote(w, wait_s) for r, w in zip(self.ranks, work)]
         tasks = [asyncio.ensure_future(_await(ref)) for ref in refs]
         done, pending = await asyncio.wait(tasks, timeout=self.spec.step_timeout_s + wait_s,
                                            return_when=asyncio.FIRST_EXCEPTION)

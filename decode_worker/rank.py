@@ -1,9 +1,10 @@
 """DecodeRank: one tensor-parallel shard of a decode group, as a Ray actor.
 
 The rank holds an LLMEngine built with (tp_size, tp_rank, tp_group) and the receiving ends of its
-hand-over channels. Its state changes only inside `step`, which applies the group's commands in order
-and then runs one engine step; every rank of a group gets the same commands, so all of them hold the
-same requests and the same block tables and call the collectives of a step together.
+hand-over channels. Its state changes only inside `step`, which applies its RankStep's commands in order
+and then takes part in the group's forward. Under tensor parallelism every rank gets the same commands,
+so all of them hold the same requests and the same block tables and call the collectives of a step
+together; only the rank told to report tokens turns the engine's outputs into TokenDeltas.
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import torch
 
 from cluster.channel import RECEIVER, open_channel
 from cluster.groups import backend_for, build_group
+from cluster.protocol import Command, CommandKind, KVLayout, RankStep, StepReport, TokenDelta
 from cluster.rendezvous import StoreAddress, StoreServer, connect_store
-from decode_worker.protocol import Command, CommandKind, KVLayout, StepReport, TokenDelta
+from cluster.settings import EngineSettings
 from decode_worker.receiver import HandoverReceiver
-from engine import CapacityError, EngineConfig, HandoverRequest, LLMEngine, TandemError
+from engine import CapacityError, LLMEngine, TandemError
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +30,10 @@ log = logging.getLogger(__name__)
 class DecodeRank:
     """Created through `ray.remote(...)` by decode_worker.group with the rank's resources."""
 
-    def __init__(self, engine_config: dict, tp_rank: int, tp_size: int, torch_threads: int | None = None):
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        self.engine_config = dict(engine_config, tp_size=tp_size, tp_rank=tp_rank)
+    def __init__(self, settings: EngineSettings, tp_rank: int, tp_size: int):
+        if settings.torch_threads and settings.device == "cpu":
+            torch.set_num_threads(settings.torch_threads)
+        self.settings = settings
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.server = StoreServer()
         self.engine: LLMEngine | None = None
@@ -48,7 +50,8 @@ class DecodeRank:
 
     def join(self, tp_store: StoreAddress, group_id: str, timeout_s: float = 120.0) -> KVLayout:
         """Build the TP group (rank 0's store is the rendezvous) and the engine shard."""
-        cfg = EngineConfig(**self.engine_config)
+        # No rank keeps text: the router detokenizes the reporting rank's tokens and applies stop strings.
+        cfg = self.settings.engine_config(tp_size=self.tp_size, tp_rank=self.tp_rank, detokenize=False)
         if self.tp_size > 1:
             store = self.server.store if self.tp_rank == 0 else connect_store(tp_store, timeout_s)
             self.tp_group = build_group(store, f"tp/{group_id}/", self.tp_rank, self.tp_size,
@@ -61,9 +64,6 @@ class DecodeRank:
         return KVLayout(num_layers=self.engine.kv_cache.shape[0], num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                         block_size=cfg.block_size, dtype=str(self.engine.kv_cache.dtype).removeprefix("torch."))
 
-    def local_kv_heads(self) -> int:
-        return self.engine.kv_cache.shape[4]
-
     def accept(self, channel_id: str, timeout_s: float = 30.0) -> None:
         """The receiving end of a prefill's channel (the prefill calls `connect` at the same time)."""
         channel = open_channel(self.server.store, channel_id, RECEIVER, backend_for(self.engine.cfg.device),
@@ -71,24 +71,26 @@ class DecodeRank:
         self.receiver.add_channel(channel)
 
     # ------------------------------------------------------------------ the lockstep step
-    def step(self, commands: list[Command], wait_s: float = 0.0) -> StepReport:
+    def step(self, work: RankStep, wait_s: float = 0.0) -> StepReport:
         start = time.perf_counter()
         eng = self.engine
         deferred: list[str] = []
         failed: list[tuple[str, str]] = []
-        for cmd in commands:
+        for cmd in work.commands:
             self._apply(cmd, deferred, failed)
-        if not commands and not eng.has_unfinished() and wait_s > 0:
+        if not work.commands and not work.forward and not eng.has_unfinished() and wait_s > 0:
             self.receiver.wait_for_event(wait_s)  # long-poll: nothing to compute, wait for hand-overs
         deltas = []
         if eng.has_unfinished():
             outputs = eng.step()
-            if self.tp_rank == 0:
+            if work.reports_tokens:
                 deltas = [self._delta(o) for o in outputs]
             else:
                 for o in outputs:
                     if o.finished:
                         self._sent.pop(o.request_id, None)
+        elif work.forward:
+            self._idle_forward()
         arrived, landed, broken, timings = self.receiver.take_events()
         stats = eng.stats()
         return StepReport(
@@ -98,20 +100,27 @@ class DecodeRank:
             num_running=stats["num_running"], step_seconds=time.perf_counter() - start,
             handover_seconds=tuple(timings))
 
+    def _idle_forward(self) -> None:
+        """The group runs a forward and this rank holds nothing to run: it must still match the forward's
+        collectives. Under TP that never happens while another rank computes (every rank holds the same
+        requests, so every rank is idle at once) and there is nothing to match; attention data parallelism
+        will run the engine's forward with zero rows here."""
+
     def _apply(self, cmd: Command, deferred: list[str], failed: list[tuple[str, str]]) -> None:
         eng, rid = self.engine, cmd.request_id
         if cmd.kind is CommandKind.RESERVE:
             header = self.receiver.header(rid)
+            request = header.request
             try:
-                block_ids = eng.reserve(HandoverRequest.from_dict(header["handover"]))
+                block_ids = eng.reserve(request, header.grammar.compiled if header.grammar is not None else None)
             except CapacityError:
                 deferred.append(rid)
                 return
-            except (TandemError, KeyError, TypeError) as e:
+            except TandemError as e:
                 self.receiver.drop(rid)
                 failed.append((rid, f"cannot reserve: {e}"))
                 return
-            self._sent[rid] = len(header["handover"]["output_token_ids"])
+            self._sent[rid] = len(request.output_token_ids)
             self.receiver.provide_blocks(rid, block_ids)
         elif cmd.kind is CommandKind.COMMIT:
             hidden = self.receiver.take_hidden(rid)
@@ -141,8 +150,6 @@ class DecodeRank:
 
     def kv_blocks(self, request_id: str):
         """[L, 2, n, S, local heads, D] copy of a request's KV blocks (for checks; not on the hot path)."""
-        import torch
-
         table = self.engine.blocks.table(request_id)
         return self.engine.kv_cache.index_select(2, torch.tensor(table, dtype=torch.long)).clone()
 

@@ -1,9 +1,10 @@
 """HandoverReceiver: the incoming channels of one decode rank, each served by its own thread.
 
-Per message the thread receives the header, parks it as an arrival and waits for the rank's step
+Per message the thread reads the header (a cluster.protocol.HandoverHeader; one it cannot read is
+refused, and its request fails with the reason), parks it as an arrival and waits for the rank's step
 thread to either reserve blocks (`provide_blocks`) or refuse it (`drop`). Reserve happens in lockstep
-on every rank (same commands, same order), so block allocation never depends on thread timing; the
-payload is then received and written into the reserved blocks while decoding goes on.
+(the step's commands, in order), so block allocation never depends on thread timing; the payload is
+then received, by name, and written into the reserved blocks while decoding goes on.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.channel import KVChannel, Message
-from cluster.errors import ChannelError
+from cluster.errors import ChannelError, HandoverHeaderError
+from cluster.protocol import HandoverHeader, HandoverPayload
 from kernels.kv_transfer import unpack_kv
 
 log = logging.getLogger(__name__)
@@ -23,10 +25,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True, eq=False)
 class _Arrival:
+    header: HandoverHeader
     message: Message
     channel: KVChannel
     decided: threading.Event = field(default_factory=threading.Event)
     block_ids: list[int] | None = None  # None with `decided` set: dropped
+
+
+def _read_header(message: Message) -> HandoverHeader:
+    header = HandoverHeader.from_wire(message.header)
+    if len(header.parts) != len(message.payload):
+        raise HandoverHeaderError(f"the header names payload parts {[p.value for p in header.parts]} but "
+                                  f"{len(message.payload)} tensors follow", request_id=header.request_id)
+    return header
 
 
 class HandoverReceiver:
@@ -49,9 +60,9 @@ class HandoverReceiver:
             self._channels.append(channel)
         threading.Thread(target=self._serve, args=(channel,), daemon=True, name=f"handover-rx-{channel.name}").start()
 
-    def header(self, request_id: str) -> dict:
+    def header(self, request_id: str) -> HandoverHeader:
         with self._lock:
-            return self._pending[request_id].message.header
+            return self._pending[request_id].header
 
     def provide_blocks(self, request_id: str, block_ids: list[int]) -> None:
         with self._lock:
@@ -105,8 +116,13 @@ class HandoverReceiver:
                 message = channel.recv_header()
                 if message is None:
                     return
-                rid = message.header["request_id"]
-                arrival = _Arrival(message, channel)
+                try:
+                    header = _read_header(message)
+                except HandoverHeaderError as e:
+                    self._refuse(channel, e)
+                    continue
+                rid = header.request_id
+                arrival = _Arrival(header, message, channel)
                 with self._lock:
                     if self._stopping:
                         return
@@ -122,24 +138,36 @@ class HandoverReceiver:
                     continue
                 channel.answer(True)
                 start = time.perf_counter()
-                payload = channel.recv_payload(message, timeout_s=self.payload_timeout_s)
+                payload = HandoverPayload.assemble(
+                    header.parts, channel.recv_payload(message, timeout_s=self.payload_timeout_s))
                 received = time.perf_counter()
-                self._write(message, arrival.block_ids, payload)
+                self._write(arrival.block_ids, payload)
                 unpacked = time.perf_counter()
                 with self._lock:
-                    if len(payload) > 1:
-                        self._hidden[rid] = payload[1]
+                    if payload.draft_hidden is not None:
+                        self._hidden[rid] = payload.draft_hidden
                     self._pending.pop(rid, None)
                     self._landed.append(rid)
-                    self._timings.append((rid, received - start, unpacked - received,
-                                          sum(t.numel() * t.element_size() for t in payload)))
+                    self._timings.append((rid, received - start, unpacked - received, payload.nbytes))
                     self._lock.notify_all()
                 rid = None
-        except (ChannelError, ValueError, KeyError) as e:
+        except (ChannelError, ValueError) as e:
             self._fail_channel(channel, rid, str(e))
 
-    def _write(self, message: Message, block_ids: list[int], payload: list[torch.Tensor]) -> None:
-        kv = payload[0]  # [num_layers, 2, n_blocks, block_size, local kv heads, head_dim]
+    def _refuse(self, channel: KVChannel, error: HandoverHeaderError) -> None:
+        """A header this rank cannot read: no payload is let in (the channel stays usable), and the request,
+        when the header names it, fails with the reason instead of waiting for its hand-over deadline."""
+        log.warning("hand-over header refused on channel %s: %s", channel.name, error.message)
+        channel.answer(False)
+        if error.request_id is not None:
+            with self._lock:
+                self._failed.append((error.request_id, f"bad hand-over header: {error.message}"))
+                self._lock.notify_all()
+
+    def _write(self, block_ids: list[int], payload: HandoverPayload) -> None:
+        if payload.draft_kv is not None:
+            raise ValueError("a separate draft KV cache is not supported by this decode rank")
+        kv = payload.kv  # [num_layers, 2, n_blocks, block_size, local kv heads, head_dim]
         expected = self.kv_cache[:, :, : len(block_ids)].shape
         if kv.shape != expected or kv.dtype != self.kv_cache.dtype:
             raise ValueError(f"hand-over KV {kv.dtype}{list(kv.shape)} does not fit this rank's cache "

@@ -19,25 +19,15 @@ log = logging.getLogger("tandem.serve")
 
 
 def parser() -> argparse.ArgumentParser:
+    from deploy.config import TandemConfig
+    from deploy.flags import add_model_flags
+
     ap = argparse.ArgumentParser(prog="tandem serve", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="target model directory (default: the zoo's tiny target, built if missing)")
-    ap.add_argument("--served-model-name", help="name clients send as `model` (default: the directory's name)")
-    ap.add_argument("--draft", help="draft model / head directory for speculative decoding")
-    ap.add_argument("--speculative-method", default=None, choices=["none", "mtp", "eagle3", "ngram", "draft_model"],
-                    help="default: mtp with the zoo's head when serving the zoo (no --model), else none")
-    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=0, help="draft tokens per step "
-                                                                               "(default 3 with a method)")
-    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per decode group")
-    ap.add_argument("--prefill-replicas", type=int, default=1)
-    ap.add_argument("--decode-replicas", type=int, default=1)
-    ap.add_argument("--router-replicas", type=int, default=1)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
-    ap.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per engine")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--max-inflight", type=int, default=256, help="requests per router replica before HTTP 429")
+    # Every deployment setting is a flag made from TandemConfig's fields; serving the zoo changes two defaults.
+    add_model_flags(ap, TandemConfig, aliases={"num_speculative_tokens": ("-k",)}, overrides={
+        "model": dict(help="target model directory (default: the zoo's tiny target, built if missing)"),
+        "speculative_method": dict(default=None, help="speculative decoding method (default: mtp with the zoo's "
+                                                      "head when serving the zoo, no --model; else none)")})
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--address", default=None, help="Ray address to join ('auto', 'host:6379'); default: "
@@ -67,16 +57,12 @@ def _zoo_defaults(args: argparse.Namespace) -> dict:
 
 def tandem_config(args: argparse.Namespace):
     from deploy.config import TandemConfig
+    from deploy.flags import model_kwargs
 
-    chosen = _zoo_defaults(args) if args.model is None else dict(
-        model=args.model, served_model_name=args.served_model_name, draft=args.draft,
-        speculative_method=args.speculative_method or "none")
-    return TandemConfig(
-        **chosen, num_speculative_tokens=args.num_speculative_tokens,
-        tp=args.tp, prefill_replicas=args.prefill_replicas, decode_replicas=args.decode_replicas,
-        router_replicas=args.router_replicas, device=args.device, dtype=args.dtype,
-        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, max_inflight=args.max_inflight)
+    chosen = model_kwargs(args, TandemConfig)
+    if args.model is None:
+        chosen.update(_zoo_defaults(args))
+    return TandemConfig(**chosen)
 
 
 def usage_text(host: str, port: int, model: str) -> str:

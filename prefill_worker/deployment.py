@@ -9,9 +9,9 @@ import uuid
 
 import torch
 
-from decode_worker.protocol import DecodeTarget
-from engine import EngineConfig, LLMEngine
-from prefill_worker.config import ModelInfo, PrefillConfig, PrefillRequest, PrefillResult
+from cluster.protocol import DecodeTarget, ModelInfo, PrefillRequest, PrefillResult
+from engine import LLMEngine
+from prefill_worker.config import PrefillConfig
 from prefill_worker.loop import PrefillLoop
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ class PrefillServer:
         c = self.config
         if c.torch_threads and not c.device.startswith("cuda"):
             torch.set_num_threads(c.torch_threads)
-        self.engine = LLMEngine(EngineConfig(**c.engine_config()))
+        self.engine = LLMEngine(c.engine_config(detokenize=False))  # the router detokenizes and applies stops
         self.name = f"prefill-{uuid.uuid4().hex[:8]}"
         self.loop = PrefillLoop(self.engine, self.name, c.transfer_timeout_s, c.connect_timeout_s)
 

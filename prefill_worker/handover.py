@@ -23,11 +23,18 @@ import torch
 from cluster.channel import SENDER, KVChannel, connect_channel
 from cluster.errors import ChannelError
 from cluster.groups import backend_for
-from decode_worker.protocol import DecodeTarget, RankEndpoint
+from cluster.protocol import DecodeTarget, GrammarHandover, HandoverHeader, HandoverPayload, RankEndpoint
 from engine import Handover
 from kernels.kv_transfer import pack_kv
 
 log = logging.getLogger(__name__)
+
+
+def _grammar(handover: Handover) -> GrammarHandover | None:
+    structured = handover.request.params.structured_output
+    if structured is None:
+        return None
+    return GrammarHandover(cache_key=structured.key(), compiled=handover.compiled_grammar)
 
 
 def pack_blocks(kv_cache: torch.Tensor, block_ids: list[int], heads: tuple[int, int]) -> torch.Tensor:
@@ -105,39 +112,39 @@ class HandoverSender:
                 if not released:
                     self.release(rid)
 
-    def _pack(self, handover: Handover, target: DecodeTarget) -> tuple[list[list[torch.Tensor]], float]:
+    def _pack(self, handover: Handover, target: DecodeTarget) -> tuple[list[HandoverPayload], float]:
+        """One payload per rank of `target`, in rank order."""
         start = time.perf_counter()
         h = handover.request
         n_blocks = -(-h.num_computed_tokens // h.block_size)
         block_ids = handover.block_ids[:n_blocks]
         by_slice: dict[tuple[int, int], torch.Tensor] = {}
-        payloads = []
         # With speculation the cache's extra layers hold the draft's KV (same heads, same slices), and the
         # draft head's input at the last prompt row travels along whole to every rank.
-        extra = [handover.hidden.contiguous()] if handover.hidden is not None else []
+        hidden = handover.hidden.contiguous() if handover.hidden is not None else None
+        payloads = []
         for rank in target.ranks:
             if rank.kv_heads not in by_slice:
                 by_slice[rank.kv_heads] = pack_blocks(self.kv_cache, block_ids, rank.kv_heads)
-            payloads.append([by_slice[rank.kv_heads], *extra])
+            payloads.append(HandoverPayload(kv=by_slice[rank.kv_heads], draft_hidden=hidden))
         if self.kv_cache.device.type == "cuda":
             torch.cuda.current_stream(self.kv_cache.device).synchronize()
         return payloads, time.perf_counter() - start
 
-    def _send(self, handover: Handover, target: DecodeTarget, payloads: list[list[torch.Tensor]], pack_s: float) -> None:
+    def _send(self, handover: Handover, target: DecodeTarget, payloads: list[HandoverPayload], pack_s: float) -> None:
         rid = handover.request.request_id
         channels = [self._channel(target, rank) for rank in target.ranks]
         start = time.perf_counter()
-        for rank, ch, payload in zip(target.ranks, channels, payloads):
-            header = {"request_id": rid, "handover": handover.request.to_dict(), "kv_heads": list(rank.kv_heads),
-                      "sent_at": time.time()}
-            ch.send_header(header, payload, self.transfer_timeout_s)
+        header = HandoverHeader(handover.request, payloads[0].parts, _grammar(handover)).to_wire()  # same for every rank
+        for ch, payload in zip(channels, payloads):
+            ch.send_header(header, payload.tensors, self.transfer_timeout_s)
         # Each rank's payload starts as soon as that rank answers, and all of them move at once.
         pending, answers = [], []
         for ch, payload in zip(channels, payloads):
             go = ch.wait_answer(self.transfer_timeout_s)
             answers.append(go)
             if go:
-                pending.append((ch, ch.post_payload(payload)))
+                pending.append((ch, ch.post_payload(payload.tensors)))
         answered = time.perf_counter()
         for ch, p in pending:
             ch.finish_payload(p, self.transfer_timeout_s)

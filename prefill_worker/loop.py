@@ -13,9 +13,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from decode_worker.protocol import DecodeTarget
+from cluster.protocol import DecodeTarget, PrefillRequest, PrefillResult
 from engine import LLMEngine, SamplingParams, TandemError
-from prefill_worker.config import PrefillRequest, PrefillResult
 from prefill_worker.handover import HandoverSender
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,8 @@ from typing import AsyncIterator
 import ray
 from ray.serve.exceptions import BackPressureError
 
-from decode_worker.controller import StreamError
+from cluster.protocol import PrefillRequest, PrefillResult, StreamError
 from engine.errors import TandemError
-from prefill_worker.config import PrefillRequest, PrefillResult
 from router.errors import APIError
 
 log = logging.getLogger(__name__)

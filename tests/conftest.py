@@ -34,3 +34,8 @@ def pytest_collection_modifyitems(config, items):
 
 # `zoo_dir`: the tiny zoo, built once per machine through the zoo's build cache (zoo/testing.py).
 pytest_plugins = ["zoo.testing"]
+
+# Fixtures shared by the serving tests (cluster, workers, router, deploy): one embedded Ray, one tiny
+# checkpoint and one Tandem Serve application per session.
+from cluster.testing import ray_session, tiny_model_dir  # noqa: E402,F401
+from deploy.testing import tandem_server  # noqa: E402,F401

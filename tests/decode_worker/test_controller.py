@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
-from decode_worker.controller import DecodeController, Phase, StreamError
-from decode_worker.protocol import Command, CommandKind, StepReport, TokenDelta
+from cluster.protocol import CommandKind, StepReport, StreamError, TokenDelta
+from decode_worker.controller import DecodeController, Phase
 
 R, C, A, D = CommandKind.RESERVE, CommandKind.COMMIT, CommandKind.ABORT, CommandKind.DROP
 
@@ -16,7 +16,10 @@ def report(rank, deltas=(), arrived=(), landed=(), failed=(), deferred=(), used=
 
 
 def cmds(ctrl, now=0.0):
-    return [(c.kind, c.request_id) for c in ctrl.next_commands(now)]
+    """The next step's commands, which under tensor parallelism are the same list for every rank."""
+    steps = ctrl.next_step(now)
+    assert len(steps) == ctrl.tp_size and all(s.commands == steps[0].commands for s in steps), steps
+    return [(c.kind, c.request_id) for c in steps[0].commands]
 
 
 def drain(q: asyncio.Queue) -> list:
@@ -128,3 +131,41 @@ def test_duplicate_request_ids_are_refused():
         assert "already" in str(e)
     else:
         raise AssertionError("a duplicate id was accepted")
+
+
+def plan(ctrl, now=0.0):
+    """Per rank: (commands, forward, reports_tokens) of the next step."""
+    return [([(c.kind, c.request_id) for c in s.commands], s.forward, s.reports_tokens) for s in ctrl.next_step(now)]
+
+
+def test_every_rank_steps_with_the_group_and_only_rank_0_reports_tokens():
+    ctrl, q = DecodeController(tp_size=3), asyncio.Queue()
+    assert plan(ctrl) == [([], False, False)] * 3  # nothing to run: no forward, but a step for every rank
+    ctrl.expect("a", q)
+    ctrl.on_reports([report(r, arrived=["a"]) for r in range(3)])
+    assert plan(ctrl) == [([(R, "a")], False, False)] * 3
+    ctrl.on_reports([report(r, landed=["a"]) for r in range(3)])
+    assert plan(ctrl) == [([(C, "a")], True, True), ([(C, "a")], True, False), ([(C, "a")], True, False)]
+    ctrl.on_reports([report(r, deltas=[TokenDelta("a", (4,), True, "stop")]) for r in range(3)])
+    assert drain(q) == [TokenDelta("a", (4,), True, "stop")]  # once: the other ranks' copies are not delivered
+    assert plan(ctrl) == [([], False, False)] * 3
+
+
+def test_requests_placed_on_one_rank_each_get_commands_there_while_the_other_rank_still_steps():
+    """Per-rank placement (as attention data parallelism will use it): each rank gets only its requests'
+    commands, reports only its requests' tokens, and an idle rank steps (forward) with the group."""
+    where = {"a": (0,), "b": (1,)}
+    ctrl, qa, qb = DecodeController(tp_size=2, place=where.__getitem__), asyncio.Queue(), asyncio.Queue()
+    ctrl.expect("a", qa)
+    ctrl.expect("b", qb)
+    ctrl.on_reports([report(0, arrived=["a"]), report(1)])
+    assert plan(ctrl) == [([(R, "a")], False, False), ([], False, False)]  # a's header is complete on rank 0
+    ctrl.on_reports([report(0, landed=["a"]), report(1, arrived=["b"])])
+    assert plan(ctrl) == [([(C, "a")], True, True), ([(R, "b")], True, False)]  # rank 1 idles through a's forward
+    a1, b1 = TokenDelta("a", (5,), False, None), TokenDelta("b", (6,), False, None)
+    ctrl.on_reports([report(0, deltas=[a1]), report(1, deltas=[TokenDelta("a", (99,), False, None)], landed=["b"])])
+    assert plan(ctrl) == [([], True, True), ([(C, "b")], True, True)]
+    ctrl.on_reports([report(0, deltas=[TokenDelta("b", (98,), False, None)]), report(1, deltas=[b1])])
+    assert drain(qa) == [a1] and drain(qb) == [b1]
+    ctrl.cancel("b")
+    assert plan(ctrl) == [([], True, True), ([(A, "b")], True, False)]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import openai
 import pytest
+
+from cluster.testing import wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -50,27 +51,27 @@ def test_killed_decode_rank_gives_errors_not_hangs_and_the_group_recovers(tandem
             blocking = asyncio.create_task(non_streaming(client, started[0]))
             await asyncio.sleep(0.1)
             os.kill(pids[1], signal.SIGKILL)
-            start = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*tasks, blocking), timeout=45)
-            return results, time.monotonic() - start
+            try:  # a bound on a hang only: every request must end with an error, none may wait forever
+                return await asyncio.wait_for(asyncio.gather(*tasks, blocking), timeout=180)
+            except asyncio.TimeoutError:
+                raise AssertionError("requests in flight on a killed decode rank hang instead of failing") from None
 
-    results, took = asyncio.run(main())
+    results = asyncio.run(main())
     streams, plain = results[:3], results[3]
     for outcome, chunks, message in streams:
         assert outcome == "error" and "decode rank died" in message, (outcome, chunks, message)
     assert plain[0] == "error" and plain[1] == 503 and "decode rank died" in plain[2]["message"]
-    assert took < 30
 
     # The replica builds a new group; requests succeed again.
     client = tandem_server.openai(timeout=60)
-    deadline = time.monotonic() + 120
-    while True:
+
+    def served():
         try:
-            out = client.completions.create(model=tandem_server.model, prompt="Hello", max_tokens=5, temperature=0)
-            break
+            return client.completions.create(model=tandem_server.model, prompt="Hello", max_tokens=5, temperature=0)
         except openai.APIStatusError:
-            assert time.monotonic() < deadline, "the decode group did not recover"
-            time.sleep(1.0)
+            return None
+
+    out = wait_for(served, "the decode group recovers and serves again", timeout_s=300, poll_s=1.0)
     assert out.usage.completion_tokens == 5
     after = decode.stats.remote().result()
     assert after["groups_started"] == before["groups_started"] + 1 and after["group_id"] != before["group_id"]

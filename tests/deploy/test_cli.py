@@ -16,9 +16,21 @@ def test_flags_map_onto_the_deployment_config(tiny_model_dir):
                                 "--served-model-name", "m"])
     cfg = tandem_config(args)
     assert (cfg.tp, cfg.prefill_replicas, cfg.decode_replicas, cfg.name) == (2, 2, 3, "m")
-    assert cfg.decode().tp_size == 2 and cfg.decode().max_num_seqs == 32
+    assert cfg.decode().tp == 2 and cfg.decode().max_num_seqs == 32
     assert cfg.prefill().block_size == cfg.decode().block_size == 16
     assert cfg.router().served_model_name == "m"
+
+
+def test_every_deployment_setting_is_a_flag_with_its_help():
+    from deploy.config import TandemConfig
+
+    actions = {a.dest: a for a in parser()._actions}
+    for name, info in TandemConfig.model_fields.items():
+        assert name in actions and actions[name].option_strings[-1] == "--" + name.replace("_", "-"), name
+        if name not in ("model", "speculative_method"):  # the two whose CLI default is the zoo's
+            assert info.description in actions[name].help and actions[name].default == info.default, name
+    assert "-k" in actions["num_speculative_tokens"].option_strings
+    assert actions["device"].choices == ["cpu", "cuda"]
 
 
 def test_defaults_are_the_embedded_setup():

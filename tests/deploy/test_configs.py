@@ -54,6 +54,9 @@ def test_serve_yaml_args_are_checked(tiny_model_dir):
     raw = yaml.safe_load((DEPLOY / "serve.yaml").read_text())
     args = dict(raw["applications"][0]["args"], model=tiny_model_dir)
     TandemConfig(**args)
+    assert set(args) <= set(TandemConfig.model_fields)
+    with pytest.raises(ValueError, match="max_num_seq"):
+        TandemConfig(**dict(args, max_num_seq=8))  # a misspelt key is refused, not ignored
     with pytest.raises(ValueError, match="not a model directory"):
         TandemConfig(**dict(args, model="/nonexistent"))
     with pytest.raises(ValueError, match="tp"):

@@ -4,16 +4,16 @@ single-process engine decodes."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
 
 from cluster.placement import RankResources
+from cluster.protocol import PrefillRequest
+from cluster.settings import EngineSettings
 from decode_worker.controller import DecodeController
 from decode_worker.group import GroupSpec, RankGroup
 from engine import EngineConfig, LLMEngine, SamplingParams
-from prefill_worker.config import PrefillRequest
 from prefill_worker.deployment import PrefillServer
 
 pytestmark = pytest.mark.ray
@@ -34,7 +34,7 @@ def reference_blocks(model_dir: str, prompt: list[int]) -> torch.Tensor:
 
 def test_tp1_prefill_hands_each_tp2_rank_its_head_slice(ray_session, tiny_model_dir):
     async def main():
-        spec = GroupSpec(engine_config={"model": tiny_model_dir, "num_kv_blocks": 64, "block_size": BLOCK},
+        spec = GroupSpec(engine=EngineSettings(model=tiny_model_dir, num_kv_blocks=64, block_size=BLOCK),
                          tp_size=2, resources=RankResources(num_cpus=1))
         group = await RankGroup.start(spec)
         prefill = PrefillServer({"model": tiny_model_dir, "num_kv_blocks": 64, "block_size": BLOCK})
@@ -48,14 +48,16 @@ def test_tp1_prefill_hands_each_tp2_rank_its_head_slice(ray_session, tiny_model_
                 ctrl.expect(rid, sink)
                 first = await prefill.prefill(PrefillRequest(rid, prompt, {"max_tokens": 6, "temperature": 0.0,
                                                                            "ignore_eos": True}), group.target)
-                deadline = time.monotonic() + 30
-                while ctrl.requests[rid].phase.value != "running":
-                    assert time.monotonic() < deadline, "the hand-over did not land"
-                    ctrl.on_reports(await group.step(ctrl.next_commands(), 0.05))
+                for _ in range(2000):  # steps long-poll 50 ms for hand-over events; this bounds a hang
+                    if ctrl.requests[rid].phase.value == "running":
+                        break
+                    ctrl.on_reports(await group.step(ctrl.next_step(), 0.05))
+                else:
+                    raise AssertionError(f"the hand-over of {rid} did not land")
                 slices = [await r.kv_blocks.remote(rid) for r in group.ranks]
                 tokens = list(first.token_ids)
                 while rid in ctrl.requests:
-                    ctrl.on_reports(await group.step(ctrl.next_commands(), 0.0))
+                    ctrl.on_reports(await group.step(ctrl.next_step(), 0.0))
                 while not sink.empty():
                     tokens += sink.get_nowait().token_ids
                 results[n_tokens] = (prompt, slices, tokens, [r.kv_heads for r in group.target.ranks])

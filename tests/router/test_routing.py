@@ -3,10 +3,11 @@ requests over both decode groups, every worker's load reaches the router, and ou
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
+
+from cluster.testing import wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -36,15 +37,14 @@ def test_two_prefill_and_two_decode_replicas_share_the_load(tandem_server):
         want = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
         assert texts == want
         router = serve.get_deployment_handle("router", app_name="multi")
-        deadline = time.monotonic() + 10
-        while True:  # routing stats arrive every STATS_PERIOD_S
+        def loads():  # routing stats arrive every STATS_PERIOD_S
             snap = router.routing_snapshot.remote().result()
             prefill_done = [s.get("handovers_total", 0) for s in snap["prefill"].values()]
             decode_steps = [s.get("steps", 0) for s in snap["decode"].values()]
             if len(prefill_done) == 2 and sum(prefill_done) == 16 and len(decode_steps) == 2:
-                break
-            assert time.monotonic() < deadline, snap
-            time.sleep(0.25)
+                return prefill_done, decode_steps
+
+        prefill_done, decode_steps = wait_for(loads, "every replica's load reaches the router", poll_s=0.25)
         assert min(prefill_done) >= 2, prefill_done  # both prefill replicas took prompts
         assert min(decode_steps) > 0, decode_steps  # both decode groups decoded
     finally:

@@ -1,5 +1,6 @@
-"""What crosses the decode worker's boundaries: the decode target a prefill sends to, the commands a
-group of ranks applies in lockstep, and what one step reports back. Small, frozen, picklable."""
+"""What crosses the decode worker's boundaries: the decode target a prefill sends to, the commands each
+rank of a group applies in lockstep, what one step reports back, and how a request's stream ends with an
+error. Small, frozen, picklable."""
 from __future__ import annotations
 
 import enum
@@ -50,6 +51,16 @@ class Command:
 
 
 @dataclass(frozen=True, slots=True)
+class RankStep:
+    """One rank's share of one group step. Every rank gets one each step, with or without commands: the
+    ranks of a group step together, and a rank with nothing of its own still takes part in the step's
+    forward when the group runs one (with attention data parallelism, as an idle forward)."""
+    commands: tuple[Command, ...]  # applied in order before the forward
+    forward: bool  # the group runs a forward this step (some rank holds running requests)
+    reports_tokens: bool  # this rank's deltas are the ones delivered to streams (under TP: rank 0 only)
+
+
+@dataclass(frozen=True, slots=True)
 class TokenDelta:
     """New tokens of one request from one step (a step's deltas travel as one list)."""
     request_id: str
@@ -63,7 +74,7 @@ class TokenDelta:
 class StepReport:
     """One rank's answer to one lockstep step call."""
     tp_rank: int
-    deltas: tuple[TokenDelta, ...]  # rank 0 only: every rank computes the same tokens
+    deltas: tuple[TokenDelta, ...]  # empty unless the rank reports tokens (every TP rank computes the same)
     arrived: tuple[str, ...]  # hand-over headers that arrived since the last report
     landed: tuple[str, ...]  # hand-over payloads written into reserved blocks since the last report
     failed: tuple[tuple[str, str], ...]  # (request id, reason): transfers that broke
@@ -73,3 +84,11 @@ class StepReport:
     num_running: int
     step_seconds: float
     handover_seconds: tuple[tuple[str, float, float, int], ...] = field(default=())  # (rid, recv s, unpack s, bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamError:
+    """Ends a request's stream with an error (a typed value: the router maps it to a response)."""
+    message: str
+    error_type: str = "unavailable_error"
+    status: int = 503

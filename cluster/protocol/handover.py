@@ -1,0 +1,156 @@
+"""The hand-over header: what a prefill tells a decode rank before the KV payload follows.
+
+On the channel (cluster.channel) a message is a header frame and then, if the receiver answers "send",
+the payload tensors in order. For a hand-over the header frame carries `HandoverHeader.to_wire()`:
+
+    msgpack map {
+      "version": HANDOVER_VERSION,     # checked first: prefill and decode must speak the same protocol
+      "request": {...},                # engine.HandoverRequest.to_dict(): tokens, params, seed, cache layout
+      "parts":   ["kv", ...],          # the payload tensors' names, in the order they are sent
+      "grammar": {...} | nil,          # GrammarHandover of a guided request: its compiled grammar
+    }
+
+The payload is reached by name (`HandoverPayload.kv`, `.draft_hidden`), never by position. A header
+that is not this (wrong version, missing or mistyped field, cut short) raises HandoverHeaderError, which
+names what is wrong and, when it can be read, the request it belonged to.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from cluster.errors import HandoverHeaderError
+from engine.errors import InvalidRequestError
+from engine.handover import HandoverRequest
+
+HANDOVER_VERSION = 1  # bump on any change to the fields below or to HandoverRequest's
+
+
+class PayloadPart(str, enum.Enum):
+    KV = "kv"  # [L, 2, n, S, h, D] the request's blocks: the target's cache layers, then a cache-sharing draft's
+    DRAFT_KV = "draft_kv"  # a draft model's blocks when it keeps a cache of its own (none does yet)
+    DRAFT_HIDDEN = "draft_hidden"  # [H_in] the draft head's input at the last prompt row (MTP, EAGLE-3)
+
+
+@dataclass(frozen=True, slots=True)
+class HandoverPayload:
+    """The tensors of one hand-over, by name. Every rank gets its KV-head slice of `kv` and the rest whole."""
+    kv: torch.Tensor
+    draft_kv: torch.Tensor | None = None
+    draft_hidden: torch.Tensor | None = None
+
+    @property
+    def parts(self) -> tuple[PayloadPart, ...]:
+        return tuple(p for p in PayloadPart if getattr(self, p.value) is not None)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """In `parts` order: what the channel sends."""
+        return [getattr(self, p.value) for p in self.parts]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @staticmethod
+    def assemble(parts: tuple[PayloadPart, ...], tensors: list[torch.Tensor]) -> "HandoverPayload":
+        """The received tensors, named by the header's `parts`."""
+        if len(parts) != len(tensors):
+            raise HandoverHeaderError(f"the header names {len(parts)} payload parts but {len(tensors)} tensors came")
+        return HandoverPayload(**{p.value: t for p, t in zip(parts, tensors)})
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarHandover:
+    """A guided request's grammar, so the decode rank need not compile it again. The matcher is rebuilt
+    from the request's own output tokens (HandoverRequest.output_token_ids), which the header carries."""
+    cache_key: str  # engine.grammar.StructuredOutput.key(): the content hash both sides cache compilations by
+    compiled: str | None  # xgrammar's serialized CompiledGrammar; None: the receiver compiles (or has it cached)
+
+    def to_wire(self) -> dict:
+        return {"cache_key": self.cache_key, "compiled": self.compiled}
+
+    @staticmethod
+    def from_wire(raw: object) -> "GrammarHandover":
+        fields = _fields(raw, "grammar", {"cache_key", "compiled"})
+        cache_key, compiled = fields["cache_key"], fields["compiled"]
+        if not isinstance(cache_key, str):
+            raise HandoverHeaderError(f"hand-over field 'grammar.cache_key' must be str, got {type(cache_key).__name__}")
+        if compiled is not None and not isinstance(compiled, str):
+            raise HandoverHeaderError(f"hand-over field 'grammar.compiled' must be str or nil, "
+                                      f"got {type(compiled).__name__}")
+        return GrammarHandover(cache_key, compiled)
+
+
+@dataclass(frozen=True, slots=True)
+class HandoverHeader:
+    request: HandoverRequest
+    parts: tuple[PayloadPart, ...]  # the payload's tensors, in the order they follow the header
+    grammar: GrammarHandover | None = None
+    version: int = HANDOVER_VERSION
+
+    def __post_init__(self) -> None:
+        assert self.parts and self.parts[0] is PayloadPart.KV and len(set(self.parts)) == len(self.parts), self.parts
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def to_wire(self) -> bytes:
+        return msgpack.packb({"version": self.version, "request": self.request.to_dict(),
+                              "parts": [p.value for p in self.parts],
+                              "grammar": None if self.grammar is None else self.grammar.to_wire()}, use_bin_type=True)
+
+    @staticmethod
+    def from_wire(data: bytes) -> "HandoverHeader":
+        """Raises HandoverHeaderError saying what is wrong with `data`."""
+        if not isinstance(data, (bytes, bytearray)):
+            raise HandoverHeaderError(f"a hand-over header is msgpack bytes, got {type(data).__name__}")
+        try:
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        except (ValueError, msgpack.exceptions.UnpackException) as e:  # truncated or not msgpack at all
+            raise HandoverHeaderError(f"the hand-over header is not valid msgpack ({type(e).__name__}: {e})") from None
+        request = raw.get("request") if isinstance(raw, dict) else None
+        request_id = request.get("request_id") if isinstance(request, dict) else None
+        request_id = request_id if isinstance(request_id, str) else None
+        try:
+            return _header(raw)
+        except HandoverHeaderError as e:
+            raise HandoverHeaderError(e.message, request_id=request_id) from None
+
+
+def _header(raw: object) -> HandoverHeader:
+    fields = _fields(raw, "header", {"version", "request", "parts", "grammar"})
+    version = fields["version"]
+    if version != HANDOVER_VERSION:
+        raise HandoverHeaderError(f"hand-over header version {version!r}, this rank speaks {HANDOVER_VERSION}: "
+                                  f"prefill and decode run different Tandem versions")
+    if not isinstance(fields["request"], dict):
+        raise HandoverHeaderError(f"hand-over field 'request' must be a map, got {type(fields['request']).__name__}")
+    try:
+        request = HandoverRequest.from_dict(fields["request"])
+    except InvalidRequestError as e:
+        raise HandoverHeaderError(e.message) from None
+    names = fields["parts"]
+    known = {p.value for p in PayloadPart}
+    if (not isinstance(names, list) or not names or names[0] != PayloadPart.KV.value
+            or not all(isinstance(n, str) and n in known for n in names) or len(set(names)) != len(names)):
+        raise HandoverHeaderError(f"hand-over field 'parts' must list distinct payload parts {sorted(known)} "
+                                  f"starting with 'kv', got {names!r}")
+    grammar = None if fields["grammar"] is None else GrammarHandover.from_wire(fields["grammar"])
+    return HandoverHeader(request, tuple(PayloadPart(n) for n in names), grammar, version)
+
+
+def _fields(raw: object, what: str, names: set[str]) -> dict:
+    """`raw` as a map with exactly `names` (a field sent and never read is a protocol bug, not a spare)."""
+    if not isinstance(raw, dict):
+        raise HandoverHeaderError(f"hand-over {what} must be a map, got {type(raw).__name__}")
+    missing, unknown = names - raw.keys(), raw.keys() - names
+    if missing:
+        raise HandoverHeaderError(f"hand-over {what} lacks field(s) {sorted(missing)}")
+    if unknown:
+        raise HandoverHeaderError(f"hand-over {what} has unknown field(s) {sorted(map(str, unknown))}")
+    return raw

@@ -1,0 +1,74 @@
+"""EngineSettings: the engine's settings at the deployment boundary, each defined once.
+
+The `tandem serve` flags (deploy/flags.py generates them from the fields), the Serve YAML's `args`, the
+prefill and decode deployment configs (which extend this model with their own fields) and, last, the
+engine's frozen `EngineConfig` are all made from these fields. A field that EngineConfig has under the
+same name is passed on as is; the three speculation fields become EngineConfig's `speculative`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import EngineConfig
+
+SpeculativeMethod = Literal["none", "mtp", "eagle3", "ngram", "draft_model"]
+DEFAULT_SPECULATIVE_TOKENS = 3  # k when a method is chosen without one
+
+
+class EngineSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)  # a misspelt YAML key fails, it is not ignored
+
+    model: str = Field(description="Target model directory (HF layout, with tokenizer and chat template).")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where engines run; on CUDA one GPU per prefill "
+                                                              "replica and per decode rank.")
+    dtype: str | None = Field(None, description="Weights and KV dtype (float32 | bfloat16 | float16); default: "
+                                                "the checkpoint's. Prefill and decode share it.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block (prefill and decode share it).")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks per engine; default: sized from memory.")
+    kv_cache_memory_gb: float = Field(1.0, gt=0, description="CPU KV budget per engine when num_kv_blocks is "
+                                                             "unset.")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory an engine may use "
+                                                                        "(weights and KV) when num_kv_blocks "
+                                                                        "is unset.")
+    max_num_seqs: int = Field(64, ge=1, description="Most requests running at once per engine (prefill: prompts "
+                                                    "in flight; decode: requests per group).")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens per engine step (batched prompt chunks "
+                                                                "and decodes).")
+    max_model_len: int | None = Field(None, ge=1, description="Prompt + output token limit; default: the model's.")
+    seed: int = Field(0, description="Base of the seeds of requests that bring none.")
+    speculative_method: SpeculativeMethod = Field(
+        "none", description="Speculative decoding method (one-model heads: mtp, eagle3; or ngram, draft_model).")
+    draft: str | None = Field(None, description="Draft model or head directory for speculative decoding.")
+    num_speculative_tokens: int = Field(0, ge=0, description=f"Draft tokens per step (k); 0 with a method means "
+                                                             f"{DEFAULT_SPECULATIVE_TOKENS}.")
+    torch_threads: int | None = Field(1, ge=1, description="torch threads per CPU engine (default of torch if "
+                                                           "unset).")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model {self.model!r} is not a model directory (no config.json)")
+        if self.speculative is not None:
+            from engine import SpecConfig
+
+            SpecConfig.coerce(self.speculative)  # the engine's own checks (k range, draft needed), early
+        return self
+
+    @property
+    def speculative(self) -> dict | None:
+        """EngineConfig's `speculative` (SpecConfig's fields); None without speculation."""
+        if self.speculative_method == "none":
+            return None
+        return {"method": self.speculative_method, "k": self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
+                "draft": self.draft}
+
+    def engine_config(self, **overrides) -> EngineConfig:
+        """The engine's config from these settings; `overrides` are EngineConfig fields set by the deployment
+        (tp_size, tp_rank, ...)."""
+        shared = {f.name for f in dataclasses.fields(EngineConfig)} & set(EngineSettings.model_fields)
+        values = {name: getattr(self, name) for name in shared}
+        return EngineConfig(**{**values, "speculative": self.speculative, **overrides})

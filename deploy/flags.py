@@ -1,0 +1,45 @@
+"""Command-line flags made from a pydantic settings model: one `--field-name` per field, its type, choices,
+default and help taken from the field, so that a setting is defined once (cluster.settings and the
+deployment configs) and the CLI, the Serve YAML and the engines cannot drift apart."""
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+
+from pydantic import BaseModel
+
+
+def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *,
+                    overrides: dict[str, dict] | None = None, aliases: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Add a flag per field of `model`. `overrides[name]` replaces argparse keywords of one flag (a CLI-only
+    default or help); `aliases[name]` adds short spellings."""
+    overrides, aliases = overrides or {}, aliases or {}
+    for name, info in model.model_fields.items():
+        kind, choices = _flag_type(name, info.annotation)
+        default = None if info.is_required() else info.default
+        keywords = dict(type=kind, choices=choices, default=default, dest=name,
+                        help=info.description if default is None else f"{info.description} (default: {default})")
+        keywords.update(overrides.get(name, {}))
+        parser.add_argument(*aliases.get(name, ()), f"--{name.replace('_', '-')}", **keywords)
+
+
+def model_kwargs(args: argparse.Namespace, model: type[BaseModel]) -> dict:
+    """The fields of `model` that the command line set (unset optional flags are left to the model)."""
+    return {name: getattr(args, name) for name in model.model_fields if getattr(args, name, None) is not None}
+
+
+def _flag_type(name: str, annotation) -> tuple[type, list | None]:
+    """(argparse type, choices) of a field: str, int, float, a Literal of strings, or one of those | None."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return _flag_type(name, rest[0])
+    elif typing.get_origin(annotation) is typing.Literal and all(isinstance(a, str) for a in args):
+        return str, list(args)
+    elif annotation in (str, int, float):
+        return annotation, None
+    raise TypeError(f"settings field {name!r} of type {annotation!r} has no command-line form; give it one in "
+                    f"deploy/flags.py")
+

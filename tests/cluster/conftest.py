@@ -1,1 +1,0 @@
-from cluster.testing import ray_session  # noqa: F401  (the one Ray of the test session)

@@ -1,0 +1,125 @@
+"""cluster.protocol's hand-over header: what goes out comes back equal, and every way a header can be
+wrong (version, fields, types, bytes cut short) is a HandoverHeaderError that says what is wrong."""
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+import torch
+
+from cluster.errors import HandoverHeaderError
+from cluster.protocol import (HANDOVER_VERSION, GrammarHandover, HandoverHeader, HandoverPayload, PayloadPart)
+from engine import HandoverRequest, SamplingParams
+
+KV, HIDDEN = PayloadPart.KV, PayloadPart.DRAFT_HIDDEN
+
+
+def request(rid: str = "req-1") -> HandoverRequest:
+    return HandoverRequest(request_id=rid, prompt_token_ids=(5, 6, 7, 8), output_token_ids=(9,),
+                           num_computed_tokens=4, seed=1234, params=SamplingParams(max_tokens=8, temperature=0.7),
+                           logprobs=((9, -0.25, {9: -0.25, 3: -2.5}),), block_size=16, cache_layers=3,
+                           speculative_method="mtp")
+
+
+def wire_dict(header: HandoverHeader) -> dict:
+    return msgpack.unpackb(header.to_wire(), raw=False, strict_map_key=False)
+
+
+@pytest.mark.parametrize("grammar", [None, GrammarHandover("ab12", '{"vocab": [1, 2], "ü": "\\u0000"}'),
+                                     GrammarHandover("ab12", None)])
+@pytest.mark.parametrize("parts", [(KV,), (KV, HIDDEN), (KV, PayloadPart.DRAFT_KV, HIDDEN)])
+def test_round_trip(grammar, parts):
+    header = HandoverHeader(request(), parts, grammar)
+    back = HandoverHeader.from_wire(header.to_wire())
+    assert back == header and back.version == HANDOVER_VERSION and back.request_id == "req-1"
+    assert back.request.params == SamplingParams(max_tokens=8, temperature=0.7)
+
+
+def test_a_guided_request_keeps_its_structured_output():
+    from engine.grammar import StructuredOutput
+
+    guided = StructuredOutput(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
+    req = dataclasses.replace(request(), params=SamplingParams(max_tokens=8, structured_output=guided))
+    header = HandoverHeader(req, (KV,), GrammarHandover(guided.key(), '{"compiled": true}'))
+    back = HandoverHeader.from_wire(header.to_wire())
+    assert back == header and back.request.params.structured_output.key() == back.grammar.cache_key
+
+
+def test_the_wire_carries_only_fields_that_are_read():
+    assert set(wire_dict(HandoverHeader(request(), (KV,)))) == {"version", "request", "parts", "grammar"}
+
+
+def test_wrong_version_is_refused_naming_both_versions():
+    raw = wire_dict(HandoverHeader(request(), (KV,)))
+    raw["version"] = HANDOVER_VERSION + 1
+    with pytest.raises(HandoverHeaderError, match=f"version {HANDOVER_VERSION + 1}.*speaks {HANDOVER_VERSION}") as e:
+        HandoverHeader.from_wire(msgpack.packb(raw))
+    assert e.value.request_id == "req-1"  # the decode side can still fail that request's stream
+
+
+@pytest.mark.parametrize("field", ["version", "request", "parts", "grammar"])
+def test_missing_field_is_named(field):
+    raw = wire_dict(HandoverHeader(request(), (KV,)))
+    del raw[field]
+    with pytest.raises(HandoverHeaderError, match=f"lacks field.*{field}"):
+        HandoverHeader.from_wire(msgpack.packb(raw))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("parts", ["hidden", "kv"], "parts"),
+    ("parts", [], "parts"),
+    ("parts", ["kv", "kv"], "parts"),
+    ("parts", "kv", "parts"),
+    ("request", [1, 2], "'request' must be a map"),
+    ("grammar", {"cache_key": 7, "compiled": None}, "grammar.cache_key"),
+    ("grammar", {"cache_key": "k", "compiled": b"bytes"}, "grammar.compiled"),
+    ("grammar", {"cache_key": "k"}, "grammar lacks"),
+    ("grammar", {"cache_key": "k", "compiled": None, "accepted_tokens": [1]}, "grammar has unknown"),
+])
+def test_mistyped_field_is_named(field, value, message):
+    raw = wire_dict(HandoverHeader(request(), (KV,)))
+    raw[field] = value
+    with pytest.raises(HandoverHeaderError, match=message):
+        HandoverHeader.from_wire(msgpack.packb(raw))
+
+
+@pytest.mark.parametrize("field, value", [("num_computed_tokens", "4"), ("prompt_token_ids", [1, "x"]),
+                                          ("seed", None)])
+def test_malformed_request_inside_the_header(field, value):
+    raw = wire_dict(HandoverHeader(request("r9"), (KV,)))
+    raw["request"][field] = value
+    with pytest.raises(HandoverHeaderError, match=field) as e:
+        HandoverHeader.from_wire(msgpack.packb(raw))
+    assert e.value.request_id == "r9"
+
+
+def test_unknown_field_is_refused():
+    raw = wire_dict(HandoverHeader(request(), (KV,)))
+    raw["sent_at"] = 1.5
+    with pytest.raises(HandoverHeaderError, match="unknown field.*sent_at"):
+        HandoverHeader.from_wire(msgpack.packb(raw))
+
+
+@pytest.mark.parametrize("cut", [1, 10, -1])
+def test_truncated_bytes(cut):
+    wire = HandoverHeader(request(), (KV, HIDDEN)).to_wire()
+    with pytest.raises(HandoverHeaderError, match="not valid msgpack"):
+        HandoverHeader.from_wire(wire[:cut])
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", msgpack.packb([1, 2, 3]), {"version": 1}])
+def test_not_a_header_at_all(data):
+    with pytest.raises(HandoverHeaderError):
+        HandoverHeader.from_wire(data)
+
+
+def test_payload_parts_are_reached_by_name():
+    kv, hidden = torch.zeros(2, 2, 1, 16, 1, 8), torch.arange(24.0)
+    payload = HandoverPayload(kv=kv, draft_hidden=hidden)
+    assert payload.parts == (KV, HIDDEN) and payload.tensors == [kv, hidden]
+    back = HandoverPayload.assemble(HandoverHeader(request(), payload.parts).parts, payload.tensors)
+    assert back.kv is kv and back.draft_hidden is hidden and back.draft_kv is None
+    assert HandoverPayload(kv=kv).parts == (KV,)
+    with pytest.raises(HandoverHeaderError, match="2 payload parts but 1"):
+        HandoverPayload.assemble((KV, HIDDEN), [kv])
