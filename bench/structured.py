@@ -28,7 +28,8 @@ from pathlib import Path
 
 from bench.common import write_results
 from engine.grammar import StructuredOutput, compile_structured
-from engine.schema_support import ANNOTATIONS, CompileWorker, WorkerFailed, WorkerTimeout, first_unenforceable
+from engine.compile_worker import CompileWorker, WorkerFailed, WorkerTimeout
+from engine.schema_support import ANNOTATIONS, first_unenforceable
 
 DEFAULT_CASES = Path("/work/shared/data/jsonschemabench/cases")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.schema_support import CompileWorker, WorkerFailed, WorkerTimeout, check_enforceable
+from engine.compile_worker import CompileWorker, WorkerFailed, WorkerTimeout
+from engine.schema_support import check_enforceable
 
 try:
     import xgrammar as xgr
@@ -27,6 +29,7 @@ except ImportError:  # pragma: no cover - xgrammar is a hard dependency; this ke
     xgr = None
 
 DEFAULT_COMPILE_TIMEOUT_S = 5.0
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StructuredOutput:
@@ -205,7 +208,14 @@ class GrammarCompiler:
         except WorkerFailed as e:
             if e.kind == "InvalidRequestError":
                 raise InvalidRequestError(str(e), param="response_format") from e
-            raise RuntimeError(f"grammar compile process failed: {e.kind}: {e}") from e
+            if e.kind != "WorkerStartup":
+                raise RuntimeError(f"grammar compile process failed: {e.kind}: {e}") from e
+            # A process that cannot spawn children (a __main__ read from stdin, a sandbox) still serves
+            # structured outputs, without the time limit.
+            log.warning("the grammar compile process did not start (%s); compiling in this process, with no "
+                        "compile time limit", e)
+            self.compile_timeout_s = None
+            return compile_structured(self._compiler, structured)
         return self.deserialize(text)
 
     def serialize(self, compiled) -> str:

@@ -14,11 +14,9 @@ timeout and a thread cannot be stopped, so a schema that compiles for too long i
 from __future__ import annotations
 
 import json
-import multiprocessing
 import re
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from engine.errors import InvalidRequestError
 
@@ -228,95 +226,3 @@ def check_enforceable(schema: Any) -> None:
         raise InvalidRequestError(f"json_schema keyword {found.keyword!r} at {found.path} cannot be enforced by "
                                   f"the grammar backend ({found.reason}); remove it or relax the schema",
                                   param="response_format")
-
-
-# ---------------------------------------------------------------------------------------- compile time
-class WorkerTimeout(Exception):
-    """The call ran past its limit; its process was ended."""
-
-
-class WorkerFailed(Exception):
-    """The call raised in the child: `kind` is the exception's type name, the message its text."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
-def _serve(conn, init: Callable | None, init_args: tuple) -> None:
-    state = init(*init_args) if init is not None else None
-    conn.send((True, "ready"))
-    while True:
-        try:
-            fn, args = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            conn.send((True, fn(state, *args)))
-        except Exception as e:  # any failure is the caller's to report; exceptions may not unpickle
-            conn.send((False, (type(e).__name__, str(e))))
-
-
-class CompileWorker:
-    """One child process that runs `fn(state, *args)` calls one at a time, `state = init(*init_args)`
-    made once per process. A call past its timeout kills the process (a compile cannot be interrupted
-    any other way); the next call starts a fresh one. `fn` and `init` must be module-level functions."""
-
-    def __init__(self, init: Callable | None = None, init_args: tuple = ()):
-        self._init, self._init_args = init, init_args
-        self._ctx = multiprocessing.get_context("spawn")  # fork would copy the parent's locked threads
-        self._proc = None
-        self._conn = None
-        self._lock = threading.Lock()
-
-    def _start(self, startup_timeout: float) -> None:
-        parent, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=_serve, args=(child, self._init, self._init_args), daemon=True,
-                                       name="grammar-compile-worker")
-        self._proc.start()
-        child.close()
-        self._conn = parent
-        if not parent.poll(startup_timeout):
-            self.close()
-            raise WorkerFailed("WorkerStartup", f"the compile process did not start within {startup_timeout:g} s")
-        try:
-            parent.recv()
-        except (EOFError, OSError) as e:
-            self.close()
-            raise WorkerFailed("WorkerStartup", f"the compile process failed to start: {e}") from e
-
-    def call(self, fn: Callable, *args, timeout: float, startup_timeout: float = 120.0):
-        """fn's result; WorkerTimeout past `timeout` seconds of the call itself (a fresh process's
-        start-up is not counted: it has `startup_timeout`), WorkerFailed if it raised."""
-        with self._lock:
-            if self._proc is None or not self._proc.is_alive():
-                self.close()
-                self._start(startup_timeout)
-            self._conn.send((fn, args))
-            if not self._conn.poll(timeout):
-                self.close()
-                raise WorkerTimeout(f"no result within {timeout:g} s")
-            try:
-                ok, value = self._conn.recv()
-            except (EOFError, OSError) as e:  # the child died (out of memory, a crash in C++)
-                self.close()
-                raise WorkerFailed("WorkerDied", f"the compile process died: {e}") from e
-        if not ok:
-            raise WorkerFailed(*value)
-        return value
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        if self._proc is not None:
-            if self._proc.is_alive():
-                self._proc.kill()
-            self._proc.join(timeout=5)
-            self._proc = None
-
-    def __del__(self):  # pragma: no cover - best effort at interpreter exit
-        try:
-            self.close()
-        except Exception:
-            pass
