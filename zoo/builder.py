@@ -10,6 +10,7 @@ Layout of a built zoo (all HF-loadable where HF has a class for it):
 """
 from __future__ import annotations
 
+import copy
 import json
 import random
 import resource
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from zoo.cache import code_version, software_versions
-from zoo.corpus import build_corpus
+from zoo.corpus import build_corpus, generated_json_docs
 from zoo.distill import distill
 from zoo.heads.eagle3 import Eagle3Head, default_aux_layer_ids, draft_vocab
 from zoo.heads.mtp import MTPHead
@@ -35,6 +36,7 @@ from zoo.tokenizer import TOKENIZER_FILES, load_tokenizer, save_tokenizer, train
 from zoo.training import new_llama, train_lm
 
 PARTS = ("tokenizer", "target", "draft", "mtp", "eagle3")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @contextmanager
@@ -51,15 +53,24 @@ def _special_ids(tokenizer) -> dict[str, int]:
     return {"pad": tokenizer.token_to_id(PAD), "bos": tokenizer.token_to_id(BOS), "eos": tokenizer.token_to_id(END)}
 
 
-def save_hf_model(model, out_dir: Path, tokenizer_dir: Path) -> None:
-    """save_pretrained plus the tokenizer files, so the directory is a self-contained HF model."""
+def save_hf_model(model, out_dir: Path, tokenizer_dir: Path, save_dtype: str = "float32") -> None:
+    """save_pretrained plus the tokenizer files, so the directory is a self-contained HF model.
+
+    Weights are stored in `save_dtype`; the config keeps float32, the dtype a CPU runs them in, so
+    loaders that follow the config (engine, transformers' dtype="auto") upcast them exactly.
+    """
     special = model.config
     model.generation_config = GenerationConfig(
         bos_token_id=special.bos_token_id, eos_token_id=special.eos_token_id, pad_token_id=special.pad_token_id,
     )
-    model.save_pretrained(out_dir)
+    if save_dtype == "float32":
+        model.save_pretrained(out_dir)
+    else:
+        copy.deepcopy(model).to(_DTYPES[save_dtype]).save_pretrained(out_dir)
     config_path = out_dir / "config.json"
     config = json.loads(config_path.read_text())
+    if save_dtype != "float32":
+        config["dtype"] = config["torch_dtype"] = "float32"
     # Loaders older than transformers 5 read these two top-level keys.
     config.setdefault("rope_theta", config.get("rope_parameters", {}).get("rope_theta", 10000.0))
     config.setdefault("torch_dtype", "float32")
@@ -86,7 +97,8 @@ def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
         stages.set_postfix_str("corpus + tokenizer")
         corpus = build_corpus(recipe.stdlib_modules)
         rng = random.Random(recipe.seed)
-        train_docs = _limit(_short_schemas(corpus.train, recipe.max_schema_chars), recipe.max_docs_per_domain)
+        train = corpus.train + tuple(generated_json_docs(recipe.generated_per_schema, recipe.seed))
+        train_docs = _limit(_short_schemas(train, recipe.max_schema_chars), recipe.max_docs_per_domain)
         sample = rng.sample(train_docs, min(recipe.tokenizer_docs, len(train_docs)))
         tokenizer = train_tokenizer((d.text for d in sample), recipe.vocab_size)
         save_tokenizer(tokenizer, out_dir / "tokenizer", model_max_length=2048)
@@ -104,8 +116,8 @@ def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
                            recipe.json_fraction, special["pad"], random.Random(recipe.seed + 1),
                            prompt_lens, recipe.prompt_weight)
         target = new_llama(recipe.target, tokenizer.get_vocab_size(), special, recipe.seed)
-        target_losses = train_lm(target, ids, weight, sched, desc="target")
-        save_hf_model(target, out_dir / "target", out_dir / "tokenizer")
+        target_losses = train_lm(target, ids, weight, sched, desc="target", bf16=recipe.bf16_autocast)
+        save_hf_model(target, out_dir / "target", out_dir / "tokenizer", recipe.save_dtype)
         stages.update()
 
         stages.set_postfix_str("heads + draft")
@@ -124,13 +136,14 @@ def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
                            recipe.json_fraction, special["pad"], random.Random(recipe.seed + 4),
                            prompt_lens, recipe.prompt_weight)
         head_losses = distill(target, {"mtp": mtp, "eagle3": eagle3, "draft": draft}, ids, weight, hs,
-                              recipe.ttt_depth, aux_ids, hard_labels=tuple(recipe.hard_labels))
+                              recipe.ttt_depth, aux_ids, hard_labels=tuple(recipe.hard_labels),
+                              bf16=recipe.bf16_autocast)
         stages.update()
 
         stages.set_postfix_str("save")
-        mtp.save(out_dir / "mtp")
-        eagle3.save(out_dir / "eagle3")
-        save_hf_model(draft, out_dir / "draft", out_dir / "tokenizer")
+        mtp.save(out_dir / "mtp", _DTYPES[recipe.save_dtype])
+        eagle3.save(out_dir / "eagle3", _DTYPES[recipe.save_dtype])
+        save_hf_model(draft, out_dir / "draft", out_dir / "tokenizer", recipe.save_dtype)
         stages.update()
     manifest = {
         "recipe": recipe.to_dict(),

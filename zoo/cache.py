@@ -25,8 +25,10 @@ from pathlib import Path
 from zoo.recipe import Recipe
 
 ZOO_DIR = Path(__file__).parent
-# Modules that do not change what a build writes (the CLI, eval, the test plugin, data curation).
-NOT_BUILD_INPUTS = {"cli.py", "evaluate.py", "testing.py", "curate.py", "report.py"}
+# Modules that do not change what a build writes (the CLI, eval, the test plugin, data curation, the
+# cache and prebuilt lookup, the package's entry points).
+NOT_BUILD_INPUTS = {"cli.py", "evaluate.py", "testing.py", "curate.py", "report.py", "cache.py", "prebuilt.py",
+                    "__init__.py", "generation_eval.py"}
 MANIFEST = "zoo.json"
 
 

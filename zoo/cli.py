@@ -1,7 +1,8 @@
 """`tandem zoo ...`: build, path, train-draft, eval.
 
-    tandem zoo build [--size tiny|small] [--seed N] [--out DIR] [--force]
-    tandem zoo path [--size tiny|small] [--seed N]
+    tandem zoo build [--recipe NAME] [--seed N] [--out DIR] [--from-scratch] [--force]
+    tandem zoo path [--recipe NAME] [--seed N]
+    tandem zoo publish --recipe NAME --command "..." [--zoo DIR]   # commit a build as zoo/prebuilt/NAME
     tandem zoo train-draft --target DIR --kind mtp|eagle3 --data FILE [--out DIR] [--steps N] ...
     tandem zoo eval [--size tiny] [--zoo DIR] [--results DIR]
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -17,7 +19,8 @@ from pathlib import Path
 # on a CPU that other jobs share (spinning made training several times slower there).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from zoo.recipe import DEFAULT_SIZE, RECIPES  # noqa: E402
+from zoo import DEFAULT_SIZE  # noqa: E402
+from zoo.recipe import RECIPES  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,15 +28,22 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sizes = sorted(RECIPES)
 
-    build = sub.add_parser("build", help="build the zoo (or reuse the cached build)")
-    build.add_argument("--size", choices=sizes, default=DEFAULT_SIZE)
+    build = sub.add_parser("build", help="the zoo: its prebuilt copy when one matches, else build (cached)")
+    build.add_argument("--recipe", "--size", dest="size", choices=sizes, default=DEFAULT_SIZE)
     build.add_argument("--seed", type=int, default=None)
     build.add_argument("--out", type=Path, default=None, help="also copy the built zoo here")
-    build.add_argument("--force", action="store_true", help="rebuild even when cached")
+    build.add_argument("--from-scratch", action="store_true", help="train it here even when a prebuilt zoo matches")
+    build.add_argument("--force", action="store_true", help="rebuild even when cached (implies --from-scratch)")
 
     path = sub.add_parser("path", help="print the directory of the built zoo")
-    path.add_argument("--size", choices=sizes, default=DEFAULT_SIZE)
+    path.add_argument("--recipe", "--size", dest="size", choices=sizes, default=DEFAULT_SIZE)
     path.add_argument("--seed", type=int, default=None)
+
+    publish = sub.add_parser("publish", help="copy a from-scratch build to zoo/prebuilt/<recipe>/ with a manifest")
+    publish.add_argument("--recipe", "--size", dest="size", choices=sizes, required=True)
+    publish.add_argument("--seed", type=int, default=None)
+    publish.add_argument("--zoo", type=Path, default=None, help="the built zoo (default: the cached build)")
+    publish.add_argument("--command", dest="built_by", required=True, help="the command line that built it (recorded)")
 
     train = sub.add_parser("train-draft", help="train an MTP or EAGLE-3 head for an HF Llama-family target")
     train.add_argument("--target", type=Path, required=True, help="HF model directory")
@@ -50,26 +60,30 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--device", default=None, help="default: cuda when available, else cpu")
 
     ev = sub.add_parser("eval", help="evaluate a built zoo; writes bench/results/zoo_eval.{json,md}")
-    ev.add_argument("--size", choices=sizes, default=DEFAULT_SIZE)
+    ev.add_argument("--recipe", "--size", dest="size", choices=sizes, default=DEFAULT_SIZE)
     ev.add_argument("--seed", type=int, default=None)
     ev.add_argument("--zoo", type=Path, default=None, help="a zoo directory (default: the cached build)")
     ev.add_argument("--results", type=Path, default=None, help="output directory (default: bench/results)")
     ev.add_argument("--docs", type=int, default=120, help="held-out documents per domain")
-    ev.add_argument("--prompts", type=int, default=24, help="held-out schema prompts to generate from")
+    ev.add_argument("--prompts", type=int, default=64, help="held-out schema prompts to generate from")
+    ev.add_argument("--max-new-tokens", type=int, default=256)
+    ev.add_argument("--k", type=int, default=3, help="drafts per step for the acceptance comparison")
+    ev.add_argument("--baseline", type=Path, default=None, help="an earlier zoo_eval.json to report beside")
     return parser
 
 
 def _build(args) -> int:
     import zoo
     from zoo.cache import BuildError
+    from zoo.prebuilt import PrebuiltError
 
     try:
-        root = zoo.build(args.size, seed=args.seed, out=args.out, force=args.force)
-    except BuildError as err:
+        root = zoo.build(args.size, seed=args.seed, out=args.out, force=args.force, from_scratch=args.from_scratch)
+    except (BuildError, PrebuiltError) as err:
         print(f"tandem zoo build: {err}", file=sys.stderr)
         return 1
     manifest = json.loads(zoo.layout(root).manifest.read_text())
-    print(f"built {args.size} zoo in {manifest['build_seconds']} s (peak {manifest['peak_rss_mb']} MB): {root}",
+    print(f"{args.size} zoo (built in {manifest['build_seconds']} s, peak {manifest['peak_rss_mb']} MB): {root}",
           file=sys.stderr)
     print(root)
     return 0
@@ -84,6 +98,30 @@ def _path(args) -> int:
               file=sys.stderr)
         return 1
     print(root)
+    return 0
+
+
+def _publish(args) -> int:
+    import zoo
+    from zoo.prebuilt import PrebuiltError, publish, verify
+
+    root = args.zoo
+    if root is None:
+        from zoo.cache import is_built, zoo_dir_for
+
+        root = zoo_dir_for(zoo.RECIPES[args.size] if args.seed is None else zoo.RECIPES[args.size].with_seed(args.seed))
+        if not is_built(root):
+            print(f"tandem zoo publish: no cached {args.size} build; run `tandem zoo build --recipe {args.size} "
+                  "--from-scratch` first or pass --zoo DIR", file=sys.stderr)
+            return 1
+    manifest = json.loads(zoo.layout(root).manifest.read_text())
+    try:
+        dest = publish(Path(root), args.built_by, manifest["build_seconds"])
+        verify(dest)
+    except PrebuiltError as err:
+        print(f"tandem zoo publish: {err}", file=sys.stderr)
+        return 1
+    print(dest)
     return 0
 
 
@@ -111,7 +149,10 @@ def _eval(args) -> int:
     if root is None or not zoo.layout(root).manifest.is_file():
         print("tandem zoo eval: no built zoo; run `tandem zoo build` or pass --zoo DIR", file=sys.stderr)
         return 1
-    result = evaluate_zoo(Path(root), max_docs=args.docs, gen_prompts=args.prompts)
+    baseline = json.loads(args.baseline.read_text()) if args.baseline else None
+    result = evaluate_zoo(Path(root), max_docs=args.docs, gen_prompts=args.prompts,
+                          max_new_tokens=args.max_new_tokens, k=args.k, baseline=baseline)
+    result["command"] = "tandem zoo " + shlex.join(args.argv)
     json_path, md_path = write_results(result, args.results or RESULTS_DIR)
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)
@@ -119,8 +160,10 @@ def _eval(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    handlers = {"build": _build, "path": _path, "train-draft": _train_draft, "eval": _eval}
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    args.argv = argv
+    handlers = {"build": _build, "path": _path, "publish": _publish, "train-draft": _train_draft, "eval": _eval}
     return handlers[args.command](args)
 
 

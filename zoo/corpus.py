@@ -16,6 +16,7 @@ import ast
 import gzip
 import hashlib
 import json
+import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,26 @@ def build_corpus(max_modules: int, heldout_percent: int = 10) -> Corpus:
         doc = Document("text", f"{BOS}Question: {item['question']}\nAnswer: {item['answer']}{END}")
         (train if i < cut else heldout).append(doc)
     return Corpus(tuple(train), tuple(heldout), tuple(heldout_rows))
+
+
+def generated_json_docs(per_schema: int, seed: int) -> list[Document]:
+    """`per_schema` more instances of every TRAINING schema drawn by zoo.schema_gen, as documents.
+
+    Each schema's draws use their own rng, seeded by (seed, schema name), so the result does not
+    depend on the order of the rows; instances already in the curated data are skipped.
+    """
+    from zoo.schema_gen import generate_instances
+
+    if per_schema <= 0:
+        return []
+    rows = []
+    for row in load_cases():
+        if row["split"] != "train":
+            continue
+        known = row["valid"] + row["generated"]
+        drawn = generate_instances(row["schema"], random.Random(f"{seed}:{row['name']}"), per_schema)
+        rows.append(dict(row, valid=[x for x in drawn if x not in known], generated=[]))
+    return _json_docs(rows, with_generated=False)
 
 
 def corpus_fingerprint(max_modules: int) -> str:

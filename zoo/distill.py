@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from zoo.features import target_features
 from zoo.recipe import Schedule
-from zoo.training import lr_at, make_optimizer, set_lr
+from zoo.training import autocast, lr_at, make_optimizer, set_lr
 
 STEP_DECAY = 0.8
 
@@ -93,7 +93,7 @@ def draft_model_loss(draft, probs: torch.Tensor, ids: torch.Tensor, weight: torc
 
 def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, weight: torch.Tensor,
             schedule: Schedule, depth: int, aux_layer_ids: list[int] | None, device: str = "cpu",
-            desc: str = "heads", hard_labels: tuple[str, ...] = ()) -> dict[str, list[float]]:
+            desc: str = "heads", hard_labels: tuple[str, ...] = (), bf16: bool = False) -> dict[str, list[float]]:
     """Train every student on rows ids/weight [steps * batch, T]; -> per-student step losses.
 
     students: name -> MTPHead | Eagle3Head | an HF causal LM sharing the target's tokenizer.
@@ -112,13 +112,15 @@ def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, wei
     for step in bar:
         rows = slice(step * schedule.batch_size, (step + 1) * schedule.batch_size)
         x, r = ids[rows].to(device), weight[rows].to(device)
-        features = target_features(target, x, aux_layer_ids)
+        with autocast(device, bf16):
+            features = target_features(target, x, aux_layer_ids)
         probs = torch.softmax(features["logits"], dim=-1)
         for name, student in students.items():
-            if getattr(student, "kind", None) in ("mtp", "eagle3"):
-                loss = head_loss(student, features, probs, x, r, depth, hard=name in hard_labels)
-            else:
-                loss = draft_model_loss(student, probs, x, r)
+            with autocast(device, bf16):
+                if getattr(student, "kind", None) in ("mtp", "eagle3"):
+                    loss = head_loss(student, features, probs, x, r, depth, hard=name in hard_labels)
+                else:
+                    loss = draft_model_loss(student, probs, x, r)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], 1.0)
             set_lr(optimizers[name], lr_at(step, schedule))

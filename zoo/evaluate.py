@@ -6,8 +6,9 @@
 - head agreement: for MTP and EAGLE-3, teacher-forced top-1 agreement with the target at depths
   1..3 on held-out JSON documents, scored on the instance positions (where speculation runs) and on
   all positions; the draft model's next-token agreement with the target on the same positions;
-- generation: greedy completions of held-out schema prompts; how many parse as JSON and how many
-  satisfy their schema (jsonschema, when installed).
+- generation (zoo.generation_eval): greedy completions of held-out schema prompts, unconstrained
+  (parse, validate and degeneration rates) and under the schema's grammar (finish rate), and the
+  drafts MTP, EAGLE-3 and ngram prompt lookup would get accepted at k drafts on those outputs.
 """
 from __future__ import annotations
 
@@ -20,13 +21,12 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from zoo import layout
+from zoo import generation_eval, layout
 from zoo.corpus import build_corpus
 from zoo.distill import head_agreement
 from zoo.features import target_features
 from zoo.heads.eagle3 import Eagle3Head
 from zoo.heads.mtp import MTPHead
-from zoo.prompts import END, json_schema_prompt
 from zoo.tokenizer import load_tokenizer
 
 
@@ -93,36 +93,9 @@ def agreement(target, draft, heads, tokenizer, docs, depth: int) -> dict:
         "positions": {key: [c for _, c in value] for key, value in counts.items()}}
 
 
-@torch.no_grad()
-def generation(target, tokenizer, schemas: list[dict], max_new_tokens: int) -> dict:
-    try:
-        from zoo.schema_gen import make_validator
-    except ImportError:  # jsonschema is a dev dependency
-        make_validator = None
-    eos = tokenizer.token_to_id(END)
-    parsed = valid = 0
-    samples = []
-    for row in schemas:
-        ids = torch.tensor([tokenizer.encode(json_schema_prompt(row["schema"])).ids])
-        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                              do_sample=False, eos_token_id=eos, pad_token_id=eos)
-        text = tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
-        try:
-            instance = json.loads(text)
-            parsed += 1
-            ok = make_validator is not None and make_validator(row["schema"]).is_valid(instance)
-            valid += int(ok)
-        except (json.JSONDecodeError, RecursionError):
-            ok = False
-        if len(samples) < 3:
-            samples.append({"schema": row["name"], "output": text[:300], "valid": ok})
-    n = max(len(schemas), 1)
-    return {"prompts": len(schemas), "parses_as_json": round(parsed / n, 4),
-            "satisfies_schema": round(valid / n, 4) if make_validator else None, "samples": samples}
-
-
-def evaluate_zoo(root: Path, max_docs: int = 120, depth: int = 3, gen_prompts: int = 24,
-                 max_new_tokens: int = 192) -> dict:
+def evaluate_zoo(root: Path, max_docs: int = 120, depth: int = 3, gen_prompts: int = 64,
+                 max_new_tokens: int = 256, k: int = 3, baseline: dict | None = None) -> dict:
+    """Everything above on held-out data; `baseline` (an earlier result) is carried along for the report."""
     started = time.perf_counter()
     manifest = json.loads(layout(root).manifest.read_text())
     tokenizer = load_tokenizer(layout(root).tokenizer)
@@ -135,7 +108,11 @@ def evaluate_zoo(root: Path, max_docs: int = 120, depth: int = 3, gen_prompts: i
     json_docs = spread(by_domain.get("json", []), max_docs)
     losses = domain_losses(target, tokenizer, picked)
     agree = agreement(target, draft, {"mtp": mtp, "eagle3": eagle3}, tokenizer, json_docs, depth)
-    gen = generation(target, tokenizer, spread(list(corpus.heldout_schemas), gen_prompts), max_new_tokens)
+    schemas = spread(list(corpus.heldout_schemas), gen_prompts)
+    free = generation_eval.unconstrained(target, tokenizer, schemas, max_new_tokens)
+    outputs = free.pop("_outputs")
+    accept = generation_eval.acceptance(target, {"mtp": mtp, "eagle3": eagle3}, outputs, k)
+    grammar = generation_eval.constrained(target, tokenizer, layout(root).tokenizer, schemas, max_new_tokens)
     return {
         "zoo": str(root),
         "recipe": manifest["recipe"]["name"],
@@ -144,8 +121,13 @@ def evaluate_zoo(root: Path, max_docs: int = 120, depth: int = 3, gen_prompts: i
         "target_loss": losses,
         "target_perplexity": {k: round(math.exp(v), 2) for k, v in losses.items()},
         "agreement": agree,
-        "generation": gen,
+        "generation": free,
+        "constrained": grammar,
+        "acceptance": accept,
+        "baseline": baseline and {key: baseline.get(key) for key in (
+            "recipe", "target_parameters", "target_loss", "agreement", "generation", "constrained", "acceptance",
+            "build")},
         "heldout_docs": {k: min(len(v), max_docs) for k, v in by_domain.items()},
-        "build": {k: manifest.get(k) for k in ("build_seconds", "peak_rss_mb", "target_parameters", "draft_parameters")},
+        "build": {key: manifest.get(key) for key in ("build_seconds", "peak_rss_mb", "target_parameters", "draft_parameters")},
         "eval_seconds": round(time.perf_counter() - started, 1),
     }

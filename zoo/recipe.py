@@ -2,7 +2,8 @@
 
 A recipe plus its seed (and `threads`, the torch thread count it trains with, which changes float
 summation order) determines the zoo's weights bit for bit on a given software stack. `micro` exists
-for tests (seconds), `tiny` is the default (a few minutes on two CPU cores), `small` is larger.
+for tests (seconds), `writer` is the default (trained once, about an hour on two CPU cores, and shipped
+prebuilt under zoo/prebuilt/), `tiny` is its under-trained predecessor (6 minutes), `small` is larger.
 """
 from __future__ import annotations
 
@@ -52,6 +53,15 @@ class Recipe:
     # teacher renormalized over a half-size draft vocabulary trained it worse: on the tiny zoo,
     # held-out depth-1 agreement 0.58 soft vs 0.68 hard (MTP: 0.734 vs 0.737, so it stays soft).
     hard_labels: tuple[str, ...] = ()
+    # Extra valid instances drawn per training schema by zoo.schema_gen (seeded by recipe seed and schema
+    # name), on top of the curated ones: more distinct JSON to learn from than the curated ~3 per schema.
+    generated_per_schema: int = 0
+    # Train under CPU bfloat16 autocast (fp32 master weights): about 1.7x the tokens/s of fp32 on a
+    # CPU with avx512_bf16, at the same shape.
+    bf16_autocast: bool = False
+    # Dtype the float tensors are stored in. bfloat16 halves the files (the prebuilt zoo must stay small);
+    # configs still say float32, the dtype a CPU runs them in (bf16 values are exact in fp32).
+    save_dtype: str = "float32"
     tokenizer_docs: int = 6000  # documents the tokenizer trains on
     max_docs_per_domain: int | None = None  # cap on training documents per domain (tests)
     seed: int = 0
@@ -95,6 +105,22 @@ RECIPES: dict[str, Recipe] = {
         ttt_depth=3, draft_vocab_size=2048, stdlib_modules=200, json_fraction=1.0, max_schema_chars=500,
         hard_labels=("eagle3",),
     ),
+    # The default: the tiny shape trained ~40x longer on a JSON-heavy mix (generated instances of the
+    # training schemas, GSM8K and docstrings as short plain text), so its greedy output is JSON for a
+    # schema prompt. Sized from measured probes: ~6k target tokens/s at batch 8 x 512 under bf16
+    # autocast on 2 quiet cores (4.1k in fp32), 1.5 s per head step, and about a third of that speed
+    # niced beside other jobs: 6.6M target tokens and 1.5M head tokens fit in about 80 minutes there.
+    # Trained once and committed as zoo/prebuilt/writer (zoo.prebuilt).
+    "writer": Recipe(
+        name="writer", vocab_size=4096, seq_len=512,
+        target=ModelShape(192, 8, 6, 2, 512),
+        target_schedule=Schedule(steps=1600, batch_size=8, lr=2.5e-3, warmup_steps=50),
+        draft_model=ModelShape(192, 1, 6, 2, 512),
+        heads_schedule=Schedule(steps=360, batch_size=8, lr=2e-3, warmup_steps=25),
+        ttt_depth=3, draft_vocab_size=2048, stdlib_modules=120, json_fraction=0.85, prompt_weight=0.5,
+        max_schema_chars=1500, hard_labels=("eagle3",), generated_per_schema=24, bf16_autocast=True,
+        save_dtype="bfloat16",
+    ),
     "small": Recipe(
         name="small", vocab_size=8192, seq_len=512,
         target=ModelShape(384, 12, 6, 2, 1024),
@@ -104,7 +130,6 @@ RECIPES: dict[str, Recipe] = {
         ttt_depth=4, draft_vocab_size=4096, stdlib_modules=400,
     ),
 }
-DEFAULT_SIZE = "tiny"
 
 
 def get_recipe(size: str) -> Recipe:

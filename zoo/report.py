@@ -7,36 +7,123 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 
 
-def markdown(result: dict) -> str:
-    agree = result["agreement"]
-    lines = [
-        f"# Zoo evaluation: `{result['recipe']}` (seed {result['seed']}, "
-        f"{result['target_parameters'] / 1e6:.1f}M-parameter target)",
-        "",
-        "Held-out data only: schemas, stdlib modules and GSM8K problems that no model trained on.",
-        "",
-        "## Target loss (nats/token)",
-        "",
-        "| domain | loss | perplexity |",
-        "|---|---|---|",
-    ]
+GOALS = (  # (label, how to read it from a result, goal, higher is better) from issue 13
+    ("unconstrained greedy output parses as JSON", lambda r: r["generation"]["parses_as_json"], 0.5, True),
+    ("unconstrained greedy output satisfies the schema", lambda r: r["generation"]["satisfies_schema"], 0.3, True),
+    ("constrained output finishes within the budget", lambda r: r["constrained"]["finished"], 0.95, True),
+    ("degenerate outputs (a 4-gram repeats >= 4 times)", lambda r: r["generation"]["degenerate"], 0.1, False),
+    *((f"{head} top-1 agreement, depth {d + 1} (instance)", lambda r, h=head, d=d: r["agreement"][f"{h}/instance"][d],
+       0.8, True) for head in ("mtp", "eagle3") for d in range(3)),
+    *((f"{head} accepted per step minus ngram's (k drafts)",
+       lambda r, h=head: round(r["acceptance"][h] - r["acceptance"]["ngram"], 4), 0.0, True) for head in ("mtp", "eagle3")),
+)
+
+
+def _read(read, result: dict | None) -> str:
+    try:
+        return f"{read(result):.3f}"
+    except (KeyError, TypeError, IndexError):  # no baseline, or one from an eval that lacked the metric
+        return ""
+
+
+def _goal_lines(result: dict) -> list[str]:
+    base = result.get("baseline")
+    name = (base or {}).get("recipe", "previous")
+    lines = [f"| goal | target | measured | met | `{name}` |", "|---|---|---|---|---|"]
+    for label, read, goal, higher in GOALS:
+        value = read(result)
+        met = value > goal if label.endswith("(k drafts)") else (value >= goal if higher else value <= goal)
+        sign = ">" if label.endswith("(k drafts)") else (">=" if higher else "<=")
+        lines.append(f"| {label} | {sign} {goal:g} | {value:.3f} | {'yes' if met else 'NO'} | {_read(read, base)} |")
+    return lines
+
+
+def _loss_lines(result: dict) -> list[str]:
+    base = (result.get("baseline") or {}).get("target_loss") or {}
+    name = (result.get("baseline") or {}).get("recipe", "previous")
+    lines = [f"| domain | loss | perplexity | `{name}` loss |", "|---|---|---|---|"]
     for domain, loss in result["target_loss"].items():
-        lines.append(f"| {domain} | {loss:.3f} | {result['target_perplexity'][domain]:.1f} |")
+        before = f"{base[domain]:.3f}" if domain in base else ""
+        lines.append(f"| {domain} | {loss:.3f} | {result['target_perplexity'][domain]:.1f} | {before} |")
+    return lines
+
+
+def _agreement_lines(result: dict) -> list[str]:
+    agree = result["agreement"]
+    base = (result.get("baseline") or {}).get("agreement") or {}
     depth = max(len(v) for k, v in agree.items() if k != "positions")
-    lines += ["", "## Teacher-forced top-1 agreement with the target (held-out JSON documents)", "",
-              "| model | positions | " + " | ".join(f"depth {d + 1}" for d in range(depth)) + " |",
-              "|---|---|" + "---|" * depth]
+    lines = ["| model | positions | " + " | ".join(f"depth {d + 1}" for d in range(depth)) + " | previous depth 1 |",
+             "|---|---|" + "---|" * (depth + 1)]
     for key, values in agree.items():
         if key == "positions":
             continue
         model, scope = key.split("/")
         cells = [f"{v:.3f}" for v in values] + ["" for _ in range(depth - len(values))]
-        lines.append(f"| {model} | {scope} | " + " | ".join(cells) + " |")
-    gen = result["generation"]
-    lines += ["", "## Greedy generation on held-out schema prompts", "",
-              f"{gen['prompts']} prompts: {gen['parses_as_json']:.0%} parse as JSON"
-              + (f", {gen['satisfies_schema']:.0%} satisfy their schema." if gen["satisfies_schema"] is not None else "."),
-              "", f"Evaluated in {result['eval_seconds']} s."]
+        before = f"{base[key][0]:.3f}" if key in base else ""
+        lines.append(f"| {model} | {scope} | " + " | ".join(cells) + f" | {before} |")
+    return lines
+
+
+def _sample_lines(samples: list[dict]) -> list[str]:
+    lines = []
+    for sample in samples:
+        flags = ", ".join(f"{k}: {v}" for k, v in sample.items() if k not in ("schema", "output"))
+        lines += [f"- `{sample['schema']}` ({flags}):", "", "  ```", f"  {sample['output']}", "  ```"]
+    return lines
+
+
+def markdown(result: dict) -> str:
+    gen, grammar, accept = result["generation"], result["constrained"], result["acceptance"]
+    build = result["build"]
+    lines = [
+        f"# Zoo evaluation: `{result['recipe']}` (seed {result['seed']}, "
+        f"{result['target_parameters'] / 1e6:.1f}M-parameter target)",
+        "",
+        "Held-out data only: schemas, stdlib modules and GSM8K problems that no model trained on. "
+        f"Built in {build.get('build_seconds')} s (peak RSS {build.get('peak_rss_mb')} MB); "
+        f"evaluated in {result['eval_seconds']} s.",
+        "",
+        "## Goals (issue 13)",
+        "",
+        *_goal_lines(result),
+        "",
+        "## Target loss (nats/token)",
+        "",
+        "The previous zoo's tokenizer is another 4096-token BPE, so per-token losses compare only roughly.",
+        "",
+        *_loss_lines(result),
+        "",
+        "## Teacher-forced top-1 agreement with the target (held-out JSON documents)",
+        "",
+        *_agreement_lines(result),
+        "",
+        f"## Greedy generation on {gen['prompts']} held-out schema prompts ({gen['max_new_tokens']} new tokens)",
+        "",
+        f"Unconstrained: {gen['parses_as_json']:.0%} parse as JSON, {gen['satisfies_schema']:.0%} satisfy their "
+        f"schema, {gen['degenerate']:.0%} degenerate, {gen['finished']:.0%} end with eos.",
+        "",
+        f"Under the schema's grammar (xgrammar's transformers logits processor, compact separators): "
+        f"{grammar['compiled']} of {grammar['prompts']} schemas compile; of those {grammar['finished']:.0%} finish "
+        f"and {grammar['satisfies_schema']:.0%} satisfy their schema.",
+        "",
+        f"## Speculation on those outputs: drafts accepted per step at k={accept['k']} (greedy, exact simulation)",
+        "",
+        "| drafter | accepted per step | steps | previous zoo |",
+        "|---|---|---|---|",
+        *(f"| {name} | {accept[name]:.3f} | {accept['steps'][name]} | "
+          f"{_read(lambda r, n=name: r['acceptance'][n], result.get('baseline'))} |" for name in accept["steps"]),
+        "",
+        "## Sample outputs",
+        "",
+        "Unconstrained:",
+        "",
+        *_sample_lines(gen["samples"]),
+        "",
+        "Constrained:",
+        "",
+        *_sample_lines(grammar["samples"]),
+        *(["", f"Command: `{result['command']}`"] if result.get("command") else []),
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -1,8 +1,9 @@
 """pytest plugin: the session-scoped `zoo_dir` fixture (register with `pytest_plugins = ["zoo.testing"]`).
 
-`zoo_dir` is the directory of the default ("tiny") zoo, built once per machine through the build
-cache (the first session pays the few-minute build, later ones reuse it at once). Set
-TANDEM_ZOO_DIR to use a zoo built elsewhere, or TANDEM_ZOO_SIZE to pick another recipe.
+`zoo_dir` is the directory of the default zoo: the prebuilt one committed under zoo/prebuilt/ (checked
+against its manifest once per session, no training), or for a recipe without one, a build made once per
+machine through the build cache. Set TANDEM_ZOO_DIR to use a zoo built elsewhere, or TANDEM_ZOO_SIZE
+to pick another recipe.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ a fixed seed and thread count."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -71,8 +72,13 @@ def weighted_lm_loss(logits: torch.Tensor, ids: torch.Tensor, weight: torch.Tens
     return (nll * w).sum() / w.sum().clamp_min(1e-6)
 
 
+def autocast(device: str, enabled: bool):
+    """bfloat16 autocast for the forward passes when `enabled` (weights and optimizer stay fp32)."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if enabled else nullcontext()
+
+
 def train_lm(model: LlamaForCausalLM, ids: torch.Tensor, weight: torch.Tensor, schedule: Schedule,
-             desc: str = "target", device: str = "cpu") -> list[float]:
+             desc: str = "target", device: str = "cpu", bf16: bool = False) -> list[float]:
     """Next-token training on packed rows ids/weight [steps * batch, seq_len]; -> the step losses."""
     if ids.shape[0] < schedule.steps * schedule.batch_size:
         raise ValueError(f"need {schedule.steps * schedule.batch_size} sequences, got {ids.shape[0]}")
@@ -83,7 +89,9 @@ def train_lm(model: LlamaForCausalLM, ids: torch.Tensor, weight: torch.Tensor, s
     for step in bar:
         rows = slice(step * schedule.batch_size, (step + 1) * schedule.batch_size)
         x = ids[rows].to(device)
-        loss = weighted_lm_loss(model(input_ids=x, use_cache=False).logits, x, weight[rows].to(device))
+        with autocast(device, bf16):
+            logits = model(input_ids=x, use_cache=False).logits
+        loss = weighted_lm_loss(logits, x, weight[rows].to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         set_lr(optimizer, lr_at(step, schedule))

@@ -1,6 +1,6 @@
 """The built default zoo (session fixture `zoo_dir`): formats, loading, and how well the heads agree.
 
-The first session on a machine builds the zoo (a few minutes); later sessions reuse the cache.
+The default zoo is the prebuilt one committed under zoo/prebuilt/ (no training in a test session).
 """
 import json
 
@@ -103,7 +103,10 @@ def test_heads_agree_with_the_target_on_heldout_json(zoo_dir, record_property):
     for key in ("mtp/instance", "eagle3/instance", "draft/instance"):
         record_property(key, result[key])
     print({k: v for k, v in result.items() if k != "positions"})
-    # Floors well under what the default recipe reaches (about 0.74 / 0.68 at every depth): a head
-    # that stopped learning, or a chain that drifts on its own hidden states (depths 2, 3), fails.
-    assert result["mtp/instance"][0] > 0.65 and result["eagle3/instance"][0] > 0.55
-    assert min(result["mtp/instance"] + result["eagle3/instance"]) > 0.5
+    # Floors under what the default `writer` zoo reaches on these 24 documents (MTP 0.58/0.56/0.55,
+    # EAGLE-3 0.41/0.41/0.40 at depths 1-3; the looping `tiny` target was easier to agree with): a head
+    # that stopped learning (random: about 0.0), or a chain that drifts on its own hidden states
+    # (depths 2, 3 falling away from depth 1), fails.
+    assert result["mtp/instance"][0] > 0.45 and result["eagle3/instance"][0] > 0.3
+    for key in ("mtp/instance", "eagle3/instance"):
+        assert min(result[key]) > result[key][0] - 0.08, key

@@ -167,9 +167,10 @@ class Eagle3Head(nn.Module):
         out[..., ids] = logits
         return out
 
-    def save(self, out_dir: Path) -> None:
+    def save(self, out_dir: Path, dtype: torch.dtype = torch.float32) -> None:
+        """Float tensors are stored in `dtype` (d2t/t2d keep theirs); the config says float32."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().clone() for k, v in self.state_dict().items()}
+        state = {k: _stored(v, dtype) for k, v in self.state_dict().items()}
         save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         (out_dir / "config.json").write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
 
@@ -179,3 +180,8 @@ class Eagle3Head(nn.Module):
         head = cls(config, embed_tokens)
         head.load_state_dict(load_file(str(Path(head_dir) / "model.safetensors")))
         return head
+
+
+def _stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    tensor = tensor.detach()
+    return (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous().clone()

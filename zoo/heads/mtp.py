@@ -116,10 +116,11 @@ class MTPHead(nn.Module):
     def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
 
-    def save(self, out_dir: Path) -> None:
+    def save(self, out_dir: Path, dtype: torch.dtype = torch.float32) -> None:
+        """Float tensors are stored in `dtype` (d2t/t2d keep theirs); the config says float32."""
         out_dir.mkdir(parents=True, exist_ok=True)
         prefix = f"model.layers.{self.layer_index}."
-        state = {prefix + k: v.detach().contiguous().clone() for k, v in self.state_dict().items()}
+        state = {prefix + k: _stored(v, dtype) for k, v in self.state_dict().items()}
         save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         config = dict(self.config)
         config["num_nextn_predict_layers"] = 1
@@ -134,3 +135,8 @@ class MTPHead(nn.Module):
         state = load_file(str(Path(head_dir) / "model.safetensors"))
         head.load_state_dict({k[len(prefix):]: v for k, v in state.items()})
         return head
+
+
+def _stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    tensor = tensor.detach()
+    return (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous().clone()
