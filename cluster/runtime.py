@@ -42,3 +42,13 @@ def init_ray(opts: RayOptions = RayOptions()) -> dict:
 def shutdown_ray() -> None:
     if ray.is_initialized():
         ray.shutdown()
+
+
+def replica_id() -> str:
+    """This Serve replica's id (stats are keyed by it); "local" outside Serve (tests driving a class)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - no replica context here
+        return "local"

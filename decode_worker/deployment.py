@@ -14,6 +14,7 @@ import time
 from cluster.errors import WorkerDiedError
 from cluster.placement import RankResources
 from cluster.protocol import StreamError, TokenDelta
+from cluster.runtime import replica_id
 from decode_worker.config import DecodeConfig
 from decode_worker.controller import DecodeController
 from decode_worker.group import GroupSpec, RankGroup
@@ -117,7 +118,7 @@ class DecodeServer:
     def stats(self) -> dict:
         handovers = self.ctrl.handovers[-64:]
         return {
-            "replica": _replica_id(),
+            "replica": replica_id(),
             "group_id": self.group.group_id if self.group else None,
             "max_num_seqs": self.config.max_num_seqs,
             "groups_started": self.groups_started,
@@ -155,11 +156,3 @@ class DecodeServer:
         if getattr(self, "group", None) is not None:
             self.group.kill()
 
-
-def _replica_id() -> str:
-    try:
-        from ray import serve
-
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 - outside Serve (tests driving the class directly)
-        return "local"

@@ -10,6 +10,7 @@ import uuid
 import torch
 
 from cluster.protocol import DecodeTarget, ModelInfo, PrefillRequest, PrefillResult
+from cluster.runtime import replica_id
 from engine import LLMEngine
 from prefill_worker.config import PrefillConfig
 from prefill_worker.loop import PrefillLoop
@@ -59,7 +60,7 @@ class PrefillServer:
         s = self.engine.stats()
         timings = list(self.loop.sender.timings)[-64:]
         return {
-            "replica": _replica_id(),
+            "replica": replica_id(),
             "name": self.name,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "pid": os.getpid(),
@@ -89,11 +90,3 @@ class PrefillServer:
         if loop is not None:
             loop.stop()
 
-
-def _replica_id() -> str:
-    try:
-        from ray import serve
-
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 - outside Serve (tests driving the class directly)
-        return "local"
