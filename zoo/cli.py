@@ -92,9 +92,15 @@ def _build(args) -> int:
 def _path(args) -> int:
     import zoo
 
-    root = zoo.built_path(args.size, seed=args.seed)
+    from zoo.prebuilt import PrebuiltError
+
+    try:
+        root = zoo.built_path(args.size, seed=args.seed)
+    except PrebuiltError as err:
+        print(f"tandem zoo path: {err}", file=sys.stderr)
+        return 1
     if root is None:
-        print(f"tandem zoo path: the {args.size} zoo is not built; run `tandem zoo build --size {args.size}`",
+        print(f"tandem zoo path: the {args.size} zoo is not built; run `tandem zoo build --recipe {args.size}`",
               file=sys.stderr)
         return 1
     print(root)
@@ -143,9 +149,14 @@ def _train_draft(args) -> int:
 def _eval(args) -> int:
     import zoo
     from zoo.evaluate import evaluate_zoo
+    from zoo.prebuilt import PrebuiltError
     from zoo.report import RESULTS_DIR, write_results
 
-    root = args.zoo or zoo.built_path(args.size, seed=args.seed)
+    try:
+        root = args.zoo or zoo.built_path(args.size, seed=args.seed)
+    except PrebuiltError as err:
+        print(f"tandem zoo eval: {err}", file=sys.stderr)
+        return 1
     if root is None or not zoo.layout(root).manifest.is_file():
         print("tandem zoo eval: no built zoo; run `tandem zoo build` or pass --zoo DIR", file=sys.stderr)
         return 1

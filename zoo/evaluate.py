@@ -27,6 +27,7 @@ from zoo.distill import head_agreement
 from zoo.features import target_features
 from zoo.heads.eagle3 import Eagle3Head
 from zoo.heads.mtp import MTPHead
+from zoo.prompts import BOS
 from zoo.tokenizer import load_tokenizer
 
 
@@ -113,6 +114,8 @@ def evaluate_zoo(root: Path, max_docs: int = 120, depth: int = 3, gen_prompts: i
     outputs = free.pop("_outputs")
     accept = generation_eval.acceptance(target, {"mtp": mtp, "eagle3": eagle3}, outputs, k)
     grammar = generation_eval.constrained(target, tokenizer, layout(root).tokenizer, schemas, max_new_tokens)
+    questions = [d for d in by_domain.get("text", []) if d.text.startswith(BOS + "Question: ")]
+    free["text_samples"] = generation_eval.plain_text(target, tokenizer, spread(questions, 3))
     return {
         "zoo": str(root),
         "recipe": manifest["recipe"]["name"],

@@ -64,7 +64,8 @@ def unconstrained(target, tokenizer, schemas: list[dict], max_new_tokens: int, s
     eos = tokenizer.token_to_id(END)
     parsed = valid = degenerate = finished = 0
     shown, outputs = [], []
-    for row in schemas:
+    show_at = {i * len(schemas) // samples for i in range(samples)}  # spread over the subsets
+    for index, row in enumerate(schemas):
         prompt = tokenizer.encode(json_schema_prompt(row["schema"])).ids
         tokens = _greedy(target, torch.tensor([prompt]), eos, max_new_tokens)
         body = tokens[:-1] if tokens and tokens[-1] == eos else tokens
@@ -74,7 +75,7 @@ def unconstrained(target, tokenizer, schemas: list[dict], max_new_tokens: int, s
         parsed, valid = parsed + ok_json, valid + ok_schema
         degenerate += int(is_degenerate(body))
         outputs.append((prompt, tokens))
-        if len(shown) < samples:
+        if index in show_at:
             shown.append({"schema": row["name"], "output": text[:300], "parses": ok_json, "valid": ok_schema})
     n = max(len(schemas), 1)
     return {"prompts": len(schemas), "max_new_tokens": max_new_tokens, "parses_as_json": round(parsed / n, 4),
@@ -98,7 +99,8 @@ def constrained(target, tokenizer, tokenizer_dir, schemas: list[dict], max_new_t
     compiler = xgr.GrammarCompiler(info, max_threads=1)
     compiled_ok = finished = valid = 0
     shown, failures = [], []
-    for row in schemas:
+    show_at = {i * len(schemas) // samples for i in range(samples)}
+    for index, row in enumerate(schemas):
         try:
             grammar = compiler.compile_json_schema(json.dumps(row["schema"]), any_whitespace=False,
                                                    separators=(", ", ": "))
@@ -112,12 +114,25 @@ def constrained(target, tokenizer, tokenizer_dir, schemas: list[dict], max_new_t
         text = tokenizer.decode(tokens[:-1] if done else tokens, skip_special_tokens=True)
         ok = done and _check(text, row["schema"])[1]
         finished, valid = finished + done, valid + ok
-        if len(shown) < samples:
+        if index in show_at:
             shown.append({"schema": row["name"], "output": text[:300], "finished": done, "valid": ok})
     n = max(compiled_ok, 1)
     return {"prompts": len(schemas), "compiled": compiled_ok, "max_new_tokens": max_new_tokens,
             "finished": round(finished / n, 4), "satisfies_schema": round(valid / n, 4),
             "samples": shown, "compile_failures": failures}
+
+
+def plain_text(target, tokenizer, docs, max_new_tokens: int = 96) -> list[dict]:
+    """Greedy answers to held-out GSM8K questions (documents "Question: ...\nAnswer: ..."): short plain text."""
+    eos = tokenizer.token_to_id(END)
+    shown = []
+    for doc in docs:
+        prompt = doc.text[: doc.text.index("Answer:") + len("Answer:")]
+        tokens = _greedy(target, torch.tensor([tokenizer.encode(prompt).ids]), eos, max_new_tokens)
+        question = prompt.split("Question: ", 1)[-1].rsplit("\nAnswer:", 1)[0]
+        shown.append({"schema": "gsm8k", "prompt": " ".join(question.split())[:200],
+                      "output": tokenizer.decode(tokens, skip_special_tokens=True)[:300]})
+    return shown
 
 
 def _leading_matches(guesses: list[int], following: list[int]) -> int:

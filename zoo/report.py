@@ -67,8 +67,11 @@ def _agreement_lines(result: dict) -> list[str]:
 def _sample_lines(samples: list[dict]) -> list[str]:
     lines = []
     for sample in samples:
-        flags = ", ".join(f"{k}: {v}" for k, v in sample.items() if k not in ("schema", "output"))
-        lines += [f"- `{sample['schema']}` ({flags}):", "", "  ```", f"  {sample['output']}", "  ```"]
+        flags = ", ".join(f"{k}: {v}" for k, v in sample.items() if k not in ("schema", "output", "prompt"))
+        head = f"- `{sample['schema']}`" + (f" ({flags})" if flags else "") + ":"
+        if "prompt" in sample:
+            head += f" {sample['prompt']}"
+        lines += [head, "", "  ```", *(f"  {line}" for line in sample["output"].splitlines() or [""]), "  ```"]
     return lines
 
 
@@ -122,6 +125,10 @@ def markdown(result: dict) -> str:
         "Constrained:",
         "",
         *_sample_lines(grammar["samples"]),
+        "",
+        "Plain text (held-out GSM8K questions, greedy, 96 new tokens):",
+        "",
+        *_sample_lines(gen.get("text_samples", [])),
         *(["", f"Command: `{result['command']}`"] if result.get("command") else []),
     ]
     return "\n".join(lines) + "\n"

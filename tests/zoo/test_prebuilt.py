@@ -71,3 +71,16 @@ def test_publish_then_find_round_trips_and_other_recipes_or_seeds_miss(tmp_path)
     assert find(recipe.with_seed(1), prebuilt_root=tmp_path / "prebuilt") is None
     assert find(RECIPES["tiny"], prebuilt_root=tmp_path / "prebuilt") is None
     assert file_hashes(published) == file_hashes(tmp_path / "built")
+
+
+def test_cli_reports_a_corrupted_prebuilt_instead_of_a_traceback(default_prebuilt, tmp_path, monkeypatch, capsys):
+    from zoo import prebuilt
+    from zoo.cli import main
+
+    root = _copy(default_prebuilt, tmp_path / zoo.DEFAULT_SIZE)
+    (root / "target" / "config.json").write_text("{}")
+    monkeypatch.setattr(prebuilt, "PREBUILT_ROOT", tmp_path)
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    assert main(["build"]) == 1 and main(["path"]) == 1
+    assert "target/config.json is corrupted" in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists()  # no silent rebuild
