@@ -62,6 +62,7 @@ class DecodeController:
         self.kv_blocks_used = 0
         self.kv_blocks_total = 0
         self.num_running = 0
+        self.grammar_stats: dict[str, int] = {}  # the lead rank's engine: compiles, cache hits, deserializations
         self.handovers: list[tuple[float, float, int]] = []  # recent (receive s, unpack s, bytes) per request
         self.handovers_total = 0
 
@@ -113,6 +114,7 @@ class DecodeController:
         lead = reports[0]  # under TP every rank holds the same requests and blocks
         self.kv_blocks_used, self.kv_blocks_total = lead.kv_blocks_used, lead.kv_blocks_total
         self.num_running = lead.num_running
+        self.grammar_stats = dict(lead.grammar)
         for rep in reports:
             for d in rep.deltas:
                 self._deliver(d, rep.tp_rank)

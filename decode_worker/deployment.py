@@ -130,6 +130,7 @@ class DecodeServer:
             "steps": self._steps,
             "rank_step_seconds": self._step_seconds,
             "handovers_total": self.ctrl.handovers_total,
+            "grammar": dict(self.ctrl.grammar_stats),
             "handover_seconds": [s for s, _, _ in handovers],
             "handover_unpack_seconds": [u for _, u, _ in handovers],
             "handover_bytes": [b for _, _, b in handovers],

@@ -98,7 +98,7 @@ class DecodeRank:
             landed=tuple(landed), failed=tuple(failed + broken), deferred=tuple(deferred),
             kv_blocks_used=stats["kv_blocks_used"], kv_blocks_total=stats["kv_blocks_total"],
             num_running=stats["num_running"], step_seconds=time.perf_counter() - start,
-            handover_seconds=tuple(timings))
+            handover_seconds=tuple(timings), grammar=tuple(stats.get("grammar", {}).items()))
 
     def _idle_forward(self) -> None:
         """The group runs a forward and this rank holds nothing to run: it must still match the forward's

@@ -73,6 +73,7 @@ class PrefillServer:
             "steps": self.loop.steps,
             "channels": len(self.loop.sender.channels),
             "handovers_total": self.loop.sender.total,
+            "grammar": dict(s.get("grammar", {})),
             "handovers": [(t.pack_seconds, t.answer_seconds, t.payload_seconds, t.payload_bytes) for t in timings],
         }
 

@@ -42,10 +42,18 @@ class RouterMetrics:
                               ["model", "role", "replica"], registry=r)
         self.worker_queue = Gauge("tandem_worker_queue_length", "Prompts waiting in a prefill replica, or "
                                   "requests waiting in a decode replica.", ["model", "role", "replica"], registry=r)
+        self.grammar_events = Gauge("tandem_grammar_events", "Grammar compilations, compiled-grammar cache hits and "
+                                    "deserializations (hand-overs) since a worker replica started; a decode "
+                                    "replica fed by hand-overs compiles nothing.",
+                                    ["model", "role", "replica", "event"], registry=r)
         self.handover_s = Gauge("tandem_handover_seconds_recent", "Mean KV hand-over payload time of recent "
                                 "requests (decode side).", ["model"], registry=r).labels(**labels)
         self.handover_bw = Gauge("tandem_handover_bytes_per_second_recent", "KV hand-over bandwidth of recent "
                                  "requests (decode side).", ["model"], registry=r).labels(**labels)
+
+    def grammar(self, role: str, replica: str, counts: dict[str, int]) -> None:
+        for event, n in counts.items():
+            self.grammar_events.labels(model=self._labels["model"], role=role, replica=replica, event=event).set(n)
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(model=self._labels["model"], endpoint=endpoint, status=str(status)).inc()

@@ -84,6 +84,7 @@ class StepReport:
     num_running: int
     step_seconds: float
     handover_seconds: tuple[tuple[str, float, float, int], ...] = field(default=())  # (rid, recv s, unpack s, bytes)
+    grammar: tuple[tuple[str, int], ...] = field(default=())  # the engine's grammar counters (compiles, ...)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -58,6 +59,30 @@ def test_vllm_spellings_and_streaming(tandem_server, engine_text):
                                                              "json_schema": {"name": "p", "schema": SCHEMA}})
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_grammars_compile_on_the_prefill_side_only(tandem_server):
+    """A guided request through the disaggregated path: the prefill replica compiles, the decode ranks
+    load the compiled grammar from the hand-over and compile nothing (read from /metrics)."""
+    from cluster.testing import wait_for
+    from deploy.metrics_probe import scrape, worker_value
+
+    client = tandem_server.openai()
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}  # fresh: not cached
+    client.completions.create(model=tandem_server.model, prompt="count", max_tokens=20, temperature=0,
+                              extra_body={"structured_outputs": {"json": schema}})
+
+    def events() -> dict:
+        samples = scrape(httpx.get(f"{tandem_server.base_url}/metrics", timeout=30).text)
+        return {(role, e): worker_value({k: v for k, v in samples.items() if ("event", e) in k[1]},
+                                        "tandem_grammar_events", role)
+                for role in ("prefill", "decode") for e in ("compiles", "deserializations")}
+
+    # stats reach the router at the decode group's next step report: wait for the deserialization
+    wait_for(lambda: events()[("decode", "deserializations")] >= 1, timeout_s=60, poll_s=0.5,
+             what="the decode replica to report the handed-over grammar")
+    seen = events()
+    assert seen[("decode", "compiles")] == 0 and seen[("prefill", "compiles")] >= 1
 
 
 def test_a_grammar_that_does_not_compile_is_a_400_and_the_server_keeps_serving(tandem_server):
