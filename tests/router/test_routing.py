@@ -41,7 +41,9 @@ def test_two_prefill_and_two_decode_replicas_share_the_load(tandem_server):
             snap = router.routing_snapshot.remote().result()
             prefill_done = [s.get("handovers_total", 0) for s in snap["prefill"].values()]
             decode_steps = [s.get("steps", 0) for s in snap["decode"].values()]
-            if len(prefill_done) == 2 and sum(prefill_done) == 16 and len(decode_steps) == 2:
+            # Stats are periodic: a replica's snapshot may predate its first step, so wait for both to
+            # have stepped (a group that never decodes fails here, naming what never happened).
+            if len(prefill_done) == 2 and sum(prefill_done) == 16 and len(decode_steps) == 2 and min(decode_steps) > 0:
                 return prefill_done, decode_steps
 
         prefill_done, decode_steps = wait_for(loads, "every replica's load reaches the router", poll_s=0.25)
