@@ -18,7 +18,7 @@ class ResponseWriter:
         self.router, self.body, self.gen, self.rid, self.chat, self.echo = router, body, gen, rid, chat, echo
         self.model = router.cfg.served_model_name
         self.created = R.now()
-        self.det = IncrementalDetokenizer(router.tokenizer, prompt_ids, body.sampling_params(1, None).get("stop"),
+        self.det = IncrementalDetokenizer(router.tokenizer, prompt_ids, gen.params.get("stop"),
                                           body.include_stop_str_in_output, body.skip_special_tokens)
         self.lp = R.LogprobsBuilder(router.tokenizer, chat) if logprobs is not None else None
         self.usage = R.Usage(prompt_tokens=len(prompt_ids))
