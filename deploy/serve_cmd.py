@@ -1,6 +1,6 @@
 """`tandem serve`: deploy the router, prefill and decode deployments on Ray Serve and keep serving.
 
-Embedded default: starts Ray in this process (the zoo's tiny target with its MTP head drafting k=3,
+Embedded default: starts Ray in this process (the zoo's prebuilt target with its MTP head drafting k=3,
 one prefill replica, one decode group of two ranks, on CPU) and serves on 127.0.0.1:8000. With
 --address it joins a running cluster (`ray up deploy/cluster.yaml`, then
 `tandem serve --address auto --model DIR --device cuda`).
@@ -25,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tandem serve", description=__doc__.splitlines()[0])
     # Every deployment setting is a flag made from TandemConfig's fields; serving the zoo changes two defaults.
     add_model_flags(ap, TandemConfig, aliases={"num_speculative_tokens": ("-k",)}, overrides={
-        "model": dict(help="target model directory (default: the zoo's tiny target, built if missing)"),
+        "model": dict(help="target model directory (default: the zoo's prebuilt target)"),
         "speculative_method": dict(default=None, help="speculative decoding method (default: mtp with the zoo's "
                                                       "head when serving the zoo, no --model; else none)")})
     ap.add_argument("--host", default="127.0.0.1")
@@ -46,7 +46,7 @@ def _zoo_defaults(args: argparse.Namespace) -> dict:
     unless a speculative method was asked for."""
     import zoo
 
-    print("building (or reusing) the zoo's tiny models...", flush=True)
+    print("loading the zoo's prebuilt models...", flush=True)
     paths = zoo.layout(zoo.build())
     method = args.speculative_method or "mtp"
     heads = {"mtp": paths.mtp, "eagle3": paths.eagle3, "draft_model": paths.draft}

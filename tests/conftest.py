@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-# `zoo_dir`: the tiny zoo, built once per machine through the zoo's build cache (zoo/testing.py).
+# `zoo_dir`: the default zoo, prebuilt under zoo/prebuilt/ (verified against its manifest; zoo/testing.py).
 pytest_plugins = ["zoo.testing"]
 
 # Fixtures shared by the serving tests (cluster, workers, router, deploy): one embedded Ray, one tiny

@@ -1,6 +1,6 @@
 """The zoo's trained heads (zoo/README.md) in the engine: lossless, and they actually predict.
 
-The first test session on a machine builds the default zoo (a few minutes, zoo.testing's `zoo_dir`);
+The default zoo is the prebuilt one (zoo.testing's `zoo_dir`, nothing is built);
 later sessions reuse the cache.
 """
 from __future__ import annotations
