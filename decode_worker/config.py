@@ -1,15 +1,24 @@
 """DecodeConfig: the decode deployment's settings, the engine's (cluster.settings) plus its own."""
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from cluster.settings import EngineSettings
 
 
 class DecodeConfig(EngineSettings):
     tp: int = Field(2, ge=1, description="Tensor-parallel ranks per decode group (one group per decode replica).")
+    attention_dp: int = Field(1, ge=1, description="Attention data parallelism inside a decode group: 1 = off "
+                                                   "(attention heads sharded over the tp ranks); equal to tp = each "
+                                                   "rank owns its requests' whole-head KV and the MLP stays sharded.")
     rank_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per decode rank.")
     handover_timeout_s: float = Field(60.0, gt=0, description="How long a decode stream waits for its hand-over "
                                                               "header.")
     step_timeout_s: float = Field(120.0, gt=0, description="A decode step slower than this is treated as a dead "
                                                            "group (which is rebuilt).")
+
+    @model_validator(mode="after")
+    def _check_attention_dp(self):
+        if self.attention_dp not in (1, self.tp):
+            raise ValueError(f"attention_dp must be 1 (off) or equal to tp ({self.tp}), got {self.attention_dp}")
+        return self

@@ -5,8 +5,9 @@ Each request it serves goes EXPECTED (its stream is open, its hand-over is on th
 every rank; its tokens flow to its stream). The controller turns the ranks' step reports into the
 next step's work for each rank (a RankStep: its commands, and whether the group runs a forward) and the
 per-request stream events. A request is placed on ranks (under tensor parallelism: every rank, and rank 0
-reports its tokens); its commands go to those ranks only, and every rank gets a RankStep each step, with
-or without commands of its own, so that the ranks step in lockstep. A request whose client went away is dropped
+reports its tokens; under attention data parallelism: the one rank that owns its KV, chosen by load);
+its commands go to those ranks only, and every rank gets a RankStep each step, with or without commands
+of its own, so that the ranks step in lockstep. A request whose client went away is dropped
 before its blocks exist, or aborted after its payload landed (never while a payload is being written
 into its blocks, which could by then belong to someone else).
 """
@@ -16,8 +17,6 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
-
 from cluster.protocol import Command, CommandKind, RankStep, StepReport, StreamError, TokenDelta
 
 Placement = tuple[int, ...]  # the ranks that hold a request, in order; the first reports its tokens
@@ -35,6 +34,7 @@ class Tracked:
     sink: asyncio.Queue  # TokenDelta | StreamError items
     deadline: float  # for the header to reach every rank
     ranks: Placement
+    prompt_blocks: int = 0  # KV blocks its prompt will take (the placement's estimate before it lands)
     phase: Phase = Phase.EXPECTED
     arrived: set[int] = field(default_factory=set)
     landed: set[int] = field(default_factory=set)
@@ -45,21 +45,25 @@ class Tracked:
     handover_bytes: int = 0  # over all ranks
 
 
-def tensor_parallel(tp_size: int) -> Callable[[str], Placement]:
-    """Every rank holds every request (its KV-head slice); rank 0 reports the tokens all ranks compute."""
-    every = tuple(range(tp_size))
-    return lambda request_id: every
+@dataclass(frozen=True, slots=True)
+class RankLoad:
+    """One rank's load as its last StepReport gave it."""
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_running: int = 0
 
 
 class DecodeController:
-    def __init__(self, tp_size: int, handover_timeout_s: float = 60.0,
-                 place: Callable[[str], Placement] | None = None):
+    def __init__(self, tp_size: int, handover_timeout_s: float = 60.0, attention_dp: bool = False):
+        """attention_dp: each request lives on one rank (least loaded), not on all of them."""
         self.tp_size = tp_size
         self.handover_timeout_s = handover_timeout_s
-        self.place = place or tensor_parallel(tp_size)
+        self.attention_dp = attention_dp
         self.requests: dict[str, Tracked] = {}
         self._commands: list[list[Command]] = [[] for _ in range(tp_size)]  # per rank, for the next step
-        self.kv_blocks_used = 0
+        self.rank_loads = [RankLoad() for _ in range(tp_size)]
+        self.placed_total = [0] * tp_size  # requests placed on each rank since the controller started
+        self.kv_blocks_used = 0  # over the group (each block counted once: under TP every rank holds a slice)
         self.kv_blocks_total = 0
         self.num_running = 0
         self.grammar_stats: dict[str, int] = {}  # the lead rank's engine: compiles, cache hits, deserializations
@@ -67,11 +71,34 @@ class DecodeController:
         self.handovers_total = 0
 
     # ------------------------------------------------------------------ from streams
-    def expect(self, request_id: str, sink: asyncio.Queue) -> None:
+    def expect(self, request_id: str, sink: asyncio.Queue, prompt_blocks: int = 0) -> Placement:
+        """A stream opened: track the request and place it. prompt_blocks: the KV blocks its prompt needs
+        (the router knows the prompt's length), so that requests placed between two reports spread out."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already being decoded")
-        self.requests[request_id] = Tracked(request_id, sink, time.monotonic() + self.handover_timeout_s,
-                                            self.place(request_id))
+        ranks = self._place(prompt_blocks)
+        for r in ranks:
+            self.placed_total[r] += 1
+        self.requests[request_id] = Tracked(request_id, sink, time.monotonic() + self.handover_timeout_s, ranks,
+                                            prompt_blocks)
+        return ranks
+
+    def _place(self, prompt_blocks: int) -> Placement:
+        """Under TP every rank holds every request (its KV-head slice) and rank 0 reports the tokens all
+        ranks compute. Under ADP one rank holds it: least KV in use, then fewest requests (TensorRT-LLM's
+        ADP router orders ranks by active tokens, then active requests). A rank's load is its last report
+        plus what was placed on it since and has not landed yet, so a burst between two steps spreads."""
+        if not self.attention_dp:
+            return tuple(range(self.tp_size))
+        blocks = [load.kv_blocks_used for load in self.rank_loads]
+        count = [load.num_running for load in self.rank_loads]
+        for t in self.requests.values():
+            if t.phase is Phase.EXPECTED:  # its blocks are not reserved yet (RESERVING ones are in the report)
+                blocks[t.ranks[0]] += t.prompt_blocks
+            if t.phase is not Phase.RUNNING:
+                count[t.ranks[0]] += 1
+        best = min(range(self.tp_size), key=lambda r: (blocks[r], count[r], r))
+        return (best,)
 
     def cancel(self, request_id: str) -> None:
         """The stream is gone (client disconnect, stop string, prefill failure)."""
@@ -111,10 +138,21 @@ class DecodeController:
         return steps
 
     def on_reports(self, reports: list[StepReport]) -> None:
-        lead = reports[0]  # under TP every rank holds the same requests and blocks
-        self.kv_blocks_used, self.kv_blocks_total = lead.kv_blocks_used, lead.kv_blocks_total
-        self.num_running = lead.num_running
-        self.grammar_stats = dict(lead.grammar)
+        self.rank_loads = [RankLoad(r.kv_blocks_used, r.kv_blocks_total, r.num_running) for r in reports]
+        if self.attention_dp:  # each rank holds its own requests and blocks, and deserializes its own grammars
+            self.kv_blocks_used = sum(r.kv_blocks_used for r in reports)
+            self.kv_blocks_total = sum(r.kv_blocks_total for r in reports)
+            self.num_running = sum(r.num_running for r in reports)
+            grammar: dict[str, int] = {}
+            for r in reports:
+                for event, n in r.grammar:
+                    grammar[event] = grammar.get(event, 0) + n
+            self.grammar_stats = grammar
+        else:
+            lead = reports[0]  # under TP every rank holds the same requests and blocks
+            self.kv_blocks_used, self.kv_blocks_total = lead.kv_blocks_used, lead.kv_blocks_total
+            self.num_running = lead.num_running
+            self.grammar_stats = dict(lead.grammar)
         for rep in reports:
             for d in rep.deltas:
                 self._deliver(d, rep.tp_rank)
@@ -152,6 +190,7 @@ class DecodeController:
         self._commands = [[] for _ in range(self.tp_size)]
         self.num_running = 0
         self.kv_blocks_used = 0
+        self.rank_loads = [RankLoad() for _ in range(self.tp_size)]
 
     # ------------------------------------------------------------------ internals
     def _on_arrived(self, rid: str, rank: int) -> None:

@@ -29,9 +29,10 @@ class DecodeServer:
         self.config = config if isinstance(config, DecodeConfig) else DecodeConfig(**config)
         c = self.config
         gpus = 1.0 if c.device == "cuda" else 0.0
+        adp = c.attention_dp > 1
         self.spec = GroupSpec(engine=c, tp_size=c.tp, resources=RankResources(num_cpus=c.rank_num_cpus, num_gpus=gpus),
-                              step_timeout_s=c.step_timeout_s)
-        self.ctrl = DecodeController(c.tp, c.handover_timeout_s)
+                              attention_dp=adp, step_timeout_s=c.step_timeout_s)
+        self.ctrl = DecodeController(c.tp, c.handover_timeout_s, attention_dp=adp)
         self.group: RankGroup = await RankGroup.start(self.spec)
         self.groups_started = 1
         self._wake = asyncio.Event()
@@ -41,18 +42,19 @@ class DecodeServer:
         self._loop = asyncio.create_task(self._run())
 
     # ------------------------------------------------------------------ the stream of one request
-    async def generate(self, request_id: str):
-        """Yields the DecodeTarget, then lists of TokenDelta, or a StreamError; cancel to abort."""
+    async def generate(self, request_id: str, num_prompt_tokens: int = 0):
+        """Yields the DecodeTarget (the ranks the request is placed on), then lists of TokenDelta, or a
+        StreamError; cancel to abort. num_prompt_tokens: the prompt's length (it weighs the placement)."""
         group = await self._current_group(self.config.handover_timeout_s)
         if group is None:
             yield StreamError(f"the decode group is restarting after a failure ({self._last_error}); retry")
             return
         sink: asyncio.Queue = asyncio.Queue()
-        self.ctrl.expect(request_id, sink)
+        ranks = self.ctrl.expect(request_id, sink, -(-num_prompt_tokens // self.config.block_size))
         self._wake.set()
         finished = False
         try:
-            yield group.target
+            yield group.target_for(ranks)
             while not finished:
                 batch = [await sink.get()]
                 while not sink.empty():
@@ -123,6 +125,11 @@ class DecodeServer:
             "max_num_seqs": self.config.max_num_seqs,
             "groups_started": self.groups_started,
             "tp_size": self.config.tp,
+            "attention_dp": self.config.attention_dp,
+            # per rank: (requests placed there since start, KV blocks in use, KV blocks, running requests);
+            # a tuple, so that it travels in the routing stats too (one entry per rank: small)
+            "dp_ranks": tuple((placed, load.kv_blocks_used, load.kv_blocks_total, load.num_running)
+                              for placed, load in zip(self.ctrl.placed_total, self.ctrl.rank_loads)),
             "num_requests": len(self.ctrl.requests),
             "num_running": self.ctrl.num_running,
             "kv_blocks_used": self.ctrl.kv_blocks_used,

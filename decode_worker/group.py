@@ -6,6 +6,7 @@ A group is disposable: if any rank dies or a step misses its deadline, the whole
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class GroupSpec:
     engine: EngineSettings  # every rank's engine, each with its own tp_rank
     tp_size: int
     resources: RankResources
+    attention_dp: bool = False  # each rank owns its requests' whole-head KV (decode_worker/controller.py)
     strategy: str = "PACK"
     start_timeout_s: float = 300.0
     step_timeout_s: float = 120.0
@@ -47,7 +49,7 @@ class RankGroup:
                                  name=f"tandem-decode-{group_id}")
         cls = rank_actor_class(spec.resources.num_cpus, spec.resources.num_gpus)
         ranks = [cls.options(scheduling_strategy=in_bundle(pg, r), name=f"tandem-decode-{group_id}-rank{r}")
-                 .remote(spec.engine, r, spec.tp_size) for r in range(spec.tp_size)]
+                 .remote(spec.engine, r, spec.tp_size, spec.attention_dp) for r in range(spec.tp_size)]
         try:
             addresses = await asyncio.wait_for(asyncio.gather(*[r.address.remote() for r in ranks]),
                                                spec.start_timeout_s)
@@ -63,11 +65,19 @@ class RankGroup:
         layout: KVLayout = layouts[0]
         endpoints = tuple(
             RankEndpoint(actor=ranks[r], store=addresses[r], tp_rank=r,
-                         kv_heads=kv_head_slice(layout.num_kv_heads, spec.tp_size, r))
+                         kv_heads=((0, layout.num_kv_heads) if spec.attention_dp
+                                   else kv_head_slice(layout.num_kv_heads, spec.tp_size, r)))
             for r in range(spec.tp_size))
         target = DecodeTarget(group_id=group_id, ranks=endpoints, layout=layout, device=spec.engine.device)
         log.info("decode group %s up: tp=%d, layout %s", group_id, spec.tp_size, layout)
         return RankGroup(spec, group_id, pg, ranks, target)
+
+    def target_for(self, ranks: tuple[int, ...]) -> DecodeTarget:
+        """The address a prefill sends one request to: the ranks it is placed on (under ADP, one rank with
+        whole KV heads; under TP, all of them, each with its head slice)."""
+        if len(ranks) == len(self.target.ranks):
+            return self.target
+        return dataclasses.replace(self.target, ranks=tuple(self.target.ranks[r] for r in ranks))
 
     async def step(self, work: list[RankStep], wait_s: float) -> list[StepReport]:
         """Every rank applies its RankStep (one per rank, in rank order) and steps; WorkerDiedError if any

@@ -1,4 +1,5 @@
-"""DecodeRank: one tensor-parallel shard of a decode group, as a Ray actor.
+"""DecodeRank: one rank of a decode group (a tensor-parallel shard, or under attention data parallelism
+the owner of its own requests with the MLP sharded over the group), as a Ray actor.
 
 The rank holds an LLMEngine built with (tp_size, tp_rank, tp_group) and the receiving ends of its
 hand-over channels. Its state changes only inside `step`, which applies its RankStep's commands in order
@@ -30,11 +31,12 @@ log = logging.getLogger(__name__)
 class DecodeRank:
     """Created through `ray.remote(...)` by decode_worker.group with the rank's resources."""
 
-    def __init__(self, settings: EngineSettings, tp_rank: int, tp_size: int):
+    def __init__(self, settings: EngineSettings, tp_rank: int, tp_size: int, attention_dp: bool = False):
         if settings.torch_threads and settings.device == "cpu":
             torch.set_num_threads(settings.torch_threads)
         self.settings = settings
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.attention_dp = attention_dp and tp_size > 1
         self.server = StoreServer()
         self.engine: LLMEngine | None = None
         self.receiver: HandoverReceiver | None = None
@@ -51,13 +53,19 @@ class DecodeRank:
     def join(self, tp_store: StoreAddress, group_id: str, timeout_s: float = 120.0) -> KVLayout:
         """Build the TP group (rank 0's store is the rendezvous) and the engine shard."""
         # No rank keeps text: the router detokenizes the reporting rank's tokens and applies stop strings.
-        cfg = self.settings.engine_config(tp_size=self.tp_size, tp_rank=self.tp_rank, detokenize=False)
+        cfg = self.settings.engine_config(tp_size=self.tp_size, tp_rank=self.tp_rank, detokenize=False,
+                                          attention_dp=self.tp_size if self.attention_dp else 1)
+        cpu_group = None
         if self.tp_size > 1:
             store = self.server.store if self.tp_rank == 0 else connect_store(tp_store, timeout_s)
             self.tp_group = build_group(store, f"tp/{group_id}/", self.tp_rank, self.tp_size,
                                         backend_for(cfg.device), timeout_s,
                                         idle_timeout=timedelta(seconds=timeout_s))
-        self.engine = LLMEngine(cfg, tp_group=self.tp_group)
+            if self.attention_dp and cfg.device != "cpu":
+                # ADP's per-step agreement is a host-side all-gather: on GPUs it gets a gloo group of its own.
+                cpu_group = build_group(store, f"adp/{group_id}/", self.tp_rank, self.tp_size, backend_for("cpu"),
+                                        timeout_s, idle_timeout=timedelta(seconds=timeout_s))
+        self.engine = LLMEngine(cfg, tp_group=self.tp_group, cpu_group=cpu_group)
         self.receiver = HandoverReceiver(self.engine.kv_cache)
         m = self.engine.model_cfg
         # Cache layers: the target's, then the draft's when speculation shares the cache.
@@ -81,7 +89,11 @@ class DecodeRank:
         if not work.commands and not work.forward and not eng.has_unfinished() and wait_s > 0:
             self.receiver.wait_for_event(wait_s)  # long-poll: nothing to compute, wait for hand-overs
         deltas = []
-        if eng.has_unfinished():
+        # Under ADP every rank steps the engine every group step: the engine's own agreement (one all-gather)
+        # decides whether anybody runs a forward, and a rank without rows runs the idle forward, so the
+        # collectives match whatever this rank's view of the group is. Under TP every rank holds the same
+        # requests: they are all idle at once, and an idle step has nothing to match.
+        if eng.has_unfinished() or self.attention_dp:
             outputs = eng.step()
             if work.reports_tokens:
                 deltas = [self._delta(o) for o in outputs]
@@ -89,8 +101,6 @@ class DecodeRank:
                 for o in outputs:
                     if o.finished:
                         self._sent.pop(o.request_id, None)
-        elif work.forward:
-            self._idle_forward()
         arrived, landed, broken, timings = self.receiver.take_events()
         stats = eng.stats()
         return StepReport(
@@ -99,12 +109,6 @@ class DecodeRank:
             kv_blocks_used=stats["kv_blocks_used"], kv_blocks_total=stats["kv_blocks_total"],
             num_running=stats["num_running"], step_seconds=time.perf_counter() - start,
             handover_seconds=tuple(timings), grammar=tuple(stats.get("grammar", {}).items()))
-
-    def _idle_forward(self) -> None:
-        """The group runs a forward and this rank holds nothing to run: it must still match the forward's
-        collectives. Under TP that never happens while another rank computes (every rank holds the same
-        requests, so every rank is idle at once) and there is nothing to match; attention data parallelism
-        will run the engine's forward with zero rows here."""
 
     def _apply(self, cmd: Command, deferred: list[str], failed: list[tuple[str, str]]) -> None:
         eng, rid = self.engine, cmd.request_id

@@ -144,6 +144,11 @@ class EngineConfig:
     seed: int = 0  # base of the seeds given to requests without one
     tp_size: int = 1
     tp_rank: int = 0
+    # Attention data parallelism over the tp_size ranks (engine/data_parallel.py): 1 = off (attention heads
+    # sharded), tp_size = each rank runs attention for its own requests with whole-head KV, the MLP stays
+    # sharded over the group. Attention TP inside DP groups (1 < attention_dp < tp_size) is not built yet.
+    attention_dp: int = 1
+    adp_exchange: str = "reduce_scatter"  # how MLP rows come back: reduce_scatter | all_reduce
     speculative: SpecConfig | None = None  # speculative decoding (a dict of SpecConfig's fields works too); None = off
     cuda_graphs: bool = True  # on CUDA, capture the decode step per padded batch size
     max_graph_batch: int | None = None  # None: max_num_seqs
@@ -151,6 +156,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpecConfig.coerce(self.speculative))
+        if self.attention_dp not in (1, self.tp_size):
+            raise ValueError(f"attention_dp must be 1 (off) or tp_size ({self.tp_size}), got {self.attention_dp}: "
+                             f"attention tensor parallelism inside data-parallel groups is not supported")
 
     def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
         if self.dtype is None:

@@ -76,10 +76,17 @@ class StepGraphs:
             return False
         return all(s.sample and s.request.num_computed_tokens == s.request.num_tokens - 1 for s in scheduled)
 
+    def size_for(self, num_requests: int) -> int:
+        """The captured batch size a batch of `num_requests` pads to."""
+        return next(s for s in self.sizes if s >= num_requests)
+
     def padded_batch(self, scheduled: list[ScheduledRequest], blocks: BlockManager,
-                     slots: list[int] | None) -> StepBatch:
+                     slots: list[int] | None, size: int | None = None) -> StepBatch:
+        """size: the captured size to pad to (ADP: the group's, which may exceed this rank's own; an idle
+        rank pads an empty batch to it); default the smallest that holds the batch."""
         r = self.runner
-        size = next(s for s in self.sizes if s >= len(scheduled))
+        size = size or self.size_for(len(scheduled))
+        assert size in self.sizes and size >= len(scheduled), (size, len(scheduled))
         return build_batch(scheduled, blocks, r.kv_cache, r.device, r.vocab_size, r.k, slots, self._padding(size))
 
     def replay(self, batch: StepBatch) -> StepOutput:

@@ -18,6 +18,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.data_parallel import DPContext
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import CapacityError, InvalidRequestError
 from engine.grammar import GrammarCompiler
@@ -35,16 +36,27 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, tp_group=None, logits_masker: LogitsMasker | None = None):
-        """logits_masker: constrains the tokens of every step (engine/logits_masker.py)."""
+    def __init__(self, cfg: EngineConfig, tp_group=None, logits_masker: LogitsMasker | None = None,
+                 cpu_group=None):
+        """tp_group: the torch.distributed group of the tp_size ranks; cpu_group: a gloo group of the same
+        ranks for the attention-data-parallel lockstep agreement (default tp_group, right for CPU engines);
+        logits_masker: constrains the tokens of every step (engine/logits_masker.py).
+
+        With cfg.attention_dp > 1 every rank of the group must call step() the same number of times,
+        with or without requests of its own: each step starts with the group's agreement."""
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_dir(cfg.model)
-        self.tp = TPContext(cfg.tp_rank, cfg.tp_size, tp_group)
+        self.dp: DPContext | None = None
+        if cfg.attention_dp > 1:
+            self.dp = DPContext(cfg.tp_rank, cfg.tp_size, tp_group, cpu_group, cfg.adp_exchange)
+            self.tp = TPContext()  # attention, embeddings and the draft network are replicated on every rank
+        else:
+            self.tp = TPContext(cfg.tp_rank, cfg.tp_size, tp_group)
         limit = self.model_cfg.max_position_embeddings
         if self.model_cfg.sliding_window:
             limit = min(limit, self.model_cfg.sliding_window)  # no sliding-window attention yet: stay inside it
         max_model_len = min(cfg.max_model_len or limit, limit)
-        self.runner = ModelRunner(cfg, self.model_cfg, self.tp, max_model_len)
+        self.runner = ModelRunner(cfg, self.model_cfg, self.tp, max_model_len, self.dp)
         self.runner.masker = logits_masker
         self._grammar: GrammarMasker | None = None  # made on the first guided request
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(max_model_len)
@@ -172,9 +184,12 @@ class LLMEngine:
         for req in sched.preempted:
             self._release_draft_state(req.request_id)
         touched: list[Request] = []
-        if not sched.empty:
-            step = self.runner.prepare(sched.scheduled, self.blocks)
-            touched = self._update(sched.scheduled, self.runner.run(step))
+        if self.dp is not None or not sched.empty:  # an ADP rank takes part in the group's step regardless
+            scheduled = [] if sched.empty else sched.scheduled
+            step = self.runner.prepare(scheduled, self.blocks)
+            result = self.runner.run(step) if step is not None else None
+            if result is not None:
+                touched = self._update(scheduled, result)
         reports = self._finished_unreported + touched
         self._finished_unreported = []
         return [self._output(r) for r in reports]

@@ -14,6 +14,7 @@ import torch
 from engine.batch import StepBatch, build_batch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.data_parallel import DPContext, GroupPlan, RankPlan, dp_rows
 from engine.loader import load_weights
 from engine.logits_masker import LogitsMasker, MaskRow
 from engine.models.llama import LlamaForCausalLM
@@ -44,15 +45,20 @@ class StepResult:
 class PreparedStep:
     """A step ready to launch (ModelRunner.prepare -> run)."""
 
-    batch: StepBatch
+    batch: StepBatch | None  # None: an ADP rank's idle forward (others have rows, it has none)
     num_requests: int  # real requests; the batch may be padded past them
     graph: bool  # replay a captured graph (batch is padded to its size)
     masker: LogitsMasker | None  # None: no row of this step is constrained
+    dp_rows: int | None = None  # ADP eager step: the group's padded row count around each MLP
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tp: TPContext, max_model_len: int):
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tp: TPContext, max_model_len: int,
+                 dp: DPContext | None = None):
+        """tp: attention's sharding (and the draft network's); dp: the attention-data-parallel group
+        (then tp is size 1 and every rank steps in lockstep with the group, engine/data_parallel.py)."""
         self.cfg = cfg
+        self.dp = dp
         self.model_cfg = model_cfg
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype(model_cfg)
@@ -64,7 +70,7 @@ class ModelRunner:
         # Draft chains and padded verification rows run past the last token: the rope table covers them.
         max_pos = max_model_len + position_margin(self.k)
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(model_cfg, tp, self.dtype, max_pos=max_pos).to(self.dtype)
+            self.model = LlamaForCausalLM(model_cfg, tp, self.dtype, max_pos=max_pos, dp=dp).to(self.dtype)
         load_weights(self.model, cfg.model, self.dtype)
         self.model.eval()
         self.num_kv_heads = self.model.layers[0].self_attn.attn.num_kv_heads
@@ -116,31 +122,57 @@ class ModelRunner:
         """Draft-state row that padding requests of a graph use."""
         return self.drafter.num_slots if self.drafter is not None else 0
 
-    def run_step(self, batch: StepBatch, masker: LogitsMasker | None = None) -> StepOutput:
-        return model_step(self.model, self.proposer, batch, self.draft_probs, masker, self.draft_masks)
+    def run_step(self, batch: StepBatch, masker: LogitsMasker | None = None, rows: int | None = None) -> StepOutput:
+        """rows: under ADP, the group's padded row count (default: this batch's rows, which a graph's
+        padded batch shares with every rank)."""
+        if self.dp is None:
+            return model_step(self.model, self.proposer, batch, self.draft_probs, masker, self.draft_masks)
+        with dp_rows(rows if rows is not None else batch.input_ids.shape[0]):
+            return model_step(self.model, self.proposer, batch, self.draft_probs, masker, self.draft_masks)
 
     # ------------------------------------------------------------------ the step
-    def prepare(self, scheduled: list[ScheduledRequest], blocks: BlockManager) -> PreparedStep:
+    def prepare(self, scheduled: list[ScheduledRequest], blocks: BlockManager) -> PreparedStep | None:
         """Host work before launch: draft-state slots, the masker's snapshot, the batch's tensors
-        (padded to a captured size when a graph will replay it)."""
+        (padded to a captured size when a graph will replay it). Under ADP every rank calls it every
+        step, with or without requests (it holds the group's agreement); None: no rank runs a forward."""
         slots = None
         if self.drafter is not None:
             self.drafter.prepare([s.request for s in scheduled])  # before a graph of a sampled mode is captured
             slots = [self.drafter.slot(s.request.request_id) for s in scheduled]
-        masker = self._begin_masks(scheduled)
+        masker = self._begin_masks(scheduled) if scheduled else None
         # A masked step runs eagerly until the masker's fills are host functions a graph can capture.
         graph = masker is None and self.graphs is not None and self.graphs.fits(scheduled)
+        graph_batch, rows = None, None
+        if self.dp is not None:
+            plan = self._agree(scheduled, graph)
+            if not plan.forward:
+                return None
+            graph, graph_batch, rows = plan.graph, plan.graph_batch or None, plan.max_tokens
+            if not scheduled and not graph:
+                return PreparedStep(None, 0, False, None, rows)
         if graph:
-            batch = self.graphs.padded_batch(scheduled, blocks, slots)
+            batch = self.graphs.padded_batch(scheduled, blocks, slots, graph_batch)
         else:
             batch = build_batch(scheduled, blocks, self.kv_cache, self.device, self.vocab_size, self.k, slots,
                                 masked=masker is not None)
-        return PreparedStep(batch, len(scheduled), graph, masker)
+        return PreparedStep(batch, len(scheduled), graph, masker, None if graph else rows)
+
+    def _agree(self, scheduled: list[ScheduledRequest], can_graph: bool) -> GroupPlan:
+        """ADP: one all-gather of what each rank would run; every rank gets the same GroupPlan."""
+        tokens = sum(s.num_new_tokens for s in scheduled)
+        size = self.graphs.size_for(len(scheduled)) if can_graph and scheduled else 0
+        return self.dp.agree(RankPlan(tokens, len(scheduled), can_graph and bool(scheduled), size))
 
     @torch.inference_mode()
-    def run(self, step: PreparedStep) -> StepResult:
+    def run(self, step: PreparedStep) -> StepResult | None:
+        """None for an idle forward (nothing of this rank's ran)."""
+        if step.batch is None:
+            with dp_rows(step.dp_rows):
+                self.model.idle_forward(self.dtype, self.device)
+            return None
         try:
-            out = self.graphs.replay(step.batch) if step.graph else self.run_step(step.batch, step.masker)
+            out = self.graphs.replay(step.batch) if step.graph else self.run_step(step.batch, step.masker,
+                                                                                   step.dp_rows)
             return _to_host(out, step.num_requests, step.batch.host_num_drafts, step.batch.host_samples)
         finally:
             if step.masker is not None:

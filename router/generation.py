@@ -62,7 +62,8 @@ class Generation:
     async def start(self) -> PrefillResult:
         """Runs until the first token exists; raises APIError (nothing is left running then)."""
         try:
-            self._stream = self.decode.options(stream=True).generate.remote(self.request_id)
+            self._stream = self.decode.options(stream=True).generate.remote(self.request_id,
+                                                                             len(self.prompt_token_ids))
             target = await self._stream.__anext__()
             if isinstance(target, StreamError):
                 raise APIError(target.status, target.message, target.error_type)

@@ -3,6 +3,7 @@ queue length, and the KV usage the workers report. One private registry per rout
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # the *_created series only add noise to a scrape
 
@@ -51,6 +52,14 @@ class RouterMetrics:
         self.handover_bw = Gauge("tandem_handover_bytes_per_second_recent", "KV hand-over bandwidth of recent "
                                  "requests (decode side).", ["model"], registry=r).labels(**labels)
 
+        self._dp_ranks: dict[str, tuple] = {}  # decode replica -> its per-rank (placed, used, total, running)
+        r.register(_DPRankCollector(self))
+
+    def dp_ranks(self, replica: str, ranks) -> None:
+        """A decode replica's per-rank load (its stats' `dp_ranks`)."""
+        if ranks:
+            self._dp_ranks[replica] = tuple(tuple(x) for x in ranks)
+
     def grammar(self, role: str, replica: str, counts: dict[str, int]) -> None:
         for event, n in counts.items():
             self.grammar_events.labels(model=self._labels["model"], role=role, replica=replica, event=event).set(n)
@@ -75,3 +84,31 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _DPRankCollector:
+    """Per-rank series of decode groups, from the counts their replicas report: a counter must be
+    exported as the worker's own running total, not re-counted by each router."""
+
+    def __init__(self, metrics: RouterMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        model = self.metrics._labels["model"]
+        labels = ["model", "replica", "dp_rank"]
+        placed = CounterMetricFamily("tandem_decode_dp_rank_requests", "Requests the decode controller placed on "
+                                     "each rank of its group (under attention data parallelism one rank holds a "
+                                     "request; under TP every rank does).", labels=labels)
+        used = GaugeMetricFamily("tandem_decode_dp_rank_kv_blocks_used", "KV blocks in use on each decode rank.",
+                                 labels=labels)
+        running = GaugeMetricFamily("tandem_decode_dp_rank_requests_running", "Requests running on each decode rank.",
+                                    labels=labels)
+        for replica, ranks in self.metrics._dp_ranks.items():
+            for i, (n_placed, n_used, _total, n_running) in enumerate(ranks):
+                key = [model, replica, str(i)]
+                placed.add_metric(key, n_placed)
+                used.add_metric(key, n_used)
+                running.add_metric(key, n_running)
+        yield placed
+        yield used
+        yield running

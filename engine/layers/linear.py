@@ -41,10 +41,15 @@ class ColumnParallelLinear(_ParallelLinear):
 
 
 class RowParallelLinear(_ParallelLinear):
-    """y = all_reduce(x_shard W_shard^T) + b; W's columns (inputs) are split across ranks."""
+    """y = all_reduce(x_shard W_shard^T) + b; W's columns (inputs) are split across ranks.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext):
+    reduce=False leaves the cross-rank sum to the caller (attention data parallelism reduce-scatters
+    it, engine/data_parallel.py): each rank returns its partial product, and rank 0 alone adds the
+    bias so that the sum counts it once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, reduce: bool = True):
         self.full_in = in_features
+        self.reduce = reduce
         _, per = tp.shard(in_features, "input features")
         super().__init__(per, out_features, bias, tp)
 
@@ -58,6 +63,8 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
+        if not self.reduce:
+            return y + self.bias if self.bias is not None and self.tp.rank == 0 else y
         y = self.tp.all_reduce(y)
         # The bias is added once, after the reduction, not once per rank.
         return y + self.bias if self.bias is not None else y

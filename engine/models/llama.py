@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.attention import PagedAttention
 from engine.config import ModelConfig
+from engine.data_parallel import DPContext
 from engine.errors import UnsupportedModelError
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
@@ -46,23 +47,36 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext):
+    """Tensor-parallel over `tp`; with `dp` (attention data parallelism) over the whole DP group, on the
+    rows of every rank: this rank's rows are exchanged around its shard (DPContext.mlp)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dp: DPContext | None = None):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise UnsupportedModelError(f"unsupported hidden_act {cfg.hidden_act!r}; only 'silu' is implemented")
+        self.dp = dp
+        if dp is not None:
+            tp = dp.mlp_tp
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp,
+                                           reduce=dp is None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dp is not None:
+            return self.dp.mlp(x, self._shard)
+        return self._shard(x)
+
+    def _shard(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPContext, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPContext, rotary: RotaryEmbedding,
+                 dp: DPContext | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, tp, rotary)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = LlamaMLP(cfg, tp, dp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -84,12 +98,16 @@ class LlamaForCausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, max_pos: int):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, max_pos: int,
+                 dp: DPContext | None = None):
+        """tp: how attention heads are sharded (size 1 under attention data parallelism); dp: the ADP
+        group the MLPs are sharded over and exchange rows with (engine/data_parallel.py)."""
         super().__init__()
         self.cfg = cfg
+        self.dp = dp
         self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, self.rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, self.rotary, dp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
@@ -107,6 +125,14 @@ class LlamaForCausalLM(nn.Module):
                 captured.append(hidden + residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden, captured
+
+    def idle_forward(self, dtype: torch.dtype, device: torch.device) -> None:
+        """ADP: this rank has no rows in a step where others do. Its MLP shards still serve their rows,
+        layer by layer, with the same collectives (inside dp_rows); attention has nothing to attend."""
+        assert self.dp is not None
+        empty = torch.empty(0, self.cfg.hidden_size, dtype=dtype, device=device)
+        for layer in self.layers:
+            layer.mlp(empty)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in fp32."""

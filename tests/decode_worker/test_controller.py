@@ -152,12 +152,11 @@ def test_every_rank_steps_with_the_group_and_only_rank_0_reports_tokens():
 
 
 def test_requests_placed_on_one_rank_each_get_commands_there_while_the_other_rank_still_steps():
-    """Per-rank placement (as attention data parallelism will use it): each rank gets only its requests'
-    commands, reports only its requests' tokens, and an idle rank steps (forward) with the group."""
-    where = {"a": (0,), "b": (1,)}
-    ctrl, qa, qb = DecodeController(tp_size=2, place=where.__getitem__), asyncio.Queue(), asyncio.Queue()
-    ctrl.expect("a", qa)
-    ctrl.expect("b", qb)
+    """Per-rank placement (attention data parallelism): each rank gets only its requests' commands, reports
+    only its requests' tokens, and an idle rank steps (forward) with the group."""
+    ctrl, qa, qb = DecodeController(tp_size=2, attention_dp=True), asyncio.Queue(), asyncio.Queue()
+    assert ctrl.expect("a", qa) == (0,)  # equal loads: the lowest rank
+    assert ctrl.expect("b", qb) == (1,)  # rank 0 now has a request on its way
     ctrl.on_reports([report(0, arrived=["a"]), report(1)])
     assert plan(ctrl) == [([(R, "a")], False, False), ([], False, False)]  # a's header is complete on rank 0
     ctrl.on_reports([report(0, landed=["a"]), report(1, arrived=["b"])])
@@ -169,3 +168,36 @@ def test_requests_placed_on_one_rank_each_get_commands_there_while_the_other_ran
     assert drain(qa) == [a1] and drain(qb) == [b1]
     ctrl.cancel("b")
     assert plan(ctrl) == [([], True, True), ([(A, "b")], True, False)]
+
+
+def test_adp_places_on_least_kv_then_fewest_requests():
+    ctrl = DecodeController(tp_size=3, attention_dp=True)
+    ctrl.on_reports([report(0, used=10, running=1), report(1, used=4, running=3), report(2, used=4, running=2)])
+    assert ctrl.expect("a", asyncio.Queue(), prompt_blocks=2) == (2,)  # least KV, then fewer running than rank 1
+    # rank 2 now expects 2 more blocks (6): rank 1 has the least KV
+    assert ctrl.expect("b", asyncio.Queue(), prompt_blocks=2) == (1,)
+    assert ctrl.expect("c", asyncio.Queue(), prompt_blocks=1) == (2,)  # 6 vs 6 blocks: rank 2 runs fewer (2+1 < 3+1)
+    assert ctrl.placed_total == [0, 1, 2]
+
+
+def test_adp_burst_between_reports_spreads_over_ranks():
+    """Requests placed before any report must not pile onto the rank that looked emptiest last step."""
+    ctrl = DecodeController(tp_size=2, attention_dp=True)
+    ctrl.on_reports([report(0, used=1), report(1, used=0)])
+    placed = [ctrl.expect(str(i), asyncio.Queue(), prompt_blocks=4)[0] for i in range(6)]
+    assert placed == [1, 0, 1, 0, 1, 0]
+
+
+def test_adp_sums_load_over_ranks_and_landed_blocks_are_not_counted_twice():
+    ctrl = DecodeController(tp_size=2, attention_dp=True)
+    ctrl.expect("a", asyncio.Queue(), prompt_blocks=5)  # rank 0
+    ctrl.on_reports([report(0, arrived=["a"], used=0), report(1, used=3, running=1)])
+    assert cmds_of(ctrl, 0) == [(R, "a")]
+    # a's 5 blocks are now reserved on rank 0 and reported there: the estimate no longer adds them
+    ctrl.on_reports([report(0, used=5), report(1, used=3, running=1)])
+    assert (ctrl.kv_blocks_used, ctrl.kv_blocks_total, ctrl.num_running) == (8, 128, 1)
+    assert ctrl.expect("b", asyncio.Queue(), prompt_blocks=1) == (1,)
+
+
+def cmds_of(ctrl, rank: int) -> list:
+    return [(c.kind, c.request_id) for c in ctrl.next_step(0.0)[rank].commands]

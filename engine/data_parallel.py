@@ -1,0 +1,169 @@
+"""Attention data parallelism (ADP) inside one engine process: the row exchange around the MLP and the
+per-step lockstep agreement of the group.
+
+Under ADP the `size` ranks of a group each run attention for their own requests (full attention
+weights, whole-head KV), while the MLP stays tensor-parallel across the group. Around every MLP the
+ranks trade rows: each pads its [T_r, H] hidden states to the group's row count P, all-gathers them
+into [size * P, H], runs its MLP shard on every rank's rows, and gets its own P rows back summed over
+the shards. Two ways to get them back (`exchange`):
+- "reduce_scatter" (default): one reduce-scatter of [size * P, H] -> [P, H]. A ring reduce-scatter moves
+  (size-1)/size of the buffer per rank: half the bytes of an all-reduce of the same buffer.
+- "all_reduce": all-reduce [size * P, H] on every rank and keep its own P rows (what the row-parallel
+  layer of plain TP already does); kept to measure against (bench/adp.py).
+
+Every step starts with one small all-gather on the group's CPU-side group (`agree`): each rank states
+its token count, request count, whether it could replay a CUDA graph and at which batch size. All
+ranks derive the same GroupPlan from the same table, so they pad to the same P, decide graph replay
+together (a rank that cannot replay makes everyone run eagerly) and know whether anybody runs a forward
+at all. A rank with no tokens in a step where others have some runs an idle forward: the MLP shards
+over the other ranks' rows (its own contribute zero rows), so every collective is matched. Nothing here
+depends on what a controller outside the engine believes the ranks hold.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel import TPContext
+
+EXCHANGES = ("reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class DPContext:
+    rank: int
+    size: int
+    group: object | None  # the device-side group of the MLP collectives (NCCL on GPUs, gloo on CPUs)
+    cpu_group: object | None = None  # the lockstep agreement's group (gloo); None: `group` (a CPU engine)
+    exchange: str = "reduce_scatter"
+
+    def __post_init__(self) -> None:
+        if self.size < 2:
+            raise ValueError("attention data parallelism needs a group of two or more ranks")
+        if self.group is None:
+            raise ValueError("attention data parallelism needs a torch.distributed process group")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} out of range for attention_dp {self.size}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"unknown ADP exchange {self.exchange!r}; use one of {EXCHANGES}")
+
+    @property
+    def mlp_tp(self) -> TPContext:
+        """How the MLP weights are sharded: across the whole group."""
+        return TPContext(self.rank, self.size, self.group)
+
+    # ------------------------------------------------------------------ the MLP's row exchange
+    def mlp(self, x: torch.Tensor, shard_fn) -> torch.Tensor:
+        """x [T_r, H] this rank's rows -> [T_r, H] the full MLP of them. shard_fn: [N, H] -> [N, H] this
+        rank's MLP shard without the cross-rank reduction (its bias counted once over the group)."""
+        T, H = x.shape
+        P = current_rows()
+        assert T <= P, (T, P)
+        padded = x if T == P else torch.cat([x, x.new_zeros(P - T, H)])
+        gathered = x.new_empty(self.size * P, H)  # rank r's rows at [r * P, (r + 1) * P)
+        _all_gather(gathered, padded.contiguous(), self.group)
+        partial = shard_fn(gathered)
+        if self.exchange == "reduce_scatter":
+            mine = partial.new_empty(P, H)
+            _reduce_scatter(mine, partial.contiguous(), self.group)
+        else:
+            dist.all_reduce(partial, group=self.group)
+            mine = partial[self.rank * P:(self.rank + 1) * P]
+        return mine[:T]
+
+    # ------------------------------------------------------------------ the lockstep agreement
+    def agree(self, mine: "RankPlan") -> "GroupPlan":
+        """One all-gather of every rank's RankPlan; the same GroupPlan on every rank."""
+        row = torch.tensor([mine.as_row()], dtype=torch.int64)  # [1, 4]
+        table = torch.empty(self.size, row.shape[1], dtype=torch.int64)
+        _all_gather(table, row, self.cpu_group or self.group)
+        return GroupPlan.from_table(table.tolist())
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """What one rank would run this step."""
+
+    num_tokens: int  # target rows of its eager batch (0: nothing to run)
+    num_requests: int  # running requests (the group's load decides dynamic k)
+    can_graph: bool  # its batch could replay a captured graph
+    graph_batch: int  # the captured batch size it would pad to (0 when it cannot)
+
+    def as_row(self) -> list[int]:
+        return [self.num_tokens, self.num_requests, int(self.can_graph), self.graph_batch]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """The group's decision for one step, derived identically on every rank."""
+
+    tokens: tuple[int, ...]  # each rank's eager row count
+    requests: tuple[int, ...]
+    graph: bool  # every rank replays a graph of `graph_batch` (idle ranks an all-padding batch)
+    graph_batch: int
+
+    @staticmethod
+    def from_table(table: list[list[int]]) -> "GroupPlan":
+        tokens = tuple(r[0] for r in table)
+        busy = [r for r in table if r[0] > 0]
+        # Replay only if every busy rank can (idle ranks replay an all-padding batch of any size): a rank
+        # that must run eagerly would otherwise meet differently sized collectives.
+        graph = bool(busy) and all(r[2] for r in busy)
+        return GroupPlan(tokens=tokens, requests=tuple(r[1] for r in table), graph=graph,
+                         graph_batch=max(r[3] for r in busy) if graph else 0)
+
+    @property
+    def forward(self) -> bool:
+        """Some rank has rows to run: every rank takes part in the forward."""
+        return any(self.tokens)
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.tokens)
+
+    @property
+    def total_requests(self) -> int:
+        return sum(self.requests)
+
+
+# The groups here may be standalone ProcessGroup objects (cluster/groups.py builds them without a global
+# world), which the functional `dist.*_into_tensor` wrappers do not accept in every torch release; the
+# flat-buffer methods every ProcessGroup backend has (gloo, NCCL) take them directly. Both write rank r's
+# part at [r * n, (r + 1) * n) of the flat dim 0.
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    if hasattr(group, "_allgather_base"):
+        group._allgather_base(out, x).wait()
+    else:
+        dist.all_gather(list(out.chunk(out.shape[0] // x.shape[0])), x, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    if hasattr(group, "_reduce_scatter_base"):
+        group._reduce_scatter_base(out, x).wait()
+    else:
+        dist.reduce_scatter(out, list(x.chunk(x.shape[0] // out.shape[0])), group=group)
+
+
+# The row count P every rank pads its MLP rows to in the current forward (scoped like attention
+# metadata: set around one forward, read by the MLPs; a captured graph bakes in its own).
+_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("adp_rows", default=None)
+
+
+@contextlib.contextmanager
+def dp_rows(padded: int):
+    token = _rows.set(padded)
+    try:
+        yield padded
+    finally:
+        _rows.reset(token)
+
+
+def current_rows() -> int:
+    rows = _rows.get()
+    if rows is None:
+        raise RuntimeError("an ADP MLP runs only inside dp_rows(...): the group's padded row count")
+    return rows

@@ -1,0 +1,193 @@
+"""Attention data parallelism (engine/data_parallel.py): two ranks over gloo, each with its own requests,
+give the same tokens and the same draft acceptance as one process running all of them; blocks all free.
+
+Cases cover what broke elsewhere: a rank idle for the whole run and for many steps before its request
+arrives (an idle rank must still match the MLP collectives, and must not enter draft work: sglang#29144,
+#33892), very unequal loads, a long prompt prefilled in chunks on one rank while the other decodes, MTP
+and EAGLE-3 (acceptance equal to one process: sglang#16274), guided requests, seeded sampling and the
+all-reduce exchange. One pair of processes runs every case (spawning is the slow part).
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine.data_parallel import GroupPlan
+from engine.grammar import StructuredOutput
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@dataclass(frozen=True)
+class Req:
+    rank: int  # the ADP rank that owns it
+    prompt: str
+    max_tokens: int = 24
+    start_step: int = 0  # added once the group has run this many steps
+    guided: bool = False
+    temperature: float = 0.0
+
+    def params(self) -> SamplingParams:
+        so = StructuredOutput(json_schema=SCHEMA) if self.guided else None
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, seed=11, ignore_eos=not self.guided,
+                              structured_output=so)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    requests: tuple[Req, ...]
+    method: str | None = None  # speculation: mtp | eagle3 | None
+    exchange: str = "reduce_scatter"
+    engine: dict = field(default_factory=dict)
+
+
+def _prompts():
+    from zoo.corpus import heldout_cases
+    from zoo.prompts import json_schema_prompt
+
+    return [json_schema_prompt(row["schema"]) for row in heldout_cases()[:6]]
+
+
+def _cases() -> list[Case]:
+    p = _prompts()
+    long_prompt = " ".join(p[:4])  # a few hundred tokens: several chunks at 64 tokens per step
+    return [
+        Case("plain", (Req(0, p[0]), Req(1, p[1]), Req(0, p[2]))),
+        Case("mtp", (Req(0, p[0]), Req(1, p[1]), Req(0, p[2])), method="mtp"),
+        Case("eagle3", (Req(0, p[0]), Req(1, p[1]), Req(0, p[2])), method="eagle3"),
+        Case("rank1_idle_throughout", (Req(0, p[0]), Req(0, p[3]), Req(0, p[4])), method="mtp"),
+        Case("unequal_and_late", (Req(0, p[0], 40), Req(0, p[1], 40), Req(0, p[2], 40), Req(0, p[3], 40),
+                                  Req(1, p[4], 3), Req(1, p[5], 8, start_step=12)), method="mtp"),
+        Case("chunked_prefill_beside_decode", (Req(1, p[1], 30), Req(0, long_prompt, 12, start_step=3)),
+             method="eagle3", engine={"max_num_batched_tokens": 64}),
+        Case("guided", (Req(0, p[0], 60, guided=True), Req(1, p[1], 60, guided=True), Req(1, p[2])),
+             method="mtp"),
+        Case("sampled", (Req(0, p[0], temperature=0.8), Req(1, p[1], temperature=0.8)), method="mtp"),
+        Case("all_reduce_exchange", (Req(0, p[0]), Req(1, p[1])), exchange="all_reduce"),
+    ]
+
+
+def _config(root: str, case: Case, **overrides) -> EngineConfig:
+    spec = None
+    if case.method is not None:
+        spec = SpecConfig(method=case.method, k=3, draft=f"{root}/{case.method}")
+    return EngineConfig(model=f"{root}/target", num_kv_blocks=256, block_size=16, speculative=spec,
+                        **case.engine, **overrides)
+
+
+def _drive(engine: LLMEngine, reqs: list[tuple[str, Req]], group) -> dict:
+    """Steps until no rank of the group (None: this engine alone) has work; returns
+    request id -> (tokens, accepted lengths)."""
+    done, step = {}, 0
+    pending = list(reqs)
+    while True:
+        for rid, r in [x for x in pending if x[1].start_step <= step]:
+            engine.add_request(rid, r.prompt, r.params())
+            pending.remove((rid, r))
+        busy = torch.tensor([int(engine.has_unfinished() or bool(pending))])
+        if group is not None:
+            dist.all_reduce(busy, group=group)
+        if not busy.item():
+            return done
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = (o.token_ids, list(o.metrics.accepted_lengths))
+        step += 1
+
+
+def _rank_main(rank: int, port: int, root: str, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        for case in _cases():
+            cfg = _config(root, case, tp_size=2, tp_rank=rank, attention_dp=2, adp_exchange=case.exchange)
+            engine = LLMEngine(cfg, tp_group=dist.group.WORLD)
+            mine = [(f"{case.name}-{i}", r) for i, r in enumerate(case.requests) if r.rank == rank]
+            done = _drive(engine, mine, dist.group.WORLD)
+            stats = engine.stats()
+            queue.put((rank, case.name, done, stats["kv_blocks_used"], engine.kv_cache.shape[4]))
+    except BaseException as e:  # noqa: BLE001 - reported to the test, which would otherwise wait
+        queue.put((rank, "error", repr(e), None, None))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def adp_results(zoo_dir):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, str(zoo_dir), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(2 * len(_cases())):
+            rank, name, done, used, heads = queue.get(timeout=600)
+            assert name != "error", f"rank {rank} failed: {done}"
+            got[(rank, name)] = (done, used, heads)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_thread_module):
+    """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c.name)
+def test_adp_equals_one_process(adp_results, zoo_dir, case):
+    """Tokens and per-request acceptance of dp=2 equal tp=1 on the same requests; every rank's blocks
+    are free afterwards; each rank holds every KV head (whole heads, no slicing)."""
+    single = LLMEngine(_config(str(zoo_dir), case))
+    reference = _drive(single, [(f"{case.name}-{i}", Req(0, r.prompt, r.max_tokens, 0, r.guided, r.temperature))
+                                for i, r in enumerate(case.requests)], None)
+    adp = {}
+    for rank in range(2):
+        done, used, heads = adp_results[(rank, case.name)]
+        assert used == 0, f"rank {rank} still holds {used} KV blocks"
+        assert heads == single.model_cfg.num_kv_heads
+        owned = {f"{case.name}-{i}" for i, r in enumerate(case.requests) if r.rank == rank}
+        assert set(done) == owned, (rank, sorted(done), sorted(owned))
+        adp.update(done)
+    for rid, (tokens, accepted) in reference.items():
+        assert adp[rid][0] == tokens, rid
+        if case.method is not None:
+            assert adp[rid][1] == accepted, f"{rid}: acceptance with ADP {adp[rid][1]} vs without {accepted}"
+
+
+def test_group_plan_pads_to_the_largest_rank_and_replays_graphs_together():
+    """The agreement is a pure function of the gathered table: every rank derives the same plan."""
+    plan = GroupPlan.from_table([[4, 1, 1, 1], [0, 0, 0, 0], [12, 3, 1, 4]])
+    assert plan.forward and plan.max_tokens == 12 and plan.total_requests == 4
+    assert plan.graph and plan.graph_batch == 4  # the idle rank replays an all-padding batch of 4
+    mixed = GroupPlan.from_table([[4, 1, 1, 1], [7, 1, 0, 0]])  # a prompt chunk on rank 1: nobody replays
+    assert not mixed.graph and mixed.graph_batch == 0 and mixed.max_tokens == 7
+    idle = GroupPlan.from_table([[0, 0, 0, 0], [0, 0, 0, 0]])
+    assert not idle.forward and not idle.graph
+
+
+def test_attention_dp_must_cover_the_group():
+    with pytest.raises(ValueError, match="attention_dp"):
+        EngineConfig(model="unused", tp_size=4, attention_dp=2)
