@@ -45,6 +45,10 @@ class EngineSettings(BaseModel):
     draft: str | None = Field(None, description="Draft model or head directory for speculative decoding.")
     num_speculative_tokens: int = Field(0, ge=0, description=f"Draft tokens per step (k); 0 with a method means "
                                                              f"{DEFAULT_SPECULATIVE_TOKENS}.")
+    dynamic_k: str | None = Field(None, description="Dynamic speculation: comma-separated decode batch sizes at "
+                                                    "which the drafts verified per request drop by one (e.g. "
+                                                    "'16,32,64' with k=3); the decode group's batch decides, the "
+                                                    "same k on every rank.")
     torch_threads: int | None = Field(1, ge=1, description="torch threads per CPU engine (default of torch if "
                                                            "unset).")
 
@@ -63,8 +67,14 @@ class EngineSettings(BaseModel):
         """EngineConfig's `speculative` (SpecConfig's fields); None without speculation."""
         if self.speculative_method == "none":
             return None
-        return {"method": self.speculative_method, "k": self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
+        spec = {"method": self.speculative_method, "k": self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
                 "draft": self.draft}
+        if self.dynamic_k:
+            try:
+                spec["dynamic_k"] = tuple(int(t) for t in self.dynamic_k.split(","))
+            except ValueError:
+                raise ValueError(f"dynamic_k must be comma-separated integers, got {self.dynamic_k!r}") from None
+        return spec
 
     def engine_config(self, **overrides) -> EngineConfig:
         """The engine's config from these settings; `overrides` are EngineConfig fields set by the deployment

@@ -69,6 +69,7 @@ class LLMEngine:
                                    num_lookahead_slots=self.spec.lookahead_slots if self.spec is not None else 0)
         # engine-wide histogram of tokens emitted per decoding step (index = accepted drafts + 1)
         self.accepted_length_hist = [0] * (self.spec.k + 2) if self.spec is not None else []
+        self.dynamic_k_steps = [0] * (self.spec.k + 1) if self.spec is not None else []  # steps per chosen k
         self._received: list[Request] = []  # hand-overs committed since the last step (draft first)
         self.tokenizer = _load_tokenizer(cfg.model)
         self._detokenize = cfg.detokenize and self.tokenizer is not None
@@ -171,6 +172,7 @@ class LLMEngine:
             hist = self.accepted_length_hist
             steps = sum(hist)
             out["spec"] = {"method": self.spec.method, "k": self.spec.k, "accepted_length_hist": list(hist),
+                           "dynamic_k_steps": list(self.dynamic_k_steps),
                            "mean_accepted_length": sum(i * n for i, n in enumerate(hist)) / steps if steps else None}
         if self._grammar is not None:
             out["grammar"] = dict(self._grammar.compiler.stats)
@@ -180,6 +182,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._received:
             self._draft_received()
+        if self.spec is not None and self.spec.dynamic_k:
+            self._limit_drafts()
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             self._release_draft_state(req.request_id)
@@ -233,6 +237,20 @@ class LLMEngine:
             else:
                 req.spec_token_ids = self.runner.drafter.next_drafts(req, res.drafts[b] if res.drafts else None)
         return touched
+
+    def _limit_drafts(self) -> None:
+        """Dynamic k: verify at most spec.k_for(batch) drafts per request this step. Under attention data
+        parallelism the batch is the group's at the last agreement, the same number on every rank, so every
+        rank verifies the same k (the draft chain still runs k steps: its KV must cover every row)."""
+        plan = self.runner.last_plan
+        batch = plan.total_requests if plan is not None else len(self.scheduler.running)
+        if not batch:
+            return
+        k = self.spec.k_for(batch)
+        self.dynamic_k_steps[k] += 1
+        for req in self.scheduler.running:
+            if len(req.spec_token_ids) > k:
+                req.spec_token_ids = req.spec_token_ids[:k]
 
     def _count_acceptance(self, req: Request, num_drafts: int, accepted: int) -> None:
         m = req.metrics

@@ -59,6 +59,7 @@ class ModelRunner:
         (then tp is size 1 and every rank steps in lockstep with the group, engine/data_parallel.py)."""
         self.cfg = cfg
         self.dp = dp
+        self.last_plan: GroupPlan | None = None  # ADP: the group's last agreement
         self.model_cfg = model_cfg
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype(model_cfg)
@@ -144,7 +145,7 @@ class ModelRunner:
         graph = masker is None and self.graphs is not None and self.graphs.fits(scheduled)
         graph_batch, rows = None, None
         if self.dp is not None:
-            plan = self._agree(scheduled, graph)
+            plan = self.last_plan = self._agree(scheduled, graph)
             if not plan.forward:
                 return None
             graph, graph_batch, rows = plan.graph, plan.graph_batch or None, plan.max_tokens

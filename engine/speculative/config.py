@@ -38,6 +38,12 @@ class SpecConfig:
     # Mask the draft network's own steps with the request's grammar (or other LogitsMasker), so its
     # drafts are valid and acceptance rises; off only to measure what it gains.
     draft_masks: bool = True
+    # Dynamic k: the batch sizes at which the drafts verified per request drop by one (e.g. (16, 32, 64)
+    # with k=3: 3 drafts below 16 requests, 2 from 16, 1 from 32, none from 64), because past some
+    # batch the verification rows cost more than the accepted drafts save. The batch is the whole
+    # decode group's (under attention data parallelism every rank decides the same k from the group's
+    # last agreement). Empty: always k.
+    dynamic_k: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -46,9 +52,17 @@ class SpecConfig:
             raise ValueError(f"speculative k must be an integer in [1, {MAX_K}], got {self.k!r}")
         if self.method in ("eagle3", "draft_model") and not self.draft:
             raise ValueError(f"speculative method {self.method!r} needs `draft`: the draft checkpoint directory")
+        object.__setattr__(self, "dynamic_k", tuple(self.dynamic_k))
+        if any(not isinstance(t, int) or t < 1 for t in self.dynamic_k) or list(self.dynamic_k) != sorted(
+                set(self.dynamic_k)) or len(self.dynamic_k) > self.k:
+            raise ValueError(f"dynamic_k must be at most k={self.k} increasing batch sizes >= 1, got {self.dynamic_k!r}")
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    def k_for(self, batch: int) -> int:
+        """Drafts to verify per request this step, for a decode batch of `batch` requests."""
+        return max(0, self.k - sum(batch >= t for t in self.dynamic_k))
 
     @property
     def uses_model(self) -> bool:

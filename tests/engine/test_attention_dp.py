@@ -49,6 +49,7 @@ class Case:
     method: str | None = None  # speculation: mtp | eagle3 | None
     exchange: str = "reduce_scatter"
     engine: dict = field(default_factory=dict)
+    dynamic_k: tuple[int, ...] = ()  # with it, only tokens must match one process (k follows different batches)
 
 
 def _prompts():
@@ -74,13 +75,15 @@ def _cases() -> list[Case]:
              method="mtp"),
         Case("sampled", (Req(0, p[0], temperature=0.8), Req(1, p[1], temperature=0.8)), method="mtp"),
         Case("all_reduce_exchange", (Req(0, p[0]), Req(1, p[1])), exchange="all_reduce"),
+        Case("dynamic_k", (Req(0, p[0], 30), Req(1, p[1], 30), Req(1, p[2], 10), Req(0, p[3], 20, start_step=4)),
+             method="mtp", dynamic_k=(2, 4)),
     ]
 
 
 def _config(root: str, case: Case, **overrides) -> EngineConfig:
     spec = None
     if case.method is not None:
-        spec = SpecConfig(method=case.method, k=3, draft=f"{root}/{case.method}")
+        spec = SpecConfig(method=case.method, k=3, draft=f"{root}/{case.method}", dynamic_k=case.dynamic_k)
     return EngineConfig(model=f"{root}/target", num_kv_blocks=256, block_size=16, speculative=spec,
                         **case.engine, **overrides)
 
@@ -115,7 +118,8 @@ def _rank_main(rank: int, port: int, root: str, queue) -> None:
             mine = [(f"{case.name}-{i}", r) for i, r in enumerate(case.requests) if r.rank == rank]
             done = _drive(engine, mine, dist.group.WORLD)
             stats = engine.stats()
-            queue.put((rank, case.name, done, stats["kv_blocks_used"], engine.kv_cache.shape[4]))
+            k_steps = stats["spec"]["dynamic_k_steps"] if "spec" in stats else None
+            queue.put((rank, case.name, done, stats["kv_blocks_used"], (engine.kv_cache.shape[4], k_steps)))
     except BaseException as e:  # noqa: BLE001 - reported to the test, which would otherwise wait
         queue.put((rank, "error", repr(e), None, None))
         raise
@@ -164,8 +168,12 @@ def test_adp_equals_one_process(adp_results, zoo_dir, case):
     reference = _drive(single, [(f"{case.name}-{i}", Req(0, r.prompt, r.max_tokens, 0, r.guided, r.temperature))
                                 for i, r in enumerate(case.requests)], None)
     adp = {}
+    k_steps = [adp_results[(rank, case.name)][2][1] for rank in range(2)]
+    assert k_steps[0] == k_steps[1], f"the ranks chose different k: {k_steps}"  # one decision for the group
+    if case.dynamic_k:
+        assert sum(k_steps[0][:3]) > 0, k_steps  # the group's batch lowered k
     for rank in range(2):
-        done, used, heads = adp_results[(rank, case.name)]
+        done, used, (heads, _) = adp_results[(rank, case.name)]
         assert used == 0, f"rank {rank} still holds {used} KV blocks"
         assert heads == single.model_cfg.num_kv_heads
         owned = {f"{case.name}-{i}" for i, r in enumerate(case.requests) if r.rank == rank}
@@ -173,7 +181,7 @@ def test_adp_equals_one_process(adp_results, zoo_dir, case):
         adp.update(done)
     for rid, (tokens, accepted) in reference.items():
         assert adp[rid][0] == tokens, rid
-        if case.method is not None:
+        if case.method is not None and not case.dynamic_k:
             assert adp[rid][1] == accepted, f"{rid}: acceptance with ADP {adp[rid][1]} vs without {accepted}"
 
 
@@ -191,3 +199,24 @@ def test_group_plan_pads_to_the_largest_rank_and_replays_graphs_together():
 def test_attention_dp_must_cover_the_group():
     with pytest.raises(ValueError, match="attention_dp"):
         EngineConfig(model="unused", tp_size=4, attention_dp=2)
+
+
+def test_dynamic_k_steps_down_with_the_batch_and_stays_lossless(zoo_dir):
+    """Dynamic k (SpecConfig.dynamic_k) verifies fewer drafts as the batch grows; outputs stay equal to
+    fixed k (both are lossless), and the steps it chose are counted."""
+    prompts = _prompts()[:4]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    spec = dict(method="mtp", k=3, draft=f"{zoo_dir}/mtp")
+    outs = {}
+    for name, dynamic in (("fixed", ()), ("dynamic", (2, 3, 4))):
+        engine = LLMEngine(EngineConfig(model=f"{zoo_dir}/target", num_kv_blocks=256,
+                                        speculative=SpecConfig(**spec, dynamic_k=dynamic)))
+        outs[name] = _drive(engine, [(str(i), Req(0, p, 16)) for i, p in enumerate(prompts)], None)
+        outs[name + "_stats"] = engine.stats()["spec"]
+    assert {r: t for r, (t, _) in outs["dynamic"].items()} == {r: t for r, (t, _) in outs["fixed"].items()}
+    steps = outs["dynamic_stats"]["dynamic_k_steps"]
+    assert steps[0] > 0 and steps[3] == 0  # 4 running requests: k=0 while all run, never the full k
+    assert outs["fixed_stats"]["dynamic_k_steps"] == [0, 0, 0, 0]
+    assert SpecConfig(**spec, dynamic_k=(16, 32, 64)).k_for(20) == 2
+    with pytest.raises(ValueError, match="dynamic_k"):
+        SpecConfig(**spec, dynamic_k=(8, 4))
