@@ -54,9 +54,12 @@ class _Captured:
 
 
 class StepGraphs:
-    def __init__(self, runner, max_batch: int, capture: bool = True):
+    def __init__(self, runner, max_batch: int, capture: bool = True, capture_on_demand: bool = True):
+        """capture_on_demand: capture a sampling mode's graph the first time a batch needs it (off under
+        attention data parallelism, where a lone capture's warm-up forwards would meet no other rank)."""
         self.runner = runner
         self.capture = capture
+        self.capture_on_demand = capture_on_demand
         self.sizes = [s for s in SIZES if s < max_batch] + [max_batch]
         kv = runner.kv_cache
         self.block_size = kv.shape[3] if kv is not None else None
@@ -93,7 +96,10 @@ class StepGraphs:
         """Run a padded batch through its size's graph (captured on first use for a new sampling mode)."""
         size = batch.verify_rows.shape[0]
         key = (size, sampling_mode(batch.sampling))
-        cap = self._captured.get(key) or self._capture(key, self._dummy(size, batch.sampling))
+        cap = self._captured.get(key)
+        if cap is None:
+            assert self.capture_on_demand, f"no graph captured for {key}"
+            cap = self._capture(key, self._dummy(size, batch.sampling))
         _copy_into(cap.inputs, batch)
         self.num_runs += 1
         if cap.graph is not None:
@@ -103,6 +109,11 @@ class StepGraphs:
         cap.inputs.attn.plans.clear()
         return self.runner.run_step(cap.inputs)
 
+    def captured_at_every_size(self, sampling: SamplingBatch) -> bool:
+        """A batch of this sampling mode can replay a graph at whatever size the group pads to."""
+        mode = sampling_mode(sampling)
+        return all((s, mode) in self._captured for s in self.sizes)
+
     def reset(self) -> None:
         """Forget every graph (the buffers they read were replaced); they are captured again on use."""
         self._captured.clear()
@@ -110,9 +121,7 @@ class StepGraphs:
     def capture_all(self) -> None:
         """Greedy graphs for every size, largest first (smaller ones then reuse its memory pool)."""
         self.block_size = self.runner.kv_cache.shape[3]
-        if not self.capture:
-            return
-        for size in reversed(self.sizes):
+        for size in reversed(self.sizes):  # without capture: the static buffers of the padded eager path
             dummy = self._dummy(size, None)
             self._capture((size, sampling_mode(dummy.sampling)), dummy)
 

@@ -83,7 +83,8 @@ class ModelRunner:
         if self.device.type == "cuda" and cfg.cuda_graphs:
             from engine.graphs import StepGraphs
 
-            self.graphs = StepGraphs(self, min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs))
+            self.graphs = StepGraphs(self, min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
+                                     capture_on_demand=dp is None)
             if self.drafter is not None:
                 self.drafter.on_slots_grown = self.graphs.reset
 
@@ -143,16 +144,23 @@ class ModelRunner:
         masker = self._begin_masks(scheduled) if scheduled else None
         # A masked step runs eagerly until the masker's fills are host functions a graph can capture.
         graph = masker is None and self.graphs is not None and self.graphs.fits(scheduled)
-        graph_batch, rows = None, None
+        graph_batch, rows, batch = None, None, None
         if self.dp is not None:
+            if graph and scheduled:
+                # Under ADP a graph is never captured on demand (its warm-up forwards would run collectives
+                # no other rank joins): replay only sampling modes captured up front at every size.
+                batch = self.graphs.padded_batch(scheduled, blocks, slots)
+                graph = self.graphs.captured_at_every_size(batch.sampling)
             plan = self.last_plan = self._agree(scheduled, graph)
             if not plan.forward:
                 return None
             graph, graph_batch, rows = plan.graph, plan.graph_batch or None, plan.max_tokens
             if not scheduled and not graph:
                 return PreparedStep(None, 0, False, None, rows)
+            if batch is not None and not (graph and batch.verify_rows.shape[0] == graph_batch):
+                batch = None  # padded to another size than the group's, or the group runs eagerly
         if graph:
-            batch = self.graphs.padded_batch(scheduled, blocks, slots, graph_batch)
+            batch = batch or self.graphs.padded_batch(scheduled, blocks, slots, graph_batch)
         else:
             batch = build_batch(scheduled, blocks, self.kv_cache, self.device, self.vocab_size, self.k, slots,
                                 masked=masker is not None)

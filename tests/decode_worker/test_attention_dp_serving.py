@@ -114,3 +114,51 @@ def test_adp_hand_over_sends_whole_heads_to_one_rank(adp_app, tandem_server):
     prefill = serve.get_deployment_handle("prefill", app_name="adp")
     _, _, _, nbytes, dropped = prefill.handover_timings.remote(1).result()[-1]
     assert not dropped and nbytes == kv + m.hidden_size * 4
+
+
+def test_adp_killed_rank_ends_requests_with_errors_and_the_group_recovers(adp_app):
+    """A dead rank takes the group's MLP shard with it: every in-flight request of the group ends with an
+    error (never a hang; the surviving rank's requests too, since its forward needs the dead shard), the
+    replica rebuilds the group, and requests are served again."""
+    import os
+    import signal
+
+    from ray import serve
+
+    base, _ = adp_app
+    decode = serve.get_deployment_handle("decode", app_name="adp")
+    before = decode.stats.remote().result()
+    pids = decode.rank_pids.remote().result()
+
+    async def one(http, i, started):
+        async with http.stream("POST", "/v1/completions", json={
+                "model": "adp", "prompt": f"Stream {i}", "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True}) as r:
+            lines = 0
+            async for line in r.aiter_lines():
+                lines += line.startswith("data: {")
+                if lines == 2:
+                    started.set()
+                if '"error"' in line:
+                    return "error", line
+        return "finished", ""
+
+    async def main():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            started = [asyncio.Event() for _ in range(4)]
+            tasks = [asyncio.create_task(one(http, i, ev)) for i, ev in enumerate(started)]
+            await asyncio.wait_for(asyncio.gather(*[ev.wait() for ev in started]), 120)
+            os.kill(pids[1], signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 120)  # a bound on a hang only
+
+    results = asyncio.run(main())
+    assert all(outcome == "error" and "decode rank died" in line for outcome, line in results), results
+
+    def served():
+        r = httpx.post(f"{base}/v1/completions", json={"model": "adp", "prompt": "Hello", "max_tokens": 5,
+                                                       "temperature": 0}, timeout=60)
+        return r if r.status_code == 200 else None
+
+    assert wait_for(served, "the ADP group recovers and serves again", timeout_s=300, poll_s=1.0)
+    after = decode.stats.remote().result()
+    assert after["groups_started"] == before["groups_started"] + 1

@@ -50,6 +50,7 @@ class Case:
     exchange: str = "reduce_scatter"
     engine: dict = field(default_factory=dict)
     dynamic_k: tuple[int, ...] = ()  # with it, only tokens must match one process (k follows different batches)
+    padded: bool = False  # decode steps in the CUDA-graph layout (run eagerly here): group-agreed padded sizes
 
 
 def _prompts():
@@ -75,6 +76,9 @@ def _cases() -> list[Case]:
              method="mtp"),
         Case("sampled", (Req(0, p[0], temperature=0.8), Req(1, p[1], temperature=0.8)), method="mtp"),
         Case("all_reduce_exchange", (Req(0, p[0]), Req(1, p[1])), exchange="all_reduce"),
+        Case("graph_layout_with_idle_rank", (Req(0, p[0], 30), Req(0, p[1], 30), Req(0, p[2], 30),
+                                             Req(1, p[3], 6), Req(1, p[4], 10, start_step=14)),
+             method="mtp", padded=True),
         Case("dynamic_k", (Req(0, p[0], 30), Req(1, p[1], 30), Req(1, p[2], 10), Req(0, p[3], 20, start_step=4)),
              method="mtp", dynamic_k=(2, 4)),
     ]
@@ -115,10 +119,18 @@ def _rank_main(rank: int, port: int, root: str, queue) -> None:
         for case in _cases():
             cfg = _config(root, case, tp_size=2, tp_rank=rank, attention_dp=2, adp_exchange=case.exchange)
             engine = LLMEngine(cfg, tp_group=dist.group.WORLD)
+            if case.padded:
+                from engine.graphs import StepGraphs
+
+                runner = engine.runner
+                runner.graphs = StepGraphs(runner, 8, capture=False, capture_on_demand=False)
+                runner.graphs.capture_all()
             mine = [(f"{case.name}-{i}", r) for i, r in enumerate(case.requests) if r.rank == rank]
             done = _drive(engine, mine, dist.group.WORLD)
             stats = engine.stats()
             k_steps = stats["spec"]["dynamic_k_steps"] if "spec" in stats else None
+            if case.padded:  # rank 1 idles through padded steps: both ranks ran the same padded steps
+                k_steps = (k_steps, engine.runner.graphs.num_runs)
             queue.put((rank, case.name, done, stats["kv_blocks_used"], (engine.kv_cache.shape[4], k_steps)))
     except BaseException as e:  # noqa: BLE001 - reported to the test, which would otherwise wait
         queue.put((rank, "error", repr(e), None, None))
@@ -172,6 +184,8 @@ def test_adp_equals_one_process(adp_results, zoo_dir, case):
     assert k_steps[0] == k_steps[1], f"the ranks chose different k: {k_steps}"  # one decision for the group
     if case.dynamic_k:
         assert sum(k_steps[0][:3]) > 0, k_steps  # the group's batch lowered k
+    if case.padded:
+        assert k_steps[0][1] > 10, k_steps  # decode steps ran in the padded layout, on both ranks alike
     for rank in range(2):
         done, used, (heads, _) = adp_results[(rank, case.name)]
         assert used == 0, f"rank {rank} still holds {used} KV blocks"
