@@ -2,7 +2,9 @@
 
 Each request it serves goes EXPECTED (its stream is open, its hand-over is on the way) -> RESERVING
 (every rank has the header; blocks are reserved and the payload is coming) -> RUNNING (committed on
-every rank; its tokens flow to its stream). The controller turns the ranks' step reports into the
+every rank; its tokens flow to its stream). A rank reserves a header's blocks itself, from its hand-over
+stock, when it can ("reserved"), else parks it ("arrived"); only if some rank parked it does the request
+get a lockstep RESERVE (on all its ranks, so that their pools change alike: decode_worker/stock.py). The controller turns the ranks' step reports into the
 next step's work for each rank (a RankStep: its commands, and whether the group runs a forward) and the
 per-request stream events. A request is placed on ranks (under tensor parallelism: every rank, and rank 0
 reports its tokens; under attention data parallelism: the one rank that owns its KV, chosen by load);
@@ -36,7 +38,8 @@ class Tracked:
     ranks: Placement
     prompt_blocks: int = 0  # KV blocks its prompt will take (the placement's estimate before it lands)
     phase: Phase = Phase.EXPECTED
-    arrived: set[int] = field(default_factory=set)
+    arrived: set[int] = field(default_factory=set)  # ranks that parked its header
+    reserved: set[int] = field(default_factory=set)  # ranks that reserved from their stock
     landed: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)  # ranks whose payload transfer broke
     cancelled: bool = False
@@ -69,6 +72,7 @@ class DecodeController:
         self.grammar_stats: dict[str, int] = {}  # the lead rank's engine: compiles, cache hits, deserializations
         self.handovers: list[tuple[float, float, int]] = []  # recent (receive s, unpack s, bytes) per request
         self.handovers_total = 0
+        self.handovers_stocked = 0  # of those, reserved from the ranks' stocks (no lockstep RESERVE)
 
     # ------------------------------------------------------------------ from streams
     def expect(self, request_id: str, sink: asyncio.Queue, prompt_blocks: int = 0) -> Placement:
@@ -161,6 +165,8 @@ class DecodeController:
                 self._on_failed(rid, rep.tp_rank, reason)
             for rid in rep.arrived:
                 self._on_arrived(rid, rep.tp_rank)
+            for rid in rep.reserved:
+                self._on_arrived(rid, rep.tp_rank, stocked=True)
             for rid in rep.deferred:
                 t = self.requests.get(rid)
                 if t is not None and rep.tp_rank == t.ranks[0]:
@@ -174,13 +180,14 @@ class DecodeController:
             for rid in rep.landed:
                 self._on_landed(rid, rep.tp_rank)
         for t in list(self.requests.values()):
-            if t.phase is Phase.EXPECTED and t.arrived.issuperset(t.ranks):
+            if t.phase is Phase.EXPECTED and (t.arrived | t.reserved).issuperset(t.ranks):
                 if t.cancelled:
                     del self.requests[t.request_id]
                     self._send(CommandKind.DROP, t)
                 else:
                     t.phase = Phase.RESERVING
-                    self._send(CommandKind.RESERVE, t)
+                    if t.arrived:  # some rank parked it: every rank reserves in lockstep
+                        self._send(CommandKind.RESERVE, t)
 
     def fail_all(self, message: str) -> None:
         """The group died: every stream ends with an error; the next group starts clean."""
@@ -193,14 +200,14 @@ class DecodeController:
         self.rank_loads = [RankLoad() for _ in range(self.tp_size)]
 
     # ------------------------------------------------------------------ internals
-    def _on_arrived(self, rid: str, rank: int) -> None:
+    def _on_arrived(self, rid: str, rank: int, stocked: bool = False) -> None:
         t = self.requests.get(rid)
         if t is None or t.phase is not Phase.EXPECTED:
             # Nobody waits for it any more. Where the other ranks' copies are is unknown (it is not tracked):
             # every rank drops it, which is a no-op on a rank that never got it.
             self._send(CommandKind.DROP, rid, range(self.tp_size))
             return
-        t.arrived.add(rank)
+        (t.reserved if stocked else t.arrived).add(rank)
 
     def _on_landed(self, rid: str, rank: int) -> None:
         t = self.requests.get(rid)
@@ -232,6 +239,7 @@ class DecodeController:
             return
         self.handovers.append((t.handover_seconds, t.unpack_seconds, t.handover_bytes))
         self.handovers_total += 1
+        self.handovers_stocked += not t.arrived
         del self.handovers[:-512]
         t.phase = Phase.RUNNING
         self._send(CommandKind.COMMIT, t)

@@ -137,6 +137,7 @@ class DecodeServer:
             "steps": self._steps,
             "rank_step_seconds": self._step_seconds,
             "handovers_total": self.ctrl.handovers_total,
+            "handovers_stocked": self.ctrl.handovers_stocked,
             "grammar": dict(self.ctrl.grammar_stats),
             "handover_seconds": [s for s, _, _ in handovers],
             "handover_unpack_seconds": [u for _, u, _ in handovers],

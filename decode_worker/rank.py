@@ -23,6 +23,7 @@ from cluster.protocol import Command, CommandKind, KVLayout, RankStep, StepRepor
 from cluster.rendezvous import StoreAddress, StoreServer, connect_store
 from cluster.settings import EngineSettings
 from decode_worker.receiver import HandoverReceiver
+from decode_worker.stock import HandoverStock
 from engine import CapacityError, LLMEngine, TandemError
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class DecodeRank:
         self.server = StoreServer()
         self.engine: LLMEngine | None = None
         self.receiver: HandoverReceiver | None = None
+        self.stock: HandoverStock | None = None
         self.tp_group = None
         self._sent: dict[str, int] = {}  # request id -> output tokens already reported
 
@@ -66,7 +68,10 @@ class DecodeRank:
                 cpu_group = build_group(store, f"adp/{group_id}/", self.tp_rank, self.tp_size, backend_for("cpu"),
                                         timeout_s, idle_timeout=timedelta(seconds=timeout_s))
         self.engine = LLMEngine(cfg, tp_group=self.tp_group, cpu_group=cpu_group)
-        self.receiver = HandoverReceiver(self.engine.kv_cache)
+        share = getattr(self.settings, "handover_stock", 0.0)
+        stocked = self.engine.blocks.set_aside(int(self.engine.blocks.pool.num_blocks * share)) if share else None
+        self.stock = HandoverStock(stocked) if stocked else None
+        self.receiver = HandoverReceiver(self.engine.kv_cache, stock=self.stock)
         m = self.engine.model_cfg
         # Cache layers: the target's, then the draft's when speculation shares the cache.
         return KVLayout(num_layers=self.engine.kv_cache.shape[0], num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
@@ -84,6 +89,7 @@ class DecodeRank:
         eng = self.engine
         deferred: list[str] = []
         failed: list[tuple[str, str]] = []
+        self._refill_stock()
         for cmd in work.commands:
             self._apply(cmd, deferred, failed)
         if not work.commands and not work.forward and not eng.has_unfinished() and wait_s > 0:
@@ -101,22 +107,26 @@ class DecodeRank:
                 for o in outputs:
                     if o.finished:
                         self._sent.pop(o.request_id, None)
-        arrived, landed, broken, timings = self.receiver.take_events()
+        arrived, reserved, landed, broken, timings = self.receiver.take_events()
         stats = eng.stats()
+        # Blocks waiting in the hand-over stock are free for the next hand-over, not in use.
+        used = stats["kv_blocks_used"] - (self.stock.num_free if self.stock is not None else 0)
         return StepReport(
             tp_rank=self.tp_rank, deltas=tuple(d for d in deltas if d is not None), arrived=tuple(arrived),
-            landed=tuple(landed), failed=tuple(failed + broken), deferred=tuple(deferred),
-            kv_blocks_used=stats["kv_blocks_used"], kv_blocks_total=stats["kv_blocks_total"],
+            reserved=tuple(reserved), landed=tuple(landed), failed=tuple(failed + broken), deferred=tuple(deferred),
+            kv_blocks_used=used, kv_blocks_total=stats["kv_blocks_total"],
             num_running=stats["num_running"], step_seconds=time.perf_counter() - start,
             handover_seconds=tuple(timings), grammar=tuple(stats.get("grammar", {}).items()))
 
     def _apply(self, cmd: Command, deferred: list[str], failed: list[tuple[str, str]]) -> None:
         eng, rid = self.engine, cmd.request_id
         if cmd.kind is CommandKind.RESERVE:
+            # Sent to every rank of the request when some rank parked its header. A rank whose blocks came
+            # from the stock reserves all the same, so that every rank's pool changes alike; it swaps the
+            # blocks at commit.
             header = self.receiver.header(rid)
-            request = header.request
             try:
-                block_ids = eng.reserve(request, header.grammar.compiled if header.grammar is not None else None)
+                block_ids = eng.reserve(header.request, _compiled(header))
             except CapacityError:
                 deferred.append(rid)
                 return
@@ -124,9 +134,12 @@ class DecodeRank:
                 self.receiver.drop(rid)
                 failed.append((rid, f"cannot reserve: {e}"))
                 return
-            self._sent[rid] = len(request.output_token_ids)
-            self.receiver.provide_blocks(rid, block_ids)
+            self._sent[rid] = len(header.request.output_token_ids)
+            if not self.receiver.is_stocked(rid):
+                self.receiver.provide_blocks(rid, block_ids)
         elif cmd.kind is CommandKind.COMMIT:
+            if not self._adopt_stocked(rid, failed):
+                return
             hidden = self.receiver.take_hidden(rid)
             if hidden is not None:
                 eng.commit(rid, hidden.to(eng.kv_cache.device))
@@ -137,6 +150,38 @@ class DecodeRank:
             self.receiver.drop(rid)
         elif cmd.kind is CommandKind.DROP:
             self.receiver.drop(rid)
+
+    def _adopt_stocked(self, rid: str, failed: list[tuple[str, str]]) -> bool:
+        """At commit, a request whose KV landed in stock blocks gets them as its own: swapped for the blocks
+        reserved in lockstep, or (no rank needed a lockstep reserve) adopted, the stock refilled from the
+        engine's pool. False if the engine refuses the request (it then fails like a failed reserve)."""
+        eng = self.engine
+        header = self.receiver.header(rid) if self.receiver.is_stocked(rid) else None
+        stocked = self.receiver.take_stocked(rid)
+        if stocked is None:
+            return True
+        if rid in eng.requests:  # reserved in lockstep: its KV is in the stock's blocks, not in these
+            self.stock.give(eng.blocks.swap(rid, stocked))
+            return True
+        try:
+            eng.reserve(header.request, _compiled(header), block_ids=stocked)
+        except TandemError as e:
+            self.stock.give(stocked)
+            self.receiver.drop(rid)
+            failed.append((rid, f"cannot reserve: {e}"))
+            return False
+        self._sent[rid] = len(header.request.output_token_ids)
+        self.stock.owed += len(stocked)
+        self._refill_stock()
+        return True
+
+    def _refill_stock(self) -> None:
+        """Top the stock up by what requests adopted from it, all or nothing (equal pools decide alike)."""
+        if self.stock is not None and self.stock.owed:
+            ids = self.engine.blocks.set_aside(self.stock.owed)
+            if ids is not None:
+                self.stock.give(ids)
+                self.stock.owed = 0
 
     def _delta(self, out) -> TokenDelta | None:
         sent = self._sent.get(out.request_id)
@@ -160,6 +205,10 @@ class DecodeRank:
     def shutdown(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
+
+
+def _compiled(header) -> str | None:
+    return header.grammar.compiled if header.grammar is not None else None
 
 
 def rank_actor_class(num_cpus: float, num_gpus: float):

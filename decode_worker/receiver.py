@@ -1,10 +1,12 @@
 """HandoverReceiver: the incoming channels of one decode rank, each served by its own thread.
 
 Per message the thread reads the header (a cluster.protocol.HandoverHeader; one it cannot read is
-refused, and its request fails with the reason), parks it as an arrival and waits for the rank's step
-thread to either reserve blocks (`provide_blocks`) or refuse it (`drop`). Reserve happens in lockstep
-(the step's commands, in order), so block allocation never depends on thread timing; the payload is
-then received, by name, and written into the reserved blocks while decoding goes on.
+refused, and its request fails with the reason). If the rank's HandoverStock (decode_worker/stock.py)
+has the request's blocks, the thread takes them at once ("reserved") and lets the payload in; otherwise
+it parks the header as an arrival and waits for the rank's step thread to either reserve blocks in
+lockstep (`provide_blocks`) or refuse it (`drop`). Either way the payload is then received, by name, and
+written into the blocks while decoding goes on. Blocks from the stock stay the receiver's until the rank
+takes them at commit (`take_stocked`), or go back to the stock if the request is dropped.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from cluster.channel import KVChannel, Message
 from cluster.errors import ChannelError, HandoverHeaderError
 from cluster.protocol import HandoverHeader, HandoverPayload
+from decode_worker.stock import HandoverStock
 from kernels.kv_transfer import unpack_kv
 
 log = logging.getLogger(__name__)
@@ -30,6 +33,8 @@ class _Arrival:
     channel: KVChannel
     decided: threading.Event = field(default_factory=threading.Event)
     block_ids: list[int] | None = None  # None with `decided` set: dropped
+    stocked: bool = False  # its blocks came from the stock (no lockstep reserve needed)
+    dropped: bool = False  # stocked and dropped while its payload was coming: the blocks go back on landing
 
 
 def _read_header(message: Message) -> HandoverHeader:
@@ -41,12 +46,14 @@ def _read_header(message: Message) -> HandoverHeader:
 
 
 class HandoverReceiver:
-    def __init__(self, kv_cache: torch.Tensor, payload_timeout_s: float = 60.0):
+    def __init__(self, kv_cache: torch.Tensor, payload_timeout_s: float = 60.0, stock: HandoverStock | None = None):
         self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, local kv heads, head_dim]
         self.payload_timeout_s = payload_timeout_s
+        self.stock = stock
         self._lock = threading.Condition()
-        self._pending: dict[str, _Arrival] = {}
+        self._pending: dict[str, _Arrival] = {}  # parked, or stocked until the rank takes the blocks
         self._arrived: list[str] = []
+        self._reserved: list[str] = []  # took their blocks from the stock
         self._landed: list[str] = []
         self._failed: list[tuple[str, str]] = []
         self._timings: list[tuple[str, float, float, int]] = []  # (rid, receive s, unpack s, bytes)
@@ -70,6 +77,20 @@ class HandoverReceiver:
         arrival.block_ids = block_ids
         arrival.decided.set()
 
+    def is_stocked(self, request_id: str) -> bool:
+        with self._lock:
+            arrival = self._pending.get(request_id)
+            return arrival is not None and arrival.stocked
+
+    def take_stocked(self, request_id: str) -> list[int] | None:
+        """At commit: the stock blocks holding a landed request's KV, now the caller's (None: not stocked)."""
+        with self._lock:
+            arrival = self._pending.get(request_id)
+            if arrival is None or not arrival.stocked:
+                return None
+            del self._pending[request_id]
+            return arrival.block_ids
+
     def take_hidden(self, request_id: str) -> torch.Tensor | None:
         with self._lock:
             return self._hidden.pop(request_id, None)
@@ -78,19 +99,26 @@ class HandoverReceiver:
         with self._lock:
             self._hidden.pop(request_id, None)
             arrival = self._pending.pop(request_id, None)
+            if arrival is not None and arrival.stocked:
+                if arrival.decided.is_set():  # landed: its blocks go back now
+                    self.stock.give(arrival.block_ids)
+                else:  # its payload is still being written into them: the channel thread gives them back
+                    arrival.dropped = True
+                return
         if arrival is not None:
             arrival.decided.set()
 
-    def take_events(self) -> tuple[list[str], list[str], list[tuple[str, str]], list[tuple[str, float, float, int]]]:
+    def take_events(self):
+        """(arrived, reserved, landed, failed, timings) since the last call."""
         with self._lock:
-            out = self._arrived, self._landed, self._failed, self._timings
-            self._arrived, self._landed, self._failed, self._timings = [], [], [], []
+            out = self._arrived, self._reserved, self._landed, self._failed, self._timings
+            self._arrived, self._reserved, self._landed, self._failed, self._timings = [], [], [], [], []
         return out
 
     def wait_for_event(self, timeout_s: float) -> None:
         """Block until an arrival, landing or failure is reported, or the timeout passes."""
         with self._lock:
-            if not (self._arrived or self._landed or self._failed):
+            if not (self._arrived or self._reserved or self._landed or self._failed):
                 self._lock.wait(timeout_s)
 
     def close(self) -> None:
@@ -123,13 +151,21 @@ class HandoverReceiver:
                     continue
                 rid = header.request_id
                 arrival = _Arrival(header, message, channel)
+                stocked = self._from_stock(header)
                 with self._lock:
                     if self._stopping:
+                        if stocked is not None:
+                            self.stock.give(stocked)
                         return
                     self._pending[rid] = arrival
-                    self._arrived.append(rid)
+                    if stocked is not None:
+                        arrival.block_ids, arrival.stocked = stocked, True
+                        self._reserved.append(rid)
+                    else:
+                        self._arrived.append(rid)
                     self._lock.notify_all()
-                arrival.decided.wait()
+                if not arrival.stocked:
+                    arrival.decided.wait()
                 if self._stopping:
                     return
                 if arrival.block_ids is None:
@@ -138,21 +174,50 @@ class HandoverReceiver:
                     continue
                 channel.answer(True)
                 start = time.perf_counter()
-                payload = HandoverPayload.assemble(
-                    header.parts, channel.recv_payload(message, timeout_s=self.payload_timeout_s))
-                received = time.perf_counter()
-                self._write(arrival.block_ids, payload)
+                try:
+                    payload = HandoverPayload.assemble(
+                        header.parts, channel.recv_payload(message, timeout_s=self.payload_timeout_s))
+                    received = time.perf_counter()
+                    self._write(arrival.block_ids, payload)
+                except BaseException:
+                    self._unstock(rid, arrival)
+                    raise
                 unpacked = time.perf_counter()
                 with self._lock:
+                    if arrival.stocked:
+                        arrival.decided.set()  # landed: kept for the rank's commit, unless it was dropped meanwhile
+                        if arrival.dropped:
+                            self.stock.give(arrival.block_ids)
+                            rid = None
+                            continue
+                    else:
+                        self._pending.pop(rid, None)
                     if payload.draft_hidden is not None:
                         self._hidden[rid] = payload.draft_hidden
-                    self._pending.pop(rid, None)
                     self._landed.append(rid)
                     self._timings.append((rid, received - start, unpacked - received, payload.nbytes))
                     self._lock.notify_all()
                 rid = None
         except (ChannelError, ValueError) as e:
             self._fail_channel(channel, rid, str(e))
+
+    def _from_stock(self, header: HandoverHeader) -> list[int] | None:
+        """The request's blocks from the stock, if it has them and the header fits this rank's cache (a
+        header that does not fit takes the lockstep path, where the engine refuses it with the reason)."""
+        req = header.request
+        if self.stock is None or req.block_size != self.kv_cache.shape[3] or req.cache_layers != self.kv_cache.shape[0]:
+            return None
+        return self.stock.take(-(-req.num_computed_tokens // req.block_size))
+
+    def _unstock(self, rid: str, arrival: _Arrival) -> None:
+        """A stocked payload that did not land: its blocks go back to the stock."""
+        if not arrival.stocked:
+            return
+        with self._lock:
+            if self._pending.get(rid) is arrival:
+                del self._pending[rid]
+            arrival.decided.set()
+        self.stock.give(arrival.block_ids)
 
     def _refuse(self, channel: KVChannel, error: HandoverHeaderError) -> None:
         """A header this rank cannot read: no payload is let in (the channel stays usable), and the request,
@@ -180,7 +245,9 @@ class HandoverReceiver:
         log.warning("hand-over channel %s failed: %s", channel.name, reason)
         channel.close()
         with self._lock:
-            stranded = [r for r, a in self._pending.items() if a.channel is channel]
+            # Parked headers on this channel can no longer get their payload; stocked ones that landed can.
+            stranded = [r for r, a in self._pending.items()
+                        if a.channel is channel and not (a.stocked and a.decided.is_set())]
             if rid is not None and rid not in stranded:
                 stranded.append(rid)
             for r in stranded:

@@ -79,6 +79,33 @@ class BlockManager:
         self.num_slots.pop(request_id, None)
         self.pool.give_back(list(reversed(table)))
 
+    # ---- blocks set aside outside the tables (the decode side's hand-over stock, decode_worker/stock.py)
+    def set_aside(self, n: int) -> list[int] | None:
+        """Take n blocks out of the pool for whoever keeps them (they count as used); None if fewer are free.
+        All or nothing, so that ranks with equal pools make equal decisions."""
+        if n > self.pool.num_free:
+            return None
+        return self.pool.take(n)
+
+    def adopt(self, request_id: str, block_ids: list[int], num_slots: int) -> None:
+        """Set-aside blocks become the table of a request (which holds none yet) covering num_slots."""
+        assert request_id not in self.tables, request_id
+        assert len(block_ids) == -(-num_slots // self.block_size), (len(block_ids), num_slots)
+        self.tables[request_id] = list(block_ids)
+        self.num_slots[request_id] = num_slots
+
+    def disown(self, request_id: str) -> list[int]:
+        """Undo `adopt`: the request's blocks leave its table without returning to the pool."""
+        self.num_slots.pop(request_id, None)
+        return self.tables.pop(request_id, [])
+
+    def swap(self, request_id: str, block_ids: list[int]) -> list[int]:
+        """Replace the request's blocks by set-aside ones of the same count; returns the old (now set aside)."""
+        old = self.tables[request_id]
+        assert len(old) == len(block_ids), (len(old), len(block_ids))
+        self.tables[request_id] = list(block_ids)
+        return old
+
     def table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
 

@@ -358,9 +358,12 @@ class LLMEngine:
         if self.runner.drafter is not None:
             self.runner.drafter.release(request_id)
 
-    def reserve(self, handover: HandoverRequest, compiled_grammar: str | None = None) -> list[int]:
+    def reserve(self, handover: HandoverRequest, compiled_grammar: str | None = None,
+                block_ids: list[int] | None = None) -> list[int]:
         """Decode side: allocate blocks for an incoming request's prompt KV; raises CapacityError if full.
-        compiled_grammar: Handover.compiled_grammar of a guided request (else its grammar is compiled here)."""
+        compiled_grammar: Handover.compiled_grammar of a guided request (else its grammar is compiled here).
+        block_ids: blocks set aside earlier (BlockManager.set_aside) that already hold the KV: they become
+        the request's table instead of allocating; if reserve raises they are the caller's again."""
         if handover.cache_layers != self.runner.num_cache_layers:
             raise InvalidRequestError(f"the hand-over carries KV for {handover.cache_layers} cache layers but this "
                                       f"engine's cache has {self.runner.num_cache_layers} (speculation differs "
@@ -371,7 +374,11 @@ class LLMEngine:
         req = self._new_request(handover.request_id, list(handover.prompt_token_ids), handover.params, False,
                                 seed=handover.seed)
         n = handover.num_computed_tokens
-        if not self.blocks.allocate(req.request_id, n):
+        if block_ids is not None:
+            if len(block_ids) != -(-n // self.cfg.block_size):
+                raise InvalidRequestError(f"{len(block_ids)} blocks given for {n} tokens of KV", param="handover")
+            self.blocks.adopt(req.request_id, block_ids, n)
+        elif not self.blocks.allocate(req.request_id, n):
             raise CapacityError(f"no room for {n} tokens of KV ({self.blocks.pool.num_free} free blocks)")
         req.num_computed_tokens = n
         req.logprobs = [TokenLogprob(t, lp, top) for t, lp, top in handover.logprobs]
@@ -381,7 +388,10 @@ class LLMEngine:
         try:
             self._start_grammar(req, compiled_grammar)
         except InvalidRequestError:
-            self.blocks.free(req.request_id)
+            if block_ids is not None:
+                self.blocks.disown(req.request_id)
+            else:
+                self.blocks.free(req.request_id)
             raise
         req.metrics.num_output_tokens = req.num_output_tokens
         req.status = RequestStatus.RESERVED

@@ -75,7 +75,7 @@ class StepReport:
     """One rank's answer to one lockstep step call."""
     tp_rank: int
     deltas: tuple[TokenDelta, ...]  # empty unless the rank reports tokens (every TP rank computes the same)
-    arrived: tuple[str, ...]  # hand-over headers that arrived since the last report
+    arrived: tuple[str, ...]  # hand-over headers parked since the last report (they wait for a RESERVE)
     landed: tuple[str, ...]  # hand-over payloads written into reserved blocks since the last report
     failed: tuple[tuple[str, str], ...]  # (request id, reason): transfers that broke
     deferred: tuple[str, ...]  # reserves refused for lack of free blocks; retried later
@@ -84,6 +84,7 @@ class StepReport:
     num_running: int
     step_seconds: float
     handover_seconds: tuple[tuple[str, float, float, int], ...] = field(default=())  # (rid, recv s, unpack s, bytes)
+    reserved: tuple[str, ...] = field(default=())  # headers that took blocks from the rank's hand-over stock
     grammar: tuple[tuple[str, int], ...] = field(default=())  # the engine's grammar counters (compiles, ...)
 
 

@@ -82,6 +82,8 @@ def test_adp_group_serves_greedy_and_guided_like_one_process(adp_app, tandem_ser
     placed = [p for p, _, _, _ in stats["dp_ranks"]]
     assert sum(placed) == len(prompts) + 1 and min(placed) >= 2, placed
     assert stats["grammar"].get("compiles", 0) == 0  # the decode ranks deserialize; prefill compiles
+    # Each rank's hand-over stock (12.5% of its blocks) took these small prompts without a lockstep reserve.
+    assert stats["handovers_stocked"] == stats["handovers_total"] == len(prompts) + 1, stats
 
     text = httpx.get(f"{base}/metrics", timeout=30).text
     for rank, n in enumerate(placed):

@@ -201,3 +201,38 @@ def test_adp_sums_load_over_ranks_and_landed_blocks_are_not_counted_twice():
 
 def cmds_of(ctrl, rank: int) -> list:
     return [(c.kind, c.request_id) for c in ctrl.next_step(0.0)[rank].commands]
+
+
+def reserved_report(rank, reserved=(), landed=(), arrived=()):
+    return StepReport(tp_rank=rank, deltas=(), arrived=tuple(arrived), landed=tuple(landed), failed=(), deferred=(),
+                      kv_blocks_used=0, kv_blocks_total=64, num_running=0, step_seconds=0.0, reserved=tuple(reserved))
+
+
+def test_stocked_on_every_rank_needs_no_lockstep_reserve():
+    """Every rank took the header's blocks from its hand-over stock: no RESERVE; COMMIT once all landed."""
+    ctrl, q = DecodeController(tp_size=2), asyncio.Queue()
+    ctrl.expect("a", q)
+    ctrl.on_reports([reserved_report(0, reserved=["a"], landed=["a"]), reserved_report(1, reserved=["a"])])
+    assert cmds(ctrl) == [] and ctrl.requests["a"].phase is Phase.RESERVING
+    ctrl.on_reports([reserved_report(0), reserved_report(1, landed=["a"])])
+    assert cmds(ctrl) == [(C, "a")] and ctrl.requests["a"].phase is Phase.RUNNING
+
+
+def test_one_rank_parked_means_every_rank_reserves_in_lockstep():
+    """Rank 1's stock was empty: both ranks get RESERVE (rank 0 reserves too, so both pools change alike)."""
+    ctrl, q = DecodeController(tp_size=2), asyncio.Queue()
+    ctrl.expect("a", q)
+    ctrl.on_reports([reserved_report(0, reserved=["a"], landed=["a"]), reserved_report(1, arrived=["a"])])
+    assert cmds(ctrl) == [(R, "a")]
+    ctrl.on_reports([reserved_report(0), reserved_report(1, landed=["a"])])
+    assert cmds(ctrl) == [(C, "a")]
+
+
+def test_stocked_then_cancelled_or_unknown_is_dropped_everywhere():
+    ctrl, q = DecodeController(tp_size=2), asyncio.Queue()
+    ctrl.expect("a", q)
+    ctrl.on_reports([reserved_report(0, reserved=["a"]), reserved_report(1)])
+    ctrl.cancel("a")  # still EXPECTED (rank 1 has nothing): every rank drops it, rank 0 returns its blocks
+    assert cmds(ctrl) == [(D, "a")] and "a" not in ctrl.requests
+    ctrl.on_reports([reserved_report(0), reserved_report(1, reserved=["a"], landed=["a"])])
+    assert cmds(ctrl) == [(D, "a")]  # a late stocked header of a gone request: dropped (blocks back to stock)

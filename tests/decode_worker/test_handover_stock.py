@@ -1,0 +1,55 @@
+"""The decode ranks' hand-over stock (decode_worker/stock.py): a header takes its blocks from the stock
+the moment it arrives, or, when the stock is short, waits for a lockstep reserve. With a stock too small
+for a burst both paths run at once on a tp=2 group; outputs equal the single-process engine's and every
+block (the stock's included) is accounted for afterwards."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from cluster.testing import wait_for
+
+pytestmark = pytest.mark.ray
+
+
+def test_small_stock_serves_a_burst_by_both_paths(tandem_server):
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.config import TandemConfig
+    from engine import LLM, SamplingParams
+
+    # 64 blocks x 0.1 = 6 stock blocks per rank; prompts of 1-4 blocks (16 tokens each), 12 at once.
+    cfg = TandemConfig(model=tandem_server.model_dir, served_model_name="stock", tp=2, num_kv_blocks=64,
+                       handover_stock=0.1, rank_num_cpus=0.5, prefill_num_cpus=0.5)
+    serve.run(build_app(cfg), name="stock", route_prefix="/stock")
+    try:
+        prompts = [" ".join(["word"] * (2 + 3 * (i % 5))) + f" {i}" for i in range(12)]
+
+        async def main():
+            async with httpx.AsyncClient(base_url=f"{tandem_server.base_url}/stock", timeout=120) as http:
+                rs = await asyncio.gather(*[http.post("/v1/completions", json={
+                    "model": "stock", "prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
+                    for p in prompts])
+                assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+                return [r.json()["choices"][0]["text"] for r in rs]
+
+        texts = asyncio.run(main())
+        llm = LLM(tandem_server.model_dir, num_kv_blocks=256)
+        want = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))]
+        assert texts == want
+        decode = serve.get_deployment_handle("decode", app_name="stock")
+
+        def settled():
+            s = decode.stats.remote().result()
+            return s if s["num_requests"] == 0 and s["kv_blocks_used"] == 0 else None
+
+        stats = wait_for(settled, "every block is back (in the pool or the stock)", poll_s=0.2)
+        assert stats["handovers_total"] == len(prompts)
+        # The stock served some at once; the burst (one prefill step's hand-overs, up to 4 blocks each, on a
+        # 6-block stock) outran it, so others took the lockstep path.
+        assert 0 < stats["handovers_stocked"] < stats["handovers_total"], stats
+    finally:
+        serve.delete("stock")
