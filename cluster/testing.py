@@ -104,4 +104,5 @@ def build_tiny_llama(path, seed: int = 0, num_kv_heads: int = 2, vocab: int = 38
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    # 1024 positions: room for a tool-calling prompt (the tools preamble) plus a call (tests/router/test_tools_http.py)
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), max_positions=1024)

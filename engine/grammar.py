@@ -1,9 +1,11 @@
 """Structured output: grammars compiled by xgrammar, one matcher per request, token masks per step.
 
-`StructuredOutput` is what a user asks for (a JSON Schema, any JSON object, a regex, an EBNF grammar
-or a choice of strings). `GrammarCompiler` turns it into an xgrammar CompiledGrammar, cached by a
-hash of its canonical source, off the critical path (a thread pool) so a request's prompt can run
-while its grammar compiles; compiled grammars serialize for the prefill -> decode hand-over.
+`StructuredOutput` is what a user asks for (a JSON Schema, any JSON object, a regex, an EBNF grammar,
+a choice of strings, or an xgrammar structural tag: free text with tagged, schema-constrained regions,
+which is how tool calls are constrained). `GrammarCompiler` turns it into an xgrammar CompiledGrammar,
+cached by a hash of its canonical source (engine/grammar_cache.py, bounded by count and by bytes), off
+the critical path (a thread pool) so a request's prompt can run while its grammar compiles; compiled
+grammars serialize for the prefill -> decode hand-over.
 `GrammarState` is one request's matcher: it fills the request's bitmask row, accepts sampled tokens
 and rolls back rejected drafts (speculation).
 """
@@ -12,8 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import threading
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,6 +21,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.compile_worker import CompileWorker, WorkerFailed, WorkerTimeout
+from engine.grammar_cache import DEFAULT_MAX_CACHE_BYTES, DEFAULT_MAX_CACHED, GrammarCache
 from engine.schema_support import check_enforceable
 
 try:
@@ -30,6 +31,8 @@ except ImportError:  # pragma: no cover - xgrammar is a hard dependency; this ke
 
 DEFAULT_COMPILE_TIMEOUT_S = 5.0
 log = logging.getLogger(__name__)
+_KINDS = ("json_schema", "regex", "grammar", "choice", "structural_tag")
+
 
 @dataclass(frozen=True)
 class StructuredOutput:
@@ -40,16 +43,20 @@ class StructuredOutput:
     regex: str | None = None
     grammar: str | None = None  # EBNF in xgrammar's dialect (GBNF-like)
     choice: tuple[str, ...] | None = None
+    # xgrammar's structural tag, {"type": "structural_tag", "format": {...}} (a dict or its JSON text):
+    # tool calls (router/tools.py builds it from `tools` and `tool_choice`)
+    structural_tag: dict | str | None = None
     compact: bool = True  # JSON without free whitespace: one line, ", " and ": " separators
 
     def __post_init__(self) -> None:
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
-        set_fields = [n for n in ("json_schema", "regex", "grammar", "choice") if getattr(self, n) is not None]
+        set_fields = [n for n in _KINDS if getattr(self, n) is not None]
         set_fields += ["json_object"] if self.json_object else []
         if len(set_fields) != 1:
             raise InvalidRequestError(f"structured output needs exactly one of json_schema, json_object, regex, "
-                                      f"grammar, choice; got {set_fields or 'none'}", param="response_format")
+                                      f"grammar, choice, structural_tag; got {set_fields or 'none'}",
+                                      param="response_format")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise InvalidRequestError("choice must be a non-empty list of non-empty strings", param="response_format")
 
@@ -57,21 +64,26 @@ class StructuredOutput:
         """msgpack-able fields (a hand-over carries them); from_dict reverses it."""
         return {"json_schema": self.json_schema, "json_object": self.json_object, "regex": self.regex,
                 "grammar": self.grammar, "choice": list(self.choice) if self.choice is not None else None,
-                "compact": self.compact}
+                "structural_tag": self.structural_tag, "compact": self.compact}
 
     @staticmethod
     def from_dict(fields: dict) -> "StructuredOutput":
-        unknown = set(fields) - {"json_schema", "json_object", "regex", "grammar", "choice", "compact"}
+        unknown = set(fields) - {*_KINDS, "json_object", "compact"}
         if unknown:
             raise InvalidRequestError(f"unknown structured output field(s) {sorted(unknown)}", param="response_format")
         return StructuredOutput(**fields)
 
     @property
     def kind(self) -> str:
-        for name in ("json_schema", "regex", "grammar", "choice"):
+        for name in _KINDS:
             if getattr(self, name) is not None:
                 return name
         return "json_object"
+
+    @property
+    def param(self) -> str:
+        """The request parameter a bad grammar of this kind is blamed on (HTTP 400)."""
+        return "tools" if self.kind == "structural_tag" else "response_format"
 
     def canonical_source(self) -> str:
         if self.json_schema is not None:
@@ -85,6 +97,16 @@ class StructuredOutput:
             return json.dumps(schema, separators=(",", ":"))
         if self.choice is not None:
             return json.dumps(list(self.choice))
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            if isinstance(tag, str):
+                try:
+                    tag = json.loads(tag)
+                except json.JSONDecodeError as e:
+                    raise InvalidRequestError(f"structural_tag is not valid JSON: {e}", param="tools") from e
+            if not isinstance(tag, dict):
+                raise InvalidRequestError("a structural tag is a JSON object", param="tools")
+            return json.dumps(tag, separators=(",", ":"))
         return {"json_object": "", "regex": self.regex, "grammar": self.grammar}[self.kind]
 
     @property
@@ -113,10 +135,59 @@ def compile_structured(compiler, structured: StructuredOutput):
         if structured.kind == "choice":
             alternatives = " | ".join(json.dumps(c) for c in structured.choice)
             return compiler.compile_grammar(f"root ::= {alternatives}")
+        if structured.kind == "structural_tag":
+            tag = json.loads(structured.canonical_source())
+            return compiler.compile_structural_tag(_compact_json(tag, sep) if structured.compact else tag)
         return compiler.compile_grammar(structured.grammar)
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError) as e:  # pydantic's ValidationError (a bad structural tag) is a ValueError
         raise InvalidRequestError(f"cannot compile the {structured.kind.replace('_', ' ')}: {e}",
-                                  param="response_format") from e
+                                  param=structured.param) from e
+
+
+def _compact_json(node, separators: tuple[str, str]):
+    """A structural tag whose plain JSON-schema regions are compact JSON, as compact json_schema outputs
+    are: xgrammar's json_schema format allows free whitespace (a small model loops on it) and has no
+    separators option, so each such region becomes the EBNF of the compact grammar of its schema."""
+    if isinstance(node, list):
+        return [_compact_json(v, separators) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if (node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict)
+            and set(node) <= {"type", "json_schema", "style"} and node.get("style", "json") == "json"):
+        grammar = xgr.Grammar.from_json_schema(json.dumps(node["json_schema"]), any_whitespace=False,
+                                               separators=separators)
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {k: _compact_json(v, separators) for k, v in node.items()}
+
+
+def structural_tag_schemas(tag) -> list:
+    """The JSON schemas inside a structural tag (its `json_schema` formats), in document order."""
+    found = []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                found.append(node["json_schema"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(tag)
+    return found
+
+
+def check_structured_enforceable(structured: StructuredOutput) -> None:
+    """Enforce or refuse: InvalidRequestError naming the first schema keyword the grammar would not enforce."""
+    if structured.kind == "json_schema":
+        check_enforceable(json.loads(structured.canonical_source()))
+    elif structured.kind == "structural_tag":
+        for schema in structural_tag_schemas(json.loads(structured.canonical_source())):
+            try:
+                check_enforceable(schema)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(e.message, param="tools") from None
 
 
 def _worker_compiler(tokenizer_info_json: str, max_threads: int):
@@ -132,9 +203,13 @@ class GrammarCompiler:
     """Compiles and caches grammars for one tokenizer and one model vocabulary size."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None,
-                 max_threads: int = 2, max_cached: int = 512, compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S):
+                 max_threads: int = 2, max_cached: int = DEFAULT_MAX_CACHED,
+                 compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S,
+                 max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES):
         """`compile_timeout_s`: a compile past it is ended (it runs in a child process) and the request
-        gets a 400; None compiles in this process without a limit."""
+        gets a 400; None compiles in this process without a limit. The cache keeps at most `max_cached`
+        compiled grammars and `max_cache_bytes` bytes of them (xgrammar's memory_size_bytes), least
+        recently used out first."""
         if xgr is None:
             raise RuntimeError("xgrammar is not installed; structured output needs it (pip install xgrammar)")
         self.vocab_size = vocab_size
@@ -144,9 +219,7 @@ class GrammarCompiler:
         self.compile_timeout_s = compile_timeout_s
         self._worker = CompileWorker(_worker_compiler, (self.tokenizer_info.serialize_json(), max_threads))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
-        self._cache: OrderedDict[str, Future] = OrderedDict()
-        self._lock = threading.Lock()
-        self._max_cached = max_cached
+        self.cache = GrammarCache(max_cached, max_cache_bytes)
         # what /metrics reports per side: a decode engine fed by hand-overs should show no compiles
         self.stats = {"compiles": 0, "cache_hits": 0, "deserializations": 0}
         self._no_control_chars = self._control_free_mask()
@@ -169,34 +242,36 @@ class GrammarCompiler:
         """A future of the CompiledGrammar; the same source compiles once. A failed compilation leaves
         the cache as soon as it fails, so a later request with the same source is compiled again."""
         key = structured.key()
-        with self._lock:
-            fut = self._cache.get(key)
-            # A failure whose callback has not run yet (callbacks follow the waiters' wake-up) is stale too.
-            if fut is not None and not (fut.done() and (fut.cancelled() or fut.exception() is not None)):
-                self._cache.move_to_end(key)
+        with self.cache.lock:
+            fut = self.cache.get(key)
+            if fut is not None:
                 self.stats["cache_hits"] += 1
                 return fut
             self.stats["compiles"] += 1
-            fut = self._pool.submit(self._compile, structured)
-            self._cache[key] = fut
-            while len(self._cache) > self._max_cached:
-                self._cache.popitem(last=False)
-        # Outside the lock: a future that is already done runs the callback right here.
-        fut.add_done_callback(lambda f: self._forget_failure(key, f))
+            fut: Future = Future()
+            self.cache.put(key, fut)
+        self._pool.submit(self._compile_into, key, structured, fut)
         return fut
 
-    def _forget_failure(self, key: str, fut: Future) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            with self._lock:
-                if self._cache.get(key) is fut:
-                    del self._cache[key]
+    def _compile_into(self, key: str, structured: StructuredOutput, fut: Future) -> None:
+        """Compile, size the cache entry, then wake the waiters (in this order: no waiter sees the cache
+        before its bounds hold)."""
+        try:
+            compiled = self._compile(structured)
+        except BaseException as e:  # noqa: BLE001 - the request's error, raised to whoever waits on fut
+            with self.cache.lock:
+                self.cache.settle(key, fut, None)
+            fut.set_exception(e)
+            return
+        with self.cache.lock:
+            self.cache.settle(key, fut, compiled)
+        fut.set_result(compiled)
 
     def compile(self, structured: StructuredOutput):
         return self.compile_async(structured).result()
 
     def _compile(self, structured: StructuredOutput):
-        if structured.kind == "json_schema":
-            check_enforceable(json.loads(structured.canonical_source()))
+        check_structured_enforceable(structured)
         if self.compile_timeout_s is None:
             return compile_structured(self._compiler, structured)
         try:
@@ -204,10 +279,10 @@ class GrammarCompiler:
         except WorkerTimeout as e:
             raise InvalidRequestError(f"the {structured.kind.replace('_', ' ')} did not compile within the "
                                       f"{self.compile_timeout_s:g} s compile time limit; simplify it",
-                                      param="response_format") from e
+                                      param=structured.param) from e
         except WorkerFailed as e:
             if e.kind == "InvalidRequestError":
-                raise InvalidRequestError(str(e), param="response_format") from e
+                raise InvalidRequestError(str(e), param=structured.param) from e
             if e.kind != "WorkerStartup":
                 raise RuntimeError(f"grammar compile process failed: {e.kind}: {e}") from e
             # A process that cannot spawn children (a __main__ read from stdin, a sandbox) still serves
@@ -226,31 +301,32 @@ class GrammarCompiler:
 
     def serialized(self, structured: StructuredOutput) -> str | None:
         """The compiled form of a grammar this compiler holds (for a hand-over), or None."""
-        with self._lock:
-            fut = self._cache.get(structured.key())
+        with self.cache.lock:
+            fut = self.cache.peek(structured.key())
         if fut is None or not fut.done() or fut.exception() is not None:
             return None
         return self.serialize(fut.result())
 
-    def adopt(self, structured: StructuredOutput, serialized: str) -> None:
-        """Put a grammar compiled elsewhere (the prefill side) into the cache under its content key, so
-        that compile() finds it instead of compiling; a grammar already held is not deserialized again."""
+    def adopt(self, structured: StructuredOutput, serialized: str):
+        """The CompiledGrammar of a grammar compiled elsewhere (the prefill side): the one held under its
+        content key (a cache hit: not deserialized again), else `serialized` loaded and cached. Never
+        compiles, even when the cache cannot keep it (larger than its byte bound)."""
         key = structured.key()
-        with self._lock:
-            held = self._cache.get(key)
-            if held is not None and held.done() and held.exception() is None:
-                return
+        with self.cache.lock:
+            held = self.cache.get(key)
+            if held is not None and held.done():
+                self.stats["cache_hits"] += 1
+                return held.result()
         try:
             compiled = self.deserialize(serialized)
         except (RuntimeError, ValueError) as e:
             raise InvalidRequestError(f"the handed-over compiled grammar does not load: {e}", param="handover") from e
         fut: Future = Future()
         fut.set_result(compiled)
-        with self._lock:
+        with self.cache.lock:
             self.stats["deserializations"] += 1
-            self._cache[key] = fut
-            while len(self._cache) > self._max_cached:
-                self._cache.popitem(last=False)
+            self.cache.put(key, fut)
+        return compiled
 
     def new_state(self, compiled, structured: StructuredOutput | None = None) -> "GrammarState":
         extra = self._no_control_chars if structured is not None and structured.is_compact_json else None

@@ -40,9 +40,9 @@ class GrammarMasker(LogitsMasker):
         """Compile (or find in the cache) and start a matcher; raises InvalidRequestError on a bad grammar.
         `output_token_ids`: tokens already emitted (a hand-over's first token), accepted first;
         `compiled`: the grammar serialized by the side that compiled it (a hand-over): never recompiled."""
-        if compiled is not None:
-            self.compiler.adopt(structured, compiled)
-        state = self.compiler.new_state(self.compiler.compile(structured), structured)
+        grammar = (self.compiler.adopt(structured, compiled) if compiled is not None
+                   else self.compiler.compile(structured))
+        state = self.compiler.new_state(grammar, structured)
         for t in output_token_ids:
             state.accept(t)
         self.states[request_id] = state

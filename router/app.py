@@ -22,6 +22,7 @@ from router.output import ResponseWriter
 from router.metrics import RouterMetrics
 from router.policy import latest_stats
 from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.tools import chat_messages, template_tools
 
 api = FastAPI(title="Tandem", description="Disaggregated structured, speculative LLM serving (OpenAI API)")
 install(api)
@@ -104,11 +105,14 @@ class Router:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        tools = body.tool_request()
+        knows_tools = self._template_knows_tools()
+        messages = chat_messages(body.messages, tools, knows_tools)
+        extra = {"tools": template_tools(tools)} if knows_tools and tools is not None else {}
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=body.add_generation_prompt,
-                                                      **(body.chat_template_kwargs or {}))
+                                                      **extra, **(body.chat_template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault (roles, order)
             raise invalid(f"the chat template cannot render these messages: {e}", "messages") from e
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -117,7 +121,14 @@ class Router:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           max(1, self.info.max_model_len - len(prompt_ids)))
-        return await self._generate(body, request, prompt_ids, max_tokens, logprobs, chat=True)
+        return await self._generate(body, request, prompt_ids, max_tokens, logprobs, chat=True,
+                                    tools=tools if tools is not None and tools.constrains else None)
+
+    def _template_knows_tools(self) -> bool:
+        """Whether the chat template renders `tools` itself (transformers passes them as a variable);
+        if not, router/tools.py renders them into a system preamble."""
+        template = self.tokenizer.chat_template
+        return isinstance(template, str) and "tools" in template
 
     # ------------------------------------------------------------------ shared path
     def _validate(self, body, prompt_ids: list[int], max_tokens: int, logprobs: int | None) -> dict:
@@ -146,7 +157,7 @@ class Router:
         return params
 
     async def _generate(self, body, request: Request, prompt_ids: list[int], max_tokens: int,
-                        logprobs: int | None, chat: bool, echo: str = ""):
+                        logprobs: int | None, chat: bool, echo: str = "", tools=None):
         arrival = time.monotonic()
         endpoint = "chat" if chat else "completions"
         try:
@@ -178,7 +189,7 @@ class Router:
         self.waiting_first -= 1
         self.metrics.ttft.observe(time.monotonic() - arrival)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        out = ResponseWriter(self, body, gen, rid, chat, echo, logprobs, prompt_ids, arrival, endpoint)
+        out = ResponseWriter(self, body, gen, rid, chat, echo, logprobs, prompt_ids, arrival, endpoint, tools)
         headers = {"X-Request-Id": rid}
         if body.stream:
             return StreamingResponse(out.sse(), media_type="text/event-stream", headers=headers)

@@ -1,5 +1,6 @@
 """ResponseWriter: turns a Generation's token events into the HTTP response (JSON or SSE): incremental
-text, stop strings, logprobs, usage, and the router's per-request metrics."""
+text, stop strings, logprobs, tool calls (router/tool_parser.py), usage, and the router's per-request
+metrics."""
 from __future__ import annotations
 
 import time
@@ -8,13 +9,14 @@ from router import responses as R
 from engine.detokenizer import IncrementalDetokenizer
 from router.errors import APIError
 from router.generation import Generation
+from router.tool_parser import ToolCallStream, parse_tool_calls
 
 
 class ResponseWriter:
     """Turns a Generation's token events into the response: text deltas, stop strings, usage."""
 
     def __init__(self, router, body, gen: Generation, rid: str, chat: bool, echo: str,
-                 logprobs: int | None, prompt_ids: list[int], arrival: float, endpoint: str):
+                 logprobs: int | None, prompt_ids: list[int], arrival: float, endpoint: str, tools=None):
         self.router, self.body, self.gen, self.rid, self.chat, self.echo = router, body, gen, rid, chat, echo
         self.model = router.cfg.served_model_name
         self.created = R.now()
@@ -23,6 +25,7 @@ class ResponseWriter:
         self.lp = R.LogprobsBuilder(router.tokenizer, chat) if logprobs is not None else None
         self.usage = R.Usage(prompt_tokens=len(prompt_ids))
         self.arrival, self.endpoint = arrival, endpoint
+        self.tools = tools  # router.tools.ToolRequest constraining the output to calls, or None
         self.finish_reason: str | None = None
         self._last_token_time: float | None = None
         self._closed = False
@@ -64,8 +67,15 @@ class ResponseWriter:
             self._done(status)
         text = self.echo + text
         lp = self.lp.body() if self.lp is not None else None
-        build = R.chat_body if self.chat else R.completion_body
-        return build(self.rid, self.model, self.created, text, self.finish_reason, self.usage, lp)
+        if not self.chat:
+            return R.completion_body(self.rid, self.model, self.created, text, self.finish_reason, self.usage, lp)
+        if self.tools is None:
+            return R.chat_body(self.rid, self.model, self.created, text, self.finish_reason, self.usage, lp)
+        parsed = parse_tool_calls(text, self.tools.names)
+        if parsed.tool_calls and self.finish_reason == "stop":
+            self.finish_reason = "tool_calls"
+        return R.chat_body(self.rid, self.model, self.created, parsed.content, self.finish_reason, self.usage, lp,
+                           [c.body() for c in parsed.tool_calls])
 
     async def sse(self):
         status = 499  # until the stream completes: a client that goes away cancels this generator
@@ -74,9 +84,23 @@ class ResponseWriter:
                 yield R.sse(R.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None))
             elif self.echo:
                 yield R.sse(R.completion_chunk(self.rid, self.model, self.created, self.echo, None))
+            calls = ToolCallStream(self.tools.names) if self.chat and self.tools is not None else None
             try:
                 async for text, lp in self.deltas():
-                    yield R.sse(self._chunk(text, None, lp))
+                    if calls is None:
+                        yield R.sse(self._chunk(text, None, lp))
+                        continue
+                    deltas = calls.push(text)
+                    if lp and not deltas:
+                        deltas = [{}]  # logprobs of tokens still held back
+                    for i, delta in enumerate(deltas):
+                        yield R.sse(R.chat_chunk(self.rid, self.model, self.created, delta, None,
+                                                 lp if i == 0 else None))
+                if calls is not None:
+                    for delta in calls.finish():
+                        yield R.sse(R.chat_chunk(self.rid, self.model, self.created, delta, None))
+                    if calls.calls and self.finish_reason == "stop":
+                        self.finish_reason = "tool_calls"
             except APIError as e:
                 status = e.status
                 yield e.sse()

@@ -2,11 +2,12 @@
 engine sampling parameters. Response bodies are built as plain dicts in router/responses.py."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from router.structured import structured_output
+from router.tools import ToolRequest, tool_request
 
 
 class StreamOptions(BaseModel):
@@ -16,6 +17,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model_config = ConfigDict(extra="ignore")
+    chat: ClassVar[bool] = False  # tools are chat-only
 
     model: str = Field(description="The served model's name (see GET /v1/models).")
     max_tokens: int | None = Field(None, description="Most tokens to generate; default 16 (completions) or "
@@ -46,8 +48,12 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = Field(None, description="Older vLLM spelling of a regex constraint.")
     guided_choice: list | None = Field(None, description="Older vLLM spelling of a choice constraint.")
     guided_grammar: str | None = Field(None, description="Older vLLM spelling of an EBNF grammar constraint.")
-    tools: list | None = Field(None, description="Function calling: not supported yet (refused with a 400).")
-    tool_choice: str | dict | None = Field(None, description="Function calling: not supported yet.")
+    # tool calling (chat only; router/tools.py)
+    tools: list | None = Field(None, description="Functions the model may call: [{type: function, function: "
+                                                 "{name, description, parameters (JSON schema), strict}}].")
+    tool_choice: str | dict | None = Field(None, description="none | auto (default with tools) | required | "
+                                                             "{type: function, function: {name}}.")
+    parallel_tool_calls: bool | None = Field(None, description="Allow more than one call (default true).")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> dict:
         """Engine SamplingParams fields; the engine validates them (bad values -> HTTP 400)."""
@@ -86,6 +92,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(description="Who speaks.")
     content: str | list[ChatContentPart] | None = Field(None, description="Text, or a list of text parts.")
     name: str | None = Field(None, description="Optional speaker name.")
+    tool_calls: list | None = Field(None, description="An assistant's calls: [{id, type: function, function: "
+                                                      "{name, arguments}}].")
+    tool_call_id: str | None = Field(None, description="A tool message: the id of the call it answers.")
 
     def text(self) -> str:
         if self.content is None:
@@ -96,9 +105,17 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    chat: ClassVar[bool] = True
+    _tools: tuple[ToolRequest | None] | None = PrivateAttr(None)
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
     max_completion_tokens: int | None = Field(None, description="Newer name of max_tokens; wins if both are set.")
     logprobs: bool = Field(False, description="Return the log-probability of each output token.")
     top_logprobs: int | None = Field(None, description="With logprobs: also the n most likely tokens (0-20).")
     add_generation_prompt: bool = Field(True, description="End the templated prompt with the assistant's turn.")
     chat_template_kwargs: dict | None = Field(None, description="Extra variables for the chat template.")
+
+    def tool_request(self) -> ToolRequest | None:
+        """The validated tools and tool_choice (APIError 400 naming the parameter)."""
+        if self._tools is None:
+            self._tools = (tool_request(self.tools, self.tool_choice, self.parallel_tool_calls),)
+        return self._tools[0]

@@ -69,11 +69,13 @@ def completion_body(rid: str, model: str, created: int, text: str, finish_reason
     return body
 
 
-def chat_body(rid: str, model: str, created: int, text: str, finish_reason: str | None, usage: Usage,
-              logprobs: dict | None) -> dict:
+def chat_body(rid: str, model: str, created: int, text: str | None, finish_reason: str | None, usage: Usage,
+              logprobs: dict | None, tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage.body()}
 
 

@@ -5,9 +5,10 @@ Accepted: OpenAI's `response_format` (`text`, `json_object`, `json_schema` with 
 strict}`); vLLM's body extra `structured_outputs: {json | regex | choice | grammar | json_object}`;
 and the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` that vLLM dropped in
 0.12 (still sent by existing clients: accepted, never ignored). At most one of them may constrain a
-request. Anything malformed is a 400 naming the parameter; a grammar that does not compile is the
-engine's 400 (InvalidRequestError from the prefill side). `tools` are refused until tool calling lands,
-rather than silently answered without them.
+request, tool calls included (router/tools.py: `tools` with a tool_choice other than "none" constrain
+the output to calls; chat only, refused on completions rather than ignored). Anything malformed is a
+400 naming the parameter; a grammar that does not compile is the engine's 400 (InvalidRequestError
+from the prefill side).
 """
 from __future__ import annotations
 
@@ -25,11 +26,15 @@ _LEGACY = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice
 
 def structured_output(body) -> dict | None:
     """StructuredOutput fields for the body (None: unconstrained). Raises APIError (400)."""
-    if getattr(body, "tools", None):
-        raise invalid("tools (function calling) are not supported by this server yet", param="tools")
-    if getattr(body, "tool_choice", None) not in (None, "none"):
-        raise invalid("tool_choice needs tools, which this server does not support yet", param="tool_choice")
     asked: list[tuple[str, dict]] = []
+    if not body.chat:
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if getattr(body, name) is not None:
+                raise invalid(f"{name} (tool calling) is for /v1/chat/completions only", param=name)
+    else:
+        tools = body.tool_request()
+        if tools is not None and tools.constrains:
+            asked.append(("tools", {"structural_tag": tools.structural_tag()}))
     if body.response_format is not None:
         fields = _from_response_format(body.response_format)
         if fields is not None:

@@ -26,7 +26,7 @@ from cluster.errors import HandoverHeaderError
 from engine.errors import InvalidRequestError
 from engine.handover import HandoverRequest
 
-HANDOVER_VERSION = 1  # bump on any change to the fields below or to HandoverRequest's
+HANDOVER_VERSION = 2  # bump on any change to the fields below or to HandoverRequest's (2: StructuredOutput.structural_tag)
 
 
 class PayloadPart(str, enum.Enum):

@@ -142,3 +142,62 @@ def test_a_failed_compilation_is_not_cached(compiler):
     with pytest.raises(InvalidRequestError):
         fut.result()
     assert compiler.compile_async(bad) is not fut
+
+
+def test_the_compiler_cache_is_bounded_by_xgrammar_bytes(tokenizer):
+    """Three grammars, a byte bound that holds two of them: the least recently used one leaves."""
+    from engine.grammar_cache import compiled_size
+
+    specs = [StructuredOutput(regex=r) for r in ("[a-c]{3}", "[d-f]{3}", "[g-i]{3}")]
+    probe = GrammarCompiler(tokenizer, VOCAB, compile_timeout_s=None)
+    sizes = [compiled_size(probe.compile(s)) for s in specs]
+    compiler = GrammarCompiler(tokenizer, VOCAB, compile_timeout_s=None,
+                               max_cache_bytes=sizes[0] + sizes[1] + min(sizes) // 2)
+    a, b, c = (s.key() for s in specs)
+    compiler.compile(specs[0])
+    compiler.compile(specs[1])
+    compiler.compile(specs[0])  # a hit: a is the most recently used now
+    compiler.compile(specs[2])
+    assert compiler.cache.keys() == [a, c] and compiler.cache.nbytes == sizes[0] + sizes[2]
+    assert compiler.stats == {"compiles": 3, "cache_hits": 1, "deserializations": 0}
+
+
+TOOL_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
+               "required": ["city", "days"], "additionalProperties": False}
+
+
+def _call_tag(schema, text_around: bool = False) -> dict:
+    """A Hermes-style call of `weather` (router/tools.py builds these shapes from `tools`): exactly one
+    call, or (`text_around`) text with at least one call in it."""
+    call = {"type": "tag", "begin": '<tool_call>\n{"name": "weather", "arguments": ',
+            "content": {"type": "json_schema", "json_schema": schema}, "end": "}\n</tool_call>"}
+    if text_around:
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<tool_call>"],
+                                                      "tags": [call], "at_least_one": True}}
+    return {"type": "structural_tag", "format": call}
+
+
+@pytest.mark.parametrize("text_around", [False, True])
+def test_a_structural_tag_compiles_and_serializes(compiler, tokenizer, text_around):
+    tool = StructuredOutput(structural_tag=_call_tag(TOOL_SCHEMA, text_around))
+    assert tool.kind == "structural_tag" and tool.param == "tools" and not tool.is_compact_json
+    assert StructuredOutput.from_dict(tool.to_dict()) == tool
+    assert StructuredOutput(structural_tag=tool.canonical_source()).key() == tool.key()
+    restored = compiler.deserialize(compiler.serialize(compiler.compile(tool)))
+    state = compiler.new_state(restored, tool)
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    assert all(state.accept(t) for t in tokenizer.encode(call, add_special_tokens=False))
+    bad = compiler.new_state(restored, tool)
+    ids = tokenizer.encode(call.replace("Oslo", "Rome"), add_special_tokens=False)
+    assert not all(bad.accept(t) for t in ids)
+
+
+@pytest.mark.parametrize("tag", [
+    _call_tag({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),  # unenforceable keyword
+    _call_tag({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),  # does not compile
+    {"type": "structural_tag", "format": {"type": "no_such_format"}},
+])
+def test_bad_structural_tags_are_invalid_requests_blamed_on_tools(compiler, tag):
+    with pytest.raises(InvalidRequestError) as e:
+        compiler.compile(StructuredOutput(structural_tag=tag))
+    assert e.value.param == "tools"

@@ -128,4 +128,40 @@ def test_guided_request_survives_a_handover(llama_dir):
     assert done[0].token_ids == want.token_ids and _valid("json_schema", done[0].text)
     assert not prefill._grammar.states and not decode._grammar.states
     assert prefill.stats()["grammar"]["compiles"] == 1
-    assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 1, "deserializations": 1}
+    assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 0, "deserializations": 1}
+
+
+def test_a_tool_call_grammar_is_compiled_on_prefill_and_deserialized_on_decode(llama_dir):
+    """A structural-tag grammar (tool calls, router/tools.py's shape) travels like any other: the
+    prefill engine compiles it, the hand-over header carries the StructuredOutput and the serialized
+    grammar over the wire format, and the decode engine loads it without compiling; the output is a
+    call whose arguments validate."""
+    from cluster.protocol import GrammarHandover, HandoverHeader, PayloadPart
+    from tests.engine.test_grammar import TOOL_SCHEMA, _call_tag
+
+    tool = StructuredOutput(structural_tag=_call_tag(TOOL_SCHEMA))
+    params = SamplingParams(max_tokens=80, temperature=0, structured_output=tool)
+    prompt = _prompts(1, seed=5)[0]
+    want = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompt, params)[0]
+    prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=128, block_size=4))
+    decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=128, block_size=4))
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    while prefill.requests["r"].status.value != "parked":
+        prefill.step()
+    h = prefill.take_handover("r")
+    header = HandoverHeader(h.request, (PayloadPart.KV,), GrammarHandover(tool.key(), h.compiled_grammar))
+    back = HandoverHeader.from_wire(header.to_wire())
+    assert back == header and back.request.params.structured_output == tool
+    assert back.grammar.cache_key == back.request.params.structured_output.key()
+    blocks = decode.reserve(back.request, back.grammar.compiled)
+    decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
+    prefill.release("r")
+    decode.commit("r")
+    done = []
+    while decode.has_unfinished():
+        done += [o for o in decode.step() if o.finished]
+    assert done[0].token_ids == want.token_ids and done[0].finish_reason == "stop"
+    head, body = '<tool_call>\n{"name": "weather", "arguments": ', "}\n</tool_call>"
+    assert done[0].text.startswith(head) and done[0].text.endswith(body)
+    jsonschema.validate(json.loads(done[0].text[len(head):-len(body)]), TOOL_SCHEMA)
+    assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 0, "deserializations": 1}

@@ -130,7 +130,7 @@ def test_32_concurrent_requests_all_complete_correctly(tandem_server, reference)
 BAD = [
     ("malformed JSON", b'{"model": "tiny", "prompt": "x",', "completions", None),
     ("unknown model", {"model": "gpt-17", "prompt": "x"}, "completions", "model"),
-    ("too-long prompt", {"model": "tiny", "prompt": "fox " * 400}, "completions", "prompt"),
+    ("too-long prompt", {"model": "tiny", "prompt": "fox " * 4000}, "completions", "prompt"),  # > 1024 positions
     ("prompt + max_tokens too long", {"model": "tiny", "prompt": "x", "max_tokens": 10_000}, "completions", "max_tokens"),
     ("negative temperature", {"model": "tiny", "prompt": "x", "temperature": -1}, "completions", "temperature"),
     ("top_p zero", {"model": "tiny", "prompt": "x", "top_p": 0}, "completions", "top_p"),

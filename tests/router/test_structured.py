@@ -52,8 +52,9 @@ def test_each_spelling_becomes_a_structured_output(extra, want):
     ({"guided_choice": ["a", ""]}, "guided_choice"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools (tests/router/test_tools.py has the rest)
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
+     "response_format"),
 ])
 def test_malformed_requests_are_400_naming_the_parameter(extra, param):
     with pytest.raises(APIError) as e:
