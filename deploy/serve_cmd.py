@@ -28,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
         "model": dict(help="target model directory (default: the zoo's prebuilt target)"),
         "speculative_method": dict(default=None, help="speculative decoding method (default: mtp with the zoo's "
                                                       "head when serving the zoo, no --model; else none)")})
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; 0.0.0.0 "
+                                                       "exposes the API: set --api-key then)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--address", default=None, help="Ray address to join ('auto', 'host:6379'); default: "
                                                     "start Ray in this process")

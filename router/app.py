@@ -15,6 +15,7 @@ from ray import serve
 
 from engine.errors import TandemError
 from engine.sampling_params import SamplingParams
+from router.access import AccessGate, install_limits
 from router.config import RouterConfig
 from router.errors import APIError, install, invalid
 from router.generation import Generation
@@ -25,6 +26,7 @@ from router.protocol import ChatCompletionRequest, CompletionRequest
 
 api = FastAPI(title="Tandem", description="Disaggregated structured, speculative LLM serving (OpenAI API)")
 install(api)
+api.add_middleware(AccessGate)
 
 
 @serve.ingress(api)
@@ -33,6 +35,7 @@ class Router:
         from transformers import AutoTokenizer
 
         self.cfg = config if isinstance(config, RouterConfig) else RouterConfig(**config)
+        install_limits(api, self.cfg)
         self.prefill, self.decode = prefill, decode
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
         self.info = await prefill.model_info.remote()

@@ -55,7 +55,7 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
 
 def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), kind).response()
+    return APIError(exc.status_code, str(exc.detail), kind, None, getattr(exc, "error_code", None)).response()
 
 
 def install(app) -> None:
