@@ -64,6 +64,8 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
 
 def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's own words
+        return invalid("the request body cannot be parsed: not JSON, or JSON nested too deep").response()
     return APIError(exc.status_code, str(exc.detail), kind, None, getattr(exc, "error_code", None)).response()
 
 

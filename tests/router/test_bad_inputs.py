@@ -5,7 +5,8 @@ shape, and the server still answers good requests afterwards.
 A case: `kind` (what is wrong), `endpoint` ("METHOD /path"), the request as `body` (JSON), `raw` (text
 sent as is) or `raw_b64` (bytes, for invalid UTF-8), optional `pad_prompt_to_bytes` (the body's prompt is
 padded to that size: huge bodies stay out of the file), `chunked` (sent without Content-Length), `fill`
-({at: [keys], item: format with {i}, count}: a long list built at run time), and `expect`: status, error
+({at: [keys], item, count}: a long list built at run time; a string item is formatted with {i}), `repeat`
+({at: [keys], text, times}: a long string), and `expect`: status, error
 type, and, where present, param and code. A few hostile inputs the server can serve (regexes that look
 pathological but compile in milliseconds) expect 200: what matters is that they are answered.
 """
@@ -40,10 +41,10 @@ def request_of(case: dict) -> tuple[str, str, bytes | object, dict]:
     body = json.loads(json.dumps(case.get("body", {})))
     if "fill" in case:
         fill = case["fill"]
-        target = body
-        for key in fill["at"][:-1]:
-            target = target[key]
-        target[fill["at"][-1]] = [fill["item"].format(i=i) for i in range(fill["count"])]
+        item = fill["item"]
+        _put(body, fill["at"], [item.format(i=i) if isinstance(item, str) else item for i in range(fill["count"])])
+    if "repeat" in case:
+        _put(body, case["repeat"]["at"], case["repeat"]["text"] * case["repeat"]["times"])
     if "pad_prompt_to_bytes" in case:
         body["prompt"] = "x" * case["pad_prompt_to_bytes"]
     content = json.dumps(body).encode()
@@ -52,6 +53,12 @@ def request_of(case: dict) -> tuple[str, str, bytes | object, dict]:
         chunks = [content[i:i + step] for i in range(0, len(content), step)]
         return method, path, iter(chunks), headers
     return method, path, content, headers
+
+
+def _put(body: dict, path: list, value) -> None:
+    for key in path[:-1]:
+        body = body[key]
+    body[path[-1]] = value
 
 
 async def send(http: httpx.AsyncClient, case: dict) -> httpx.Response:
