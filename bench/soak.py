@@ -291,7 +291,8 @@ def summarize(results, wall, used, drain_s, health, rss_before, rss_after, warm,
 
 def markdown(r: dict) -> str:
     s, o = r["setup"], r["outcomes"]
-    f = lambda v, unit="s": "n/a" if v is None else f"{v:.3f} {unit}" if unit == "s" else f"{v:.0f} {unit}"  # noqa: E731
+    def f(v, unit="s"):
+        return "n/a" if v is None else f"{v:.3f} {unit}" if unit == "s" else f"{v:.0f} {unit}"
     return "\n".join([
         f"| soak (seed {s['seed']}) | value |", "|---|---|",
         f"| requests sent / concurrency / wall | {r['sent']} / {s['concurrency']} / {r['wall_s']:.0f} s |",

@@ -116,7 +116,8 @@ class Router:
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault (roles, order)
             raise invalid(f"the chat template cannot render these messages: {e}", "messages") from e
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= self.cfg.max_logprobs):
+        top_limit = self.cfg.max_logprobs
+        if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= top_limit):
             raise invalid(f"top_logprobs needs logprobs=true and must be between 0 and {self.cfg.max_logprobs}, "
                           f"got {body.top_logprobs}", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -137,7 +138,8 @@ class Router:
         if len(prompt_ids) >= limit:
             raise invalid(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens "
                           f"(prompt plus at least one output token)",
-                          "messages" if isinstance(body, ChatCompletionRequest) else "prompt", "context_length_exceeded")
+                          "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                          "context_length_exceeded")
         if isinstance(max_tokens, int) and max_tokens > 0 and len(prompt_ids) + max_tokens > limit:
             raise invalid(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                           f"context of {limit} tokens", "max_tokens", "context_length_exceeded")
