@@ -5,21 +5,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+import os
+
+from pydantic import BaseModel, Field, model_validator
 
 from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
-from router.config import RouterConfig
+from router.config import API_KEY_ENV, RouterConfig, RouterSettings
 
 
-class TandemConfig(PrefillConfig, DecodeConfig):
+class TandemConfig(PrefillConfig, DecodeConfig, RouterSettings):
     served_model_name: str | None = Field(None, description="Name clients use in `model`; default: the "
                                                             "directory's name.")
     prefill_replicas: int = Field(1, ge=1, description="Prefill replicas (one engine each).")
     decode_replicas: int = Field(1, ge=1, description="Decode replicas (one group of `tp` ranks each).")
     router_replicas: int = Field(1, ge=1, description="Router (HTTP ingress) replicas.")
-    max_inflight: int = Field(256, ge=1, description="Requests a router replica serves at once (then HTTP 429).")
     prefill_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per prefill replica.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _api_key_from_env(cls, values):
+        if isinstance(values, dict) and values.get("api_key") is None and os.environ.get(API_KEY_ENV):
+            values = {**values, "api_key": os.environ[API_KEY_ENV]}
+        return values
 
     @property
     def name(self) -> str:
@@ -32,7 +40,8 @@ class TandemConfig(PrefillConfig, DecodeConfig):
         return _part(self, DecodeConfig)
 
     def router(self) -> RouterConfig:
-        return RouterConfig(model=self.model, served_model_name=self.name, max_inflight=self.max_inflight)
+        own = self.model_dump(include=set(RouterSettings.model_fields))
+        return RouterConfig(model=self.model, served_model_name=self.name, **own)
 
 
 def _part(cfg: TandemConfig, kind: type[BaseModel]):

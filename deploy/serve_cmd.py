@@ -28,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
         "model": dict(help="target model directory (default: the zoo's prebuilt target)"),
         "speculative_method": dict(default=None, help="speculative decoding method (default: mtp with the zoo's "
                                                       "head when serving the zoo, no --model; else none)")})
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; 0.0.0.0 "
+                                                       "exposes the API: set --api-key then)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--address", default=None, help="Ray address to join ('auto', 'host:6379'); default: "
                                                     "start Ray in this process")
@@ -65,18 +66,21 @@ def tandem_config(args: argparse.Namespace):
     return TandemConfig(**chosen)
 
 
-def usage_text(host: str, port: int, model: str) -> str:
+def usage_text(host: str, port: int, model: str, with_key: bool = False) -> str:
+    """What to try first; `with_key`: the server needs the API key (the examples read $TANDEM_API_KEY)."""
     base = f"http://{host}:{port}"
+    auth = " -H \"Authorization: Bearer $TANDEM_API_KEY\"" if with_key else ""
+    key = "os.environ['TANDEM_API_KEY']" if with_key else "'none'"
     return f"""
-Tandem is serving {model!r} at {base}
+Tandem is serving {model!r} at {base}{' (API key required on every route but /health)' if with_key else ''}
 
-  curl {base}/v1/completions -H 'Content-Type: application/json' \\
+  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} \\
        -d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 32, "temperature": 0}}'
 
-  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
        -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "stream": true}}'
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
+  python -c "import os; from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key={key}); \\
 print(c.completions.create(model='{model}', prompt='Hello', max_tokens=32).choices[0].text)"
 
   metrics: curl {base}/metrics     health: curl {base}/health     models: curl {base}/v1/models
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
           f"tp={cfg.tp} on {cfg.device}...", flush=True)
     serve.run(build_app(cfg), name="tandem", route_prefix="/")
     print(f"ready in {time.monotonic() - start:.1f}s", flush=True)
-    print(usage_text(args.host, args.port, cfg.name), flush=True)
+    print(usage_text(args.host, args.port, cfg.name, cfg.api_key is not None), flush=True)
     if args.detach and args.address is not None:
         return 0
     stop = threading.Event()

@@ -55,6 +55,30 @@ def start_server(model_dir: str, **overrides) -> TandemServer:
     return TandemServer(f"http://127.0.0.1:{port}", model_dir, cfg.name, cfg)
 
 
+def start_router(server: TandemServer, name: str, **router_settings) -> TandemServer:
+    """A second router, with its own settings (small limits, an API key), on `server`'s prefill and decode
+    deployments: an application of one router replica under the route prefix `/name`, so tests of limits
+    cost no second engine. Stop it with `stop_router(name)`."""
+    from ray import serve
+
+    from deploy.config import TandemConfig
+    from router.app import Router
+
+    cfg = TandemConfig(**{**server.config.model_dump(), **router_settings})
+    prefill = serve.get_deployment_handle("prefill", app_name="tandem")
+    decode = serve.get_deployment_handle("decode", app_name="tandem")
+    app = serve.deployment(Router, name=f"router-{name}", ray_actor_options={"num_cpus": 0},
+                           max_ongoing_requests=cfg.max_inflight * 2 + 8, graceful_shutdown_timeout_s=5)
+    serve.run(app.bind(prefill, decode, cfg.router().model_dump()), name=name, route_prefix=f"/{name}")
+    return TandemServer(f"{server.base_url}/{name}", server.model_dir, cfg.name, cfg)
+
+
+def stop_router(name: str) -> None:
+    from ray import serve
+
+    serve.delete(name)
+
+
 @pytest.fixture(scope="session")
 def tandem_server(ray_session, tiny_model_dir):
     global _server, _users

@@ -15,9 +15,11 @@ from ray import serve
 
 from engine.errors import TandemError
 from engine.sampling_params import SamplingParams
+from router.access import AccessGate, install_limits
 from router.config import RouterConfig
 from router.errors import APIError, install, invalid
 from router.generation import Generation
+from router.limits import check_request
 from router.output import ResponseWriter
 from router.metrics import RouterMetrics
 from router.policy import latest_stats
@@ -26,6 +28,7 @@ from router.tools import chat_messages, template_tools
 
 api = FastAPI(title="Tandem", description="Disaggregated structured, speculative LLM serving (OpenAI API)")
 install(api)
+api.add_middleware(AccessGate)
 
 
 @serve.ingress(api)
@@ -34,6 +37,7 @@ class Router:
         from transformers import AutoTokenizer
 
         self.cfg = config if isinstance(config, RouterConfig) else RouterConfig(**config)
+        install_limits(api, self.cfg)
         self.prefill, self.decode = prefill, decode
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
         self.info = await prefill.model_info.remote()
@@ -82,6 +86,7 @@ class Router:
     # ------------------------------------------------------------------ generation endpoints
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
+        check_request(body, self.cfg, self.info.vocab_size, chat=False)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -96,8 +101,8 @@ class Router:
             bad = [t for t in prompt_ids if not 0 <= t < self.info.vocab_size]
             if bad:
                 raise invalid(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.info.vocab_size})", "prompt")
-        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-            raise invalid(f"logprobs must be between 0 and 20, got {body.logprobs}", "logprobs")
+        if body.logprobs is not None and not 0 <= body.logprobs <= self.cfg.max_logprobs:
+            raise invalid(f"logprobs must be between 0 and {self.cfg.max_logprobs}, got {body.logprobs}", "logprobs")
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)) if body.echo else ""
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         return await self._generate(body, request, prompt_ids, max_tokens, body.logprobs, chat=False,
@@ -105,6 +110,7 @@ class Router:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        check_request(body, self.cfg, self.info.vocab_size, chat=True)
         tools = body.tool_request()
         knows_tools = self._template_knows_tools()
         messages = chat_messages(body.messages, tools, knows_tools)
@@ -116,8 +122,10 @@ class Router:
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault (roles, order)
             raise invalid(f"the chat template cannot render these messages: {e}", "messages") from e
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= 20):
-            raise invalid("top_logprobs needs logprobs=true and must be between 0 and 20", "top_logprobs")
+        top_limit = self.cfg.max_logprobs
+        if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= top_limit):
+            raise invalid(f"top_logprobs needs logprobs=true and must be between 0 and {self.cfg.max_logprobs}, "
+                          f"got {body.top_logprobs}", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           max(1, self.info.max_model_len - len(prompt_ids)))
@@ -142,13 +150,12 @@ class Router:
         limit = self.info.max_model_len
         if len(prompt_ids) >= limit:
             raise invalid(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens "
-                          f"(prompt plus at least one output token)", "prompt", "context_length_exceeded")
+                          f"(prompt plus at least one output token)",
+                          "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                          "context_length_exceeded")
         if isinstance(max_tokens, int) and max_tokens > 0 and len(prompt_ids) + max_tokens > limit:
             raise invalid(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                           f"context of {limit} tokens", "max_tokens", "context_length_exceeded")
-        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-        if len(stops) > self.cfg.max_stop_strings:
-            raise invalid(f"at most {self.cfg.max_stop_strings} stop strings are allowed", "stop")
         params = body.sampling_params(max_tokens, logprobs)
         try:
             SamplingParams(**params)

@@ -1,12 +1,27 @@
-"""RouterConfig: the ingress's settings at the deployment boundary."""
+"""The ingress's settings at the deployment boundary. RouterSettings are the router's own knobs (also
+`tandem serve` flags and Serve YAML `args`, through deploy.config.TandemConfig, which extends it);
+RouterConfig adds what the deployment builder fills in (the model's directory and served name)."""
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+API_KEY_ENV = "TANDEM_API_KEY"  # read by deploy.config.TandemConfig when --api-key is not given
 
-class RouterConfig(BaseModel):
+
+class RouterSettings(BaseModel):
+    max_inflight: int = Field(256, ge=1, description="Requests one router replica serves at once; more get "
+                                                     "HTTP 429 with Retry-After (the admission bound).")
+    max_stop_strings: int = Field(4, ge=0, description="Most stop strings per request.")
+    max_stop_string_chars: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    max_logprobs: int = Field(20, ge=0, description="Most log-probabilities per token (completions `logprobs`, "
+                                                    "chat `top_logprobs`).")
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body; larger ones get HTTP 413, "
+                                                               "refused from Content-Length before reading.")
+    api_key: str | None = Field(None, repr=False, description=f"Bearer key every route but /health requires "
+                                                              f"(HTTP 401 otherwise); default: ${API_KEY_ENV}, "
+                                                              f"else no key.")
+
+
+class RouterConfig(RouterSettings):
     model: str = Field(description="Model directory: its tokenizer and chat template are used here.")
     served_model_name: str = Field(description="The name clients put in the `model` field.")
-    max_inflight: int = Field(256, ge=1, description="Requests one router replica serves at once; "
-                                                     "more get HTTP 429 (the queue bound).")
-    max_stop_strings: int = Field(4, description="Most stop strings per request.")

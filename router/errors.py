@@ -38,24 +38,35 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _path(loc) -> list[str]:
+    """A pydantic error location as the request's field path: without FastAPI's leading "body" and without
+    the tags pydantic adds for each member of a union (`str`, `list[int]`, `ChatContentPart`, ...)."""
+    return [str(p) for p in loc if p != "body" and not (isinstance(p, str) and (
+        p in _TYPE_TAGS or "[" in p or "-" in p or p[:1].isupper()))]
+
+
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = _path(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return invalid(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
                        ).response()
     if not loc and first.get("type") in ("dict_type", "model_attributes_type", "missing"):
         return invalid("the request body must be a JSON object (Content-Type: application/json)").response()
     param = ".".join(loc) or None
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errors[:5])
+    message = "; ".join(f"{'.'.join(_path(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errors[:5])
     return invalid(message, param).response()
 
 
 def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), kind).response()
+    if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's own words
+        return invalid("the request body cannot be parsed: not JSON, or JSON nested too deep").response()
+    return APIError(exc.status_code, str(exc.detail), kind, None, getattr(exc, "error_code", None)).response()
 
 
 def install(app) -> None:

@@ -105,9 +105,12 @@ class Generation:
         raise APIError(503, "the decode stream ended early", "unavailable_error")
 
     def cancel(self) -> None:
-        if self._prefill_call is not None:
-            self._prefill_call.cancel()
-            self._prefill_call = None
-        if self._stream is not None:
-            self._stream.cancel()
-            self._stream = None
+        """Stop whatever is still running; never raises (it runs while another error is being answered)."""
+        for call in (self._prefill_call, self._stream):
+            if call is None:
+                continue
+            try:
+                call.cancel()
+            except Exception as e:  # noqa: BLE001 - a call that failed to start has nothing to cancel
+                log.debug("cancelling %s: %s", self.request_id, e)
+        self._prefill_call = self._stream = None

@@ -16,7 +16,9 @@ class StreamOptions(BaseModel):
 
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept (router/limits.py refuses the OpenAI ones this server does not implement and
+    # ignores the rest); NaN and Infinity, which Python's JSON parser accepts, are refused.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     chat: ClassVar[bool] = False  # tools are chat-only
 
     model: str = Field(description="The served model's name (see GET /v1/models).")

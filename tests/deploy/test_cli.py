@@ -85,3 +85,17 @@ def test_usage_text_names_the_endpoints():
     text = usage_text("127.0.0.1", 8000, "tiny")
     assert "curl http://127.0.0.1:8000/v1/completions" in text and '"model": "tiny"' in text
     assert "OpenAI(base_url='http://127.0.0.1:8000/v1'" in text and "/metrics" in text
+
+
+def test_router_limits_and_the_api_key_flow_from_flags_or_the_environment(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    base = ["--model", tiny_model_dir]
+    cfg = tandem_config(parser().parse_args(base + ["--max-inflight", "7", "--max-body-bytes", "65536"]))
+    assert (cfg.router().max_inflight, cfg.router().max_body_bytes, cfg.router().api_key) == (7, 65536, None)
+    monkeypatch.setenv("TANDEM_API_KEY", "from-env")
+    assert tandem_config(parser().parse_args(base)).router().api_key == "from-env"
+    cfg = tandem_config(parser().parse_args(base + ["--api-key", "from-flag"]))
+    assert cfg.router().api_key == "from-flag" and "from-flag" not in repr(cfg)
+    assert "api_key" not in cfg.prefill().model_dump() and "api_key" not in cfg.decode().model_dump()
+    text = usage_text("127.0.0.1", 8000, "tiny", with_key=True)
+    assert 'Authorization: Bearer $TANDEM_API_KEY' in text
