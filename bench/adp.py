@@ -48,7 +48,7 @@ class Job:
     concurrency: int
     num_requests: int
     num_kv_blocks: int  # per rank
-    exchange: str = "auto"  # all_reduce on CPU (engine/data_parallel.py)
+    exchange: str = "reduce_scatter"  # the default (engine/data_parallel.py)
     spec: dict | None = None
     all_on_rank0: bool = False  # dp: place every request on rank 0 (rank 1 idles)
     vocab: int = 2048
@@ -269,9 +269,8 @@ def main() -> None:
     idle = outs["kv1-dp-c16-rank1idle"]
     lines += ["", "## Row exchange and idle forward (MQA model, concurrency 16, KV not limiting)", "",
               "| run | tok/s | ratio |", "|---|---|---|",
-              f"| dp=2, reduce-scatter (auto's choice on CUDA) | {rs.tokens_per_s:.0f} | 1.00x |",
-              f"| dp=2, all-reduce of padded rows (auto's choice on CPU) | {ar.tokens_per_s:.0f} | "
-              f"{ar.tokens_per_s / rs.tokens_per_s:.2f}x |",
+              f"| dp=2, reduce-scatter (default) | {rs.tokens_per_s:.0f} | 1.00x |",
+              f"| dp=2, all-reduce of padded rows | {ar.tokens_per_s:.0f} | {ar.tokens_per_s / rs.tokens_per_s:.2f}x |",
               f"| dp=2, all requests on rank 0 (rank 1 idle forward every step) | {idle.tokens_per_s:.0f} | "
               f"{idle.tokens_per_s / rs.tokens_per_s:.2f}x |",
               f"| one process (tp=1), same requests | {single.tokens_per_s:.0f} | {single.tokens_per_s / rs.tokens_per_s:.2f}x |",

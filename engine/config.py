@@ -148,7 +148,7 @@ class EngineConfig:
     # sharded), tp_size = each rank runs attention for its own requests with whole-head KV, the MLP stays
     # sharded over the group. Attention TP inside DP groups (1 < attention_dp < tp_size) is not built yet.
     attention_dp: int = 1
-    adp_exchange: str = "auto"  # how MLP rows come back: reduce_scatter | all_reduce | auto (by device)
+    adp_exchange: str = "reduce_scatter"  # how MLP rows come back: reduce_scatter | all_reduce
     speculative: SpecConfig | None = None  # speculative decoding (a dict of SpecConfig's fields works too); None = off
     cuda_graphs: bool = True  # on CUDA, capture the decode step per padded batch size
     max_graph_batch: int | None = None  # None: max_num_seqs

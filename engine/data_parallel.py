@@ -6,12 +6,11 @@ weights, whole-head KV), while the MLP stays tensor-parallel across the group. A
 ranks trade rows: each pads its [T_r, H] hidden states to the group's row count P, all-gathers them
 into [size * P, H], runs its MLP shard on every rank's rows, and gets its own P rows back summed over
 the shards. Two ways to get them back (`exchange`):
-- "reduce_scatter": one reduce-scatter of [size * P, H] -> [P, H]. A ring reduce-scatter moves (size-1)/size
-  of the buffer per rank: half the bytes of an all-reduce of the same buffer. The choice on NCCL.
+- "reduce_scatter" (default): one reduce-scatter of [size * P, H] -> [P, H]. A ring reduce-scatter moves
+  (size-1)/size of the buffer per rank: half the bytes of an all-reduce of the same buffer.
 - "all_reduce": all-reduce [size * P, H] on every rank and keep its own P rows (what the row-parallel
-  layer of plain TP already does). Twice the bytes, but gloo's all-reduce is its best-tuned collective:
-  on CPU it ran 1.12x faster end to end than gloo's reduce-scatter (bench/results/adp_cpu.md), so
-  "auto" (the default) picks it for CPU groups and reduce-scatter for CUDA ones.
+  layer of plain TP already does). On gloo (CPU) three runs of bench/adp.py put it at 0.92x-1.12x of
+  reduce-scatter end to end, within the shared machine's noise, so the fewer bytes decide.
 
 Every step starts with one small all-gather on the group's CPU-side group (`agree`): each rank states
 its token count, request count, whether it could replay a CUDA graph and at which batch size. All
@@ -32,14 +31,7 @@ import torch.distributed as dist
 
 from engine.parallel import TPContext
 
-EXCHANGES = ("auto", "reduce_scatter", "all_reduce")
-
-
-def resolve_exchange(exchange: str, device: str) -> str:
-    """"auto": reduce-scatter on CUDA (NCCL), all-reduce on CPU (gloo); see the module docstring."""
-    if exchange != "auto":
-        return exchange
-    return "reduce_scatter" if str(device).startswith("cuda") else "all_reduce"
+EXCHANGES = ("reduce_scatter", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -48,7 +40,7 @@ class DPContext:
     size: int
     group: object | None  # the device-side group of the MLP collectives (NCCL on GPUs, gloo on CPUs)
     cpu_group: object | None = None  # the lockstep agreement's group (gloo); None: `group` (a CPU engine)
-    exchange: str = "reduce_scatter"  # resolved: reduce_scatter | all_reduce (resolve_exchange)
+    exchange: str = "reduce_scatter"
 
     def __post_init__(self) -> None:
         if self.size < 2:
@@ -57,7 +49,7 @@ class DPContext:
             raise ValueError("attention data parallelism needs a torch.distributed process group")
         if not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} out of range for attention_dp {self.size}")
-        if self.exchange not in EXCHANGES[1:]:
+        if self.exchange not in EXCHANGES:
             raise ValueError(f"unknown ADP exchange {self.exchange!r}; use one of {EXCHANGES}")
 
     @property

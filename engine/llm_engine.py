@@ -18,7 +18,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.data_parallel import DPContext, resolve_exchange
+from engine.data_parallel import DPContext
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import CapacityError, InvalidRequestError
 from engine.grammar import GrammarCompiler
@@ -48,8 +48,7 @@ class LLMEngine:
         self.model_cfg = ModelConfig.from_dir(cfg.model)
         self.dp: DPContext | None = None
         if cfg.attention_dp > 1:
-            self.dp = DPContext(cfg.tp_rank, cfg.tp_size, tp_group, cpu_group,
-                                resolve_exchange(cfg.adp_exchange, cfg.device))
+            self.dp = DPContext(cfg.tp_rank, cfg.tp_size, tp_group, cpu_group, cfg.adp_exchange)
             self.tp = TPContext()  # attention, embeddings and the draft network are replicated on every rank
         else:
             self.tp = TPContext(cfg.tp_rank, cfg.tp_size, tp_group)
