@@ -11,10 +11,12 @@ class DecodeConfig(EngineSettings):
     attention_dp: int = Field(1, ge=1, description="Attention data parallelism inside a decode group: 1 = off "
                                                    "(attention heads sharded over the tp ranks); equal to tp = each "
                                                    "rank owns its requests' whole-head KV and the MLP stays sharded.")
-    handover_stock: float = Field(0.125, ge=0, lt=1, description="Share of each decode rank's KV blocks set aside "
-                                                                 "for incoming hand-overs, so that a payload is let in "
-                                                                 "as soon as its header arrives instead of at the "
-                                                                 "group's next step; 0 turns it off.")
+    handover_stock: float = Field(0.0, ge=0, lt=1, description="Share of each decode rank's KV blocks set aside for "
+                                                               "incoming hand-overs, so that a payload is let in as "
+                                                               "soon as its header arrives instead of at the group's "
+                                                               "next step (e.g. 0.125); 0 = off. On a 2-core CPU it "
+                                                               "cut the answer wait 3.5x but raised TTFT at "
+                                                               "concurrency 16 (bench/results/handover_cpu.md).")
     rank_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per decode rank.")
     handover_timeout_s: float = Field(60.0, gt=0, description="How long a decode stream waits for its hand-over "
                                                               "header.")

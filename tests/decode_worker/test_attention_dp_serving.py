@@ -28,8 +28,8 @@ def adp_app(tandem_server, tmp_path_factory):
 
     head = make_mtp_head(tmp_path_factory.mktemp("adp") / "mtp", tandem_server.model_dir, seed=1)
     cfg = TandemConfig(model=tandem_server.model_dir, served_model_name="adp", tp=2, attention_dp=2,
-                       num_kv_blocks=128, speculative_method="mtp", draft=str(head), num_speculative_tokens=2,
-                       rank_num_cpus=0.5, prefill_num_cpus=0.5)
+                       num_kv_blocks=128, handover_stock=0.125, speculative_method="mtp", draft=str(head),
+                       num_speculative_tokens=2, rank_num_cpus=0.5, prefill_num_cpus=0.5)
     serve.run(build_app(cfg), name="adp", route_prefix="/adp")
     try:
         yield f"{tandem_server.base_url}/adp", str(head)
