@@ -259,9 +259,65 @@ def bounded_pattern(pattern: str, min_length: int, max_length: int | None) -> st
     return "^" + "".join(a + (repeat if j == i else q) for j, (a, q) in enumerate(atoms)) + "$"
 
 
+def _split_top(regex: str) -> list[str]:
+    """`regex` split at its top-level `|` (outside groups and classes)."""
+    parts, depth, start, i, in_class = [], 0, 0, 0, False
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "|" and depth == 0:
+            parts.append(regex[start:i])
+            start = i + 1
+        i += 1
+    parts.append(regex[start:])
+    return parts
+
+
+def anchored_alternation(pattern: str) -> str | None:
+    """`^a$|(^b$)` -> `^(?:a|b)$` (and `^$|^b$` -> `^(?:b)?$`): alternatives each anchored at both ends,
+    which xgrammar would otherwise read with the inner anchors dropped; None when not of that form."""
+    alternatives = _split_top(pattern)
+    if len(alternatives) < 2:
+        return None
+    inner = []
+    for alternative in alternatives:
+        atoms = _atoms(alternative)
+        if atoms is not None and len(atoms) == 1 and not atoms[0][1] and alternative.startswith("(") \
+                and not alternative.startswith("(?"):
+            alternative = alternative[1:-1]  # one plain group around the whole alternative
+        if not (alternative.startswith("^") and alternative.endswith("$") and not alternative.endswith("\\$")):
+            return None
+        body = alternative[1:-1]
+        from engine.schema_support import _regex_problem
+
+        if "|" in _split_top(body)[0] or len(_split_top(body)) > 1 or _regex_problem("^" + body + "$") is not None:
+            return None
+        inner.append(body)
+    nonempty = [b for b in inner if b]
+    if not nonempty:
+        return "^$"
+    group = "(?:" + "|".join(nonempty) + ")"
+    return "^" + group + ("?" if len(nonempty) < len(inner) else "") + "$"
+
+
 def _lengths_into_pattern(node: dict) -> dict:
     """`node` with minLength/maxLength folded into its pattern where that is exact (module docstring)."""
-    if not isinstance(node.get("pattern"), str) or not ({"minLength", "maxLength"} & set(node)):
+    if not isinstance(node.get("pattern"), str):
+        return node
+    joined = anchored_alternation(node["pattern"])
+    if joined is not None:
+        node = {k: (joined if k == "pattern" else v) for k, v in node.items()}
+    if not ({"minLength", "maxLength"} & set(node)):
         return node
     node = dict(node)
     if node.get("minLength") == 0:
@@ -277,13 +333,123 @@ def _lengths_into_pattern(node: dict) -> dict:
     return {k: (pattern if k == "pattern" else v) for k, v in node.items() if k not in ("minLength", "maxLength")}
 
 
+# keywords whose meaning depends on sibling keywords (or, before draft 2019-09, that ignore them): an
+# allOf branch holding one is not merged
+_CONTEXTUAL = frozenset({"$ref", "$id", "id", "additionalItems", "unevaluatedProperties", "unevaluatedItems",
+                         "patternProperties", "if", "then", "else", "minContains", "maxContains", "$dynamicRef",
+                         "$recursiveRef", "exclusiveMinimum", "exclusiveMaximum", "allOf"})
+_LOWER = ("minimum", "minLength", "minItems", "minProperties")
+_UPPER = ("maximum", "maxLength", "maxItems", "maxProperties")
+_NUMERIC = frozenset({"integer", "number"})
+
+
+def _types(node: dict) -> set[str] | None:
+    t = node.get("type")
+    return None if t is None else ({t} if isinstance(t, str) else set(t) if isinstance(t, list) else None)
+
+
+def _meet_types(a: set[str] | None, b: set[str] | None) -> set[str] | None:
+    if a is None or b is None:
+        return a if b is None else b
+    met = a & b
+    if "integer" in (a | b) and ("number" in a or "number" in b):
+        met |= {"integer"} & (a | b)  # number ∩ integer = integer
+    return met
+
+
+def _conjoin(a: dict, b: dict) -> dict | None:
+    """One schema accepting exactly what both `a` and `b` accept, or None where that is not simple.
+
+    JSON Schema keywords constrain independently, except those in _CONTEXTUAL and additionalProperties
+    (which reads its own schema's properties): bounds tighten, types and required lists meet, a
+    property in both is the conjunction of its two schemas, and additionalProperties: false keeps only
+    the properties its own schema declares (xgrammar's strict mode writes no undeclared key)."""
+    for side in (a, b):
+        if set(side) & _CONTEXTUAL:
+            return None
+        extra = side.get("additionalProperties", False)
+        if extra is not False and extra is not True:
+            return None
+    out = dict(a)
+    for key, value in b.items():
+        if key in ANNOTATIONS:
+            out.setdefault(key, value)
+        elif key not in out or out[key] == value:
+            out[key] = value
+        elif key == "type":
+            met = _meet_types(_types(a), _types(b))
+            if not met:
+                return None
+            out[key] = sorted(met)
+        elif key == "required" and isinstance(value, list) and isinstance(out[key], list):
+            out[key] = list(dict.fromkeys(out[key] + value))
+        elif key in _LOWER and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, out[key])):
+            out[key] = max(out[key], value)
+        elif key in _UPPER and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, out[key])):
+            out[key] = min(out[key], value)
+        elif key == "additionalProperties":
+            out[key] = False if False in (value, out[key]) else True
+        elif key in ("properties", "items") and isinstance(value, dict) and isinstance(out[key], dict):
+            if key == "items":
+                met = _conjoin(out[key], value)
+                if met is None:
+                    return None
+                out[key] = met
+            else:
+                merged = dict(out[key])
+                for name, sub in value.items():
+                    if name in merged and merged[name] != sub:
+                        if not (isinstance(merged[name], dict) and isinstance(sub, dict)):
+                            return None
+                        met = _conjoin(merged[name], sub)
+                        if met is None:
+                            return None
+                        merged[name] = met
+                    else:
+                        merged[name] = sub
+                out[key] = merged
+        else:
+            return None
+    # additionalProperties false on a side: only what that side declares may appear
+    for side in (a, b):
+        if side.get("additionalProperties") is False:
+            declared = side.get("properties", {}) if isinstance(side.get("properties"), dict) else {}
+            props = out.get("properties", {}) if isinstance(out.get("properties"), dict) else {}
+            if not set(out.get("required", [])) <= set(declared):
+                return None
+            out["properties"] = {k: v for k, v in props.items() if k in declared}
+    return out
+
+
+def merge_all_of(node: dict, root: Any, expanding: frozenset = frozenset()) -> tuple[dict, frozenset] | None:
+    """(`node` with its allOf folded into it (see _conjoin), the $refs inlined on the way), or None where
+    that is not simple. `expanding`: $refs already inlined above this node; inlining one again would
+    unfold a recursive schema forever, so such a merge is not made."""
+    branches = node.get("allOf")
+    if not isinstance(branches, list) or not branches:
+        return None
+    merged = {k: v for k, v in node.items() if k != "allOf"}
+    for branch in branches:
+        if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
+            if branch["$ref"] in expanding:
+                return None
+            expanding = expanding | {branch["$ref"]}
+        branch = resolve_ref(branch, root)
+        if not isinstance(branch, dict):
+            return None
+        merged = _conjoin(merged, branch)
+        if merged is None:
+            return None
+    return merged, expanding
+
+
 _SCHEMA_VALUED = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not",
                   "if", "then", "else", "unevaluatedProperties", "unevaluatedItems")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 
 
-def _rewrite(node: Any, root: Any, validator, is_root: bool) -> Any:
+def _rewrite(node: Any, root: Any, validator, is_root: bool, expanding: frozenset = frozenset()) -> Any:
     if not isinstance(node, dict):
         return node
     if is_root or not isinstance(node.get("$id", node.get("id")), str):  # an inner $id moves the ref base
@@ -291,16 +457,20 @@ def _rewrite(node: Any, root: Any, validator, is_root: bool) -> Any:
         if finite is not None:
             return finite
     out = {}
+    if "allOf" in node:
+        merged = merge_all_of(node, root, expanding)
+        if merged is not None:
+            node, expanding = merged
     node = _lengths_into_pattern(node)
     for key, value in node.items():
         if key in ANNOTATIONS or key in ("enum", "const"):
             out[key] = value
         elif key in _SCHEMA_VALUED and isinstance(value, dict):
-            out[key] = _rewrite(value, root, validator, False)
+            out[key] = _rewrite(value, root, validator, False, expanding)
         elif key in _SCHEMA_LISTS and isinstance(value, list):
-            out[key] = [_rewrite(v, root, validator, False) for v in value]
+            out[key] = [_rewrite(v, root, validator, False, expanding) for v in value]
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _rewrite(v, root, validator, False) if isinstance(v, dict) else v
+            out[key] = {name: _rewrite(v, root, validator, False, expanding) if isinstance(v, dict) else v
                         for name, v in value.items()}
         else:
             out[key] = value

@@ -122,3 +122,64 @@ def test_an_unsatisfiable_enum_is_not_rewritten_to_an_empty_one():
     does not compile in xgrammar, so the node stays as written."""
     node = {"enum": ["A", "B"], "readonly": True, "type": "object"}
     assert rewrite({"properties": {"builtin": node}})["properties"]["builtin"] == node
+
+
+@pytest.mark.parametrize("pattern, expected", [
+    (r"^$|(^(?:\S+\s+){0,9}\S+$)", r"^(?:(?:\S+\s+){0,9}\S+)?$"),  # "empty or up to ten words"
+    ("^a$|^b+$", "^(?:a|b+)$"),
+    ("^a|b$", None),  # only the first alternative is anchored at the start: not of the form
+    ("^[a|b]$", None),  # the | is inside a class
+])
+def test_anchored_alternatives_join_under_one_pair_of_anchors(pattern, expected):
+    """xgrammar drops ^ and $ inside a regex (schema_support refuses them); ^a$|^b$ is ^(?:a|b)$ exactly."""
+    from engine.schema_rewrite import anchored_alternation
+
+    assert anchored_alternation(pattern) == expected
+    if expected is not None:
+        import re
+
+        for text in _strings("ab x", 2000, 12) + [""]:
+            assert bool(re.search(pattern, text)) == bool(re.search(expected, text)), text
+        assert first_unenforceable(rewrite({"type": "string", "pattern": pattern})) is None
+
+
+@pytest.mark.parametrize("schema, expected", [
+    ({"allOf": [{"type": "integer"}, {"minimum": 12}, {"maximum": 14}]},
+     {"type": "integer", "minimum": 12, "maximum": 14}),
+    ({"allOf": [{"type": "object", "properties": {"foo": {"type": "string"}}, "required": ["foo"]},
+                {"type": "object", "properties": {"bar": {"type": "string", "maxLength": 3}}, "required": ["bar"]}]},
+     {"type": "object", "properties": {"foo": {"type": "string"}, "bar": {"type": "string", "maxLength": 3}},
+      "required": ["foo", "bar"]}),
+    ({"allOf": [{"type": "number", "minimum": 0}, {"type": ["integer", "string"], "minimum": 3}]},
+     {"type": ["integer"], "minimum": 3}),
+    # additionalProperties false on one branch: the other branch's extra property cannot appear
+    ({"allOf": [{"type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": False},
+                {"properties": {"d": {"type": "string"}}}]},
+     {"type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": False}),
+    # a property in both branches is the conjunction of its two schemas
+    ({"allOf": [{"properties": {"a": {"type": "string", "minLength": 2}}},
+                {"properties": {"a": {"maxLength": 5}}}]},
+     {"properties": {"a": {"type": "string", "minLength": 2, "maxLength": 5}}}),
+])
+def test_allof_merges_into_one_schema(schema, expected):
+    out = rewrite(schema)
+    assert out == expected and first_unenforceable(out) is None
+    rng = random.Random(1)
+    values = [rng.choice([None, True, 3, 3.5, 13, 20, -1, "ab", "abcdefg", [1], {}]) for _ in range(50)]
+    objects = [{k: rng.choice(values) for k in rng.sample(["x", "d", "a", "foo", "bar"], rng.randint(0, 4))}
+               for _ in range(400)]
+    _same_verdicts(schema, out, values + objects)
+
+
+@pytest.mark.parametrize("schema", [
+    {"allOf": [{"type": "string", "pattern": "^a"}, {"type": "string", "pattern": "b$"}]},  # regex intersection
+    {"allOf": [{"properties": {"a": {}}, "additionalProperties": {"type": "integer"}}, {"required": ["b"]}]},
+    {"allOf": [{"$ref": "#/$defs/n"}, {"required": ["a"]}],  # recursive: never unfolded
+     "$defs": {"n": {"type": "object", "properties": {"child": {"allOf": [{"$ref": "#/$defs/n"}, {}]}}}}},
+])
+def test_allof_that_does_not_merge_simply_is_left(schema):
+    out = rewrite(schema)
+    if "$defs" in schema:  # merged once at the top; the recursive child keeps its allOf
+        assert out["properties"]["child"] == schema["$defs"]["n"]["properties"]["child"]
+    else:
+        assert out == schema
