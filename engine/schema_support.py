@@ -176,12 +176,16 @@ def _forbids(branch: Any, name: str) -> bool:
 def _emitted_keys(branch: dict, parent: dict) -> set[str] | None:
     """Every key the grammar can write for an object of this branch (xgrammar's strict mode, which the
     engine compiles with, treats an absent additionalProperties as false): the properties the branch
-    and the node around the oneOf declare; None when either admits other keys."""
+    and the node around the oneOf declare; None when either admits other keys, or when the branch
+    declares no properties or requires one it does not declare (xgrammar then writes keys of its own:
+    JSONSchemaBench Github_hard o71321 leaked an object with both branches' required keys)."""
     for node in (branch, parent):
         if node.get("patternProperties") or node.get("additionalProperties", False) is not False \
                 or node.get("unevaluatedProperties", False) is not False:
             return None
-    return set(_properties(branch)) | set(_properties(parent))
+    if not _properties(branch) or not _required(branch) <= set(_properties(branch)) | set(_properties(parent)):
+        return None
+    return set(_properties(branch)) | set(_properties(parent)) | _required(parent)
 
 
 def _excludes(a: dict, b: dict, parent: dict) -> bool:

@@ -42,6 +42,10 @@ def _found(schema):
     # without "type": "object" a string satisfies both branches (required/properties hold vacuously)
     ({"oneOf": [{"properties": {"k": {"const": "x"}}, "required": ["k"]},
                 {"properties": {"k": {"const": "y"}}, "required": ["k"]}]}, "oneOf"),
+    # Regression (JSONSchemaBench Github_hard o71321): branches that require keys they do not declare;
+    # xgrammar wrote an object with both required keys
+    ({"type": "object", "properties": {"g": {"type": "string"}},
+      "oneOf": [{"required": ["symbol"]}, {"required": ["symbols"]}]}, "oneOf"),
     # the first branch admits any key (additionalProperties), so it may write "id" too
     ({"type": "object", "oneOf": [{"properties": {"uri": {}}, "required": ["uri"], "additionalProperties": True},
                                   {"properties": {"id": {}}, "required": ["id"]}]}, "oneOf"),
