@@ -22,6 +22,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.compile_worker import CompileWorker, WorkerFailed, WorkerTimeout
 from engine.grammar_cache import DEFAULT_MAX_CACHE_BYTES, DEFAULT_MAX_CACHED, GrammarCache
+from engine.schema_rewrite import rewrite
 from engine.schema_support import check_enforceable
 
 try:
@@ -125,7 +126,7 @@ def compile_structured(compiler, structured: StructuredOutput):
     sep = (", ", ": ")
     try:
         if structured.kind == "json_schema":
-            return compiler.compile_json_schema(structured.canonical_source(), any_whitespace=not structured.compact,
+            return compiler.compile_json_schema(compiled_schema_source(structured), any_whitespace=not structured.compact,
                                                 separators=sep if structured.compact else None)
         if structured.kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=not structured.compact,
@@ -144,6 +145,12 @@ def compile_structured(compiler, structured: StructuredOutput):
                                   param=structured.param) from e
 
 
+def compiled_schema_source(structured: StructuredOutput) -> str:
+    """The JSON text xgrammar compiles for a json_schema request: the user's schema after the exact
+    rewrites of engine.schema_rewrite (the cache key stays the user's own text)."""
+    return json.dumps(rewrite(json.loads(structured.canonical_source())), separators=(",", ":"))
+
+
 def _compact_json(node, separators: tuple[str, str]):
     """A structural tag whose plain JSON-schema regions are compact JSON, as compact json_schema outputs
     are: xgrammar's json_schema format allows free whitespace (a small model loops on it) and has no
@@ -154,7 +161,7 @@ def _compact_json(node, separators: tuple[str, str]):
         return node
     if (node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict)
             and set(node) <= {"type", "json_schema", "style"} and node.get("style", "json") == "json"):
-        grammar = xgr.Grammar.from_json_schema(json.dumps(node["json_schema"]), any_whitespace=False,
+        grammar = xgr.Grammar.from_json_schema(json.dumps(rewrite(node["json_schema"])), any_whitespace=False,
                                                separators=separators)
         return {"type": "grammar", "grammar": str(grammar)}
     return {k: _compact_json(v, separators) for k, v in node.items()}
@@ -181,11 +188,11 @@ def structural_tag_schemas(tag) -> list:
 def check_structured_enforceable(structured: StructuredOutput) -> None:
     """Enforce or refuse: InvalidRequestError naming the first schema keyword the grammar would not enforce."""
     if structured.kind == "json_schema":
-        check_enforceable(json.loads(structured.canonical_source()))
+        check_enforceable(rewrite(json.loads(structured.canonical_source())))
     elif structured.kind == "structural_tag":
         for schema in structural_tag_schemas(json.loads(structured.canonical_source())):
             try:
-                check_enforceable(schema)
+                check_enforceable(rewrite(schema))
             except InvalidRequestError as e:
                 raise InvalidRequestError(e.message, param="tools") from None
 

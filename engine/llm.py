@@ -52,6 +52,11 @@ class LLM:
         bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")
         while len(done) < len(ids):
             for out in self.engine.step():
+                if out.error is not None:  # its grammar did not compile: the caller's error, as before
+                    for other in ids:
+                        self.engine.abort(other)
+                    self.engine.step()
+                    raise out.error
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)

@@ -9,9 +9,11 @@ per request.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import random
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -80,6 +82,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(cfg.seed)
         self._finished_unreported: list[Request] = []
+        self._compiling: dict[str, Future] = {}  # request id -> its grammar's compile (GrammarMasker.start)
 
     def _auto_num_blocks(self, max_model_len: int) -> int:
         per_block = self.runner.kv_block_bytes()
@@ -94,8 +97,16 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     prefill_only: bool = False) -> None:
+        """Queue a request. A guided request's grammar starts compiling here and its prompt runs meanwhile;
+        only the step that samples its first token waits for the grammar (the scheduler holds that
+        chunk back). InvalidRequestError at once for a bad request or a refused schema; a grammar that
+        fails to compile finishes the request with finish_reason "error" and the error in its output."""
         req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only)
-        self._start_grammar(req)
+        structured = req.params.structured_output
+        if structured is not None:
+            self._grammar_masker()
+            self._compiling[request_id] = self._grammar.start(request_id, structured)
+            req.grammar_ready = False
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -122,6 +133,11 @@ class LLMEngine:
         structured = req.params.structured_output
         if structured is None:
             return
+        self._grammar_masker()
+        self._grammar.add(req.request_id, structured, req.output_token_ids, compiled)
+
+    def _grammar_masker(self) -> None:
+        """Make the GrammarMasker on the first guided request."""
         if self._grammar is None:
             if self.runner.masker is not None:
                 raise InvalidRequestError("this engine runs a logits masker of its own; structured outputs need "
@@ -131,7 +147,29 @@ class LLMEngine:
             self._grammar = GrammarMasker(GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size,
                                                           sorted(self.eos_token_ids)))
             self.runner.masker = self._grammar
-        self._grammar.add(req.request_id, structured, req.output_token_ids, compiled)
+
+    def _install_grammars(self, wait: bool) -> None:
+        """Matchers for the requests whose grammar finished compiling; a failed compile finishes its request
+        with the error (blocks freed). `wait`: nothing else can run, so wait (briefly) for a compile."""
+        if wait:
+            concurrent.futures.wait(list(self._compiling.values()), timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        for request_id, fut in list(self._compiling.items()):
+            if not fut.done():
+                continue
+            del self._compiling[request_id]
+            req = self.requests.get(request_id)
+            if req is None or req.status.finished:
+                continue
+            try:
+                self._grammar.install(request_id, req.params.structured_output, fut.result(), req.output_token_ids)
+            except Exception as e:  # noqa: BLE001 - the request's own error, reported in its output
+                req.error = e if isinstance(e, InvalidRequestError) else InvalidRequestError(
+                    f"the grammar did not compile: {e}", param=req.params.structured_output.param)
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                self._finished_unreported.append(req)
+                continue
+            req.grammar_ready = True
 
     def _tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -182,9 +220,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._received:
             self._draft_received()
+        if self._compiling:
+            self._install_grammars(wait=False)
         if self.spec is not None and self.spec.dynamic_k:
             self._limit_drafts()
         sched = self.scheduler.schedule()
+        if sched.empty and self._compiling and not self._finished_unreported:
+            self._install_grammars(wait=True)  # only compiles are left to wait for: no busy loop
+            sched = self.scheduler.schedule()
+        assert all(s.request.grammar_ready for s in sched.scheduled if s.sample), "sampled before its grammar"
         for req in sched.preempted:
             self._release_draft_state(req.request_id)
         touched: list[Request] = []
@@ -303,6 +347,7 @@ class LLMEngine:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        self._compiling.pop(req.request_id, None)
         self.scheduler.remove(req)
         self.blocks.free(req.request_id)
         self._release_draft_state(req.request_id)
@@ -325,7 +370,7 @@ class LLMEngine:
             new_token_ids=new, text=req.detokenizer.visible_text(finished) if req.detokenizer is not None else "",
             finished=finished, finish_reason=req.finish_reason,
             stop_reason=req.stop_reason, logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            metrics=req.metrics)
+            metrics=req.metrics, error=req.error)
 
     # ------------------------------------------------------------------ disaggregation hooks
     def take_handover(self, request_id: str) -> Handover:

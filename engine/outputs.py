@@ -21,7 +21,8 @@ class RequestOutput:
     new_token_ids: list[int]  # output tokens produced since the previous report
     text: str  # output text so far (a possible stop-string prefix is held back until finished)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: str | int | None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] | None
     metrics: RequestMetrics
+    error: Exception | None = None  # finish_reason "error": the request's error (InvalidRequestError: HTTP 400)

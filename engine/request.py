@@ -21,10 +21,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # Request.error says why (an InvalidRequestError: HTTP 400)
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                        RequestStatus.FINISHED_ERROR)
 
 
 @dataclass(slots=True)
@@ -66,6 +68,9 @@ class Request:
     num_reported: int = 0  # output tokens already returned by step()
     metrics: RequestMetrics = None  # type: ignore[assignment]
     detokenizer: IncrementalDetokenizer | None = None  # text and stop strings; None where the router does both
+    # False while the request's grammar compiles: its prompt may run, but not the chunk that samples
+    grammar_ready: bool = True
+    error: Exception | None = None  # why it finished with finish_reason "error" (a grammar that did not compile)
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "empty prompts are rejected before a Request is built"

@@ -1,6 +1,9 @@
 """Continuous batching: FCFS admission, a per-step token budget, chunked prefill, prefill and decode
 in the same step, a cap on running requests, and preemption by recompute when blocks run out.
 
+A request whose grammar still compiles (`grammar_ready` False) runs its prompt but not the chunk that
+would sample: its last prompt token waits for the grammar (the compile overlaps the prompt's forward).
+
 schedule() decides, for each request, how many of its not-yet-computed tokens run this step; the
 model runner computes them and the engine then advances `num_computed_tokens`. A request samples
 when its computed tokens reach its total (the end of its prompt, or its newest token). With
@@ -76,7 +79,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
+            n = self._until_grammar(req, min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget))
+            if n <= 0:
+                i += 1
+                continue
             while not self.blocks.allocate(req.request_id, self._slots_needed(req, n)):
                 victim = self.running.pop()  # the newest running request gives way
                 self._preempt(victim)
@@ -90,21 +96,33 @@ class Scheduler:
             i += 1
 
         # New requests only when nobody had to give way this step (FCFS: no overtaking).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        # A request held back for its grammar lets the ones behind it pass.
+        j = 0
+        while not preempted and j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[j]
             remaining = req.num_tokens - req.num_computed_tokens
-            n = min(remaining, budget)
+            n = self._until_grammar(req, min(remaining, budget))
+            if n <= 0 or (n < remaining and not self.enable_chunked_prefill and not req.grammar_ready):
+                j += 1
+                continue
             if n < remaining and not self.enable_chunked_prefill:
                 break
             if not self.blocks.allocate(req.request_id, self._slots_needed(req, n)):
                 break
-            self.waiting.popleft()
+            del self.waiting[j]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(self._scheduled(req, n, now))
             budget -= n
 
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+
+    @staticmethod
+    def _until_grammar(req: Request, n: int) -> int:
+        """`n` cut so that a request whose grammar is not compiled yet does not sample this step."""
+        if req.grammar_ready or req.num_computed_tokens + n < req.num_tokens:
+            return n
+        return req.num_tokens - 1 - req.num_computed_tokens
 
     def _slots_needed(self, req: Request, n: int) -> int:
         end = req.num_computed_tokens + n

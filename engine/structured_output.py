@@ -9,8 +9,9 @@ request's emitted output tokens. Per step (DESIGN.md, "Grammar with speculation"
     fills the next draft's row, and is rolled back;
   after the step: the engine hands back the tokens it kept (accept) and the matcher advances for good.
 A request whose matcher has terminated (the grammar's end, with its stop token) finishes with "stop".
-Compile failures are the request's error (InvalidRequestError from add_request); the compiled
-grammar is cached by content (GrammarCompiler).
+A refused keyword is an InvalidRequestError from add_request at once; the compile itself runs on
+the compiler's thread (start/install) while the prompt runs, and its failure finishes the request
+with that error (LLMEngine). The compiled grammar is cached by content (GrammarCompiler).
 
 This is the CPU sibling: fills run inline in the step. On CUDA the same fills are to become host
 functions captured in the step's graph; until then a guided step runs eagerly.
@@ -18,10 +19,11 @@ functions captured in the step's graph; until then a guided step runs eagerly.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 
 import torch
 
-from engine.grammar import GrammarCompiler, GrammarState, StructuredOutput
+from engine.grammar import GrammarCompiler, GrammarState, StructuredOutput, check_structured_enforceable
 from engine.logits_masker import LogitsMasker, MaskRow
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,17 @@ class GrammarMasker(LogitsMasker):
         `compiled`: the grammar serialized by the side that compiled it (a hand-over): never recompiled."""
         grammar = (self.compiler.adopt(structured, compiled) if compiled is not None
                    else self.compiler.compile(structured))
+        self.install(request_id, structured, grammar, output_token_ids)
+
+    def start(self, request_id: str, structured: StructuredOutput) -> Future:
+        """Begin compiling (or find in the cache) without waiting: a future of the CompiledGrammar, whose
+        exception is the request's InvalidRequestError. The refusal of keywords the grammar cannot
+        enforce is decided here, at once (it needs no compile)."""
+        check_structured_enforceable(structured)
+        return self.compiler.compile_async(structured)
+
+    def install(self, request_id: str, structured: StructuredOutput, grammar, output_token_ids: list[int] = ()) -> None:
+        """Start a request's matcher on a compiled grammar, after the tokens it already emitted."""
         state = self.compiler.new_state(grammar, structured)
         for t in output_token_ids:
             state.accept(t)

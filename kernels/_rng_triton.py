@@ -37,4 +37,4 @@ def hash_key(seed, position, SALT: tl.constexpr):
 def uniform(key, index):
     """Uniform float32 in (0, 1) from a uint32 key and an integer element index (any shape)."""
     h = mix32(key ^ (index.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32))
-    return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 bits: see rng.uniform_from_key

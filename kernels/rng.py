@@ -55,11 +55,16 @@ def hash_key(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.T
 def uniform_from_key(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Uniform float32 in (0, 1) from a row key and an element index (int64, broadcastable).
 
-    24 random bits map to (k + 0.5) / 2**24, which is exact in float32 and never 0 or 1, so
-    -log(u) is finite and positive.
+    23 random bits map to (k + 0.5) / 2**23, which is exact in float32 and never 0 or 1, so
+    -log(u) is finite and positive. (With 24 bits, k + 0.5 past 2**23 rounds to an integer in float32
+    and k = 2**24 - 1 gave u = 1: zero noise, so a masked token's 0 / 0 = NaN won the argmax.)
     """
-    h = mix32(key ^ (index & MASK32))
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return unit_interval(mix32(key ^ (index & MASK32)))
+
+
+def unit_interval(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64 holding 0 .. 2**32 - 1) -> float32 in (0, 1), strictly inside."""
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def uniform(seed: torch.Tensor, position: torch.Tensor, n: int, stream: int) -> torch.Tensor:

@@ -115,6 +115,10 @@ class PrefillLoop:
         if job is None:
             return  # cancelled meanwhile; the abort already freed it
         self.prompt_tokens_waiting -= len(job.request.prompt_token_ids)
+        if out.error is not None:  # its grammar did not compile (the engine freed its blocks): a 400
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(out.error)
+            return
         m = out.metrics
         queue_s = (m.first_scheduled_time or job.submitted) - job.submitted
         prefill_s = (m.first_token_time or time.monotonic()) - (m.first_scheduled_time or job.submitted)

@@ -7,6 +7,7 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler, StructuredOutput
+from engine.schema_rewrite import rewrite
 from engine.schema_support import check_enforceable, first_unenforceable
 from tests.engine.conftest import VOCAB, _tokenizer
 
@@ -35,6 +36,19 @@ def _found(schema):
     ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
     ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf"),
     ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "oneOf"),
+    # a branch without "type" also accepts null: not disjoint from the null branch
+    ({"oneOf": [{"$ref": "#/$defs/t"}, {"type": "null"}], "$defs": {"t": {"properties": {"a": {}}}}}, "oneOf"),
+    ({"oneOf": [{"enum": ["x", "yz"]}, {"type": "string", "pattern": "^y"}]}, "oneOf"),  # "yz" matches both
+    # without "type": "object" a string satisfies both branches (required/properties hold vacuously)
+    ({"oneOf": [{"properties": {"k": {"const": "x"}}, "required": ["k"]},
+                {"properties": {"k": {"const": "y"}}, "required": ["k"]}]}, "oneOf"),
+    # Regression (JSONSchemaBench Github_hard o71321): branches that require keys they do not declare;
+    # xgrammar wrote an object with both required keys
+    ({"type": "object", "properties": {"g": {"type": "string"}},
+      "oneOf": [{"required": ["symbol"]}, {"required": ["symbols"]}]}, "oneOf"),
+    # the first branch admits any key (additionalProperties), so it may write "id" too
+    ({"type": "object", "oneOf": [{"properties": {"uri": {}}, "required": ["uri"], "additionalProperties": True},
+                                  {"properties": {"id": {}}, "required": ["id"]}]}, "oneOf"),
     ({"type": "string", "pattern": "^a+$", "minLength": 2}, "pattern"),
     ({"type": "string", "pattern": "^(?!x).*$"}, "pattern"),
     ({"type": "string", "pattern": "^a$|^b$"}, "pattern"),
@@ -49,11 +63,23 @@ def test_each_refused_keyword(schema, keyword):
     {"type": "array", "uniqueItems": False, "items": {"type": "integer", "multipleOf": 3}},
     {"oneOf": [{"type": "string"}, {"type": "integer"}]},  # disjoint by type
     {"oneOf": [{"const": "a"}, {"enum": ["b", "c"]}]},  # disjoint literals
-    {"oneOf": [{"properties": {"kind": {"const": "x"}, "v": {"type": "string"}}, "required": ["kind"]},
+    {"type": "object",
+     "oneOf": [{"properties": {"kind": {"const": "x"}, "v": {"type": "string"}}, "required": ["kind"]},
                {"properties": {"kind": {"const": "y"}, "v": {"type": "integer"}}, "required": ["kind"]}]},
     {"allOf": [{"type": "object", "properties": {"a": {"type": "string"}}}]},
     {"type": "string", "pattern": "^[a-z^$]+$"},  # anchors inside a class are characters
     {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},  # property names
+    {"oneOf": [{"$ref": "#/$defs/t"}, {"type": "null"}], "$defs": {"t": {"type": "object"}}},  # types through $ref
+    {"oneOf": [{"type": "object", "required": ["a"]},  # a required property the other branch forbids
+               {"type": "object", "properties": {"b": {}}, "additionalProperties": False}]},
+    {"oneOf": [{"enum": ["x", 3]}, {"type": "string", "pattern": "^y"}]},  # literals the validator rejects
+    {"oneOf": [{"oneOf": [{"type": "string"}, {"type": "null"}]}, {"type": "integer"}]},  # nested
+    # each branch requires a key the other never writes (strict mode: undeclared keys are not written)
+    {"type": "object", "oneOf": [{"properties": {"uri": {"type": "string"}}, "required": ["uri"]},
+                                 {"properties": {"id": {"type": "string"}}, "required": ["id"]}]},
+    # a discriminator the node around the oneOf requires
+    {"type": "object", "required": ["op"], "oneOf": [{"properties": {"op": {"enum": ["add", "test"]}}},
+                                                     {"properties": {"op": {"enum": ["remove"]}}}]},
 ])
 def test_annotations_and_enforceable_schemas_pass(schema):
     assert first_unenforceable(schema) is None
@@ -127,7 +153,7 @@ def test_refusal_removes_leaks_on_real_cases(tokenizer):
     leaks_all, leaks_served, checked = set(), set(), 0
     for path in _case_files(60):
         case = json.loads(path.read_text())
-        refused = first_unenforceable(case["schema"]) is not None
+        refused = first_unenforceable(rewrite(case["schema"])) is not None
         try:
             compiled = compiler.compile(StructuredOutput(json_schema=case["schema"])) if not refused else \
                 compiler._compiler.compile_json_schema(json.dumps(case["schema"]), any_whitespace=False,

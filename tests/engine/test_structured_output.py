@@ -84,17 +84,25 @@ def test_guided_speculation_equals_guided_plain_decoding(llama_dir, spec_drafts,
 
 
 def test_a_bad_grammar_is_refused_and_others_keep_running(llama_dir):
+    """A schema keyword the grammar cannot enforce is refused by add_request at once; a grammar that
+    fails to compile (it compiles while the prompt runs) finishes its request with finish_reason
+    "error" and an InvalidRequestError naming the parameter, its blocks and matcher freed."""
     engine = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4))
     engine.add_request("good", [5, 6, 7], _params(0, "regex"))
     with pytest.raises(InvalidRequestError) as e:
-        engine.add_request("bad", [5, 6, 7], SamplingParams(structured_output=StructuredOutput(regex="(unclosed")))
-    assert e.value.param == "response_format"
-    assert "bad" not in engine.requests and "bad" not in engine._grammar.states
+        engine.add_request("refused", [5, 6, 7], SamplingParams(structured_output=StructuredOutput(
+            json_schema={"type": "object", "not": {"required": ["a"]}})))
+    assert e.value.param == "response_format" and "refused" not in engine.requests
+    engine.add_request("bad", [5, 6, 7], SamplingParams(structured_output=StructuredOutput(regex="(unclosed")))
     done = []
     while engine.has_unfinished():
         done += [o for o in engine.step() if o.finished]
-    assert [o.request_id for o in done] == ["good"] and _valid("regex", done[0].text)
-    assert engine.stats()["kv_blocks_used"] == 0
+    by_id = {o.request_id: o for o in done}
+    assert sorted(by_id) == ["bad", "good"] and _valid("regex", by_id["good"].text)
+    bad = by_id["bad"]
+    assert bad.finish_reason == "error" and bad.token_ids == [] and isinstance(bad.error, InvalidRequestError)
+    assert bad.error.param == "response_format" and "cannot compile" in bad.error.message
+    assert "bad" not in engine._grammar.states and engine.stats()["kv_blocks_used"] == 0
 
 
 def test_abort_frees_the_matcher(llama_dir):
