@@ -182,25 +182,7 @@ def _group_alternatives(body: str) -> list[str] | None:
     inner = atoms[0][0][3:-1] if atoms[0][0].startswith("(?:") else atoms[0][0][1:-1]
     if inner.startswith("?"):
         return None
-    parts, depth, start, i, in_class = [], 0, 0, 0, False
-    while i < len(inner):
-        ch = inner[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        elif ch == "|" and depth == 0:
-            parts.append(inner[start:i])
-            start = i + 1
-        i += 1
-    parts.append(inner[start:])
+    parts = _split_top(inner)
     return parts if len(parts) > 1 else None
 
 
