@@ -156,10 +156,10 @@ class DecodeRank:
         reserved in lockstep, or (no rank needed a lockstep reserve) adopted, the stock refilled from the
         engine's pool. False if the engine refuses the request (it then fails like a failed reserve)."""
         eng = self.engine
-        header = self.receiver.header(rid) if self.receiver.is_stocked(rid) else None
-        stocked = self.receiver.take_stocked(rid)
-        if stocked is None:
+        taken = self.receiver.take_stocked(rid)
+        if taken is None:
             return True
+        header, stocked = taken
         if rid in eng.requests:  # reserved in lockstep: its KV is in the stock's blocks, not in these
             self.stock.give(eng.blocks.swap(rid, stocked))
             return True

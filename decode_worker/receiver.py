@@ -82,14 +82,15 @@ class HandoverReceiver:
             arrival = self._pending.get(request_id)
             return arrival is not None and arrival.stocked
 
-    def take_stocked(self, request_id: str) -> list[int] | None:
-        """At commit: the stock blocks holding a landed request's KV, now the caller's (None: not stocked)."""
+    def take_stocked(self, request_id: str) -> tuple[HandoverHeader, list[int]] | None:
+        """At commit: a landed request's header and the stock blocks holding its KV, now the caller's
+        (None: its blocks did not come from the stock)."""
         with self._lock:
             arrival = self._pending.get(request_id)
             if arrival is None or not arrival.stocked:
                 return None
             del self._pending[request_id]
-            return arrival.block_ids
+            return arrival.header, arrival.block_ids
 
     def take_hidden(self, request_id: str) -> torch.Tensor | None:
         with self._lock:

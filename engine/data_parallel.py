@@ -136,17 +136,11 @@ class GroupPlan:
 # flat-buffer methods every ProcessGroup backend has (gloo, NCCL) take them directly. Both write rank r's
 # part at [r * n, (r + 1) * n) of the flat dim 0.
 def _all_gather(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    if hasattr(group, "_allgather_base"):
-        group._allgather_base(out, x).wait()
-    else:
-        dist.all_gather(list(out.chunk(out.shape[0] // x.shape[0])), x, group=group)
+    group._allgather_base(out, x).wait()
 
 
 def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    if hasattr(group, "_reduce_scatter_base"):
-        group._reduce_scatter_base(out, x).wait()
-    else:
-        dist.reduce_scatter(out, list(x.chunk(x.shape[0] // out.shape[0])), group=group)
+    group._reduce_scatter_base(out, x).wait()
 
 
 # The row count P every rank pads its MLP rows to in the current forward (scoped like attention

@@ -88,23 +88,13 @@ class StructuredOutput:
 
     def canonical_source(self) -> str:
         if self.json_schema is not None:
-            schema = self.json_schema
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as e:
-                    raise InvalidRequestError(f"json_schema is not valid JSON: {e}", param="response_format") from e
+            schema = _parsed(self.json_schema, "json_schema", "response_format")
             # Key order is kept: properties are generated in the order the schema declares them.
             return json.dumps(schema, separators=(",", ":"))
         if self.choice is not None:
             return json.dumps(list(self.choice))
         if self.structural_tag is not None:
-            tag = self.structural_tag
-            if isinstance(tag, str):
-                try:
-                    tag = json.loads(tag)
-                except json.JSONDecodeError as e:
-                    raise InvalidRequestError(f"structural_tag is not valid JSON: {e}", param="tools") from e
+            tag = _parsed(self.structural_tag, "structural_tag", "tools")
             if not isinstance(tag, dict):
                 raise InvalidRequestError("a structural tag is a JSON object", param="tools")
             return json.dumps(tag, separators=(",", ":"))
@@ -204,6 +194,16 @@ def _worker_compiler(tokenizer_info_json: str, max_threads: int):
 
 def _compile_serialized(compiler, fields: dict) -> str:
     return compile_structured(compiler, StructuredOutput.from_dict(fields)).serialize_json()
+
+
+def _parsed(value, field: str, param: str):
+    """A JSON value given as text or already parsed; InvalidRequestError (on `param`) for bad text."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"{field} is not valid JSON: {e}", param=param) from e
 
 
 class GrammarCompiler:

@@ -6,6 +6,7 @@ There is one step for every configuration: without speculation it is k = 0 of th
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -127,9 +128,8 @@ class ModelRunner:
     def run_step(self, batch: StepBatch, masker: LogitsMasker | None = None, rows: int | None = None) -> StepOutput:
         """rows: under ADP, the group's padded row count (default: this batch's rows, which a graph's
         padded batch shares with every rank)."""
-        if self.dp is None:
-            return model_step(self.model, self.proposer, batch, self.draft_probs, masker, self.draft_masks)
-        with dp_rows(rows if rows is not None else batch.input_ids.shape[0]):
+        scope = dp_rows(rows or batch.input_ids.shape[0]) if self.dp is not None else contextlib.nullcontext()
+        with scope:
             return model_step(self.model, self.proposer, batch, self.draft_probs, masker, self.draft_masks)
 
     # ------------------------------------------------------------------ the step

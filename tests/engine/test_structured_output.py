@@ -114,25 +114,37 @@ def test_abort_frees_the_matcher(llama_dir):
     assert not engine._grammar.states and engine.stats()["kv_blocks_used"] == 0
 
 
-def test_guided_request_survives_a_handover(llama_dir):
-    """Prefill samples the first token under the grammar; the decode engine rebuilds the matcher from
-    the hand-over's description (structured output and tokens) and continues to the same tokens."""
-    prompt, params = _prompts(1, seed=3)[0], _params(0, "json_schema")
-    want = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompt, params)[0]
+def _prefilled(llama_dir, prompt, params):
+    """A prefill engine that ran the request to its hand-over, a fresh decode engine, and the hand-over."""
     prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=128, block_size=4))
     decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=128, block_size=4))
     prefill.add_request("r", prompt, params, prefill_only=True)
     while prefill.requests["r"].status.value != "parked":
         prefill.step()
-    h = prefill.take_handover("r")
-    assert h.compiled_grammar is not None
-    blocks = decode.reserve(HandoverRequest.from_dict(h.request.to_dict()), h.compiled_grammar)  # wire forms
+    return prefill, decode, prefill.take_handover("r")
+
+
+def _decode_handover(prefill, decode, h, request, compiled) -> list:
+    """Reserve on the decode side, copy the KV over, commit, decode to the end; the finished outputs."""
+    blocks = decode.reserve(request, compiled)
     decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
     prefill.release("r")
     decode.commit("r")
     done = []
     while decode.has_unfinished():
         done += [o for o in decode.step() if o.finished]
+    return done
+
+
+def test_guided_request_survives_a_handover(llama_dir):
+    """Prefill samples the first token under the grammar; the decode engine rebuilds the matcher from
+    the hand-over's description (structured output and tokens) and continues to the same tokens."""
+    prompt, params = _prompts(1, seed=3)[0], _params(0, "json_schema")
+    want = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompt, params)[0]
+    prefill, decode, h = _prefilled(llama_dir, prompt, params)
+    assert h.compiled_grammar is not None
+    done = _decode_handover(prefill, decode, h, HandoverRequest.from_dict(h.request.to_dict()),  # wire forms
+                            h.compiled_grammar)
     assert done[0].token_ids == want.token_ids and _valid("json_schema", done[0].text)
     assert not prefill._grammar.states and not decode._grammar.states
     assert prefill.stats()["grammar"]["compiles"] == 1
@@ -151,23 +163,12 @@ def test_a_tool_call_grammar_is_compiled_on_prefill_and_deserialized_on_decode(l
     params = SamplingParams(max_tokens=80, temperature=0, structured_output=tool)
     prompt = _prompts(1, seed=5)[0]
     want = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompt, params)[0]
-    prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=128, block_size=4))
-    decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=128, block_size=4))
-    prefill.add_request("r", prompt, params, prefill_only=True)
-    while prefill.requests["r"].status.value != "parked":
-        prefill.step()
-    h = prefill.take_handover("r")
+    prefill, decode, h = _prefilled(llama_dir, prompt, params)
     header = HandoverHeader(h.request, (PayloadPart.KV,), GrammarHandover(tool.key(), h.compiled_grammar))
     back = HandoverHeader.from_wire(header.to_wire())
     assert back == header and back.request.params.structured_output == tool
     assert back.grammar.cache_key == back.request.params.structured_output.key()
-    blocks = decode.reserve(back.request, back.grammar.compiled)
-    decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
-    prefill.release("r")
-    decode.commit("r")
-    done = []
-    while decode.has_unfinished():
-        done += [o for o in decode.step() if o.finished]
+    done = _decode_handover(prefill, decode, h, back.request, back.grammar.compiled)
     assert done[0].token_ids == want.token_ids and done[0].finish_reason == "stop"
     head, body = '<tool_call>\n{"name": "weather", "arguments": ', "}\n</tool_call>"
     assert done[0].text.startswith(head) and done[0].text.endswith(body)
