@@ -103,16 +103,21 @@ class CudaHandles:
         return wire
 
     def copy_into(self, wire: list, out: list[torch.Tensor]) -> None:
-        for (dev, handle, size, offset, ref_handle, ref_offset, event, event_sync, start, nbytes), dst in zip(
+        # The receiver's own device index: the sender's is its own, which may differ under
+        # CUDA_VISIBLE_DEVICES; the UUIDs matched when the channel opened.
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        sources = []
+        for (_dev, handle, size, offset, ref_handle, ref_offset, event, event_sync, start, nbytes), dst in zip(
                 wire, out, strict=True):
-            # The receiver's own device index: the sender's `dev` is its index, which may differ under
-            # CUDA_VISIBLE_DEVICES; the UUIDs matched when the channel opened.
-            storage = torch.UntypedStorage._new_shared_cuda(self.device.index or 0, handle, size, offset, ref_handle,
-                                                            ref_offset, event, event_sync)
+            # Waits (on this stream) for the event the sender recorded when it shared the memory.
+            storage = torch.UntypedStorage._new_shared_cuda(index, handle, size, offset, ref_handle, ref_offset,
+                                                            event, event_sync)
             src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, start, (nbytes,), (1,))
             dst.copy_(src)
-            del src, storage  # the mapping is released once the copy below has completed
+            sources.append(src)
         torch.cuda.current_stream(self.device).synchronize()
+        # Only now drop the mappings (each drop releases the sender's reference count of its block).
+        sources.clear()
 
     def close(self) -> None:
         pass
