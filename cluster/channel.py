@@ -36,7 +36,7 @@ from cluster.rendezvous import StoreAddress, connect_store
 SENDER, RECEIVER = 0, 1
 _MAGIC_MESSAGE = 0x7A6E_4B56  # "KV" message follows
 _MAGIC_CLOSE = 0x7A6E_C105  # the sender is closing the channel
-_TAG_META, _TAG_HEADER, _TAG_ANSWER, _TAG_IPC_META, _TAG_IPC, _TAG_IPC_ACK, _TAG_PAYLOAD = 1, 2, 3, 4, 5, 6, 16
+_TAG_META, _TAG_HEADER, _TAG_ANSWER, _TAG_IPC, _TAG_IPC_ACK, _TAG_PAYLOAD = 1, 2, 3, 5, 6, 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +153,7 @@ class KVChannel:
         start = time.perf_counter()
         if self._shared is not None:
             body = msgpack.packb(self._shared.share(views), use_bin_type=True)
-            self._guard(lambda: self._send_frame(body, _TAG_IPC_META, _TAG_IPC, 60.0, "sending payload handles"))
+            self._guard(lambda: self._send_frame(body, _TAG_IPC, 60.0, "sending payload handles"))
             return PendingSend(views, [], start)
         works = self._guard(lambda: [self._data.send([v], self.peer, _TAG_PAYLOAD + i) for i, v in enumerate(views)])
         return PendingSend(views, works, start)
@@ -227,7 +227,7 @@ class KVChannel:
         return out
 
     def _recv_shared(self, out: list[torch.Tensor], timeout_s: float) -> None:
-        body = self._recv_frame(_TAG_IPC_META, _TAG_IPC, timeout_s, "receiving payload handles")
+        body = self._recv_frame(_TAG_IPC, timeout_s, "receiving payload handles")
         try:
             self._shared.copy_into(msgpack.unpackb(body, raw=False), [_as_bytes(t) for t in out])
         except Exception as e:
@@ -237,18 +237,24 @@ class KVChannel:
         _wait(self._control.send([torch.ones(1, dtype=torch.int64)], self.peer, _TAG_IPC_ACK), timeout_s,
               "acknowledging the payload")
 
-    def _send_frame(self, body: bytes, meta_tag: int, tag: int, timeout_s: float, what: str) -> None:
-        meta = torch.tensor([len(body)], dtype=torch.int64)
-        _wait(self._control.send([meta], self.peer, meta_tag), timeout_s, what)
-        _wait(self._control.send([torch.frombuffer(bytearray(body), dtype=torch.uint8)], self.peer, tag), timeout_s,
-              what)
+    # Payload handles travel as one fixed-size frame (length, then msgpack): one message instead of a length
+    # and a body, which is most of what shared memory costs on small payloads. A hand-over has a few
+    # tensors, a handle a few hundred bytes.
+    _FRAME = 16384
 
-    def _recv_frame(self, meta_tag: int, tag: int, timeout_s: float, what: str) -> bytes:
-        meta = torch.zeros(1, dtype=torch.int64)
-        _wait(self._control.recv([meta], self.peer, meta_tag), timeout_s, what)
-        frame = torch.empty(int(meta.item()), dtype=torch.uint8)
+    def _send_frame(self, body: bytes, tag: int, timeout_s: float, what: str) -> None:
+        if len(body) + 8 > self._FRAME:
+            raise ChannelError(f"{what}: {len(body)} bytes of handles do not fit a {self._FRAME}-byte frame")
+        frame = torch.zeros(self._FRAME, dtype=torch.uint8)
+        frame[:8].view(torch.int64)[0] = len(body)
+        frame[8:8 + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        _wait(self._control.send([frame], self.peer, tag), timeout_s, what)
+
+    def _recv_frame(self, tag: int, timeout_s: float, what: str) -> bytes:
+        frame = torch.empty(self._FRAME, dtype=torch.uint8)
         _wait(self._control.recv([frame], self.peer, tag), timeout_s, what)
-        return frame.numpy().tobytes()
+        n = int(frame[:8].view(torch.int64)[0])
+        return frame[8:8 + n].numpy().tobytes()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, notify_peer: bool = False) -> None:
