@@ -13,7 +13,7 @@ export PIP_NO_INDEX := 1
 export PIP_FIND_LINKS := $(abspath $(WHEELS))
 endif
 
-.PHONY: setup serve test test-fast test-gpu bench bench-serve zoo clean
+.PHONY: setup serve test test-fast test-gpu gpu-check bench bench-serve zoo clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,13 @@ test-gpu: $(STAMP)
 	@$(PY) -c "import torch, sys; n = torch.cuda.device_count(); print(f'test-gpu: {n} CUDA device(s)'); sys.exit(0 if n else 1)" \
 	  || { echo "test-gpu: no CUDA device here (torch.cuda.device_count() == 0)"; exit 1; }
 	$(PY) -m pytest -m "gpu or multigpu" -rs $(ARGS)
+
+# One call on a GPU machine: every GPU test (test-gpu), then the GPU benchmarks, whose results land in
+# bench/results/*_cuda.{md,json} naming the GPU (kernels against their torch references and the
+# bandwidth limit; engine decode against transformers and, on a 1B bf16 Llama, the HBM roofline).
+gpu-check: test-gpu
+	$(PY) -m bench.kernels --device cuda
+	$(PY) -m bench.engine --device cuda
 
 bench: $(STAMP)
 	$(PY) -m bench.engine $(ARGS)
