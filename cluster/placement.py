@@ -1,7 +1,7 @@
 """Placement groups: the ranks of one tensor-parallel group are reserved together, or not at all."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -12,13 +12,17 @@ from cluster.errors import WorkerDiedError
 
 @dataclass(frozen=True, slots=True)
 class RankResources:
+    """One rank's placement-group bundle. `custom`: resources that mark the nodes a rank may land on
+    (DecodeConfig.rank_resources); the bundle reserves them, so the rank actor itself need not ask."""
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    custom: dict[str, float] = field(default_factory=dict)
 
     def bundle(self) -> dict[str, float]:
         b = {"CPU": self.num_cpus}
         if self.num_gpus:
             b["GPU"] = self.num_gpus
+        b.update({name: amount for name, amount in self.custom.items() if amount})  # Ray refuses 0 entries
         return b
 
 

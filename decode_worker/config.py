@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from cluster.resources import CustomResources, engine_gpus
 from cluster.settings import EngineSettings
 
 
@@ -18,6 +19,13 @@ class DecodeConfig(EngineSettings):
                                                                "cut the answer wait 3.5x but raised TTFT at "
                                                                "concurrency 16 (bench/results/handover_cpu.md).")
     rank_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per decode rank.")
+    rank_num_gpus: float | None = Field(None, ge=0, le=1, description="GPUs reserved per decode rank (in its "
+                                                                      "placement-group bundle); default: 1 on "
+                                                                      "cuda, 0 on cpu; a share (0.5) lets a rank "
+                                                                      "and a prefill replica share one GPU.")
+    rank_resources: CustomResources = Field({}, description="Custom Ray resources per decode rank, in each "
+                                                            "placement-group bundle, so that ranks land on nodes "
+                                                            "that declare them, e.g. {\"tandem_decode\": 1}.")
     handover_timeout_s: float = Field(60.0, gt=0, description="How long a decode stream waits for its hand-over "
                                                               "header.")
     step_timeout_s: float = Field(120.0, gt=0, description="A decode step slower than this is treated as a dead "
@@ -28,3 +36,12 @@ class DecodeConfig(EngineSettings):
         if self.attention_dp not in (1, self.tp):
             raise ValueError(f"attention_dp must be 1 (off) or equal to tp ({self.tp}), got {self.attention_dp}")
         return self
+
+    @model_validator(mode="after")
+    def _check_rank_gpus(self):
+        self.rank_gpus()
+        return self
+
+    def rank_gpus(self) -> float:
+        """GPUs a decode rank reserves: rank_num_gpus, or the device's default."""
+        return engine_gpus(self.device, self.rank_num_gpus, "rank_num_gpus")

@@ -24,15 +24,19 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05  # long-poll of the ranks while hand-overs are expected and nothing decodes
 
 
+def group_spec(c: DecodeConfig) -> GroupSpec:
+    """The rank group a replica builds (and rebuilds): its size, mode and each rank's bundle."""
+    resources = RankResources(num_cpus=c.rank_num_cpus, num_gpus=c.rank_gpus(), custom=dict(c.rank_resources))
+    return GroupSpec(engine=c, tp_size=c.tp, resources=resources, attention_dp=c.attention_dp > 1,
+                     step_timeout_s=c.step_timeout_s)
+
+
 class DecodeServer:
     async def __init__(self, config: DecodeConfig | dict):
         self.config = config if isinstance(config, DecodeConfig) else DecodeConfig(**config)
         c = self.config
-        gpus = 1.0 if c.device == "cuda" else 0.0
-        adp = c.attention_dp > 1
-        self.spec = GroupSpec(engine=c, tp_size=c.tp, resources=RankResources(num_cpus=c.rank_num_cpus, num_gpus=gpus),
-                              attention_dp=adp, step_timeout_s=c.step_timeout_s)
-        self.ctrl = DecodeController(c.tp, c.handover_timeout_s, attention_dp=adp)
+        self.spec = group_spec(c)
+        self.ctrl = DecodeController(c.tp, c.handover_timeout_s, attention_dp=self.spec.attention_dp)
         self.group: RankGroup = await RankGroup.start(self.spec)
         self.groups_started = 1
         self._wake = asyncio.Event()

@@ -20,21 +20,23 @@ def _routing(role: str) -> RequestRouterConfig:
 
 def build_app(args: dict | TandemConfig) -> serve.Application:
     cfg = args if isinstance(args, TandemConfig) else TandemConfig(**args)
-    gpu = 1.0 if cfg.device == "cuda" else 0.0
     prefill = serve.deployment(
         PrefillServer, name="prefill", num_replicas=cfg.prefill_replicas,
-        ray_actor_options={"num_cpus": cfg.prefill_num_cpus, "num_gpus": gpu},
+        ray_actor_options={"num_cpus": cfg.prefill_num_cpus, "num_gpus": cfg.prefill_gpus(),
+                           "resources": dict(cfg.prefill_resources)},
         max_ongoing_requests=cfg.max_num_seqs * 2, request_router_config=_routing("prefill"),
         health_check_period_s=5, graceful_shutdown_timeout_s=5,
     ).bind(cfg.prefill().model_dump())
-    # The decode replica itself only steers its rank actors (which hold the CPUs/GPUs).
+    # The decode replica itself only steers its rank actors (which hold the CPUs/GPUs and rank_resources); it
+    # goes where the routers go, so that a decode node lost takes its ranks (rebuilt), not the replica.
+    control = {"num_cpus": 0, "resources": dict(cfg.router_resources)}
     decode = serve.deployment(
-        DecodeServer, name="decode", num_replicas=cfg.decode_replicas, ray_actor_options={"num_cpus": 0},
+        DecodeServer, name="decode", num_replicas=cfg.decode_replicas, ray_actor_options=control,
         max_ongoing_requests=cfg.max_num_seqs * 4, request_router_config=_routing("decode"),
         health_check_period_s=5, graceful_shutdown_timeout_s=5,
     ).bind(cfg.decode().model_dump())
     router = serve.deployment(
-        Router, name="router", num_replicas=cfg.router_replicas, ray_actor_options={"num_cpus": 0},
+        Router, name="router", num_replicas=cfg.router_replicas, ray_actor_options=control,
         max_ongoing_requests=cfg.max_inflight * 2, graceful_shutdown_timeout_s=5,
     )
     return router.bind(prefill, decode, cfg.router().model_dump())

@@ -9,6 +9,7 @@ import os
 
 from pydantic import BaseModel, Field, model_validator
 
+from cluster.resources import CustomResources, engine_gpus
 from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
 from router.config import API_KEY_ENV, RouterConfig, RouterSettings
@@ -21,6 +22,17 @@ class TandemConfig(PrefillConfig, DecodeConfig, RouterSettings):
     decode_replicas: int = Field(1, ge=1, description="Decode replicas (one group of `tp` ranks each).")
     router_replicas: int = Field(1, ge=1, description="Router (HTTP ingress) replicas.")
     prefill_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per prefill replica.")
+    prefill_num_gpus: float | None = Field(None, ge=0, le=1, description="GPUs per prefill replica; default: 1 on "
+                                                                         "cuda, 0 on cpu; a share (0.5) lets it "
+                                                                         "and a decode rank share one GPU.")
+    prefill_resources: CustomResources = Field({}, description="Custom Ray resources per prefill replica, so that "
+                                                               "prefill lands on nodes that declare them, e.g. "
+                                                               "{\"tandem_prefill\": 1}.")
+    router_resources: CustomResources = Field({}, description="Custom Ray resources per router replica and per "
+                                                              "decode replica (both hold no engine; the decode "
+                                                              "replica steers its ranks): e.g. one only the head "
+                                                              "node declares, so that losing a worker node loses "
+                                                              "no replica, only ranks that are rebuilt.")
 
     @model_validator(mode="before")
     @classmethod
@@ -28,6 +40,15 @@ class TandemConfig(PrefillConfig, DecodeConfig, RouterSettings):
         if isinstance(values, dict) and values.get("api_key") is None and os.environ.get(API_KEY_ENV):
             values = {**values, "api_key": os.environ[API_KEY_ENV]}
         return values
+
+    @model_validator(mode="after")
+    def _check_prefill_gpus(self):
+        self.prefill_gpus()
+        return self
+
+    def prefill_gpus(self) -> float:
+        """GPUs a prefill replica reserves: prefill_num_gpus, or the device's default."""
+        return engine_gpus(self.device, self.prefill_num_gpus, "prefill_num_gpus")
 
     @property
     def name(self) -> str:

@@ -4,6 +4,7 @@ deployment configs) and the CLI, the Serve YAML and the engines cannot drift apa
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 
@@ -18,8 +19,9 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *,
     for name, info in model.model_fields.items():
         kind, choices = _flag_type(name, info.annotation)
         default = None if info.is_required() else info.default
+        shown = json.dumps(default) if isinstance(default, dict) else default  # as the flag is written
         keywords = dict(type=kind, choices=choices, default=default, dest=name,
-                        help=info.description if default is None else f"{info.description} (default: {default})")
+                        help=info.description if default is None else f"{info.description} (default: {shown})")
         keywords.update(overrides.get(name, {}))
         parser.add_argument(*aliases.get(name, ()), f"--{name.replace('_', '-')}", **keywords)
 
@@ -29,8 +31,20 @@ def model_kwargs(args: argparse.Namespace, model: type[BaseModel]) -> dict:
     return {name: getattr(args, name) for name in model.model_fields if getattr(args, name, None) is not None}
 
 
+def _json_object(text: str) -> dict:
+    """A mapping flag is written as `ray start --resources` writes it: '{"tandem_decode": 1}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}; write e.g. '{{\"tandem_decode\": 1}}'")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}; write e.g. '{{\"tandem_decode\": 1}}'")
+    return value
+
+
 def _flag_type(name: str, annotation) -> tuple[type, list | None]:
-    """(argparse type, choices) of a field: str, int, float, a Literal of strings, or one of those | None."""
+    """(argparse type, choices) of a field: str, int, float, a Literal of strings, one of those | None, or a
+    dict (a JSON object)."""
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
@@ -40,6 +54,8 @@ def _flag_type(name: str, annotation) -> tuple[type, list | None]:
         return str, list(args)
     elif annotation in (str, int, float):
         return annotation, None
+    elif typing.get_origin(annotation) is dict:
+        return _json_object, None
     raise TypeError(f"settings field {name!r} of type {annotation!r} has no command-line form; give it one in "
                     f"deploy/flags.py")
 

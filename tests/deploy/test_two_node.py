@@ -1,0 +1,123 @@
+"""The deployment path users take, on two real Ray nodes of this machine: deploy/cluster.yaml's start
+commands (adapted by deploy/local_cluster.py: ports, loopback, temp dirs), `serve deploy` of
+deploy/serve.yaml (model, device and sizes made tiny; its placement resources kept), prefill on the
+`tandem_prefill` node and decode ranks on the `tandem_decode` node, greedy tokens equal to the
+single-process engine's; then the decode node is lost (its processes killed), requests get a typed error
+rather than a hang, and the deployment serves again once a node with the same resources joins.
+
+The cluster is driven over HTTP and the `serve` CLI only, beside the session's embedded Ray."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from cluster.rendezvous import free_port_on
+from cluster.testing import wait_for
+from deploy.local_cluster import LocalCluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = ["Hello, how are you?", "The quick brown fox", "def add(a, b):"]
+
+
+def serve_config(model_dir: str, port: int) -> dict:
+    """deploy/serve.yaml as a user deploys it, with a tiny CPU model, small sizes and a loopback port."""
+    config = yaml.safe_load((REPO / "deploy" / "serve.yaml").read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    (app,) = config["applications"]
+    app["args"].pop("dtype")  # the checkpoint's (float32)
+    app["args"].update(model=model_dir, device="cpu", prefill_replicas=1, max_num_seqs=8, num_kv_blocks=64,
+                       max_num_batched_tokens=256, max_inflight=16, handover_timeout_s=15, connect_timeout_s=10)
+    return config
+
+
+@pytest.fixture
+def cluster():
+    root = Path(tempfile.mkdtemp(prefix="tnd-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    local = LocalCluster(root, env={"PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"})
+    try:
+        yield local
+    finally:
+        for name, node in local.nodes.items():  # shown when the test fails
+            print(f"--- {name}: {' '.join(node.argv)}\n{node.log_tail()}")
+        local.stop()
+        left = [name for name, node in local.nodes.items() if node.alive()]
+        shutil.rmtree(root, ignore_errors=True)
+        assert not left, f"nodes still running after stop: {left}"
+
+
+def _node_of(actors: list[dict], class_prefix: str) -> set[str]:
+    return {a["node_id"] for a in actors if a["class_name"].startswith(class_prefix)}
+
+
+def _serving(app: dict | None) -> bool:
+    return bool(app) and app["status"] == "RUNNING"
+
+
+def test_two_nodes_serve_deploy_lose_the_decode_node_and_recover(cluster, tiny_model_dir, tmp_path):
+    from engine import LLM, SamplingParams
+
+    cluster.start_head("prefill_gpu")
+    wait_for(lambda: cluster.dashboard and _try(cluster.alive_nodes), "the head node up", 180, 1.0)
+    cluster.start_worker("decode1", "decode_gpu")
+    nodes = wait_for(lambda: len(_try(cluster.alive_nodes) or {}) == 2 and cluster.alive_nodes(),
+                     "the decode node joins", 180, 1.0)
+    decode_node = next(n for n, r in nodes.items() if "tandem_decode" in r)
+
+    port = free_port_on("127.0.0.1")
+    config_path = tmp_path / "serve.yaml"
+    config_path.write_text(yaml.safe_dump(serve_config(tiny_model_dir, port)))
+    cluster.serve("deploy", str(config_path))
+    wait_for(lambda: _serving(cluster.applications().get("tandem")), "the application RUNNING", 300, 2.0)
+
+    actors = cluster.actors()
+    assert _node_of(actors, "ServeReplica:tandem:prefill") == {n for n in nodes if n != decode_node}
+    assert _node_of(actors, "DecodeRank") == {decode_node}
+    assert len([a for a in actors if a["class_name"] == "DecodeRank"]) == 2
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    llm = LLM(tiny_model_dir, num_kv_blocks=64)
+
+    def greedy_matches() -> None:
+        for prompt in PROMPTS:
+            want = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+            got = client.completions.create(model="tandem-target", prompt=prompt, max_tokens=16, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert got.choices[0].text == want.text
+
+    greedy_matches()
+
+    cluster.nodes["decode1"].stop(grace_s=0)  # the machine is gone
+    wait_for(lambda: decode_node not in cluster.alive_nodes(), "the GCS marks the decode node dead", 120, 1.0)
+    with pytest.raises(openai.APIStatusError) as failed:
+        client.completions.create(model="tandem-target", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    print("while the decode node is gone:", failed.value.status_code, failed.value.body)
+    assert failed.value.status_code in (500, 503) and failed.value.body["type"]
+
+    cluster.start_worker("decode2", "decode_gpu")
+    wait_for(lambda: _completes(client), "a request completes on the new decode node", 300, 2.0)
+    greedy_matches()
+    new_decode = {n for n, r in cluster.alive_nodes().items() if "tandem_decode" in r}
+    assert _node_of(cluster.actors(), "DecodeRank") == new_decode and decode_node not in new_decode
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - not up yet
+        return None
+
+
+def _completes(client) -> bool:
+    try:
+        client.completions.create(model="tandem-target", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        return True
+    except openai.APIError:
+        return False
