@@ -27,7 +27,10 @@ def parser() -> argparse.ArgumentParser:
     add_model_flags(ap, TandemConfig, aliases={"num_speculative_tokens": ("-k",)}, overrides={
         "model": dict(help="target model directory (default: the zoo's prebuilt target)"),
         "speculative_method": dict(default=None, help="speculative decoding method (default: mtp with the zoo's "
-                                                      "head when serving the zoo, no --model; else none)")})
+                                                      "head when serving the zoo, no --model; else none)"),
+        "tp": dict(default=None, help="tensor-parallel ranks per decode group (default: 2; 1 for an embedded "
+                                      f"CPU deployment on fewer than {SMALL_CPU_CORES} cores, see "
+                                      "bench/results/served_vs_engine_cpu.md)")})
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; 0.0.0.0 "
                                                        "exposes the API: set --api-key then)")
     ap.add_argument("--port", type=int, default=8000)
@@ -40,6 +43,19 @@ def parser() -> argparse.ArgumentParser:
 
 
 ZOO_MODEL_NAME = "tandem-tiny"
+# Below this many cores an embedded CPU deployment decodes with tp=1: the router, the proxy, the prefill
+# and two ranks' all-reduces then fight over too few cores, and tp=1 served 1.4-2.7x the tokens/s of
+# tp=2 on a 2-core machine (bench/served_vs_engine.py, same run).
+SMALL_CPU_CORES = 8
+
+
+def default_tp(device: str, address: str | None, cores: int | None = None) -> int:
+    """The decode group's tp when the user gives none: the deployment's default, except on a small machine
+    serving on its own CPU."""
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    if device == "cpu" and address is None and cores < SMALL_CPU_CORES:
+        return 1
+    return 2
 
 
 def _zoo_defaults(args: argparse.Namespace) -> dict:
@@ -61,6 +77,8 @@ def tandem_config(args: argparse.Namespace):
     from deploy.flags import model_kwargs
 
     chosen = model_kwargs(args, TandemConfig)
+    if args.tp is None:
+        chosen["tp"] = default_tp(chosen.get("device", "cpu"), args.address)
     if args.model is None:
         chosen.update(_zoo_defaults(args))
     return TandemConfig(**chosen)

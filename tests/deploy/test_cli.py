@@ -27,7 +27,7 @@ def test_every_deployment_setting_is_a_flag_with_its_help():
     actions = {a.dest: a for a in parser()._actions}
     for name, info in TandemConfig.model_fields.items():
         assert name in actions and actions[name].option_strings[-1] == "--" + name.replace("_", "-"), name
-        if name not in ("model", "speculative_method"):  # the two whose CLI default is the zoo's
+        if name not in ("model", "speculative_method", "tp"):  # the zoo's, and the machine's (tp)
             assert info.description in actions[name].help and actions[name].default == info.default, name
     assert "-k" in actions["num_speculative_tokens"].option_strings
     assert actions["device"].choices == ["cpu", "cuda"]
@@ -36,7 +36,16 @@ def test_every_deployment_setting_is_a_flag_with_its_help():
 def test_defaults_are_the_embedded_setup():
     args = parser().parse_args([])
     assert (args.host, args.port, args.tp, args.prefill_replicas, args.decode_replicas, args.address,
-            args.device) == ("127.0.0.1", 8000, 2, 1, 1, None, "cpu")
+            args.device) == ("127.0.0.1", 8000, None, 1, 1, None, "cpu")
+
+
+def test_tp_default_follows_the_machine():
+    from deploy.serve_cmd import default_tp
+
+    assert default_tp("cpu", None, cores=2) == 1  # a small box serving itself: no all-reduce over 2 cores
+    assert default_tp("cpu", None, cores=32) == 2
+    assert default_tp("cpu", "auto", cores=2) == 2  # a cluster: the deployment's default
+    assert default_tp("cuda", None, cores=2) == 2
 
 
 @pytest.mark.slow
