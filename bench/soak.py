@@ -122,7 +122,8 @@ async def _send(http: httpx.AsyncClient, spec: dict, deadline_s: float) -> dict:
     timeout = httpx.Timeout(0.05) if spec["kind"] == "timeout" else httpx.Timeout(deadline_s)
     try:
         if not spec["stream"]:
-            resp = await asyncio.wait_for(http.post(spec["path"], json=spec["body"], timeout=timeout), deadline_s)
+            resp = await asyncio.wait_for(http.post(spec["path"], json=spec["body"], timeout=timeout,
+                                                    headers=spec.get("headers")), deadline_s)
             out["status"] = resp.status_code
             payload = _json(resp.text)
             if resp.status_code == 200 and payload.get("choices") and payload["choices"][0].get("finish_reason"):
@@ -147,7 +148,8 @@ async def _stream(http: httpx.AsyncClient, spec: dict, timeout, start: float) ->
     out: dict = {"outcome": "unexplained", "detail": "the stream ended without [DONE]"}
     chunks = 0
     finish = None
-    async with http.stream("POST", spec["path"], json=spec["body"], timeout=timeout) as resp:
+    async with http.stream("POST", spec["path"], json=spec["body"], timeout=timeout,
+                           headers=spec.get("headers")) as resp:
         out["status"] = resp.status_code
         if resp.status_code != 200:
             payload = _json((await resp.aread()).decode(errors="replace"))
@@ -183,10 +185,10 @@ def _json(text: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- server state
-def kv_blocks_used(metrics_text: str) -> dict[str, float]:
-    """{"role/replica": blocks} from /metrics."""
+def kv_blocks_used(metrics_text: str, metric: str = "tandem_kv_blocks_used") -> dict[str, float]:
+    """{"role/replica": blocks} from /metrics (or another per-worker gauge: `metric`)."""
     used = {}
-    for m in re.finditer(r'^tandem_kv_blocks_used\{([^}]*)\} ([0-9.eE+-]+)$', metrics_text, re.M):
+    for m in re.finditer(rf'^{metric}\{{([^}}]*)\}} ([0-9.eE+-]+)$', metrics_text, re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
         used[f"{labels.get('role')}/{labels.get('replica')}"] = float(m.group(2))
     return used

@@ -49,6 +49,12 @@ class EngineSettings(BaseModel):
                                                     "which the drafts verified per request drop by one (e.g. "
                                                     "'16,32,64' with k=3); the decode group's batch decides, the "
                                                     "same k on every rank.")
+    transfer_timeout_s: float = Field(60.0, gt=0, description="Deadline of one hand-over's answer and payload, on "
+                                                              "the prefill's sending end and each decode rank's "
+                                                              "receiving end.")
+    fault_points: str = Field("", description="Testing only (tests, bench.soak --faults): fault points to arm, e.g. "
+                                              "'handover.send_payload=stall:8' (cluster/faults.py); an armed point "
+                                              "fires only for requests whose id names it. Empty: none.")
     torch_threads: int | None = Field(1, ge=1, description="torch threads per CPU engine (default of torch if "
                                                            "unset).")
 

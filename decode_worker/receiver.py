@@ -19,6 +19,7 @@ import torch
 
 from cluster.channel import KVChannel, Message
 from cluster.errors import ChannelError, HandoverHeaderError
+from cluster.faults import FaultPoints
 from cluster.protocol import HandoverHeader, HandoverPayload
 from decode_worker.stock import HandoverStock
 from kernels.kv_transfer import unpack_kv
@@ -46,9 +47,11 @@ def _read_header(message: Message) -> HandoverHeader:
 
 
 class HandoverReceiver:
-    def __init__(self, kv_cache: torch.Tensor, payload_timeout_s: float = 60.0, stock: HandoverStock | None = None):
+    def __init__(self, kv_cache: torch.Tensor, payload_timeout_s: float = 60.0, stock: HandoverStock | None = None,
+                 faults: FaultPoints | None = None):
         self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, local kv heads, head_dim]
         self.payload_timeout_s = payload_timeout_s
+        self.faults = faults or FaultPoints()
         self.stock = stock
         self._lock = threading.Condition()
         self._pending: dict[str, _Arrival] = {}  # parked, or stocked until the rank takes the blocks
@@ -174,6 +177,7 @@ class HandoverReceiver:
                     rid = None
                     continue
                 channel.answer(True)
+                self.faults.hit("handover.recv_payload", rid, channel.name)
                 start = time.perf_counter()
                 try:
                     payload = HandoverPayload.assemble(

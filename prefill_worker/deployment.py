@@ -9,6 +9,7 @@ import uuid
 
 import torch
 
+from cluster.faults import FaultPoints
 from cluster.protocol import DecodeTarget, ModelInfo, PrefillRequest, PrefillResult
 from cluster.runtime import replica_id
 from engine import LLMEngine
@@ -26,7 +27,8 @@ class PrefillServer:
             torch.set_num_threads(c.torch_threads)
         self.engine = LLMEngine(c.engine_config(detokenize=False))  # the router detokenizes and applies stops
         self.name = f"prefill-{uuid.uuid4().hex[:8]}"
-        self.loop = PrefillLoop(self.engine, self.name, c.transfer_timeout_s, c.connect_timeout_s)
+        self.loop = PrefillLoop(self.engine, self.name, c.transfer_timeout_s, c.connect_timeout_s,
+                                FaultPoints(c.fault_points))
 
     async def prefill(self, request: PrefillRequest, target: DecodeTarget) -> PrefillResult:
         """Runs the prompt and returns its first token; the KV then goes to `target` in the background.

@@ -22,6 +22,7 @@ import torch
 
 from cluster.channel import SENDER, KVChannel, connect_channel
 from cluster.errors import ChannelError
+from cluster.faults import FaultPoints
 from cluster.groups import backend_for
 from cluster.protocol import DecodeTarget, GrammarHandover, HandoverHeader, HandoverPayload, RankEndpoint
 from engine import Handover
@@ -57,12 +58,13 @@ class HandoverTiming:
 
 class HandoverSender:
     def __init__(self, kv_cache: torch.Tensor, release: Callable[[str], None], name: str,
-                 transfer_timeout_s: float = 60.0, connect_timeout_s: float = 30.0):
+                 transfer_timeout_s: float = 60.0, connect_timeout_s: float = 30.0, faults: FaultPoints | None = None):
         self.kv_cache = kv_cache
         self.release = release
         self.name = name
         self.transfer_timeout_s = transfer_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.faults = faults or FaultPoints()
         self.backend = backend_for(kv_cache.device)
         self.channels: dict[tuple[str, int], KVChannel] = {}
         self.timings: collections.deque[HandoverTiming] = collections.deque(maxlen=512)
@@ -138,6 +140,7 @@ class HandoverSender:
         header = HandoverHeader(handover.request, payloads[0].parts, _grammar(handover)).to_wire()  # same for every rank
         for ch, payload in zip(channels, payloads):
             ch.send_header(header, payload.tensors, self.transfer_timeout_s)
+        self.faults.hit("handover.send_payload", rid, channels[0].name)
         # Each rank's payload starts as soon as that rank answers, and all of them move at once.
         pending, answers = [], []
         for ch, payload in zip(channels, payloads):

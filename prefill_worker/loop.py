@@ -13,6 +13,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from cluster.faults import FaultPoints
 from cluster.protocol import DecodeTarget, PrefillRequest, PrefillResult
 from engine import LLMEngine, SamplingParams, TandemError
 from prefill_worker.handover import HandoverSender
@@ -29,10 +30,11 @@ class _Job:
 
 
 class PrefillLoop:
-    def __init__(self, engine: LLMEngine, sender_name: str, transfer_timeout_s: float, connect_timeout_s: float):
+    def __init__(self, engine: LLMEngine, sender_name: str, transfer_timeout_s: float, connect_timeout_s: float,
+                 faults: FaultPoints | None = None):
         self.engine = engine
         self.sender = HandoverSender(engine.kv_cache, self.release, sender_name, transfer_timeout_s,
-                                     connect_timeout_s)
+                                     connect_timeout_s, faults)
         self._inbox: list[tuple[str, object]] = []
         self._cv = threading.Condition()
         self._jobs: dict[str, _Job] = {}
