@@ -102,6 +102,9 @@ class DecodeServer:
 
     async def _recover(self, group: RankGroup, reason: str) -> None:
         log.error("decode group %s failed, rebuilding: %s", group.group_id, reason)
+        # Clients get the first line: Ray's account of a death goes on with pids, addresses and advice
+        # about OOM killers that belongs in the log, not in an HTTP answer.
+        reason = reason.strip().splitlines()[0] if reason.strip() else "unknown"
         self._last_error = reason
         self.group = None
         group.kill()
@@ -113,7 +116,7 @@ class DecodeServer:
                 return
             except WorkerDiedError as e:
                 log.error("rebuilding the decode group failed, retrying: %s", e)
-                self._last_error = str(e)
+                self._last_error = str(e).strip().splitlines()[0]
                 await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ load, health, introspection

@@ -173,10 +173,12 @@ class HandoverReceiver:
                 if self._stopping:
                     return
                 if arrival.block_ids is None:
-                    channel.answer(False)
+                    channel.answer(False, self.payload_timeout_s)
                     rid = None
                     continue
-                channel.answer(True)
+                # gloo writes the answer only once the sender waits for it: a sender stalled after the
+                # header holds this send, so it gets the payload's deadline, not the channel's default.
+                channel.answer(True, self.payload_timeout_s)
                 self.faults.hit("handover.recv_payload", rid, channel.name)
                 start = time.perf_counter()
                 try:

@@ -9,6 +9,7 @@ Cancelling (client gone, stop string) cancels whatever is in flight; the workers
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -44,9 +45,17 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, BackPressureError):
         return APIError(503, "the server is overloaded; retry later", "overloaded_error", code="overloaded")
     if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
-        return APIError(503, f"a worker died while serving the request: {e}", "unavailable_error")
+        # Ray's text names pids, addresses and OOM advice: the log keeps it, the client gets the role.
+        log.warning("a worker died under a request: %s", " ".join(str(e).split("\n")[:2]))
+        return APIError(503, f"the {_role(e)} died while serving the request; retry", "unavailable_error")
     log.exception("unexpected worker error", exc_info=e)
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+
+
+def _role(e: BaseException) -> str:
+    """"prefill worker" / "decode worker" from a Ray actor error's class name (ServeReplica:APP:DEPLOYMENT)."""
+    found = re.search(r"class_name: ServeReplica:[^:\s]*:(\S+)", str(e))
+    return f"{found.group(1)} worker" if found else "worker"
 
 
 class Generation:
