@@ -3,12 +3,13 @@ while a steady load of requests is in flight, and what each cost.
 
 Faults, in order: SIGKILL the prefill replica's process (mid-prefill: long prompts keep it busy), SIGKILL a
 decode rank mid-step, SIGKILL a decode rank between a hand-over's header and its payload, SIGKILL the
-router replica, stall a hand-over's payload past its deadline, and fill the KV cache until the decode
-engine preempts. The two hand-over faults use fault points (cluster/faults.py) and run only against a
-server armed for them; otherwise they are reported as skipped:
+router replica, stall a hand-over's payload past its deadline, SIGKILL the prefill while a hand-over
+waits in its sender, and fill the KV cache until the decode engine preempts (a cache of 256 blocks fills;
+one sized from memory does not). The hand-over faults use fault points (cluster/faults.py) and run only
+against a server armed for them; otherwise they are reported as skipped:
 
-    tandem serve --transfer-timeout-s 5 \\
-        --fault-points 'handover.recv_payload=kill@-r1-,handover.send_payload=stall:15'
+    tandem serve --transfer-timeout-s 5 --num-kv-blocks 256 --fault-points \\
+        'handover.recv_payload=kill@-r1-,handover.send_payload=stall:15,handover.send_header=stall:30'
 
 Per fault: time to recover (from the fault until a fresh request, sent one after another from that moment,
 is answered 200), how many requests of the load ended with a typed error, none, or hung, and the KV blocks
@@ -26,30 +27,29 @@ from pathlib import Path
 
 import httpx
 
-from bench.soak import PROMPTS, _send, kv_blocks_used, wait_for_free_blocks
+from bench.soak import PROMPTS, _send, kv_blocks_used, process_tree, wait_for_free_blocks
 
 LONG_PROMPT = " ".join(PROMPTS * 6)  # a few hundred tokens: the prefill is busy when it is killed
 KV_BLOCK_TOKENS = 16
 
 
 # ---------------------------------------------------------------------------------------------- processes
-def processes_titled(title: str) -> list[int]:
-    """Pids whose command line (Ray's process title) is `title`, or `title` running a method (`title.step`)."""
+def processes_titled(title: str, root: int) -> list[int]:
+    """Pids below `root` (the server's process: on a shared machine other Ray sessions run processes of the
+    same titles) whose command line (Ray's process title) is `title`, or `title` running a method."""
     pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in process_tree(root):
         try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
         except OSError:
             continue
         if cmd == title or cmd.startswith(title + ".") or cmd.startswith(title + " "):
-            pids.append(int(entry))
+            pids.append(pid)
     return sorted(pids)
 
 
-def replica_pids(deployment: str, app: str = "tandem") -> list[int]:
-    return processes_titled(f"ray::ServeReplica:{app}:{deployment}")
+def replica_pids(deployment: str, root: int, app: str = "tandem") -> list[int]:
+    return processes_titled(f"ray::ServeReplica:{app}:{deployment}", root)
 
 
 def kill(pids: list[int]) -> list[int]:
@@ -116,31 +116,51 @@ class Load:
 
 
 # ---------------------------------------------------------------------------------------------- the faults
-async def _kill_prefill(http, model, app) -> str | None:
-    pids = replica_pids("prefill", app)
+async def _kill_prefill(http, model, app, root) -> str | None:
+    pids = replica_pids("prefill", root, app)
     return f"SIGKILL prefill replica pid {kill(pids[:1])}" if pids else None
 
 
-async def _kill_rank_mid_step(http, model, app) -> str | None:
-    pids = processes_titled("ray::DecodeRank")
+async def _kill_rank_mid_step(http, model, app, root) -> str | None:
+    pids = processes_titled("ray::DecodeRank", root)
     return f"SIGKILL decode rank pid {kill(pids[-1:])}" if pids else None
 
 
-async def _kill_router(http, model, app) -> str | None:
-    pids = replica_pids("router", app)
+async def _kill_router(http, model, app, root) -> str | None:
+    pids = replica_pids("router", root, app)
     return f"SIGKILL router replica pid {kill(pids[:1])}" if pids else None
+
+
+async def _send_marked(http, model, point: str) -> dict:
+    """One request whose id names an armed fault point (so the fault fires on it)."""
+    rid = f"fault-{point}-{os.urandom(4).hex()}"
+    spec = load_spec(random.Random(0), model, request_id=rid, max_tokens=32)
+    out = await _send(http, {**spec, "stream": False, "body": {**spec["body"], "stream": False}}, 120.0)
+    return {**out, "request_id": rid}
 
 
 def _marked(point: str):
     """A fault that fires at an armed fault point: one request whose id names the point."""
-    async def inject(http, model, app) -> str | None:
-        rid = f"fault-{point}-{os.urandom(4).hex()}"
-        spec = load_spec(random.Random(0), model, request_id=rid, max_tokens=32)
-        out = await _send(http, {**spec, "stream": False, "body": {**spec["body"], "stream": False}}, 120.0)
+    async def inject(http, model, app, root) -> str | None:
+        out = await _send_marked(http, model, point)
         if out["outcome"] == "completed":
             return None  # the server is not armed for this point
-        return f"request {rid}: {out['outcome']} {out.get('status')} {str(out.get('detail'))[:160]}"
+        return f"request {out['request_id']}: {out['outcome']} {out.get('status')} {str(out.get('detail'))[:160]}"
     return inject
+
+
+async def _kill_prefill_with_queued_handover(http, model, app, root) -> str | None:
+    """The prefill dies while a hand-over waits in its sender (armed `handover.send_header=stall:S`): the
+    request's first token is out, its header is not."""
+    pids = replica_pids("prefill", root, app)
+    marked = asyncio.create_task(_send_marked(http, model, "handover.send_header"))
+    await asyncio.sleep(2.0)  # prefilled; the hand-over is held before its headers
+    if marked.done() or not pids:
+        return None  # finished already: the server is not armed for this point
+    kill(pids[:1])
+    out = await marked
+    return f"SIGKILL prefill pid {pids[0]} under request {out['request_id']}: {out['outcome']} " \
+           f"{out.get('status')} {str(out.get('detail'))[:160]}"
 
 
 async def _decode_blocks(http, metric: str) -> float:
@@ -148,7 +168,7 @@ async def _decode_blocks(http, metric: str) -> float:
     return max([v for k, v in kv_blocks_used(text, metric).items() if k.startswith("decode/")], default=0.0)
 
 
-async def _fill_kv(http, model, app) -> str | None:
+async def _fill_kv(http, model, app, root) -> str | None:
     """As many long requests at once as take the decode cache past full (from the /metrics total): with the
     default cache (sized from memory) the 64-request cap does not fill it; serve with --num-kv-blocks 64."""
     total = await _decode_blocks(http, "tandem_kv_blocks_total")
@@ -166,24 +186,27 @@ async def _fill_kv(http, model, app) -> str | None:
     return f"{n} long requests at once on {total:.0f} decode blocks (peak in use {peak:.0f}): {done} completed"
 
 
-FAULTS = {
-    "prefill replica killed mid-prefill": _kill_prefill,
-    "decode rank killed mid-step": _kill_rank_mid_step,
-    "decode rank killed between hand-over header and payload": _marked("handover.recv_payload"),
-    "router replica killed": _kill_router,
-    "hand-over payload stalled past its deadline": _marked("handover.send_payload"),
-    "KV cache filled to preemption": _fill_kv,
+FAULTS = {  # key: (what, injector)
+    "prefill": ("prefill replica killed mid-prefill", _kill_prefill),
+    "rank-step": ("decode rank killed mid-step", _kill_rank_mid_step),
+    "rank-handover": ("decode rank killed between hand-over header and payload", _marked("handover.recv_payload")),
+    "router": ("router replica killed", _kill_router),
+    "stall": ("hand-over payload stalled past its deadline", _marked("handover.send_payload")),
+    "prefill-queued": ("prefill killed with a hand-over queued", _kill_prefill_with_queued_handover),
+    "kv-full": ("KV cache filled to preemption", _fill_kv),
 }
 
 
-async def run_fault(http: httpx.AsyncClient, model: str, name: str, app: str = "tandem", concurrency: int = 8,
+async def run_fault(http: httpx.AsyncClient, model: str, name: str, server_pid: int, app: str = "tandem",
+                    concurrency: int = 8,
                     seed: int = 0, deadline_s: float = 120.0, recover_within_s: float = 300.0) -> dict:
     """One fault under load: inject it once the load runs, measure the recovery, drain, check the blocks."""
     load = Load(http, model, concurrency, seed, deadline_s)
     await asyncio.sleep(3.0)  # requests of every phase in flight
     in_flight = load.in_flight
     fault_at = time.monotonic()
-    injected = await FAULTS[name](http, model, app)
+    what, inject = FAULTS[name]
+    injected = await inject(http, model, app, server_pid)
     recover_s = await time_to_recover(http, model, fault_at, recover_within_s) if injected else None
     await asyncio.sleep(2.0)  # the load keeps going on the recovered deployment
     await load.stop()
@@ -193,7 +216,7 @@ async def run_fault(http: httpx.AsyncClient, model: str, name: str, app: str = "
         outcomes[o["outcome"]] = outcomes.get(o["outcome"], 0) + 1
     errors = [o for o in load.outcomes if o["outcome"] != "completed"]
     return {
-        "fault": name, "injected": injected, "skipped": injected is None, "in_flight_at_fault": in_flight,
+        "fault": name, "what": what, "injected": injected, "skipped": injected is None, "in_flight_at_fault": in_flight,
         "recover_s": recover_s, "requests": len(load.outcomes), "outcomes": outcomes, "errored": len(errors),
         "error_statuses": sorted({str(o.get("status")) for o in errors}),
         "error_examples": [str(o.get("detail"))[:200] for o in errors[:3]],
@@ -202,13 +225,13 @@ async def run_fault(http: httpx.AsyncClient, model: str, name: str, app: str = "
     }
 
 
-async def run_faults(base_url: str, model: str, names: list[str] | None = None, headers: dict | None = None,
-                     **kwargs) -> list[dict]:
+async def run_faults(base_url: str, model: str, server_pid: int, names: list[str] | None = None,
+                     headers: dict | None = None, **kwargs) -> list[dict]:
     async with httpx.AsyncClient(base_url=base_url, headers=headers or {},
                                  limits=httpx.Limits(max_connections=128)) as http:
         if await time_to_recover(http, model, time.monotonic(), 120.0) is None:
             raise RuntimeError(f"{base_url} does not serve; start `tandem serve` first")
-        return [await run_fault(http, model, name, **kwargs) for name in (names or list(FAULTS))]
+        return [await run_fault(http, model, name, server_pid, **kwargs) for name in (names or list(FAULTS))]
 
 
 def markdown(results: list[dict]) -> str:
@@ -216,10 +239,10 @@ def markdown(results: list[dict]) -> str:
             "KV blocks in use after |", "|---|---|---|---|---|"]
     for r in results:
         if r["skipped"]:
-            rows.append(f"| {r['fault']} | | skipped (server not armed) | | |")
+            rows.append(f"| {r['what']} | | skipped (server not armed) | | |")
             continue
         rec = "never" if r["recover_s"] is None else f"{r['recover_s']:.1f} s"
         done = r["outcomes"].get("completed", 0)
-        rows.append(f"| {r['fault']} | {r['in_flight_at_fault']} | {rec} | {done} / {r['errored']} "
+        rows.append(f"| {r['what']} | {r['in_flight_at_fault']} | {rec} | {done} / {r['errored']} "
                     f"({', '.join(r['error_statuses']) or '-'}) / {r['hung']} | {r['kv_blocks_used_after']} |")
     return "\n".join(rows) + "\n"

@@ -14,8 +14,11 @@ the point's `where` (e.g. the channel's name, which names the decode rank: `-r1-
     handover.recv_payload=kill@-r1-        decode rank 1 SIGKILLs itself after answering "send", before
                                            reading the payload
 
-Points: `handover.send_payload` (prefill_worker/handover.py), `handover.recv_payload`
-(decode_worker/receiver.py).
+    handover.send_header=stall:30          the prefill's sender waits 30 s before opening channels and
+                                           sending the headers (the first token is already out)
+
+Points: `handover.send_header`, `handover.send_payload` (prefill_worker/handover.py),
+`handover.recv_payload` (decode_worker/receiver.py).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-POINTS = ("handover.send_payload", "handover.recv_payload")
+POINTS = ("handover.send_header", "handover.send_payload", "handover.recv_payload")
 
 
 @dataclass(frozen=True, slots=True)

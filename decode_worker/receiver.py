@@ -11,6 +11,7 @@ takes them at commit (`take_stocked`), or go back to the stock if the request is
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,12 @@ class _Arrival:
     block_ids: list[int] | None = None  # None with `decided` set: dropped
     stocked: bool = False  # its blocks came from the stock (no lockstep reserve needed)
     dropped: bool = False  # stocked and dropped while its payload was coming: the blocks go back on landing
+
+
+def _client_text(error: Exception) -> str:
+    """The reason a request's client gets: gloo's source locations and troubleshooting advice stay in the log."""
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\] ", "", str(error))
+    return re.split(r"\. This is typically caused by", text)[0]
 
 
 def _read_header(message: Message) -> HandoverHeader:
@@ -206,7 +213,7 @@ class HandoverReceiver:
                     self._lock.notify_all()
                 rid = None
         except (ChannelError, ValueError) as e:
-            self._fail_channel(channel, rid, str(e))
+            self._fail_channel(channel, rid, _client_text(e))
 
     def _from_stock(self, header: HandoverHeader) -> list[int] | None:
         """The request's blocks from the stock, if it has them and the header fits this rank's cache (a
