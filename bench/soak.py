@@ -11,6 +11,7 @@ prefill and decode replica (read from /metrics); RSS growth of the server's proc
     tandem serve &                                              # loopback, the zoo's models, MTP k=3
     python -m bench.soak --requests 1000 --concurrency 32      # writes bench/results/soak_cpu.{json,md}
     python -m bench.soak --server-pid $(pgrep -f 'tandem serve') # adds the RSS growth of its process tree
+    python -m bench.soak --faults                               # faults under load instead (bench/faults.py)
 
 Exit status 1 when anything leaked, hung, went unexplained or a bad request was answered wrongly.
 """
@@ -122,7 +123,8 @@ async def _send(http: httpx.AsyncClient, spec: dict, deadline_s: float) -> dict:
     timeout = httpx.Timeout(0.05) if spec["kind"] == "timeout" else httpx.Timeout(deadline_s)
     try:
         if not spec["stream"]:
-            resp = await asyncio.wait_for(http.post(spec["path"], json=spec["body"], timeout=timeout), deadline_s)
+            resp = await asyncio.wait_for(http.post(spec["path"], json=spec["body"], timeout=timeout,
+                                                    headers=spec.get("headers")), deadline_s)
             out["status"] = resp.status_code
             payload = _json(resp.text)
             if resp.status_code == 200 and payload.get("choices") and payload["choices"][0].get("finish_reason"):
@@ -147,7 +149,8 @@ async def _stream(http: httpx.AsyncClient, spec: dict, timeout, start: float) ->
     out: dict = {"outcome": "unexplained", "detail": "the stream ended without [DONE]"}
     chunks = 0
     finish = None
-    async with http.stream("POST", spec["path"], json=spec["body"], timeout=timeout) as resp:
+    async with http.stream("POST", spec["path"], json=spec["body"], timeout=timeout,
+                           headers=spec.get("headers")) as resp:
         out["status"] = resp.status_code
         if resp.status_code != 200:
             payload = _json((await resp.aread()).decode(errors="replace"))
@@ -183,10 +186,10 @@ def _json(text: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- server state
-def kv_blocks_used(metrics_text: str) -> dict[str, float]:
-    """{"role/replica": blocks} from /metrics."""
+def kv_blocks_used(metrics_text: str, metric: str = "tandem_kv_blocks_used") -> dict[str, float]:
+    """{"role/replica": blocks} from /metrics (or another per-worker gauge: `metric`)."""
     used = {}
-    for m in re.finditer(r'^tandem_kv_blocks_used\{([^}]*)\} ([0-9.eE+-]+)$', metrics_text, re.M):
+    for m in re.finditer(rf'^{metric}\{{([^}}]*)\}} ([0-9.eE+-]+)$', metrics_text, re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
         used[f"{labels.get('role')}/{labels.get('replica')}"] = float(m.group(2))
     return used
@@ -202,10 +205,8 @@ async def wait_for_free_blocks(http: httpx.AsyncClient, within_s: float) -> tupl
         await asyncio.sleep(0.5)
 
 
-def tree_rss_mb(pid: int | None) -> float | None:
-    """Resident memory of `pid` and every process below it (Ray's raylet, workers, actors), in MB."""
-    if pid is None:
-        return None
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (with an embedded Ray: the raylet, its workers and actors)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -214,10 +215,20 @@ def tree_rss_mb(pid: int | None) -> float | None:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
+    tree, todo = [], [pid]
     while todo:
         p = todo.pop()
+        tree.append(p)
         todo.extend(children.get(p, []))
+    return tree
+
+
+def tree_rss_mb(pid: int | None) -> float | None:
+    """Resident memory of `pid` and every process below it (Ray's raylet, workers, actors), in MB."""
+    if pid is None:
+        return None
+    total = 0
+    for p in process_tree(pid):
         try:
             rss = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{p}/status").read_text())
         except OSError:
@@ -321,10 +332,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-duration-s", type=float, default=1800.0, help="stop sending after this long")
     ap.add_argument("--server-pid", type=int, default=None, help="measure RSS of this process and its children")
     ap.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"))
-    ap.add_argument("--out", default=str(RESULTS / "soak_cpu"), help="output prefix (.json and .md)")
+    ap.add_argument("--faults", nargs="*", default=None, metavar="FAULT",
+                    help="instead of the mix: inject faults (all, or these of bench.faults.FAULTS) under a steady "
+                         "load of --concurrency clients, and report each one's time to recover")
+    ap.add_argument("--app", default="tandem", help="the Serve application's name (--faults finds its processes)")
+    ap.add_argument("--out", default=None, help="output prefix (.json and .md); default: soak_cpu or "
+                                                "reliability_faults_cpu under bench/results")
     args = ap.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or httpx.get(f"{args.base_url}/v1/models", headers=headers).json()["data"][0]["id"]
+    if args.faults is not None:
+        return _faults_main(args, model, headers)
+    args.out = args.out or str(RESULTS / "soak_cpu")
     report = asyncio.run(soak(args.base_url, model, args.requests, args.concurrency, args.seed, args.bad_share,
                               args.deadline_s, args.max_duration_s, args.server_pid, headers))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -332,6 +351,27 @@ def main(argv: list[str] | None = None) -> int:
     Path(f"{args.out}.md").write_text(markdown(report))
     print(markdown(report))
     return 0 if report["passed"] else 1
+
+
+def _faults_main(args, model: str, headers: dict) -> int:
+    from bench import faults
+
+    if args.server_pid is None:
+        raise SystemExit("--faults needs --server-pid (the `tandem serve` process): faults are injected only into "
+                         "processes below it, never into another Ray session's on the same machine")
+    unknown = set(args.faults) - set(faults.FAULTS)
+    if unknown:
+        raise SystemExit(f"unknown fault(s) {sorted(unknown)}; known: {list(faults.FAULTS)}")
+    results = asyncio.run(faults.run_faults(args.base_url, model, args.server_pid, args.faults or None, headers,
+                                            app=args.app,
+                                            concurrency=min(args.concurrency, 16), seed=args.seed,
+                                            deadline_s=args.deadline_s))
+    out = args.out or str(RESULTS / "reliability_faults_cpu")
+    Path(f"{out}.json").write_text(json.dumps(results, indent=2, default=str))
+    Path(f"{out}.md").write_text(faults.markdown(results))
+    print(faults.markdown(results))
+    ran = [r for r in results if not r["skipped"]]
+    return 0 if all(r["recover_s"] is not None and not r["hung"] and r["kv_blocks_leaked"] == 0 for r in ran) else 1
 
 
 if __name__ == "__main__":

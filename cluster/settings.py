@@ -54,6 +54,12 @@ class EngineSettings(BaseModel):
                             "one GPU, NCCL between GPUs, gloo on CPU; ipc = also shared memory between processes "
                             "of one host on CPU; network = never shared memory. Either end's choice counts "
                             "(network wins); /metrics shows what was used (tandem_handovers_by_transport).")
+    transfer_timeout_s: float = Field(60.0, gt=0, description="Deadline of one hand-over's answer and payload, on "
+                                                              "the prefill's sending end and each decode rank's "
+                                                              "receiving end.")
+    fault_points: str = Field("", description="Testing only (tests, bench.soak --faults): fault points to arm, e.g. "
+                                              "'handover.send_payload=stall:8' (cluster/faults.py); an armed point "
+                                              "fires only for requests whose id names it. Empty: none.")
     torch_threads: int | None = Field(1, ge=1, description="torch threads per CPU engine (default of torch if "
                                                            "unset).")
 

@@ -15,6 +15,7 @@ from cluster.errors import WorkerDiedError
 from cluster.placement import RankResources
 from cluster.protocol import StreamError, TokenDelta
 from cluster.runtime import replica_id
+from decode_worker.callers import CallerWatch
 from decode_worker.config import DecodeConfig
 from decode_worker.controller import DecodeController
 from decode_worker.group import GroupSpec, RankGroup
@@ -44,11 +45,15 @@ class DecodeServer:
         self._step_seconds = 0.0  # inside the ranks (engine + commands), summed over steps
         self._last_error: str | None = None
         self._loop = asyncio.create_task(self._run())
+        self._sinks: dict[str, asyncio.Queue] = {}  # open streams, for ending those whose router died
+        self.callers = CallerWatch(self._caller_died)
+        self._watch = asyncio.create_task(self.callers.run())
 
     # ------------------------------------------------------------------ the stream of one request
-    async def generate(self, request_id: str, num_prompt_tokens: int = 0):
+    async def generate(self, request_id: str, num_prompt_tokens: int = 0, caller: str | None = None):
         """Yields the DecodeTarget (the ranks the request is placed on), then lists of TokenDelta, or a
-        StreamError; cancel to abort. num_prompt_tokens: the prompt's length (it weighs the placement)."""
+        StreamError; cancel to abort. num_prompt_tokens: the prompt's length (it weighs the placement);
+        caller: the Serve actor name of the router reading the stream (its death ends the stream)."""
         group = await self._current_group(self.config.handover_timeout_s)
         if group is None:
             yield StreamError(f"the decode group is restarting after a failure ({self._last_error}); retry")
@@ -56,6 +61,8 @@ class DecodeServer:
         sink: asyncio.Queue = asyncio.Queue()
         ranks = self.ctrl.expect(request_id, sink, -(-num_prompt_tokens // self.config.block_size))
         self._wake.set()
+        self._sinks[request_id] = sink
+        self.callers.opened(request_id, caller)
         finished = False
         try:
             yield group.target_for(ranks)
@@ -75,9 +82,20 @@ class DecodeServer:
                     finished = finished or item.finished
                 yield out
         finally:
+            self._sinks.pop(request_id, None)
+            self.callers.closed(request_id)
             if not finished:
                 self.ctrl.cancel(request_id)  # client gone, stop string, or prefill failure
                 self._wake.set()
+
+    def _caller_died(self, request_id: str, caller: str) -> None:
+        """The router reading this stream is dead: abort the request (freeing its blocks) and end the
+        stream, whose consumer is gone."""
+        self.ctrl.cancel(request_id)
+        self._wake.set()
+        sink = self._sinks.get(request_id)
+        if sink is not None:
+            sink.put_nowait(StreamError(f"the router reading this stream ({caller}) died"))
 
     async def _current_group(self, timeout_s: float = float("inf")) -> RankGroup | None:
         deadline = time.monotonic() + timeout_s
@@ -106,6 +124,9 @@ class DecodeServer:
 
     async def _recover(self, group: RankGroup, reason: str) -> None:
         log.error("decode group %s failed, rebuilding: %s", group.group_id, reason)
+        # Clients get the first line: Ray's account of a death goes on with pids, addresses and advice
+        # about OOM killers that belongs in the log, not in an HTTP answer.
+        reason = reason.strip().splitlines()[0] if reason.strip() else "unknown"
         self._last_error = reason
         self.group = None
         group.kill()
@@ -117,7 +138,7 @@ class DecodeServer:
                 return
             except WorkerDiedError as e:
                 log.error("rebuilding the decode group failed, retrying: %s", e)
-                self._last_error = str(e)
+                self._last_error = str(e).strip().splitlines()[0]
                 await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ load, health, introspection
@@ -128,6 +149,7 @@ class DecodeServer:
             "group_id": self.group.group_id if self.group else None,
             "max_num_seqs": self.config.max_num_seqs,
             "groups_started": self.groups_started,
+            "routers_lost": self.callers.callers_lost,
             "tp_size": self.config.tp,
             "attention_dp": self.config.attention_dp,
             # per rank: (requests placed there since start, KV blocks in use, KV blocks, running requests);

@@ -18,6 +18,7 @@ import ray
 import torch
 
 from cluster.channel import RECEIVER, open_channel
+from cluster.faults import FaultPoints
 from cluster.groups import backend_for, build_group
 from cluster.protocol import Command, CommandKind, KVLayout, RankStep, StepReport, TokenDelta
 from cluster.rendezvous import StoreAddress, StoreServer, connect_store
@@ -71,7 +72,8 @@ class DecodeRank:
         share = getattr(self.settings, "handover_stock", 0.0)
         stocked = self.engine.blocks.set_aside(int(self.engine.blocks.pool.num_blocks * share)) if share else None
         self.stock = HandoverStock(stocked) if stocked else None
-        self.receiver = HandoverReceiver(self.engine.kv_cache, stock=self.stock)
+        self.receiver = HandoverReceiver(self.engine.kv_cache, self.settings.transfer_timeout_s, self.stock,
+                                         FaultPoints(self.settings.fault_points))
         m = self.engine.model_cfg
         # Cache layers: the target's, then the draft's when speculation shares the cache.
         return KVLayout(num_layers=self.engine.kv_cache.shape[0], num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,

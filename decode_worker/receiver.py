@@ -11,6 +11,7 @@ takes them at commit (`take_stocked`), or go back to the stock if the request is
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import torch
 
 from cluster.channel import KVChannel, Message
 from cluster.errors import ChannelError, HandoverHeaderError
+from cluster.faults import FaultPoints
 from cluster.protocol import HandoverHeader, HandoverPayload
 from decode_worker.stock import HandoverStock
 from kernels.kv_transfer import unpack_kv
@@ -37,6 +39,12 @@ class _Arrival:
     dropped: bool = False  # stocked and dropped while its payload was coming: the blocks go back on landing
 
 
+def _client_text(error: Exception) -> str:
+    """The reason a request's client gets: gloo's source locations and troubleshooting advice stay in the log."""
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\] ", "", str(error))
+    return re.split(r"\. This is typically caused by", text)[0]
+
+
 def _read_header(message: Message) -> HandoverHeader:
     header = HandoverHeader.from_wire(message.header)
     if len(header.parts) != len(message.payload):
@@ -46,9 +54,11 @@ def _read_header(message: Message) -> HandoverHeader:
 
 
 class HandoverReceiver:
-    def __init__(self, kv_cache: torch.Tensor, payload_timeout_s: float = 60.0, stock: HandoverStock | None = None):
+    def __init__(self, kv_cache: torch.Tensor, payload_timeout_s: float = 60.0, stock: HandoverStock | None = None,
+                 faults: FaultPoints | None = None):
         self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, local kv heads, head_dim]
         self.payload_timeout_s = payload_timeout_s
+        self.faults = faults or FaultPoints()
         self.stock = stock
         self._lock = threading.Condition()
         self._pending: dict[str, _Arrival] = {}  # parked, or stocked until the rank takes the blocks
@@ -170,10 +180,13 @@ class HandoverReceiver:
                 if self._stopping:
                     return
                 if arrival.block_ids is None:
-                    channel.answer(False)
+                    channel.answer(False, self.payload_timeout_s)
                     rid = None
                     continue
-                channel.answer(True)
+                # gloo writes the answer only once the sender waits for it: a sender stalled after the
+                # header holds this send, so it gets the payload's deadline, not the channel's default.
+                channel.answer(True, self.payload_timeout_s)
+                self.faults.hit("handover.recv_payload", rid, channel.name)
                 start = time.perf_counter()
                 try:
                     payload = HandoverPayload.assemble(
@@ -200,7 +213,7 @@ class HandoverReceiver:
                     self._lock.notify_all()
                 rid = None
         except (ChannelError, ValueError) as e:
-            self._fail_channel(channel, rid, str(e))
+            self._fail_channel(channel, rid, _client_text(e))
 
     def _from_stock(self, header: HandoverHeader) -> list[int] | None:
         """The request's blocks from the stock, if it has them and the header fits this rank's cache (a

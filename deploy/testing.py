@@ -19,6 +19,7 @@ class TandemServer:
     model_dir: str
     model: str  # the served model name
     config: object  # deploy.config.TandemConfig
+    app: str = "tandem"  # the Serve application's name
 
     def openai(self, **kwargs):
         import openai
@@ -33,12 +34,20 @@ class TandemServer:
     def decode_handle(self):
         from ray import serve
 
-        return serve.get_deployment_handle("decode", app_name="tandem")
+        return serve.get_deployment_handle("decode", app_name=self.app)
 
     def prefill_handle(self):
         from ray import serve
 
-        return serve.get_deployment_handle("prefill", app_name="tandem")
+        return serve.get_deployment_handle("prefill", app_name=self.app)
+
+    def kv_blocks_in_use(self) -> dict[str, int]:
+        """KV blocks in use per worker from the deployments' own stats (one replica of each):
+        {"prefill": n, "decode/rank0": n, ...}; a decode rank's figure is from its last step report."""
+        prefill = self.prefill_handle().stats.remote().result()
+        decode = self.decode_handle().stats.remote().result()
+        return {"prefill": prefill["kv_blocks_used"],
+                **{f"decode/rank{r}": load[1] for r, load in enumerate(decode["dp_ranks"])}}
 
 
 def start_server(model_dir: str, **overrides) -> TandemServer:
@@ -73,10 +82,28 @@ def start_router(server: TandemServer, name: str, **router_settings) -> TandemSe
     return TandemServer(f"{server.base_url}/{name}", server.model_dir, cfg.name, cfg)
 
 
+def start_app(server: TandemServer, name: str, **overrides) -> TandemServer:
+    """A whole second application (router, prefill, decode group) with its own settings (`overrides` of
+    `server`'s), under the route prefix `/name` of `server`'s Serve: for tests that need a small KV cache,
+    short deadlines or armed fault points without touching the session's application. Its deployments
+    hold Ray CPUs like the session's: stop it with `stop_app(name)` before the next one starts."""
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.config import TandemConfig
+
+    cfg = TandemConfig(**{**server.config.model_dump(), **overrides})
+    serve.run(build_app(cfg), name=name, route_prefix=f"/{name}")
+    return TandemServer(f"{server.base_url}/{name}", server.model_dir, cfg.name, cfg, app=name)
+
+
 def stop_router(name: str) -> None:
     from ray import serve
 
     serve.delete(name)
+
+
+stop_app = stop_router  # both delete the Serve application of that name
 
 
 @pytest.fixture(scope="session")

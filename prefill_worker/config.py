@@ -7,5 +7,4 @@ from cluster.settings import EngineSettings
 
 
 class PrefillConfig(EngineSettings):
-    transfer_timeout_s: float = Field(60.0, gt=0, description="Deadline of one hand-over's answer and payload.")
     connect_timeout_s: float = Field(30.0, gt=0, description="Deadline for opening a channel to a decode rank.")

@@ -6,9 +6,12 @@ import asyncio
 import logging
 import os
 import uuid
+from typing import AsyncIterator
 
 import torch
 
+from cluster.errors import ChannelError
+from cluster.faults import FaultPoints
 from cluster.protocol import DecodeTarget, ModelInfo, PrefillRequest, PrefillResult
 from cluster.runtime import replica_id
 from engine import LLMEngine
@@ -27,20 +30,32 @@ class PrefillServer:
         self.engine = LLMEngine(c.engine_config(detokenize=False))  # the router detokenizes and applies stops
         self.name = f"prefill-{uuid.uuid4().hex[:8]}"
         self.loop = PrefillLoop(self.engine, self.name, c.transfer_timeout_s, c.connect_timeout_s,
-                                c.handover_transport)
+                                c.handover_transport, FaultPoints(c.fault_points))
 
-    async def prefill(self, request: PrefillRequest, target: DecodeTarget) -> PrefillResult:
-        """Runs the prompt and returns its first token; the KV then goes to `target` in the background.
+    async def prefill(self, request: PrefillRequest, target: DecodeTarget) -> AsyncIterator[PrefillResult]:
+        """A stream: the prompt's PrefillResult (its first token) as soon as it exists, then the end of the
+        stream once the KV has left for `target` (at once when the request finished here).
 
-        Raises InvalidRequestError for input the engine refuses. Cancelling the call aborts the prompt.
+        Raises InvalidRequestError for input the engine refuses, and after the first item the hand-over's
+        error if it failed. Reading on after the first item is how a caller learns that this replica died
+        with the hand-over still queued: the decode side, still waiting for the header, cannot know that
+        before its deadline. Cancelling before the first item aborts the prompt; after it, the hand-over
+        goes on (the decode side drops what nobody waits for).
         """
         self._check_layout(target)
-        future = self.loop.submit(request, target)
+        job = self.loop.submit(request, target)
         try:
-            return await asyncio.wrap_future(future)
+            result = await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:
             self.loop.cancel(request.request_id)
             raise
+        yield result
+        if job.handed_over is not None:
+            try:
+                await asyncio.wrap_future(job.handed_over)
+            except Exception as e:  # the sender logged the transport's own account (gloo's is long)
+                raise ChannelError(f"the KV hand-over to the decode group failed ({type(e).__name__}); "
+                                   f"retry") from e
 
     def _check_layout(self, target: DecodeTarget) -> None:
         m, kv = self.engine.model_cfg, self.engine.kv_cache

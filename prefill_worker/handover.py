@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +23,7 @@ import torch
 
 from cluster.channel import SENDER, KVChannel, connect_channel
 from cluster.errors import ChannelError
+from cluster.faults import FaultPoints
 from cluster.groups import backend_for
 from cluster.protocol import DecodeTarget, GrammarHandover, HandoverHeader, HandoverPayload, RankEndpoint
 from engine import Handover
@@ -57,12 +59,14 @@ class HandoverTiming:
 
 class HandoverSender:
     def __init__(self, kv_cache: torch.Tensor, release: Callable[[str], None], name: str,
-                 transfer_timeout_s: float = 60.0, connect_timeout_s: float = 30.0, transport: str = "auto"):
+                 transfer_timeout_s: float = 60.0, connect_timeout_s: float = 30.0, transport: str = "auto",
+                 faults: FaultPoints | None = None):
         self.kv_cache = kv_cache
         self.release = release
         self.name = name
         self.transfer_timeout_s = transfer_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.faults = faults or FaultPoints()
         self.backend = backend_for(kv_cache.device)
         self.transport = transport  # cluster.ipc.TransportPreference; the decode rank states its own
         self.by_transport: collections.Counter[str] = collections.Counter()  # sent hand-overs by what carried them
@@ -74,8 +78,11 @@ class HandoverSender:
         self._thread = threading.Thread(target=self._serve, daemon=True, name="handover-tx")
         self._thread.start()
 
-    def submit(self, handover: Handover, target: DecodeTarget) -> None:
-        self._jobs.put((handover, target))
+    def submit(self, handover: Handover, target: DecodeTarget) -> Future:
+        """Queue a hand-over; the future ends when it was sent (None) or failed (the error)."""
+        done: Future = Future()
+        self._jobs.put((handover, target, done))
+        return done
 
     @property
     def queued(self) -> int:
@@ -93,7 +100,7 @@ class HandoverSender:
             job = self._jobs.get()
             if job is None:
                 return
-            handover, target = job
+            handover, target, done = job
             self.total += 1
             rid = handover.request.request_id
             released = False
@@ -102,14 +109,17 @@ class HandoverSender:
                 self.release(rid)
                 released = True
                 self._send(handover, target, payloads, pack_s)
+                _settle(done)
             except (ChannelError, ray.exceptions.RayError) as e:
                 # The decode side sees the same broken channel (or dead group) and fails the request there.
                 self.failures += 1
                 log.warning("hand-over of %s to group %s failed: %s", rid, target.group_id, e)
                 self._forget_group(target.group_id)
-            except Exception:  # noqa: BLE001 - keep the thread serving; this request is lost
+                _settle(done, e)
+            except Exception as e:  # noqa: BLE001 - keep the thread serving; this request is lost
                 self.failures += 1
                 log.exception("hand-over of %s failed", rid)
+                _settle(done, e)
             finally:
                 if not released:
                     self.release(rid)
@@ -135,11 +145,13 @@ class HandoverSender:
 
     def _send(self, handover: Handover, target: DecodeTarget, payloads: list[HandoverPayload], pack_s: float) -> None:
         rid = handover.request.request_id
+        self.faults.hit("handover.send_header", rid)
         channels = [self._channel(target, rank) for rank in target.ranks]
         start = time.perf_counter()
         header = HandoverHeader(handover.request, payloads[0].parts, _grammar(handover)).to_wire()  # same for every rank
         for ch, payload in zip(channels, payloads):
             ch.send_header(header, payload.tensors, self.transfer_timeout_s)
+        self.faults.hit("handover.send_payload", rid, channels[0].name)
         # Each rank's payload starts as soon as that rank answers, and all of them move at once.
         pending, answers = [], []
         for ch, payload in zip(channels, payloads):
@@ -177,3 +189,14 @@ class HandoverSender:
     def _forget_group(self, group_id: str) -> None:
         for key in [k for k in self.channels if k[0] == group_id]:
             self.channels.pop(key).close()
+
+
+def _settle(done: Future, error: BaseException | None = None) -> None:
+    """End a hand-over's future, unless its caller gave up on it (cancelled) meanwhile."""
+    try:
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+    except InvalidStateError:
+        pass

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from cluster.faults import FaultPoints
 from cluster.protocol import DecodeTarget, PrefillRequest, PrefillResult
 from engine import LLMEngine, SamplingParams, TandemError
 from prefill_worker.handover import HandoverSender
@@ -21,22 +22,23 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
-class _Job:
+class PrefillJob:
     request: PrefillRequest
     target: DecodeTarget
-    future: Future
+    future: Future  # the PrefillResult (first token)
+    handed_over: Future | None = None  # set before `future` resolves when a hand-over follows (HandoverSender)
     submitted: float = field(default_factory=time.monotonic)
 
 
 class PrefillLoop:
     def __init__(self, engine: LLMEngine, sender_name: str, transfer_timeout_s: float, connect_timeout_s: float,
-                 transport: str = "auto"):
+                 transport: str = "auto", faults: FaultPoints | None = None):
         self.engine = engine
         self.sender = HandoverSender(engine.kv_cache, self.release, sender_name, transfer_timeout_s,
-                                     connect_timeout_s, transport)
+                                     connect_timeout_s, transport, faults)
         self._inbox: list[tuple[str, object]] = []
         self._cv = threading.Condition()
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, PrefillJob] = {}
         self._stopped = False
         self.steps = 0
         self.prompt_tokens_waiting = 0
@@ -44,10 +46,10 @@ class PrefillLoop:
         self._thread.start()
 
     # ------------------------------------------------------------------ other threads
-    def submit(self, request: PrefillRequest, target: DecodeTarget) -> Future:
-        future: Future = Future()
-        self._post("add", _Job(request, target, future))
-        return future
+    def submit(self, request: PrefillRequest, target: DecodeTarget) -> PrefillJob:
+        job = PrefillJob(request, target, Future())
+        self._post("add", job)
+        return job
 
     def cancel(self, request_id: str) -> None:
         self._post("cancel", request_id)
@@ -91,7 +93,7 @@ class PrefillLoop:
 
     def _handle(self, kind: str, item) -> None:
         if kind == "add":
-            job: _Job = item
+            job: PrefillJob = item
             r = job.request
             try:
                 self.engine.add_request(r.request_id, r.prompt_token_ids, SamplingParams(**r.params), prefill_only=True)
@@ -127,7 +129,7 @@ class PrefillLoop:
         result = PrefillResult(out.request_id, list(out.token_ids), out.finished, out.finish_reason, logprobs,
                                queue_s, prefill_s)
         if not out.finished:
-            self.sender.submit(self.engine.take_handover(out.request_id), job.target)
+            job.handed_over = self.sender.submit(self.engine.take_handover(out.request_id), job.target)
         if not job.future.set_running_or_notify_cancel():
             return
         job.future.set_result(result)

@@ -9,6 +9,7 @@ import asyncio
 import time
 import uuid
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
@@ -43,6 +44,7 @@ class Router:
         self.info = await prefill.model_info.remote()
         self.metrics = RouterMetrics(self.cfg.served_model_name)
         self.inflight = 0
+        self.actor_name = ray.get_runtime_context().get_actor_name()  # None outside an actor (tests)
         self.waiting_first = 0
         self.created = int(time.time())
 
@@ -182,7 +184,7 @@ class Router:
         # Serve's proxy gives every request an id (the client's X-Request-Id if it sent one): reuse it so
         # the router's, the workers' and Serve's logs name the same request.
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
-        gen = Generation(self.prefill, self.decode, rid, prompt_ids, params)
+        gen = Generation(self.prefill, self.decode, rid, prompt_ids, params, self.actor_name)
         self.inflight += 1
         self.waiting_first += 1
         self._gauges()

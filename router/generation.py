@@ -1,14 +1,18 @@
 """Generation: one request's trip through the workers, as the router sees it.
 
 1. open the decode stream (Serve picks the decode group by load); its first item is the group's address;
-2. ask a prefill replica (picked by load) to run the prompt and hand the KV to that group; it answers
-   with the first token;
-3. read the decode stream: lists of token deltas, or a StreamError.
+2. ask a prefill replica (picked by load) to run the prompt and hand the KV to that group; its stream
+   answers with the first token, and ends once the KV has left (or raises if the hand-over failed);
+3. read the decode stream: lists of token deltas, or a StreamError; until the prefill's stream has
+   ended, watch it too, so that a prefill that dies with the hand-over still queued ends the request
+   at once rather than at the decode side's deadline for the header.
 Cancelling (client gone, stop string) cancels whatever is in flight; the workers free the blocks.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -44,42 +48,59 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, BackPressureError):
         return APIError(503, "the server is overloaded; retry later", "overloaded_error", code="overloaded")
     if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
-        return APIError(503, f"a worker died while serving the request: {e}", "unavailable_error")
+        # Ray's text names pids, addresses and OOM advice: the log keeps it, the client gets the role.
+        log.warning("a worker died under a request: %s", " ".join(str(e).split("\n")[:2]))
+        return APIError(503, f"the {_role(e)} died while serving the request; retry", "unavailable_error")
     log.exception("unexpected worker error", exc_info=e)
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
 
 
+def _role(e: BaseException) -> str:
+    """"prefill worker" / "decode worker" from a Ray actor error's class name (ServeReplica:APP:DEPLOYMENT)."""
+    found = re.search(r"class_name: ServeReplica:[^:\s]*:(\S+)", str(e))
+    return f"{found.group(1)} worker" if found else "worker"
+
+
 class Generation:
-    def __init__(self, prefill, decode, request_id: str, prompt_token_ids: list[int], params: dict):
+    def __init__(self, prefill, decode, request_id: str, prompt_token_ids: list[int], params: dict,
+                 caller: str | None = None):
         self.prefill, self.decode = prefill, decode
+        self.caller = caller  # this router's Serve actor name: the decode side ends our streams if it dies
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self._stream = None
-        self._prefill_call = None
+        self._prefill_call = None  # the prefill's stream, until the hand-over has left it
+        self._handover: asyncio.Future | None = None  # ends when the prefill's stream does
         self.first: PrefillResult | None = None
 
     async def start(self) -> PrefillResult:
         """Runs until the first token exists; raises APIError (nothing is left running then)."""
         try:
             self._stream = self.decode.options(stream=True).generate.remote(self.request_id,
-                                                                             len(self.prompt_token_ids))
+                                                                             len(self.prompt_token_ids), self.caller)
             target = await self._stream.__anext__()
             if isinstance(target, StreamError):
                 raise APIError(target.status, target.message, target.error_type)
-            self._prefill_call = self.prefill.prefill.remote(
+            self._prefill_call = self.prefill.options(stream=True).prefill.remote(
                 PrefillRequest(self.request_id, self.prompt_token_ids, self.params), target)
-            self.first = await self._prefill_call
+            self.first = await self._prefill_call.__anext__()
         except BaseException as e:
             self.cancel()
             if isinstance(e, Exception):
                 raise api_error(e) from e
             raise
-        self._prefill_call = None
         if self.first.finished:
             self._stream.cancel()  # no hand-over comes: the decode side drops the expected request
-            self._stream = None
+            self._stream = self._prefill_call = None
+        else:
+            self._handover = asyncio.ensure_future(self._handed_over(self._prefill_call))
         return self.first
+
+    @staticmethod
+    async def _handed_over(prefill_stream) -> None:
+        async for _ in prefill_stream:
+            raise APIError(500, "the prefill answered more than one result", "internal_error")
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """The first token(s), then the decode group's; raises APIError if the decode side fails."""
@@ -88,7 +109,7 @@ class Generation:
         if first.finished:
             return
         try:
-            async for item in self._stream:
+            while (item := await self._next_decode_item()) is not None:
                 if isinstance(item, StreamError):
                     raise APIError(item.status, item.message, item.error_type)
                 for delta in item:
@@ -104,8 +125,29 @@ class Generation:
             raise api_error(e) from e
         raise APIError(503, "the decode stream ended early", "unavailable_error")
 
+    async def _next_decode_item(self):
+        """The decode stream's next item (None at its end); while the hand-over is still the prefill's, the
+        prefill's failure (it died, or could not send) ends the request first, the decode side dropping it."""
+        try:
+            if self._handover is None:
+                return await self._stream.__anext__()
+            item = asyncio.ensure_future(self._stream.__anext__())
+            await asyncio.wait({item, self._handover}, return_when=asyncio.FIRST_COMPLETED)
+            if self._handover.done():
+                handover, self._handover, self._prefill_call = self._handover, None, None
+                if handover.exception() is not None:
+                    item.cancel()
+                    self.cancel()
+                    raise api_error(handover.exception()) from handover.exception()
+            return await item
+        except StopAsyncIteration:
+            return None
+
     def cancel(self) -> None:
         """Stop whatever is still running; never raises (it runs while another error is being answered)."""
+        if self._handover is not None:
+            self._handover.cancel()
+            self._handover = None
         for call in (self._prefill_call, self._stream):
             if call is None:
                 continue

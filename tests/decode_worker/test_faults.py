@@ -1,5 +1,6 @@
-"""A decode rank that dies ends its group's in-flight requests with an error (never a hang), and the
-decode replica rebuilds its group so that later requests are served again."""
+"""A decode rank that dies mid-step ends its group's in-flight requests with an error (never a hang), and the
+decode replica rebuilds its group so that later requests are served again, with no KV block left in use
+on the prefill or the new group. (Deaths inside a hand-over: test_handover_faults.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -61,6 +62,7 @@ def test_killed_decode_rank_gives_errors_not_hangs_and_the_group_recovers(tandem
     for outcome, chunks, message in streams:
         assert outcome == "error" and "decode rank died" in message, (outcome, chunks, message)
     assert plain[0] == "error" and plain[1] == 503 and "decode rank died" in plain[2]["message"]
+    assert "\n" not in plain[2]["message"]  # one line for the client; Ray's account of the death is logged
 
     # The replica builds a new group; requests succeed again.
     client = tandem_server.openai(timeout=60)
@@ -76,3 +78,4 @@ def test_killed_decode_rank_gives_errors_not_hangs_and_the_group_recovers(tandem
     after = decode.stats.remote().result()
     assert after["groups_started"] == before["groups_started"] + 1 and after["group_id"] != before["group_id"]
     assert set(decode.rank_pids.remote().result()).isdisjoint(pids)
+    wait_for(lambda: not any(tandem_server.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)

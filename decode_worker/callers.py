@@ -1,0 +1,68 @@
+"""CallerWatch: ends the decode streams of a router replica that died.
+
+Ray does not end a streaming call whose caller's process is gone: with a router killed mid-stream, the
+decode group went on decoding its requests to their last token for nobody, holding their KV blocks all
+the while (tests/router/test_faults.py). Each stream names the router that opened it (its Serve actor's
+name); every CHECK_S this pings the routers that have streams open and, for one that is dead, hands its
+streams to `on_dead`.
+
+A name alone does not tell: Ray keeps a dead actor's name resolvable, so life is an answer to
+`__ray_ready__`. A slow answer counts as alive (a busy router is not a dead one).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import ray
+
+log = logging.getLogger(__name__)
+
+CHECK_S = 5.0
+SERVE_NAMESPACE = "serve"  # where Ray Serve creates its replica actors (ray.serve._private.constants)
+
+
+class CallerWatch:
+    def __init__(self, on_dead: Callable[[str, str], None], check_s: float = CHECK_S):
+        """on_dead(request_id, caller): the stream's router is gone."""
+        self.on_dead = on_dead
+        self.check_s = check_s
+        self._streams: dict[str, str] = {}  # request id -> the caller's actor name
+        self._handles: dict[str, object] = {}
+        self.callers_lost = 0
+
+    def opened(self, request_id: str, caller: str | None) -> None:
+        if caller:
+            self._streams[request_id] = caller
+
+    def closed(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_s)
+            callers = set(self._streams.values())
+            for name in [n for n in self._handles if n not in callers]:
+                del self._handles[name]
+            for name in callers:
+                if await self._alive(name):
+                    continue
+                self.callers_lost += 1
+                orphans = [rid for rid, c in self._streams.items() if c == name]
+                log.warning("router %s died with %d decode stream(s) open: ending them", name, len(orphans))
+                for rid in orphans:
+                    self.closed(rid)
+                    self.on_dead(rid, name)
+
+    async def _alive(self, name: str) -> bool:
+        try:
+            handle = self._handles.get(name)
+            if handle is None:
+                handle = self._handles[name] = await asyncio.to_thread(ray.get_actor, name, SERVE_NAMESPACE)
+            await asyncio.wait_for(handle.__ray_ready__.remote(), self.check_s)
+            return True
+        except (ValueError, ray.exceptions.ActorDiedError):
+            return False
+        except Exception:  # noqa: BLE001 - slow, unreachable for now, or any other doubt: not known dead
+            return True

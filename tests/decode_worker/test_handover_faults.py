@@ -1,0 +1,117 @@
+"""Faults inside a hand-over, made to happen at an exact moment by fault points (cluster/faults.py) armed in
+a dedicated application: a decode rank killed between the header and the payload, a payload that stalls
+past its deadline, and a prefill killed with a hand-over still queued after its first token went out.
+Each time the request ends with a typed error instead of a hang, the others finish or fail with a typed
+error, the deployment serves again, and no KV block stays in use."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import httpx
+import pytest
+
+from bench.soak import _send
+from cluster.testing import wait_for
+from deploy.testing import start_app, stop_app
+from tests.prefill_worker.test_faults import served
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+TRANSFER_TIMEOUT_S = 4.0
+STALL_S = 12.0  # past the decode rank's payload deadline (TRANSFER_TIMEOUT_S)
+QUEUED_S = 30.0  # a hand-over held before its headers while the test kills the prefill
+
+
+@pytest.fixture(scope="module")
+def armed(tandem_server):
+    server = start_app(tandem_server, "armed", transfer_timeout_s=TRANSFER_TIMEOUT_S,
+                       fault_points=f"handover.recv_payload=kill@-r1-,handover.send_payload=stall:{STALL_S:g},"
+                                    f"handover.send_header=stall:{QUEUED_S:g}")
+    yield server
+    stop_app("armed")
+
+
+def spec(server, prompt: str, stream: bool, request_id: str | None = None, max_tokens: int = 64) -> dict:
+    return {"kind": "good", "path": "/v1/completions", "stream": stream,
+            "headers": {"X-Request-Id": request_id} if request_id else None,
+            "body": {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                     "ignore_eos": True, "stream": stream}}
+
+
+async def with_others(server, marked: dict, others: int = 4) -> tuple[dict, list[dict]]:
+    """The marked request sent while `others` ordinary requests are in flight; every outcome, each bounded."""
+    async with httpx.AsyncClient(base_url=server.base_url) as http:
+        plain = [asyncio.create_task(_send(http, spec(server, f"The quick brown fox {i}", i % 2 == 0), 180))
+                 for i in range(others)]
+        await asyncio.sleep(0.5)
+        fault = await _send(http, marked, 180)
+        return fault, list(await asyncio.gather(*plain))
+
+
+def test_decode_rank_killed_between_header_and_payload(armed):
+    decode = armed.decode_handle()
+    before = decode.stats.remote().result()
+    marked = spec(armed, "Hello, how are you?", stream=False, request_id="fault-handover.recv_payload-1")
+    fault, others = asyncio.run(with_others(armed, marked))
+    assert fault["outcome"] == "typed_error" and fault["status"] == 503, fault
+    # whichever side tells the router first: the decode replica (its rank died) or the prefill (its send broke)
+    message = fault["detail"]["message"]
+    assert ("decode rank died" in message or "hand-over to the decode group failed" in message), fault
+    assert "\n" not in message and "gloo" not in message, fault
+    # The group died under the others too: they finished before, or failed with the same typed error.
+    assert {o["outcome"] for o in others} <= {"completed", "typed_error"}, others
+
+    wait_for(lambda: served(armed), "the decode group is rebuilt and serves again", 300, 1.0)
+    after = decode.stats.remote().result()
+    assert after["groups_started"] == before["groups_started"] + 1
+    wait_for(lambda: not any(armed.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)
+
+
+def test_payload_stalled_past_its_deadline_fails_that_request_only(armed):
+    decode = armed.decode_handle()
+    wait_for(lambda: served(armed), "the armed app serves", 300, 1.0)
+    before = decode.stats.remote().result()
+    marked = spec(armed, "Hello, how are you?", stream=True, request_id="fault-handover.send_payload-1")
+    fault, others = asyncio.run(with_others(armed, marked))
+    assert fault["outcome"] == "typed_error", fault
+    assert "hand-over failed" in fault["detail"]["message"] and "gloo" not in fault["detail"]["message"], fault
+    assert [o["outcome"] for o in others] == ["completed"] * len(others), others
+
+    assert served(armed)
+    assert decode.stats.remote().result()["groups_started"] == before["groups_started"]  # no rebuild needed
+    wait_for(lambda: not any(armed.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)
+
+
+def test_prefill_killed_with_the_hand_over_still_queued(armed):
+    """Regression: once the router had the first token it stopped watching the prefill, and the decode side
+    waited for a header that could no longer come: the stream ended only at the decode side's header
+    deadline (handover_timeout_s, 60 s), with a message about that deadline instead of the death."""
+    wait_for(lambda: served(armed), "the armed app serves", 300, 1.0)
+    prefill = armed.prefill_handle()
+    before = prefill.stats.remote().result()
+    body = {"model": armed.model, "prompt": "Hello, how are you?", "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=armed.base_url, timeout=180) as http:
+            async def read() -> list[str]:
+                async with http.stream("POST", "/v1/completions", json=body,
+                                       headers={"X-Request-Id": "fault-handover.send_header-1"}) as resp:
+                    return [line async for line in resp.aiter_lines() if line.startswith("data: ")]
+            lines = asyncio.create_task(read())
+            # the sender took the hand-over (its first token is out) and holds it before the headers
+            await asyncio.to_thread(wait_for, lambda: prefill.stats.remote().result()["handovers_total"]
+                                    > before["handovers_total"], "the hand-over reaches the sender", 60, 0.05)
+            os.kill(before["pid"], signal.SIGKILL)
+            return await asyncio.wait_for(lines, 170)  # a bound on a hang only
+
+    lines = asyncio.run(main())
+    events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    assert events and "error" in events[-1], lines
+    assert "prefill worker died" in events[-1]["error"]["message"], events[-1]
+
+    wait_for(lambda: served(armed), "Serve restarts the prefill replica and requests succeed", 300, 1.0)
+    wait_for(lambda: not any(armed.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)

@@ -1,0 +1,52 @@
+"""The router replica killed (SIGKILL) with streams open: the clients' requests end (Serve's proxy closes
+them or answers 5xx) instead of hanging, Serve restarts the router, requests succeed again, and the
+decode replica ends the requests whose router died and frees their blocks (regression: it decoded them
+to their last token for nobody, since Ray does not end a stream whose caller died)."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import httpx
+import pytest
+
+from bench.faults import kill, replica_pids
+from bench.soak import _send
+from cluster.testing import wait_for
+from tests.prefill_worker.test_faults import served
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MAX_TOKENS = 900  # far more decode steps than the clean-up after the kill may take
+
+
+def test_killed_router_replica_ends_its_requests_and_is_restarted(tandem_server):
+    pids = replica_pids("router", os.getpid(), tandem_server.app)  # this session's Ray runs below pytest
+    assert len(pids) == 1, pids
+
+    async def main():
+        async with httpx.AsyncClient(base_url=tandem_server.base_url) as http:
+            specs = [{"kind": "good", "path": "/v1/completions", "stream": i % 2 == 0,
+                      "body": {"model": tandem_server.model, "prompt": "The quick brown fox", "max_tokens": MAX_TOKENS,
+                               "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}} for i in range(6)]
+            sent = [asyncio.create_task(_send(http, s, deadline_s=120)) for s in specs]
+            await asyncio.to_thread(wait_for, lambda: tandem_server.decode_handle().stats.remote().result()
+                                    ["num_running"] >= 4, "requests decoding", 120, 0.05)
+            steps["at_kill"] = await asyncio.to_thread(
+                lambda: tandem_server.decode_handle().stats.remote().result()["steps"])
+            kill(pids)
+            return await asyncio.gather(*sent)
+
+    steps = {}
+
+    outcomes = asyncio.run(main())
+    assert not [o for o in outcomes if o["outcome"] == "hung"], outcomes
+    assert [o for o in outcomes if o["outcome"] != "completed"], outcomes
+
+    wait_for(lambda: served(tandem_server), "Serve restarts the router and requests succeed", 300, 1.0)
+    assert replica_pids("router", os.getpid(), tandem_server.app) not in ([], pids)
+    wait_for(lambda: not any(tandem_server.kv_blocks_in_use().values()), "KV blocks in use back to 0", 180, 0.5)
+    # The requests whose router died were ended, not decoded to their length for nobody.
+    stats = tandem_server.decode_handle().stats.remote().result()
+    assert stats["routers_lost"] >= 1
+    assert stats["steps"] - steps["at_kill"] < MAX_TOKENS // 2, (stats["steps"], steps)
