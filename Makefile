@@ -6,7 +6,14 @@ STAMP     := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 HAS_GPU   := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup serve test test-fast bench bench-serve zoo clean
+# Offline machines (a GPU node with no network): WHEELS=dir installs everything from wheels downloaded
+# ahead of time into dir (README, "Tests on GPUs"); pip then never reaches an index.
+ifneq ($(WHEELS),)
+export PIP_NO_INDEX := 1
+export PIP_FIND_LINKS := $(abspath $(WHEELS))
+endif
+
+.PHONY: setup serve test test-fast test-gpu gpu-check bench bench-serve zoo clean
 
 setup: $(STAMP)
 
@@ -32,6 +39,21 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(if $(HAS_GPU),,TRITON_INTERPRET=1) $(PY) -m pytest -m "not slow and not ray" $(ARGS)
+
+# Every gpu and multigpu test this machine can run: kernels compiled by Triton, the engine and its CUDA
+# graphs, and the served topologies of tests/integration (one row per GPU count); the summary names the
+# topologies that ran and those skipped for lack of GPUs.
+test-gpu: $(STAMP)
+	@$(PY) -c "import torch, sys; n = torch.cuda.device_count(); print(f'test-gpu: {n} CUDA device(s)'); sys.exit(0 if n else 1)" \
+	  || { echo "test-gpu: no CUDA device here (torch.cuda.device_count() == 0)"; exit 1; }
+	$(PY) -m pytest -m "gpu or multigpu" -rs $(ARGS)
+
+# One call on a GPU machine: every GPU test (test-gpu), then the GPU benchmarks, whose results land in
+# bench/results/*_cuda.{md,json} naming the GPU (kernels against their torch references and the
+# bandwidth limit; engine decode against transformers and, on a 1B bf16 Llama, the HBM roofline).
+gpu-check: test-gpu
+	$(PY) -m bench.kernels --device cuda
+	$(PY) -m bench.engine --device cuda
 
 bench: $(STAMP)
 	$(PY) -m bench.engine $(ARGS)

@@ -11,6 +11,11 @@ The answer makes the payload transfer start only when the receiver has somewhere
 payload deadlines measure transfer time, not queueing, and a dropped request costs no bandwidth. It also
 keeps NCCL (whose watchdog kills a process with a long-pending operation) safe: control frames go over
 gloo, payloads over the data group (the same gloo group on CPU, an NCCL group on CUDA).
+
+Where both ends share a device (one GPU, or one host's CPU when asked for), step 3 is instead shared
+memory (cluster.ipc): the sender sends handles over the control group, the receiver copies from the
+sender's memory and acknowledges. `KVChannel.transport` says which one a channel uses ('gloo', 'nccl' or
+'ipc'), so a deployment can show, and a test can assert, that no silent fallback happened.
 """
 from __future__ import annotations
 
@@ -25,12 +30,13 @@ import torch.distributed as dist
 
 from cluster.errors import ChannelError
 from cluster.groups import GlooBackend, GroupBackend, build_group, destroy_group
+from cluster.ipc import Place, TransportPreference, choose_transport, handles_for
 from cluster.rendezvous import StoreAddress, connect_store
 
 SENDER, RECEIVER = 0, 1
 _MAGIC_MESSAGE = 0x7A6E_4B56  # "KV" message follows
 _MAGIC_CLOSE = 0x7A6E_C105  # the sender is closing the channel
-_TAG_META, _TAG_HEADER, _TAG_ANSWER, _TAG_PAYLOAD = 1, 2, 3, 16
+_TAG_META, _TAG_HEADER, _TAG_ANSWER, _TAG_IPC, _TAG_IPC_ACK, _TAG_PAYLOAD = 1, 2, 3, 5, 6, 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,15 +105,17 @@ def _wait(work, timeout_s: float | None, what: str) -> None:
 class KVChannel:
     """One end of a channel. Each end is used by one thread; `close` may come from any thread."""
 
-    def __init__(self, role: int, control: dist.ProcessGroup, data: dist.ProcessGroup, device: torch.device,
-                 name: str = ""):
+    def __init__(self, role: int, control: dist.ProcessGroup, data: dist.ProcessGroup | None, device: torch.device,
+                 name: str = "", transport: str = "gloo"):
         self.role = role
         self.peer = RECEIVER if role == SENDER else SENDER
         self.device = device
         self.name = name
+        self.transport = transport  # gloo | nccl | ipc: what the payloads actually travel over
         self.stats = TransferStats()
         self._control = control
-        self._data = data
+        self._data = data  # None with ipc: payloads go through shared memory, handles over `control`
+        self._shared = handles_for(device) if transport == "ipc" else None
         self._closed = threading.Event()
         self._broken: str | None = None
 
@@ -142,14 +150,24 @@ class KVChannel:
     def post_payload(self, tensors: list[torch.Tensor]) -> "PendingSend":
         """Start sending; the transfer runs on the group's threads while the caller serves other peers."""
         views = [_as_bytes(t.contiguous()) for t in tensors]
+        start = time.perf_counter()
+        if self._shared is not None:
+            body = msgpack.packb(self._shared.share(views), use_bin_type=True)
+            self._guard(lambda: self._send_frame(body, _TAG_IPC, 60.0, "sending payload handles"))
+            return PendingSend(views, [], start)
         works = self._guard(lambda: [self._data.send([v], self.peer, _TAG_PAYLOAD + i) for i, v in enumerate(views)])
-        return PendingSend(views, works, time.perf_counter())
+        return PendingSend(views, works, start)
 
     def finish_payload(self, pending: "PendingSend", timeout_s: float = 60.0) -> None:
         def _finish():
             for w in pending.works:
                 _wait(w, timeout_s, "sending the payload")
-            if self.device.type == "cuda":
+            if self._shared is not None:  # the receiver has copied out of our memory: it may be reused
+                ack = torch.zeros(1, dtype=torch.int64)
+                _wait(self._control.recv([ack], self.peer, _TAG_IPC_ACK), timeout_s, "waiting for the payload copy")
+                if not ack.item():
+                    raise ChannelError("the receiver could not read the shared payload")
+            elif self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
 
         self._guard(_finish)
@@ -195,6 +213,9 @@ class KVChannel:
         start = time.perf_counter()
 
         def _recv():
+            if self._shared is not None:
+                self._recv_shared(out, timeout_s)
+                return
             works = [self._data.recv([_as_bytes(t)], self.peer, _TAG_PAYLOAD + i) for i, t in enumerate(out)]
             for w in works:
                 _wait(w, timeout_s, "receiving the payload")
@@ -204,6 +225,36 @@ class KVChannel:
         self._guard(_recv)
         self.stats.record(sum(t.numel() * t.element_size() for t in out), time.perf_counter() - start)
         return out
+
+    def _recv_shared(self, out: list[torch.Tensor], timeout_s: float) -> None:
+        body = self._recv_frame(_TAG_IPC, timeout_s, "receiving payload handles")
+        try:
+            self._shared.copy_into(msgpack.unpackb(body, raw=False), [_as_bytes(t) for t in out])
+        except Exception as e:
+            _wait(self._control.send([torch.zeros(1, dtype=torch.int64)], self.peer, _TAG_IPC_ACK), timeout_s,
+                  "refusing the payload")
+            raise ChannelError(f"reading the sender's shared payload failed: {e}") from e
+        _wait(self._control.send([torch.ones(1, dtype=torch.int64)], self.peer, _TAG_IPC_ACK), timeout_s,
+              "acknowledging the payload")
+
+    # Payload handles travel as one fixed-size frame (length, then msgpack): one message instead of a length
+    # and a body, which is most of what shared memory costs on small payloads. A hand-over has a few
+    # tensors, a handle a few hundred bytes.
+    _FRAME = 16384
+
+    def _send_frame(self, body: bytes, tag: int, timeout_s: float, what: str) -> None:
+        if len(body) + 8 > self._FRAME:
+            raise ChannelError(f"{what}: {len(body)} bytes of handles do not fit a {self._FRAME}-byte frame")
+        frame = torch.zeros(self._FRAME, dtype=torch.uint8)
+        frame[:8].view(torch.int64)[0] = len(body)
+        frame[8:8 + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        _wait(self._control.send([frame], self.peer, tag), timeout_s, what)
+
+    def _recv_frame(self, tag: int, timeout_s: float, what: str) -> bytes:
+        frame = torch.empty(self._FRAME, dtype=torch.uint8)
+        _wait(self._control.recv([frame], self.peer, tag), timeout_s, what)
+        n = int(frame[:8].view(torch.int64)[0])
+        return frame[8:8 + n].numpy().tobytes()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, notify_peer: bool = False) -> None:
@@ -227,6 +278,8 @@ class KVChannel:
         destroy_group(control)
         if data is not control:
             destroy_group(data)
+        if self._shared is not None:
+            self._shared.close()
 
     def _guard(self, op):
         if self._closed.is_set():
@@ -241,22 +294,58 @@ class KVChannel:
 
 
 def open_channel(store: dist.Store, channel_id: str, role: int, backend: GroupBackend | None = None,
-                 connect_timeout_s: float = 30.0) -> KVChannel:
-    """Both ends call this concurrently with the same `channel_id` and the same store (server or client)."""
+                 connect_timeout_s: float = 30.0, preference: TransportPreference = "auto") -> KVChannel:
+    """Both ends call this concurrently with the same `channel_id` and the same store (server or client).
+
+    The ends agree on the payload transport (cluster.ipc.choose_transport over both ends' places and
+    preferences); shared memory is proved with one probe message before the channel is returned.
+    """
     backend = backend or GlooBackend()
     control = build_group(store, f"chan/{channel_id}/control/", role, 2, GlooBackend(), connect_timeout_s)
-    if backend.name == "gloo":
-        data = control
+    try:
+        mine = Place.here(backend.device, preference)
+        theirs = _exchange_places(dist.PrefixStore(f"chan/{channel_id}/place/", store), role, mine, connect_timeout_s)
+        transport = choose_transport(mine, theirs, backend.name)
+        if transport == "ipc":
+            channel = KVChannel(role, control, None, backend.device, name=channel_id, transport="ipc")
+            _probe(channel, connect_timeout_s)
+            return channel
+        data = control if backend.name == "gloo" else build_group(store, f"chan/{channel_id}/data/", role, 2,
+                                                                   backend, connect_timeout_s)
+    except Exception:
+        destroy_group(control)
+        raise
+    return KVChannel(role, control, data, backend.device, name=channel_id, transport=backend.name)
+
+
+def _exchange_places(store: dist.Store, role: int, mine: Place, timeout_s: float) -> Place:
+    store.set(str(role), mine.to_wire())
+    other = str(RECEIVER if role == SENDER else SENDER)
+    try:
+        store.wait([other], timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as e:
+        raise ChannelError(f"the channel's other end did not say where it is within {timeout_s:.0f}s: {e}") from e
+    return Place.from_wire(store.get(other))
+
+
+_PROBE_BYTES = 4096
+
+
+def _probe(channel: KVChannel, timeout_s: float) -> None:
+    """One small shared-memory payload both ways of the protocol: proves that the receiver can open the
+    sender's memory (another container, another GPU context) before any request depends on it."""
+    expected = (torch.arange(_PROBE_BYTES, dtype=torch.int64) % 251).to(torch.uint8).to(channel.device)
+    if channel.role == SENDER:
+        channel.finish_payload(channel.post_payload([expected]), timeout_s)
     else:
-        try:
-            data = build_group(store, f"chan/{channel_id}/data/", role, 2, backend, connect_timeout_s)
-        except ChannelError:
-            destroy_group(control)
-            raise
-    return KVChannel(role, control, data, backend.device, name=channel_id)
+        got = channel.recv_payload(Message(b"", (TensorSpec.of(expected),)), timeout_s=timeout_s)[0]
+        if not torch.equal(got, expected):
+            raise ChannelError("the shared-memory probe arrived corrupted")
+    channel.stats = TransferStats()  # the probe is not a hand-over
 
 
 def connect_channel(address: StoreAddress, channel_id: str, role: int, backend: GroupBackend | None = None,
-                    connect_timeout_s: float = 30.0) -> KVChannel:
+                    connect_timeout_s: float = 30.0, preference: TransportPreference = "auto") -> KVChannel:
     """The end that does not host the store: connect to it, then `open_channel`."""
-    return open_channel(connect_store(address, connect_timeout_s), channel_id, role, backend, connect_timeout_s)
+    return open_channel(connect_store(address, connect_timeout_s), channel_id, role, backend, connect_timeout_s,
+                        preference)

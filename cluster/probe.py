@@ -17,9 +17,10 @@ from cluster.rendezvous import StoreAddress, StoreServer
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class ChannelProbe:
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", transport: str = "auto"):
         torch.set_num_threads(1)
         self.device = torch.device(device)
+        self.preference = transport  # cluster.ipc.TransportPreference
         self.server = StoreServer()
         self.channels: dict[str, KVChannel] = {}
         self.received: dict[str, list] = {}  # channel id -> [(header, payload tensors)] or an error string
@@ -36,7 +37,8 @@ class ChannelProbe:
     # ------------------------------------------------------------------ receiving end
     def accept(self, channel_id: str, timeout_s: float = 30.0) -> None:
         """Open the receiving end and keep receiving on a thread until the channel ends."""
-        ch = open_channel(self.server.store, channel_id, RECEIVER, backend_for(self.device), timeout_s)
+        ch = open_channel(self.server.store, channel_id, RECEIVER, backend_for(self.device), timeout_s,
+                          self.preference)
         self.channels[channel_id] = ch
         self.received[channel_id] = []
         threading.Thread(target=self._receive_loop, args=(ch,), daemon=True, name=f"rx-{channel_id}").start()
@@ -70,7 +72,11 @@ class ChannelProbe:
 
     # ------------------------------------------------------------------ sending end
     def connect(self, address: StoreAddress, channel_id: str, timeout_s: float = 30.0) -> None:
-        self.channels[channel_id] = connect_channel(address, channel_id, SENDER, backend_for(self.device), timeout_s)
+        self.channels[channel_id] = connect_channel(address, channel_id, SENDER, backend_for(self.device), timeout_s,
+                                                    self.preference)
+
+    def transport(self, channel_id: str) -> str:
+        return self.channels[channel_id].transport
 
     def send(self, channel_id: str, header: dict, tensors: list[torch.Tensor], timeout_s: float = 30.0) -> bool:
         """One message; returns whether the receiver took the payload. Raises ChannelError."""

@@ -19,7 +19,7 @@ class RayOptions:
     num_gpus: int | None = None  # embedded only; None: what Ray detects
     object_store_memory: int | None = 256 * 2**20  # embedded only: KV never travels through it
     temp_dir: str | None = None  # embedded only
-    resources: dict[str, float] | None = None  # embedded only: custom resources this one node declares
+    resources: dict | None = None  # embedded only: custom resources this node declares (ray start --resources)
     namespace: str = NAMESPACE
     log_to_driver: bool = True
 
@@ -34,9 +34,8 @@ def init_ray(opts: RayOptions = RayOptions()) -> dict:
     else:
         num_cpus = opts.num_cpus or os.cpu_count() or 1
         log.info("starting an embedded Ray with %d CPUs", num_cpus)
-        ray.init(num_cpus=num_cpus, num_gpus=opts.num_gpus, resources=opts.resources,
-                 object_store_memory=opts.object_store_memory,
-                 _temp_dir=opts.temp_dir, include_dashboard=False, namespace=opts.namespace,
+        ray.init(num_cpus=num_cpus, num_gpus=opts.num_gpus, object_store_memory=opts.object_store_memory,
+                 resources=opts.resources, _temp_dir=opts.temp_dir, include_dashboard=False, namespace=opts.namespace,
                  log_to_driver=opts.log_to_driver)
     return ray.cluster_resources()
 

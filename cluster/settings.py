@@ -49,6 +49,11 @@ class EngineSettings(BaseModel):
                                                     "which the drafts verified per request drop by one (e.g. "
                                                     "'16,32,64' with k=3); the decode group's batch decides, the "
                                                     "same k on every rank.")
+    handover_transport: Literal["auto", "ipc", "network"] = Field(
+        "auto", description="How KV payloads travel from prefill to decode: auto = CUDA IPC where both ends share "
+                            "one GPU, NCCL between GPUs, gloo on CPU; ipc = also shared memory between processes "
+                            "of one host on CPU; network = never shared memory. Either end's choice counts "
+                            "(network wins); /metrics shows what was used (tandem_handovers_by_transport).")
     torch_threads: int | None = Field(1, ge=1, description="torch threads per CPU engine (default of torch if "
                                                            "unset).")
 

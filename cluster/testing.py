@@ -19,6 +19,9 @@ from cluster.runtime import RayOptions, init_ray, shutdown_ray
 _users = 0
 T = TypeVar("T")
 TEST_NUM_CPUS = int(os.environ.get("TANDEM_TEST_RAY_CPUS", "8"))  # logical: actors mostly wait
+# The one test node is every kind of node deploy/cluster.yaml has, so deploy/serve.yaml's placement
+# (prefill_resources, rank_resources, router_resources) runs unchanged in tests (tests/integration).
+NODE_KINDS = {"tandem_head": 64, "tandem_prefill": 64, "tandem_decode": 64}
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +32,7 @@ def ray_session():
     if _users == 0 and not ray.is_initialized():
         temp_dir = tempfile.mkdtemp(prefix="tandem-ray-")
         init_ray(RayOptions(num_cpus=TEST_NUM_CPUS, object_store_memory=128 * 2**20, temp_dir=temp_dir,
-                            log_to_driver=True))
+                            log_to_driver=True, resources=NODE_KINDS))
     _users += 1
     yield ray
     _users -= 1

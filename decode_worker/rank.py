@@ -80,7 +80,7 @@ class DecodeRank:
     def accept(self, channel_id: str, timeout_s: float = 30.0) -> None:
         """The receiving end of a prefill's channel (the prefill calls `connect` at the same time)."""
         channel = open_channel(self.server.store, channel_id, RECEIVER, backend_for(self.engine.cfg.device),
-                               timeout_s)
+                               timeout_s, self.settings.handover_transport)
         self.receiver.add_channel(channel)
 
     # ------------------------------------------------------------------ the lockstep step

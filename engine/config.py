@@ -152,6 +152,9 @@ class EngineConfig:
     speculative: SpecConfig | None = None  # speculative decoding (a dict of SpecConfig's fields works too); None = off
     cuda_graphs: bool = True  # on CUDA, capture the decode step per padded batch size
     max_graph_batch: int | None = None  # None: max_num_seqs
+    # Guided decode steps replay graphs too, their grammar fills running as captured host functions
+    # (engine/graph_masks.py); False: such steps run eagerly.
+    graph_masks: bool = True
     detokenize: bool = True  # keep each request's text and apply stop strings (off where the router does both)
 
     def __post_init__(self) -> None:

@@ -6,7 +6,9 @@ per request (one without speculation), padded with idle requests to the next cap
 step has fixed shapes.
 At capture the step runs on static input tensors; a replay copies the new batch into them. The
 sampling mode (greedy only, filters used, logprobs asked, penalties) picks which branches the step
-takes, so it is part of the key; the greedy graphs are captured up front, the others on first use.
+takes, so it is part of the key, and so is whether a grammar masks the step (its fills are host
+functions captured in the graph, engine/graph_masks.py); the unmasked greedy graphs are captured up
+front, the others on first use.
 Batches with a prompt chunk run eagerly. `capture=False` keeps the same padded path without graphs
 (how the CPU tests exercise it).
 """
@@ -19,6 +21,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.block_manager import BlockManager
+from engine.graph_masks import StagedMasker
+from engine.logits_masker import LogitsMasker
 from engine.sampler import SamplingBatch
 from engine.scheduler import ScheduledRequest
 from engine.batch import Padding, StepBatch, build_batch
@@ -54,12 +58,16 @@ class _Captured:
 
 
 class StepGraphs:
-    def __init__(self, runner, max_batch: int, capture: bool = True, capture_on_demand: bool = True):
+    def __init__(self, runner, max_batch: int, capture: bool = True, capture_on_demand: bool = True,
+                 masks: bool = True):
         """capture_on_demand: capture a sampling mode's graph the first time a batch needs it (off under
-        attention data parallelism, where a lone capture's warm-up forwards would meet no other rank)."""
+        attention data parallelism, where a lone capture's warm-up forwards would meet no other rank);
+        masks: guided steps replay graphs too (else they run eagerly)."""
         self.runner = runner
         self.capture = capture
         self.capture_on_demand = capture_on_demand
+        self.masks = masks
+        self._staged: StagedMasker | None = None
         self.sizes = [s for s in SIZES if s < max_batch] + [max_batch]
         kv = runner.kv_cache
         self.block_size = kv.shape[3] if kv is not None else None
@@ -73,9 +81,9 @@ class StepGraphs:
         return Padding(batch_size=size, table_width=-(-max_len // self.block_size), scratch_slot=r.scratch_slot,
                        max_seq_len=max_len)
 
-    def fits(self, scheduled: list[ScheduledRequest]) -> bool:
+    def fits(self, scheduled: list[ScheduledRequest], masked: bool = False) -> bool:
         """Only decode steps: each request runs its last token plus its drafts, nothing of a prompt."""
-        if len(scheduled) > self.sizes[-1]:
+        if len(scheduled) > self.sizes[-1] or (masked and not self.masks):
             return False
         return all(s.sample and s.request.num_computed_tokens == s.request.num_tokens - 1 for s in scheduled)
 
@@ -84,35 +92,54 @@ class StepGraphs:
         return next(s for s in self.sizes if s >= num_requests)
 
     def padded_batch(self, scheduled: list[ScheduledRequest], blocks: BlockManager,
-                     slots: list[int] | None, size: int | None = None) -> StepBatch:
+                     slots: list[int] | None, size: int | None = None, masked: bool = False) -> StepBatch:
         """size: the captured size to pad to (ADP: the group's, which may exceed this rank's own; an idle
-        rank pads an empty batch to it); default the smallest that holds the batch."""
+        rank pads an empty batch to it); default the smallest that holds the batch. masked: with room for
+        a grammar's bitmasks (a guided step)."""
         r = self.runner
         size = size or self.size_for(len(scheduled))
         assert size in self.sizes and size >= len(scheduled), (size, len(scheduled))
-        return build_batch(scheduled, blocks, r.kv_cache, r.device, r.vocab_size, r.k, slots, self._padding(size))
+        return build_batch(scheduled, blocks, r.kv_cache, r.device, r.vocab_size, r.k, slots, self._padding(size),
+                           masked=masked)
 
-    def replay(self, batch: StepBatch) -> StepOutput:
-        """Run a padded batch through its size's graph (captured on first use for a new sampling mode)."""
+    def replay(self, batch: StepBatch, masker: LogitsMasker | None = None) -> StepOutput:
+        """Run a padded batch through its size's graph (captured on first use for a new sampling mode).
+        masker: the engine's masker of a guided step; the graph's host functions call it."""
         size = batch.verify_rows.shape[0]
-        key = (size, sampling_mode(batch.sampling))
+        masked = masker is not None
+        key = (size, sampling_mode(batch.sampling), masked)
         cap = self._captured.get(key)
         if cap is None:
             assert self.capture_on_demand, f"no graph captured for {key}"
-            cap = self._capture(key, self._dummy(size, batch.sampling))
+            cap = self._capture(key, self._dummy(size, batch.sampling, masked))
         _copy_into(cap.inputs, batch)
         self.num_runs += 1
-        if cap.graph is not None:
-            cap.graph.replay()
-            return cap.output
-        # the padded layout run eagerly: the static metadata's tensors changed in place
-        cap.inputs.attn.plans.clear()
-        return self.runner.run_step(cap.inputs)
+        staged = self.staged if masked else None
+        if staged is not None:
+            staged.bind(masker)
+        try:
+            if cap.graph is not None:
+                cap.graph.replay()
+                return cap.output
+            # the padded layout run eagerly: the static metadata's tensors changed in place
+            cap.inputs.attn.plans.clear()
+            return self.runner.run_step(cap.inputs, staged)
+        finally:
+            if staged is not None:
+                staged.finish()  # the step's sync, with the GIL released while host functions run
 
-    def captured_at_every_size(self, sampling: SamplingBatch) -> bool:
+    @property
+    def staged(self) -> StagedMasker:
+        """The masker guided graphs are captured with (one for every size: host buffers at the largest)."""
+        if self._staged is None:
+            r = self.runner
+            self._staged = StagedMasker(r.device, self.sizes[-1], r.k, r.vocab_size)
+        return self._staged
+
+    def captured_at_every_size(self, sampling: SamplingBatch, masked: bool = False) -> bool:
         """A batch of this sampling mode can replay a graph at whatever size the group pads to."""
         mode = sampling_mode(sampling)
-        return all((s, mode) in self._captured for s in self.sizes)
+        return all((s, mode, masked) in self._captured for s in self.sizes)
 
     def reset(self) -> None:
         """Forget every graph (the buffers they read were replaced); they are captured again on use."""
@@ -123,14 +150,14 @@ class StepGraphs:
         self.block_size = self.runner.kv_cache.shape[3]
         for size in reversed(self.sizes):  # without capture: the static buffers of the padded eager path
             dummy = self._dummy(size, None)
-            self._capture((size, sampling_mode(dummy.sampling)), dummy)
+            self._capture((size, sampling_mode(dummy.sampling), False), dummy)
 
-    def _dummy(self, size: int, like: SamplingBatch | None) -> StepBatch:
+    def _dummy(self, size: int, like: SamplingBatch | None, masked: bool = False) -> StepBatch:
         """A batch of idle requests only (it writes no KV and only the scratch draft state) with the
         sampling branches of `like`: what a graph is warmed up and captured on."""
         r = self.runner
         dummy = build_batch([], _NoBlocks(self.block_size), r.kv_cache, r.device, r.vocab_size, r.k, [],
-                            self._padding(size))
+                            self._padding(size), masked=masked)
         if like is None:
             return dummy
         b = dummy.sampling
@@ -146,6 +173,7 @@ class StepGraphs:
     def _capture(self, key: tuple, batch: StepBatch) -> _Captured:
         r = self.runner
         inputs = _clone(batch)
+        masker = self.staged if key[2] else None  # unbound while capturing: its host functions fill nothing
         if not self.capture:
             cap = _Captured(inputs, None, None)
         else:
@@ -153,14 +181,16 @@ class StepGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                    r.run_step(inputs)
+                    r.run_step(inputs, masker)
             torch.cuda.current_stream().wait_stream(stream)
+            if masker is not None:
+                stream.synchronize()  # the warm-up's host functions ran (releasing the GIL meanwhile)
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-                output = r.run_step(inputs)
+                output = r.run_step(inputs, masker)
             self._pool = graph.pool()
             cap = _Captured(inputs, output, graph)
-            log.info("captured the speculative step for batch %d, sampling mode %s", key[0], key[1])
+            log.info("captured the speculative step for batch %d, sampling mode %s, masked %s", *key)
         self._captured[key] = cap
         return cap
 

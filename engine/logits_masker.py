@@ -9,10 +9,11 @@ draft step's logits and its sampling, so drafts are valid too and acceptance doe
                         fill_draft(step, ...)   after the emitted tokens and the new drafts so far
   host, after the step  end_step(); accept(request_id, tokens) for what was emitted; release()
 
-On CPU the fills run inline, in order. On CUDA they are host functions launched on the step's
-stream and captured in its graph (the fills read device tensors that have landed in pinned memory
-by then); that sibling implementation comes with structured outputs. No speculation is k = 0: one
-verification row per request, no draft steps, the same calls.
+Eager steps call the fills inline, in order. A step that replays a CUDA graph is captured with
+engine/graph_masks.py's StagedMasker instead: each fill becomes a host function on the step's stream
+(captured in the graph) that calls this masker on pinned host copies of what it reads, and copies its
+bitmask back; the same order runs in place on CPU. No speculation is k = 0: one verification row per
+request, no draft steps, the same calls.
 """
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ class ModelRunner:
             from engine.graphs import StepGraphs
 
             self.graphs = StepGraphs(self, min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
-                                     capture_on_demand=dp is None)
+                                     capture_on_demand=dp is None, masks=cfg.graph_masks)
             if self.drafter is not None:
                 self.drafter.on_slots_grown = self.graphs.reset
 
@@ -142,15 +142,16 @@ class ModelRunner:
             self.drafter.prepare([s.request for s in scheduled])  # before a graph of a sampled mode is captured
             slots = [self.drafter.slot(s.request.request_id) for s in scheduled]
         masker = self._begin_masks(scheduled) if scheduled else None
-        # A masked step runs eagerly until the masker's fills are host functions a graph can capture.
-        graph = masker is None and self.graphs is not None and self.graphs.fits(scheduled)
+        masked = masker is not None
+        # A guided step replays a graph too: its grammar fills are host functions captured in it.
+        graph = self.graphs is not None and self.graphs.fits(scheduled, masked)
         graph_batch, rows, batch = None, None, None
         if self.dp is not None:
             if graph and scheduled:
                 # Under ADP a graph is never captured on demand (its warm-up forwards would run collectives
                 # no other rank joins): replay only sampling modes captured up front at every size.
-                batch = self.graphs.padded_batch(scheduled, blocks, slots)
-                graph = self.graphs.captured_at_every_size(batch.sampling)
+                batch = self.graphs.padded_batch(scheduled, blocks, slots, masked=masked)
+                graph = self.graphs.captured_at_every_size(batch.sampling, masked)
             plan = self.last_plan = self._agree(scheduled, graph)
             if not plan.forward:
                 return None
@@ -160,7 +161,7 @@ class ModelRunner:
             if batch is not None and not (graph and batch.verify_rows.shape[0] == graph_batch):
                 batch = None  # padded to another size than the group's, or the group runs eagerly
         if graph:
-            batch = batch or self.graphs.padded_batch(scheduled, blocks, slots, graph_batch)
+            batch = batch or self.graphs.padded_batch(scheduled, blocks, slots, graph_batch, masked=masked)
         else:
             batch = build_batch(scheduled, blocks, self.kv_cache, self.device, self.vocab_size, self.k, slots,
                                 masked=masker is not None)
@@ -180,8 +181,8 @@ class ModelRunner:
                 self.model.idle_forward(self.dtype, self.device)
             return None
         try:
-            out = self.graphs.replay(step.batch) if step.graph else self.run_step(step.batch, step.masker,
-                                                                                   step.dp_rows)
+            out = (self.graphs.replay(step.batch, step.masker) if step.graph
+                   else self.run_step(step.batch, step.masker, step.dp_rows))
             return _to_host(out, step.num_requests, step.batch.host_num_drafts, step.batch.host_samples)
         finally:
             if step.masker is not None:

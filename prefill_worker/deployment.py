@@ -26,7 +26,8 @@ class PrefillServer:
             torch.set_num_threads(c.torch_threads)
         self.engine = LLMEngine(c.engine_config(detokenize=False))  # the router detokenizes and applies stops
         self.name = f"prefill-{uuid.uuid4().hex[:8]}"
-        self.loop = PrefillLoop(self.engine, self.name, c.transfer_timeout_s, c.connect_timeout_s)
+        self.loop = PrefillLoop(self.engine, self.name, c.transfer_timeout_s, c.connect_timeout_s,
+                                c.handover_transport)
 
     async def prefill(self, request: PrefillRequest, target: DecodeTarget) -> PrefillResult:
         """Runs the prompt and returns its first token; the KV then goes to `target` in the background.
@@ -73,6 +74,7 @@ class PrefillServer:
             "steps": self.loop.steps,
             "channels": len(self.loop.sender.channels),
             "handovers_total": self.loop.sender.total,
+            "handovers_by_transport": dict(self.loop.sender.by_transport),
             "grammar": dict(s.get("grammar", {})),
             "handovers": [(t.pack_seconds, t.answer_seconds, t.payload_seconds, t.payload_bytes) for t in timings],
         }

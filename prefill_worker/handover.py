@@ -57,13 +57,15 @@ class HandoverTiming:
 
 class HandoverSender:
     def __init__(self, kv_cache: torch.Tensor, release: Callable[[str], None], name: str,
-                 transfer_timeout_s: float = 60.0, connect_timeout_s: float = 30.0):
+                 transfer_timeout_s: float = 60.0, connect_timeout_s: float = 30.0, transport: str = "auto"):
         self.kv_cache = kv_cache
         self.release = release
         self.name = name
         self.transfer_timeout_s = transfer_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.backend = backend_for(kv_cache.device)
+        self.transport = transport  # cluster.ipc.TransportPreference; the decode rank states its own
+        self.by_transport: collections.Counter[str] = collections.Counter()  # sent hand-overs by what carried them
         self.channels: dict[tuple[str, int], KVChannel] = {}
         self.timings: collections.deque[HandoverTiming] = collections.deque(maxlen=512)
         self.failures = 0
@@ -150,6 +152,8 @@ class HandoverSender:
             ch.finish_payload(p, self.transfer_timeout_s)
         nbytes = sum(v.numel() for _, p in pending for v in p.views)
         done = time.perf_counter()
+        if pending:
+            self.by_transport[channels[0].transport] += 1
         self.timings.append(HandoverTiming(rid, pack_s, answered - start, done - answered, nbytes, not any(answers)))
 
     def _channel(self, target: DecodeTarget, rank: RankEndpoint) -> KVChannel:
@@ -162,7 +166,8 @@ class HandoverSender:
         channel_id = f"{self.name}-{target.group_id}-r{rank.tp_rank}-{uuid.uuid4().hex[:8]}"
         accepted = rank.actor.accept.remote(channel_id, self.connect_timeout_s)
         try:
-            ch = connect_channel(rank.store, channel_id, SENDER, self.backend, self.connect_timeout_s)
+            ch = connect_channel(rank.store, channel_id, SENDER, self.backend, self.connect_timeout_s,
+                                 self.transport)
             ray.get(accepted, timeout=self.connect_timeout_s)
         except ray.exceptions.GetTimeoutError as e:
             raise ChannelError(f"decode rank {rank.tp_rank} of group {target.group_id} did not accept") from e

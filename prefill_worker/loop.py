@@ -29,10 +29,11 @@ class _Job:
 
 
 class PrefillLoop:
-    def __init__(self, engine: LLMEngine, sender_name: str, transfer_timeout_s: float, connect_timeout_s: float):
+    def __init__(self, engine: LLMEngine, sender_name: str, transfer_timeout_s: float, connect_timeout_s: float,
+                 transport: str = "auto"):
         self.engine = engine
         self.sender = HandoverSender(engine.kv_cache, self.release, sender_name, transfer_timeout_s,
-                                     connect_timeout_s)
+                                     connect_timeout_s, transport)
         self._inbox: list[tuple[str, object]] = []
         self._cv = threading.Condition()
         self._jobs: dict[str, _Job] = {}

@@ -90,6 +90,8 @@ class Router:
                 self.metrics.grammar(role, replica, s.get("grammar") or {})
                 if role == "decode":
                     self.metrics.dp_ranks(replica, s.get("dp_ranks"))
+                else:
+                    self.metrics.transports(replica, s.get("handovers_by_transport") or {})
 
     def routing_snapshot(self) -> dict:
         """The load each worker replica last reported to this router's routing policy (handle call)."""

@@ -47,6 +47,10 @@ class RouterMetrics:
                                     "deserializations (hand-overs) since a worker replica started; a decode "
                                     "replica fed by hand-overs compiles nothing.",
                                     ["model", "role", "replica", "event"], registry=r)
+        self.handover_transports = Gauge("tandem_handovers_by_transport", "KV hand-overs a prefill replica sent "
+                                         "since it started, by what carried the payload: gloo, nccl or ipc "
+                                         "(CUDA IPC / shared memory).", ["model", "replica", "transport"],
+                                         registry=r)
         self.handover_s = Gauge("tandem_handover_seconds_recent", "Mean KV hand-over payload time of recent "
                                 "requests (decode side).", ["model"], registry=r).labels(**labels)
         self.handover_bw = Gauge("tandem_handover_bytes_per_second_recent", "KV hand-over bandwidth of recent "
@@ -63,6 +67,10 @@ class RouterMetrics:
     def grammar(self, role: str, replica: str, counts: dict[str, int]) -> None:
         for event, n in counts.items():
             self.grammar_events.labels(model=self._labels["model"], role=role, replica=replica, event=event).set(n)
+
+    def transports(self, replica: str, counts: dict[str, int]) -> None:
+        for transport, n in counts.items():
+            self.handover_transports.labels(model=self._labels["model"], replica=replica, transport=transport).set(n)
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(model=self._labels["model"], endpoint=endpoint, status=str(status)).inc()

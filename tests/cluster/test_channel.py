@@ -29,20 +29,27 @@ def random_cache(shape, dtype, gen) -> torch.Tensor:
     return raw.view(dtype).view(shape)
 
 
-@pytest.fixture()
-def channel_pair():
+def open_pair(preference: str = "auto", rx_preference: str | None = None):
     server = StoreServer(host="127.0.0.1")
     cid = uuid.uuid4().hex
     ends: dict = {}
 
     def _recv_end():
-        ends["rx"] = open_channel(server.store, cid, RECEIVER, connect_timeout_s=10)
+        ends["rx"] = open_channel(server.store, cid, RECEIVER, connect_timeout_s=10,
+                                  preference=rx_preference or preference)
 
     t = threading.Thread(target=_recv_end)
     t.start()
-    tx = connect_channel(server.address, cid, SENDER, connect_timeout_s=10)
+    tx = connect_channel(server.address, cid, SENDER, connect_timeout_s=10, preference=preference)
     t.join(10)
-    rx = ends["rx"]
+    return tx, ends["rx"]
+
+
+# Every channel test runs over gloo and over shared memory (the CPU twin of CUDA IPC on one GPU).
+@pytest.fixture(params=["network", "ipc"], ids=["gloo", "shm"])
+def channel_pair(request):
+    tx, rx = open_pair(request.param)
+    assert tx.transport == rx.transport == {"network": "gloo", "ipc": "ipc"}[request.param]
     yield tx, rx
     tx.close()
     rx.close()

@@ -13,19 +13,26 @@ from cluster.testing import wait_for
 pytestmark = pytest.mark.ray
 
 
-def _pair(ray):
-    tx, rx = ChannelProbe.remote(), ChannelProbe.remote()
+# Every test runs over the network transport (gloo) and over shared memory between the two processes.
+@pytest.fixture(params=["network", "ipc"], ids=["gloo", "shm"])
+def transport(request):
+    return request.param
+
+
+def _pair(ray, transport):
+    tx, rx = ChannelProbe.remote(transport=transport), ChannelProbe.remote(transport=transport)
     cid = uuid.uuid4().hex[:12]
     addr = ray.get(rx.address.remote())
     accepted = rx.accept.remote(cid, 20.0)
     ray.get(tx.connect.remote(addr, cid, 20.0))
     ray.get(accepted)
+    assert ray.get(tx.transport.remote(cid)) == {"network": "gloo", "ipc": "ipc"}[transport]
     return tx, rx, cid
 
 
-def test_kv_blocks_cross_processes_byte_for_byte(ray_session):
+def test_kv_blocks_cross_processes_byte_for_byte(ray_session, transport):
     ray = ray_session
-    tx, rx, cid = _pair(ray)
+    tx, rx, cid = _pair(ray, transport)
     gen = torch.Generator().manual_seed(3)
     for n_blocks, dtype in [(1, torch.float32), (3, torch.bfloat16), (7, torch.float16)]:
         kv = torch.randint(0, 256, (2 * 2 * n_blocks * 16 * 2 * 8 * dtype.itemsize,), dtype=torch.uint8,
@@ -47,9 +54,9 @@ def test_kv_blocks_cross_processes_byte_for_byte(ray_session):
         ray.kill(a)
 
 
-def test_killed_sender_ends_the_receiver_with_an_error(ray_session):
+def test_killed_sender_ends_the_receiver_with_an_error(ray_session, transport):
     ray = ray_session
-    tx, rx, cid = _pair(ray)
+    tx, rx, cid = _pair(ray, transport)
     ray.kill(tx)
     last = wait_for(lambda: (m := ray.get(rx.received_messages.remote(cid))) and m[-1],
                     "the receiver notices the dead sender")
@@ -57,9 +64,9 @@ def test_killed_sender_ends_the_receiver_with_an_error(ray_session):
     ray.kill(rx)
 
 
-def test_killed_receiver_fails_the_send_instead_of_hanging(ray_session):
+def test_killed_receiver_fails_the_send_instead_of_hanging(ray_session, transport):
     ray = ray_session
-    tx, rx, cid = _pair(ray)
+    tx, rx, cid = _pair(ray, transport)
     ray.kill(rx)
     time.sleep(0.5)
     # The send's own deadline is far beyond the wait: only a closed connection seen at once ends it in time.

@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from cluster.testing import wait_for
+from tests.integration.topologies import BY_NAME
 
 pytestmark = pytest.mark.ray
 
@@ -27,9 +28,9 @@ def adp_app(tandem_server, tmp_path_factory):
     from tests.engine.test_spec_heads import make_mtp_head
 
     head = make_mtp_head(tmp_path_factory.mktemp("adp") / "mtp", tandem_server.model_dir, seed=1)
-    cfg = TandemConfig(model=tandem_server.model_dir, served_model_name="adp", tp=2, attention_dp=2,
-                       num_kv_blocks=128, handover_stock=0.125, speculative_method="mtp", draft=str(head),
-                       num_speculative_tokens=2, rank_num_cpus=0.5, prefill_num_cpus=0.5)
+    # The ADP row of the integration tests' topology table (its CPU twin), with a hand-over stock on top.
+    args = BY_NAME["decode-tp2-adp"].serve_args("cpu", tandem_server.model_dir, str(head))
+    cfg = TandemConfig(**{**args, "served_model_name": "adp", "handover_stock": 0.125})
     serve.run(build_app(cfg), name="adp", route_prefix="/adp")
     try:
         yield f"{tandem_server.base_url}/adp", str(head)

@@ -1,0 +1,86 @@
+"""Grammar masks inside the captured step: the fills run as host functions between the step's kernels.
+
+A CUDA graph replays kernels and copies with fixed addresses; the grammar work is Python (xgrammar
+matchers). `StagedMasker` is the LogitsMasker a graph is captured with. Each fill the step asks for
+becomes, on the step's stream:
+    device -> pinned host copies of what the fill reads (this step's emitted tokens, accepted counts and
+              the drafts so far; the verification rows need only the host snapshot of begin_step),
+    a host function: the real masker (`current`, set before each replay) fills pinned host bitmasks,
+    pinned host -> device copies of the bitmask and its flags,
+and the step then applies the mask as it does eagerly. So while the device runs the target's layers the
+CPU is free, and the draft steps' masks cost one host round trip each, not a graph break.
+
+The same order runs on CPU (host functions called in place, plain host buffers): the CPU tests exercise
+this data flow through the padded graph layout, and a gpu test replays it in a real graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.host_func import HostFunctions
+from engine.logits_masker import LogitsMasker, MaskRow
+
+
+class StagedMasker(LogitsMasker):
+    def __init__(self, device: torch.device, max_batch: int, k: int, vocab_size: int):
+        words = -(-vocab_size // 32)
+        pin = device.type == "cuda"
+        host = dict(device="cpu", pin_memory=pin)
+        self.device = device
+        self.host = HostFunctions(device)
+        self.current: LogitsMasker | None = None  # the engine's masker for the step being replayed
+        self.verify_bitmask = torch.zeros((max_batch, k + 1, words), dtype=torch.int32, **host)
+        self.verify_flags = torch.zeros((max_batch, k + 1), dtype=torch.bool, **host)
+        self.draft_bitmask = torch.zeros((max_batch, words), dtype=torch.int32, **host)
+        self.draft_flags = torch.zeros(max_batch, dtype=torch.bool, **host)
+        self.emitted = torch.zeros((max_batch, k + 1), dtype=torch.int64, **host)
+        self.accepted = torch.zeros(max_batch, dtype=torch.int64, **host)
+        self.drafts = torch.zeros((max(k, 1), max_batch), dtype=torch.int64, **host)
+
+    # The engine's masker takes its snapshot itself (ModelRunner._begin_masks); these are never called.
+    def begin_step(self, rows: tuple[MaskRow, ...]) -> bool:
+        raise AssertionError("StagedMasker only stands in for the engine's masker inside a step")
+
+    # ------------------------------------------------------------------ in the step (captured)
+    def fill_verify(self, bitmask: torch.Tensor, flags: torch.Tensor) -> None:
+        B, k1 = flags.shape
+        h_bits, h_flags = self.verify_bitmask[:B, :k1], self.verify_flags[:B, :k1]
+        self.host.launch(lambda: self._verify_on_host(h_bits, h_flags))
+        bitmask.copy_(h_bits, non_blocking=True)
+        flags.copy_(h_flags, non_blocking=True)
+
+    def fill_draft(self, step: int, emitted: torch.Tensor, num_accepted: torch.Tensor, drafts: list[torch.Tensor],
+                   bitmask: torch.Tensor, flags: torch.Tensor) -> None:
+        B, k1 = emitted.shape
+        h_emitted, h_accepted = self.emitted[:B, :k1], self.accepted[:B]
+        h_drafts = [self.drafts[i, :B] for i in range(len(drafts))]
+        h_emitted.copy_(emitted, non_blocking=True)
+        h_accepted.copy_(num_accepted, non_blocking=True)
+        for h, d in zip(h_drafts, drafts):
+            h.copy_(d, non_blocking=True)
+        h_bits, h_flags = self.draft_bitmask[:B], self.draft_flags[:B]
+        self.host.launch(lambda: self._draft_on_host(step, h_emitted, h_accepted, h_drafts, h_bits, h_flags))
+        bitmask.copy_(h_bits, non_blocking=True)
+        flags.copy_(h_flags, non_blocking=True)
+
+    # ------------------------------------------------------------------ on the host, when the stream gets there
+    def _verify_on_host(self, bits: torch.Tensor, flags: torch.Tensor) -> None:
+        flags.zero_()
+        if self.current is not None:  # None while a graph is warmed up and captured: nothing is masked
+            self.current.fill_verify(bits, flags)
+
+    def _draft_on_host(self, step, emitted, accepted, drafts, bits, flags) -> None:
+        flags.zero_()
+        if self.current is not None:
+            self.current.fill_draft(step, emitted, accepted, drafts, bits, flags)
+
+    # ------------------------------------------------------------------ around a replay
+    def bind(self, masker: LogitsMasker) -> None:
+        self.current = masker
+
+    def finish(self) -> None:
+        """After the replay: wait for the stream with the GIL released, unbind, raise a failed fill."""
+        try:
+            self.host.sync()
+        finally:
+            self.current = None

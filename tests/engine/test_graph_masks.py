@@ -1,0 +1,98 @@
+"""Guided steps through the graph path (engine/graph_masks.py): the grammar fills run as host functions
+between the step's kernels, staged through host buffers. On CPU the same order runs in place (the padded
+graph layout without capture); on a GPU the step is captured and replayed many times. Either way the
+tokens must equal the eager guided step's, sampled rows included (same seeds, same masked
+distributions), and every guided output must be complete and valid."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.host_func import HostFunctionError, HostFunctions
+from tests.engine.test_spec import _graph_runs, _spec
+from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.engine.test_structured_output import _batch, _valid
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_thread_module):
+    """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
+
+
+def _check(outs, ref, kinds, llm):
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    for o, kind in zip(outs, kinds):
+        if kind is not None:
+            assert o.finish_reason == "stop" and _valid(kind, o.text), (kind, o.text)
+    assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine._grammar.states
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_guided_steps_through_the_padded_graph_layout_equal_eager(llama_dir, spec_drafts, method):
+    prompts, params, kinds = _batch(8)
+    spec = _spec(method, 3, spec_drafts, llama_dir)
+    kw = dict(num_kv_blocks=512, block_size=4, speculative=spec)
+    ref = LLM(llama_dir, **kw).generate(prompts, params)
+    llm = LLM(llama_dir, **kw)
+    graphs = _graph_runs(llm, capture=False)
+    outs = llm.generate(prompts, params)
+    masked_runs = [key for key in graphs._captured if key[2]]
+    assert masked_runs and graphs.num_runs > 2, "guided decode steps went through the graph path"
+    _check(outs, ref, kinds, llm)
+
+
+def test_a_failing_host_function_fails_the_step_after_it_ran():
+    host = HostFunctions(torch.device("cpu"))
+    ran = []
+    host.launch(lambda: ran.append(1))
+    host.launch(lambda: 1 / 0)
+    host.launch(lambda: ran.append(2))  # later host functions still run; the first error is kept
+    with pytest.raises(HostFunctionError, match="ZeroDivisionError"):
+        host.sync()
+    assert ran == [1, 2]
+    host.sync()  # reported once
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_captured_guided_step_replays_equal_eager(llama_dir, spec_drafts, method):
+    """The captured step with host-function mask fills, replayed for many steps and padded sizes, gives
+    the eager guided step's tokens (cuda-python#790 reported captured host functions running only on the
+    first replay: this would catch it)."""
+    prompts, params, kinds = _batch(8)
+    spec = _spec(method, 3, spec_drafts, llama_dir)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, block_size=4, max_num_seqs=16, speculative=spec)
+    ref = LLM(llama_dir, cuda_graphs=False, **kw).generate(prompts, params)
+    llm = LLM(llama_dir, **kw)
+    outs = llm.generate(prompts, params)
+    graphs = llm.engine.runner.graphs
+    masked = [cap for key, cap in graphs._captured.items() if key[2]]
+    assert masked and all(cap.graph is not None for cap in masked), "guided steps replayed captured graphs"
+    assert graphs.num_runs > 10
+    _check(outs, ref, kinds, llm)
+
+
+@pytest.mark.gpu
+def test_a_captured_host_function_runs_on_every_replay():
+    host = HostFunctions(torch.device("cuda"))
+    counter = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    out = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+    def step():
+        host.launch(lambda: counter.add_(1))
+        out.copy_(counter, non_blocking=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up, eager
+    torch.cuda.current_stream().wait_stream(stream)
+    host.sync()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(50):
+        graph.replay()
+        host.sync()
+        assert int(counter) == i + 2 and int(out.item()) == i + 2
