@@ -23,6 +23,7 @@ from decode_worker.group import GroupSpec, RankGroup
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05  # long-poll of the ranks while hand-overs are expected and nothing decodes
+PING_TIMEOUT_S = 5.0  # an idle group's liveness probe, well inside Serve's health-check timeout
 
 
 def group_spec(c: DecodeConfig) -> GroupSpec:
@@ -44,6 +45,7 @@ class DecodeServer:
         self._steps = 0
         self._step_seconds = 0.0  # inside the ranks (engine + commands), summed over steps
         self._last_error: str | None = None
+        self._lost: str | None = None  # an idle group found dead by check_health; the loop rebuilds it
         self._loop = asyncio.create_task(self._run())
         self._sinks: dict[str, asyncio.Queue] = {}  # open streams, for ending those whose router died
         self.callers = CallerWatch(self._caller_died)
@@ -106,6 +108,10 @@ class DecodeServer:
     # ------------------------------------------------------------------ the step loop
     async def _run(self) -> None:
         while True:
+            if self._lost is not None:
+                reason, self._lost = self._lost, None
+                await self._recover(self.group, reason)
+                continue
             if not self.ctrl.has_work:
                 self._wake.clear()
                 await self._wake.wait()
@@ -168,6 +174,7 @@ class DecodeServer:
             "handover_seconds": [s for s, _, _ in handovers],
             "handover_unpack_seconds": [u for _, u, _ in handovers],
             "handover_bytes": [b for _, _, b in handovers],
+            "last_error": self._last_error if self.group is None else None,  # why no group is up
             "time": time.time(),
         }
 
@@ -186,6 +193,26 @@ class DecodeServer:
     async def check_health(self) -> None:
         if self._loop.done():
             raise RuntimeError(f"the decode step loop stopped: {self._loop.exception()!r}")
+        await self._ping_idle_group()
+
+    async def _ping_idle_group(self) -> None:
+        """A group with nothing to step finds out about a lost rank (its node gone) only here: then the loop
+        rebuilds it before the next request needs it, and stats say why no group is up meanwhile. Only a
+        dead actor counts; a slow answer is left to the step deadline (this call must stay short, or Serve
+        would replace a healthy replica)."""
+        import ray
+
+        group = self.group
+        if group is None or self.ctrl.has_work or self._lost is not None:
+            return
+        try:
+            await asyncio.wait_for(group.pids(), PING_TIMEOUT_S)
+        except (asyncio.TimeoutError, ray.exceptions.ActorUnavailableError):  # maybe transient
+            return
+        except ray.exceptions.ActorDiedError as e:
+            if self.group is group and not self.ctrl.has_work:
+                self._lost = f"decode group {group.group_id}: a rank is gone: {e}"
+                self._wake.set()
 
     def __del__(self):
         if getattr(self, "group", None) is not None:

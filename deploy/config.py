@@ -54,6 +54,17 @@ class TandemConfig(PrefillConfig, DecodeConfig, RouterSettings):
     def name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
 
+    def custom_resources_needed(self) -> dict[str, float]:
+        """The custom resources every replica and rank together ask for (what one machine must declare to run
+        a configuration written for a cluster)."""
+        asks = [(self.prefill_replicas, self.prefill_resources), (self.decode_replicas * self.tp, self.rank_resources),
+                (self.router_replicas + self.decode_replicas, self.router_resources)]
+        needed: dict[str, float] = {}
+        for count, resources in asks:
+            for name, amount in resources.items():
+                needed[name] = needed.get(name, 0) + count * amount
+        return needed
+
     def prefill(self) -> PrefillConfig:
         return _part(self, PrefillConfig)
 

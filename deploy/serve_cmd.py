@@ -121,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     from deploy.app import build_app
 
     needed = int(cfg.prefill_replicas * cfg.prefill_num_cpus + cfg.decode_replicas * cfg.tp * cfg.rank_num_cpus) + 1
-    init_ray(RayOptions(address=args.address, num_cpus=args.num_cpus or max(os.cpu_count() or 1, needed)))
+    # An embedded Ray is one node: it declares the custom resources the config asks for (node kinds of a
+    # cluster), so that a configuration written for a cluster also runs here instead of pending forever.
+    init_ray(RayOptions(address=args.address, num_cpus=args.num_cpus or max(os.cpu_count() or 1, needed),
+                        resources=cfg.custom_resources_needed() or None))
     serve.start(http_options={"host": args.host, "port": args.port})
     start = time.monotonic()
     print(f"deploying: 1 router, {cfg.prefill_replicas} prefill, {cfg.decode_replicas} decode group(s) of "

@@ -23,9 +23,11 @@ from router.generation import Generation
 from router.limits import check_request
 from router.output import ResponseWriter
 from router.metrics import RouterMetrics
-from router.policy import latest_stats
+from router.policy import decode_unavailable, latest_stats
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.tools import chat_messages, template_tools
+
+HEALTH_PROBE_S = 2.0  # /health stays fast even when the decode replica is slow to answer
 
 api = FastAPI(title="Tandem", description="Disaggregated structured, speculative LLM serving (OpenAI API)")
 install(api)
@@ -50,7 +52,17 @@ class Router:
 
     # ------------------------------------------------------------------ plain endpoints
     @api.get("/health")
-    async def health(self) -> dict:
+    async def health(self):
+        # 503 while no decode group can take a request, so that a load balancer stops sending traffic here.
+        # Asked fresh (routing stats are refreshed only by requests); the load-aware pick prefers a replica
+        # whose group is up, so "down" means every replica's is. No answer in time: no verdict.
+        try:
+            fresh = await asyncio.wait_for(self.decode.record_routing_stats.remote(), HEALTH_PROBE_S)
+        except Exception:  # noqa: BLE001 - the request path reports its own errors
+            fresh = {}
+        reason = decode_unavailable({"probe": fresh})
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return {"status": "ok"}
 
     @api.get("/v1/models")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 STATS_PERIOD_S = 0.5
+REBUILDING_PENALTY = 100.0  # a decode replica rebuilding its rank group gets requests only if no other can
 
 
 def prefill_score(stats: dict, in_flight: int) -> float:
@@ -25,7 +26,18 @@ def decode_score(stats: dict, in_flight: int) -> float:
     """KV pressure dominates (a full cache stalls new hand-overs); running requests slow every step."""
     total = max(1, stats.get("kv_blocks_total", 1))
     seqs = max(1, stats.get("max_num_seqs", 64))
-    return 2.0 * stats.get("kv_blocks_used", 0) / total + (stats.get("num_requests", 0) + in_flight) / seqs
+    rebuilding = REBUILDING_PENALTY if "group_id" in stats and stats["group_id"] is None else 0.0
+    return (2.0 * stats.get("kv_blocks_used", 0) / total + (stats.get("num_requests", 0) + in_flight) / seqs
+            + rebuilding)
+
+
+def decode_unavailable(by_replica: dict[str, dict]) -> str | None:
+    """Why no decode replica can take a request now (every one is rebuilding its rank group: a rank or its
+    node was lost), or None; None too before any stats arrived."""
+    known = [s for s in by_replica.values() if s and "group_id" in s]
+    if known and all(s["group_id"] is None for s in known):
+        return f"no decode group is up; rebuilding after: {known[0].get('last_error')}"
+    return None
 
 
 _SCORES = {"prefill": prefill_score, "decode": decode_score}

@@ -67,3 +67,13 @@ def test_placement_flags(tiny_model_dir):
     for bad in ("tandem_prefill=1", "[1]"):
         with pytest.raises(SystemExit):
             parser().parse_args(["--prefill-resources", bad])
+
+
+def test_one_machine_declares_what_a_cluster_config_asks_for(tiny_model_dir):
+    """`tandem serve` without --address is one node: it must declare the node kinds' resources the config
+    asks for, or the deployments would wait for nodes that never join."""
+    cfg = TandemConfig(model=tiny_model_dir, prefill_replicas=2, tp=2, decode_replicas=1,
+                       prefill_resources={"tandem_prefill": 1}, rank_resources={"tandem_decode": 1},
+                       router_resources={"tandem_head": 0.5})
+    assert cfg.custom_resources_needed() == {"tandem_prefill": 2, "tandem_decode": 2, "tandem_head": 1.0}
+    assert TandemConfig(model=tiny_model_dir).custom_resources_needed() == {}

@@ -1,5 +1,5 @@
 """Routing scores: the least loaded replica wins, and this router's in-flight requests count."""
-from router.policy import decode_score, prefill_score
+from router.policy import decode_score, decode_unavailable, prefill_score
 
 
 def test_prefill_prefers_fewer_queued_prompt_tokens_and_fewer_in_flight():
@@ -17,3 +17,12 @@ def test_decode_prefers_free_kv_then_fewer_requests():
     assert decode_score(empty, 0) < decode_score(crowded, 0) < decode_score(full, 0) + 1.0
     assert decode_score(empty, 0) < decode_score(full, 0)
     assert decode_score(empty, 3) > decode_score(empty, 0)
+
+
+def test_a_decode_replica_rebuilding_its_group_is_avoided_and_reported():
+    up = {"group_id": "g1", "kv_blocks_used": 95, "kv_blocks_total": 100, "num_requests": 60, "max_num_seqs": 64}
+    rebuilding = {"group_id": None, "last_error": "node lost", "kv_blocks_used": 0, "kv_blocks_total": 0}
+    assert decode_score(up, 8) < decode_score(rebuilding, 0)  # even a full group beats one that is not there
+    assert decode_unavailable({"a": up, "b": rebuilding}) is None
+    assert "node lost" in decode_unavailable({"b": rebuilding})
+    assert decode_unavailable({}) is None and decode_unavailable({"a": {}}) is None  # no stats yet: no verdict
