@@ -23,6 +23,7 @@ from router.generation import Generation
 from router.limits import check_request
 from router.output import ResponseWriter
 from router.metrics import RouterMetrics
+from router.metrics_server import start_metrics_server
 from router.policy import decode_unavailable, latest_stats
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.tools import chat_messages, template_tools
@@ -49,6 +50,10 @@ class Router:
         self.actor_name = ray.get_runtime_context().get_actor_name()  # None outside an actor (tests)
         self.waiting_first = 0
         self.created = int(time.time())
+        self.metrics_server = None
+        if self.cfg.metrics_port is not None:
+            self.metrics_server = await start_metrics_server(self.cfg.metrics_host, self.cfg.metrics_port,
+                                                             self._render_metrics)
 
     # ------------------------------------------------------------------ plain endpoints
     @api.get("/health")
@@ -73,8 +78,14 @@ class Router:
 
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
+        if self.metrics_server is not None:
+            raise APIError(404, "this server serves /metrics on its metrics port, not on the API port",
+                           "not_found_error", None, "metrics_elsewhere")
+        return PlainTextResponse((await self._render_metrics()).decode(), media_type="text/plain; version=0.0.4")
+
+    async def _render_metrics(self) -> bytes:
         await self._refresh_worker_gauges()
-        return PlainTextResponse(self.metrics.render().decode(), media_type="text/plain; version=0.0.4")
+        return self.metrics.render()
 
     async def _refresh_worker_gauges(self) -> None:
         fresh = await asyncio.gather(self.prefill.stats.remote(), self.decode.stats.remote(), return_exceptions=True)

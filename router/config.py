@@ -17,6 +17,12 @@ class RouterSettings(BaseModel):
                                                     "chat `top_logprobs`).")
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body; larger ones get HTTP 413, "
                                                                "refused from Content-Length before reading.")
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="Serve /metrics on this port (at "
+                                                                       "metrics_host) instead of the API port, "
+                                                                       "which then answers /metrics with 404; "
+                                                                       "router replicas sharing a node take the "
+                                                                       "next free ports.")
+    metrics_host: str = Field("127.0.0.1", description="Address the metrics port binds (with metrics_port).")
     api_key: str | None = Field(None, repr=False, description=f"Bearer key every route but /health requires "
                                                               f"(HTTP 401 otherwise); default: ${API_KEY_ENV}, "
                                                               f"else no key.")
