@@ -80,6 +80,7 @@ class Router:
                 self.metrics.grammar(role, replica, s.get("grammar") or {})
                 if role == "decode":
                     self.metrics.dp_ranks(replica, s.get("dp_ranks"))
+            self.metrics.forget_workers(role, set(by_replica))
 
     def routing_snapshot(self) -> dict:
         """The load each worker replica last reported to this router's routing policy (handle call)."""
