@@ -172,7 +172,7 @@ async def _decode_blocks(http, metric: str) -> float:
 
 async def _fill_kv(http, model, app, root) -> str | None:
     """As many long requests at once as take the decode cache past full (from the /metrics total): with the
-    default cache (sized from memory) the 64-request cap does not fill it; serve with --num-kv-blocks 64."""
+    default cache (sized from memory) the 64-request cap does not fill it; serve with --num-kv-blocks 256."""
     total = await _decode_blocks(http, "tandem_kv_blocks_total")
     if not total:
         return None
