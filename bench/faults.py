@@ -36,16 +36,18 @@ KV_BLOCK_TOKENS = 16
 # ---------------------------------------------------------------------------------------------- processes
 def processes_titled(title: str, root: int) -> list[int]:
     """Pids below `root` (the server's process: on a shared machine other Ray sessions run processes of the
-    same titles) whose command line (Ray's process title) is `title`, or `title` running a method."""
-    pids = []
+    same titles) whose command line (Ray's process title) is `title`, or `title` running a method; a
+    process forked by one of them (it inherits the title) is left out."""
+    found: dict[int, int] = {}  # pid -> parent pid
     for pid in process_tree(root):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
-        except OSError:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
         if cmd == title or cmd.startswith(title + ".") or cmd.startswith(title + " "):
-            pids.append(pid)
-    return sorted(pids)
+            found[pid] = ppid
+    return sorted(pid for pid, ppid in found.items() if ppid not in found)
 
 
 def replica_pids(deployment: str, root: int, app: str = "tandem") -> list[int]:
@@ -170,7 +172,7 @@ async def _decode_blocks(http, metric: str) -> float:
 
 async def _fill_kv(http, model, app, root) -> str | None:
     """As many long requests at once as take the decode cache past full (from the /metrics total): with the
-    default cache (sized from memory) the 64-request cap does not fill it; serve with --num-kv-blocks 64."""
+    default cache (sized from memory) the 64-request cap does not fill it; serve with --num-kv-blocks 256."""
     total = await _decode_blocks(http, "tandem_kv_blocks_total")
     if not total:
         return None

@@ -105,6 +105,7 @@ class Router:
                     self.metrics.dp_ranks(replica, s.get("dp_ranks"))
                 else:
                     self.metrics.transports(replica, s.get("handovers_by_transport") or {})
+            self.metrics.forget_workers(role, set(by_replica))
 
     def routing_snapshot(self) -> dict:
         """The load each worker replica last reported to this router's routing policy (handle call)."""

@@ -56,7 +56,9 @@ class RouterMetrics:
         self.handover_bw = Gauge("tandem_handover_bytes_per_second_recent", "KV hand-over bandwidth of recent "
                                  "requests (decode side).", ["model"], registry=r).labels(**labels)
 
-        self._dp_ranks: dict[str, tuple] = {}  # decode replica -> its per-rank (placed, used, total, running)
+        self._dp_ranks: dict[str, tuple] = {}
+        self._transports: dict[str, set[str]] = {}  # prefill replica -> transports it has reported  # decode replica -> its per-rank (placed, used, total, running)
+        self._workers: dict[tuple[str, str], set[str]] = {}  # (role, replica) -> grammar events it reported
         r.register(_DPRankCollector(self))
 
     def dp_ranks(self, replica: str, ranks) -> None:
@@ -64,11 +66,29 @@ class RouterMetrics:
         if ranks:
             self._dp_ranks[replica] = tuple(tuple(x) for x in ranks)
 
+    def forget_workers(self, role: str, live: set[str]) -> None:
+        """Drop the series of `role`'s replicas that are gone (a killed replica's last KV figure would
+        otherwise be reported for ever, as a leak that is not there, beside its successor's)."""
+        model = self._labels["model"]
+        for key in [k for k in self._workers if k[0] == role and k[1] not in live]:
+            events = self._workers.pop(key)
+            for gauge in (self.kv_used, self.kv_total, self.kv_usage, self.worker_queue):
+                gauge.remove(model, role, key[1])
+            for event in events:
+                self.grammar_events.remove(model, role, key[1], event)
+            if role == "decode":
+                self._dp_ranks.pop(key[1], None)
+            for transport in self._transports.pop(key[1], set()):
+                self.handover_transports.remove(model, key[1], transport)
+
     def grammar(self, role: str, replica: str, counts: dict[str, int]) -> None:
+        self._workers.setdefault((role, replica), set()).update(counts)
         for event, n in counts.items():
             self.grammar_events.labels(model=self._labels["model"], role=role, replica=replica, event=event).set(n)
 
     def transports(self, replica: str, counts: dict[str, int]) -> None:
+        self._workers.setdefault(("prefill", replica), set())
+        self._transports.setdefault(replica, set()).update(counts)
         for transport, n in counts.items():
             self.handover_transports.labels(model=self._labels["model"], replica=replica, transport=transport).set(n)
 
@@ -79,6 +99,7 @@ class RouterMetrics:
         self.finish_reasons.labels(model=self._labels["model"], reason=reason or "unknown").inc()
 
     def worker(self, role: str, replica: str, used: int, total: int, queue: int) -> None:
+        self._workers.setdefault((role, replica), set())
         lab = dict(model=self._labels["model"], role=role, replica=replica)
         self.kv_used.labels(**lab).set(used)
         self.kv_total.labels(**lab).set(total)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from bench.faults import LONG_PROMPT
-from bench.soak import _send
+from bench.soak import _send, kv_blocks_used
 from cluster.testing import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -27,7 +27,8 @@ def served(server) -> bool:
 
 def test_killed_prefill_replica_fails_its_requests_and_is_restarted(tandem_server):
     prefill = tandem_server.prefill_handle()
-    pid = prefill.stats.remote().result()["pid"]
+    killed = prefill.stats.remote().result()
+    pid = killed["pid"]
 
     async def main():
         async with httpx.AsyncClient(base_url=tandem_server.base_url) as http:
@@ -52,3 +53,7 @@ def test_killed_prefill_replica_fails_its_requests_and_is_restarted(tandem_serve
     wait_for(lambda: served(tandem_server), "Serve restarts the prefill replica and requests succeed", 300, 1.0)
     assert prefill.stats.remote().result()["pid"] != pid
     wait_for(lambda: not any(tandem_server.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)
+    # /metrics follows the live replicas: the killed one's last figures are not reported beside its successor's
+    wait_for(lambda: (lambda used: f"prefill/{killed['replica']}" not in used and any(
+        k.startswith("prefill/") for k in used))(kv_blocks_used(httpx.get(f"{tandem_server.base_url}/metrics").text)),
+        "the killed replica leaves /metrics", 60, 0.5)
