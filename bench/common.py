@@ -34,3 +34,24 @@ def write_results(name: str, payload: dict, table: str) -> Path:
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(f"{table}\n\nCommand: `{command}`\n")
     return RESULTS / f"{name}.md"
+
+
+async def closed_loop(base_url: str, items: list, concurrency: int, one, timeout_s: float = 600.0) -> tuple[list, float]:
+    """`concurrency` clients, each sending the next of `items` as soon as its last answer is in (closed
+    loop): `await one(http, item)` per item; returns (results in completion order, wall seconds)."""
+    import asyncio
+
+    import httpx
+
+    left = list(items)
+    results: list = []
+
+    async def client(http):
+        while left:
+            results.append(await one(http, left.pop()))
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s,
+                                 limits=httpx.Limits(max_connections=concurrency + 4)) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*[client(http) for _ in range(concurrency)])
+        return results, time.perf_counter() - start

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.common import closed_loop as closed_loop_run
+
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = ["Hello, how are you?", "The quick brown fox", "def add(a, b):", "Once upon a time",
            "Tandem serves models on Ray.", "return a + b"]
@@ -49,18 +51,9 @@ async def _one(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
 
 
 async def closed_loop(base_url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
-    left = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
-    results: list[dict] = []
-
-    async def client(http):
-        while left:
-            results.append(await _one(http, model, left.pop(), max_tokens))
-
-    async with httpx.AsyncClient(base_url=base_url, timeout=300,
-                                 limits=httpx.Limits(max_connections=concurrency + 4)) as http:
-        start = time.perf_counter()
-        await asyncio.gather(*[client(http) for _ in range(concurrency)])
-        wall = time.perf_counter() - start
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
+    results, wall = await closed_loop_run(base_url, prompts, concurrency,
+                                          lambda http, prompt: _one(http, model, prompt, max_tokens), 300.0)
     done = [r["latency_s"] for r in results if r["status"] == 200]
     return {"concurrency": concurrency, "requests": len(results), "completed": len(done), "wall_s": wall,
             "completed_per_s": len(done) / wall, "p50_s": _pct(done, 0.5), "p99_s": _pct(done, 0.99),

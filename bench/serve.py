@@ -48,18 +48,10 @@ async def _one(http: httpx.AsyncClient, model: str, prompt: list[int], max_token
 
 
 async def _level(base_url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
-    queue = list(prompts)
-    results = []
+    from bench.common import closed_loop
 
-    async def worker(http):
-        while queue:
-            results.append(await _one(http, model, queue.pop(), max_tokens))
-
-    async with httpx.AsyncClient(base_url=base_url, timeout=600,
-                                 limits=httpx.Limits(max_connections=concurrency + 4)) as http:
-        start = time.perf_counter()
-        await asyncio.gather(*[worker(http) for _ in range(concurrency)])
-        wall = time.perf_counter() - start
+    results, wall = await closed_loop(base_url, prompts, concurrency,
+                                      lambda http, prompt: _one(http, model, prompt, max_tokens))
     ttft = [r["stamps"][0] for r in results if r["stamps"]]
     tt2t = [r["stamps"][1] for r in results if len(r["stamps"]) > 1]
     tpot = [(r["stamps"][-1] - r["stamps"][0]) / max(1, r["tokens"] - 1) for r in results if len(r["stamps"]) > 1]
