@@ -1,7 +1,7 @@
-"""Python callables enqueued on a stream: on CUDA as host nodes (`cudaLaunchHostFunc`, which a CUDA graph
-captures, unlike `cudaStreamAddCallback`), on CPU called in place, in the same order.
+"""Python callables enqueued on a stream: on CUDA as host nodes (`cuLaunchHostFunc` / `cudaLaunchHostFunc`,
+which a CUDA graph captures, unlike `cudaStreamAddCallback`), on CPU called in place, in the same order.
 
-torch has no host-function API, so the runtime's is called through ctypes. What that implies:
+torch has no host-function API, so the driver's is called through ctypes. What that implies:
   - the callback is a ctypes CFUNCTYPE object: it must live as long as any graph that captured it
     (captured ones are kept for the launcher's lifetime; eager ones until `step_done`);
   - it runs on a CUDA driver thread and takes the GIL: the launching thread must never wait on the
@@ -24,24 +24,23 @@ class HostFunctionError(RuntimeError):
     """A host function of the step failed; the step's outputs must not be used."""
 
 
-def _cudart() -> ctypes.CDLL:
-    """The CUDA runtime torch loaded (the same library, so the same context and streams)."""
+def _launcher():
+    """`cuLaunchHostFunc` of the CUDA driver (libcuda: one per process, whatever runtime torch links,
+    statically or not), else `cudaLaunchHostFunc` of the runtime torch loaded. Same signature."""
     torch.cuda.init()
+    try:
+        return ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
+    except (OSError, AttributeError):
+        pass
     with open("/proc/self/maps") as maps:
         paths = sorted({line.split()[-1] for line in maps if "libcudart" in line.rsplit("/", 1)[-1]})
-    for path in paths:
+    for path in [*paths, "libcudart.so", "libcudart.so.12", "libcudart.so.13"]:
         try:
-            lib = ctypes.CDLL(path)
-            lib.cudaLaunchHostFunc  # noqa: B018 - the symbol must be there
-            return lib
+            return ctypes.CDLL(path).cudaLaunchHostFunc
         except (OSError, AttributeError):
             continue
-    for name in ("libcudart.so", "libcudart.so.12", "libcudart.so.13"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise HostFunctionError("cannot find the CUDA runtime (libcudart) torch uses: host functions need it")
+    raise HostFunctionError("cannot find cuLaunchHostFunc (libcuda) or cudaLaunchHostFunc (libcudart): "
+                            "host functions need one")
 
 
 class HostFunctions:
@@ -52,8 +51,7 @@ class HostFunctions:
         self._eager: list = []  # callbacks of eager launches: alive until the step's sync
         self._launch = None
         if device.type == "cuda":
-            lib = _cudart()
-            self._launch = lib.cudaLaunchHostFunc
+            self._launch = _launcher()
             self._launch.argtypes = [ctypes.c_void_p, _HOST_FN, ctypes.c_void_p]
             self._launch.restype = ctypes.c_int
 
@@ -67,7 +65,7 @@ class HostFunctions:
         (self._captured if torch.cuda.is_current_stream_capturing() else self._eager).append(callback)
         err = self._launch(ctypes.c_void_p(stream.cuda_stream), callback, None)
         if err != 0:
-            raise HostFunctionError(f"cudaLaunchHostFunc failed with CUDA error {err}")
+            raise HostFunctionError(f"launching a host function failed with CUDA error {err}")
 
     def _run(self, fn: Callable[[], None]) -> None:
         try:
