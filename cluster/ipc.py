@@ -150,8 +150,7 @@ class HostSegment:
 
     def _create(self, size: int) -> None:
         self.close()
-        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        path = os.path.join(root or os.environ.get("TMPDIR", "/tmp"), f"tandem-kv-{uuid.uuid4().hex}")
+        path = os.path.join(_shm_root(), f"{_PREFIX}{uuid.uuid4().hex}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -171,6 +170,10 @@ class HostSegment:
         del buf
 
     def _attach(self, path: str, size: int) -> None:
+        # The name comes from the peer and is unlinked below: only ever one of our own segment files.
+        name = os.path.basename(path)
+        if os.path.dirname(path) != _shm_root() or not name.startswith(_PREFIX) or not name[len(_PREFIX):].isalnum():
+            raise ChannelError(f"refusing shared memory outside {_shm_root()}/{_PREFIX}*: {path!r}")
         self.close()
         try:
             fd = os.open(path, os.O_RDWR)
@@ -196,6 +199,13 @@ class HostSegment:
         if self.map is not None:
             self.map.close()
         self.map, self.path, self.size = None, None, 0
+
+
+_PREFIX = "tandem-kv-"
+
+
+def _shm_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
 
 
 def handles_for(device: torch.device) -> CudaHandles | HostSegment:

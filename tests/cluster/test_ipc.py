@@ -113,3 +113,14 @@ def test_closing_the_sender_removes_its_file():
     tx.close()
     rx.close()
     assert not os.path.exists(path)
+
+
+def test_a_peer_cannot_make_the_receiver_open_or_delete_other_files(tmp_path):
+    from cluster.ipc import HostSegment
+
+    victim = tmp_path / "tandem-kv-0123abcd"
+    victim.write_bytes(b"x" * 4096)
+    for path in [str(victim), "/dev/shm/../etc/passwd", "/dev/shm/other-file", "/dev/shm/tandem-kv-../../x"]:
+        with pytest.raises(ChannelError, match="refusing shared memory"):
+            HostSegment().copy_into([path, 4096, [[0, 16]]], [torch.empty(16, dtype=torch.uint8)])
+    assert victim.exists()
