@@ -6,13 +6,12 @@ in it has a fixed shape for a given padded batch, so a CUDA graph can capture th
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from engine.scoped import ForwardScoped
 from kernels._dispatch import use_triton
 from kernels.attention import AttentionPlan, StorePlan, paged_attention, plan_paged_attention, plan_store_kv, store_kv
 
@@ -47,23 +46,16 @@ class AttentionMetadata:
         return plan
 
 
-_current: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar("attention_metadata", default=None)
+_current: ForwardScoped[AttentionMetadata] = ForwardScoped(
+    "attention_metadata", "attention layers run only inside attention_context(...)")
 
 
-@contextlib.contextmanager
 def attention_context(meta: AttentionMetadata):
-    token = _current.set(meta)
-    try:
-        yield meta
-    finally:
-        _current.reset(token)
+    return _current.scope(meta)
 
 
 def current_metadata() -> AttentionMetadata:
-    meta = _current.get()
-    if meta is None:
-        raise RuntimeError("attention layers run only inside attention_context(...)")
-    return meta
+    return _current.get()
 
 
 class PagedAttention(nn.Module):

@@ -22,14 +22,13 @@ depends on what a controller outside the engine believes the ranks hold.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from engine.parallel import TPContext
+from engine.scoped import ForwardScoped
 
 EXCHANGES = ("reduce_scatter", "all_reduce")
 
@@ -145,20 +144,13 @@ def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group) -> None:
 
 # The row count P every rank pads its MLP rows to in the current forward (scoped like attention
 # metadata: set around one forward, read by the MLPs; a captured graph bakes in its own).
-_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("adp_rows", default=None)
+_rows: ForwardScoped[int] = ForwardScoped(
+    "adp_rows", "an ADP MLP runs only inside dp_rows(...): the group's padded row count")
 
 
-@contextlib.contextmanager
 def dp_rows(padded: int):
-    token = _rows.set(padded)
-    try:
-        yield padded
-    finally:
-        _rows.reset(token)
+    return _rows.scope(padded)
 
 
 def current_rows() -> int:
-    rows = _rows.get()
-    if rows is None:
-        raise RuntimeError("an ADP MLP runs only inside dp_rows(...): the group's padded row count")
-    return rows
+    return _rows.get()
