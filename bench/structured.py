@@ -27,6 +27,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from bench.common import write_results
+from engine.schema_rewrite import UNRESOLVED, follow_pointer
 from engine.grammar import StructuredOutput, compile_structured
 from engine.compile_worker import CompileWorker, WorkerFailed, WorkerTimeout
 from engine.schema_rewrite import rewrite
@@ -64,17 +65,9 @@ def _resolve(schema, root, depth: int = 0):
     """Follow local $refs ("#/..."), at most a few hops; anything else is returned as is."""
     while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 8:
         ref = schema["$ref"]
-        if not ref.startswith("#"):
+        node = follow_pointer(root, ref) if ref.startswith("#") else UNRESOLVED
+        if node is UNRESOLVED:
             return schema
-        node = root
-        for part in filter(None, ref[1:].split("/")):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return schema
         schema, depth = node, depth + 1
     return schema
 

@@ -46,6 +46,23 @@ def literal_key(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+UNRESOLVED = object()  # what `follow_pointer` returns for a pointer that names nothing
+
+
+def follow_pointer(root: Any, ref: str) -> Any:
+    """The node a local JSON pointer ("#/a/b", with ~0 / ~1 escapes) names in `root`, or UNRESOLVED."""
+    target = root
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            return UNRESOLVED
+    return target
+
+
 def resolve_ref(node: Any, root: Any, depth: int = 0) -> Any:
     """`node` with local "#/..." $refs followed; None (unknown) for a $ref beside other keywords, whose
     meaning depends on the draft (drafts up to 7 ignore the siblings), or one that does not resolve."""
@@ -53,15 +70,9 @@ def resolve_ref(node: Any, root: Any, depth: int = 0) -> Any:
         ref = node["$ref"]
         if set(node) - ANNOTATIONS - {"$ref"} or not isinstance(ref, str) or not ref.startswith("#") or depth >= 16:
             return None
-        target = root
-        for part in filter(None, ref[1:].split("/")):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict) and part in target:
-                target = target[part]
-            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target = target[int(part)]
-            else:
-                return None
+        target = follow_pointer(root, ref)
+        if target is UNRESOLVED:
+            return None
         node, depth = target, depth + 1
     return node
 
