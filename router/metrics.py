@@ -87,8 +87,7 @@ class RouterMetrics:
             self.grammar_events.labels(model=self._labels["model"], role=role, replica=replica, event=event).set(n)
 
     def transports(self, replica: str, counts: dict[str, int]) -> None:
-        self._workers.setdefault(("prefill", replica), set())
-        self._transports.setdefault(replica, set()).update(counts)
+        self._transports.setdefault(replica, set()).update(counts)  # registered by `grammar` as a worker
         for transport, n in counts.items():
             self.handover_transports.labels(model=self._labels["model"], replica=replica, transport=transport).set(n)
 

@@ -14,6 +14,7 @@ import torch
 
 from cluster.errors import ChannelError
 from cluster.ipc import Place, choose_transport
+from cluster.testing import wait_for
 from tests.cluster.test_channel import open_pair, transfer
 
 HOST_A, HOST_B = "node-a/boot-1", "node-b/boot-2"
@@ -53,56 +54,57 @@ def test_preference_of_either_end_decides():
             rx.close()
 
 
-def test_the_shared_file_grows_and_its_name_is_gone_once_mapped():
+@pytest.fixture()
+def shm_pair():
     tx, rx = open_pair("ipc")
-    try:
-        small = torch.arange(64, dtype=torch.float32)
-        got = transfer(tx, rx, {"i": 0}, [small])
-        assert torch.equal(got["payload"][0], small)
-        first = tx._shared.path
-        assert first is not None and not os.path.exists(first), "the receiver drops the name once it has mapped it"
-        big = torch.randn(1 << 16)  # past the segment: the sender makes a bigger one
-        got = transfer(tx, rx, {"i": 1}, [big, small])
-        assert torch.equal(got["payload"][0], big) and torch.equal(got["payload"][1], small)
-        assert tx._shared.path != first and tx._shared.size >= big.numel() * 4
-        assert not os.path.exists(tx._shared.path)
-        assert tx.stats.messages == 2  # the opening probe is not counted
-    finally:
-        tx.close()
-        rx.close()
+    yield tx, rx
+    tx.close()
+    rx.close()
 
 
-def test_a_payload_the_receiver_cannot_read_fails_both_ends():
-    tx, rx = open_pair("ipc")
-    try:
-        big = torch.randn(1 << 15)
-        errors: dict = {}
-        unlinked = threading.Event()
+def test_the_shared_file_grows_and_its_name_is_gone_once_mapped(shm_pair):
+    tx, rx = shm_pair
+    small = torch.arange(64, dtype=torch.float32)
+    got = transfer(tx, rx, {"i": 0}, [small])
+    assert torch.equal(got["payload"][0], small)
+    first = tx._shared.path
+    assert first is not None and not os.path.exists(first), "the receiver drops the name once it has mapped it"
+    big = torch.randn(1 << 16)  # past the segment: the sender makes a bigger one
+    got = transfer(tx, rx, {"i": 1}, [big, small])
+    assert torch.equal(got["payload"][0], big) and torch.equal(got["payload"][1], small)
+    assert tx._shared.path != first and tx._shared.size >= big.numel() * 4
+    assert not os.path.exists(tx._shared.path)
+    assert tx.stats.messages == 2  # the opening probe is not counted
 
-        def _receive():
-            msg = rx.recv_header()
-            rx.answer(True)
-            unlinked.wait(10)
-            try:
-                rx.recv_payload(msg, timeout_s=10)
-            except ChannelError as e:
-                errors["rx"] = str(e)
 
-        t = threading.Thread(target=_receive)
-        t.start()
-        tx.send_header({"i": 0}, [big])
-        assert tx.wait_answer(10)
-        pending = tx.post_payload([big])
-        os.unlink(tx._shared.path)  # as if the receiver lived in another container: it cannot open the file
-        unlinked.set()
-        with pytest.raises(ChannelError, match="could not read the shared payload"):
-            tx.finish_payload(pending, 10)
-        t.join(10)
-        assert "cannot open the sender's shared memory" in errors["rx"]
-        assert not tx.usable and not rx.usable
-    finally:
-        tx.close()
-        rx.close()
+def test_a_payload_the_receiver_cannot_read_fails_both_ends(shm_pair):
+    tx, rx = shm_pair
+    big = torch.randn(1 << 15)
+    errors: dict = {}
+    probe_segment = tx._shared.path
+
+    def _receive():
+        msg = rx.recv_header()
+        rx.answer(True)
+        # The sender makes a bigger segment for this payload; remove it before this end can map it, as if
+        # the receiver lived in another container. (Done here: the sender's handle frame may wait for us.)
+        path = wait_for(lambda: tx._shared.path != probe_segment and tx._shared.path, "the sender's new segment")
+        os.unlink(path)
+        try:
+            rx.recv_payload(msg, timeout_s=10)
+        except ChannelError as e:
+            errors["rx"] = str(e)
+
+    t = threading.Thread(target=_receive)
+    t.start()
+    tx.send_header({"i": 0}, [big])
+    assert tx.wait_answer(10)
+    pending = tx.post_payload([big])
+    with pytest.raises(ChannelError, match="could not read the shared payload"):
+        tx.finish_payload(pending, 10)
+    t.join(10)
+    assert "cannot open the sender's shared memory" in errors["rx"]
+    assert not tx.usable and not rx.usable
 
 
 def test_closing_the_sender_removes_its_file():

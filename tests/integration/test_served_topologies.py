@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from cluster.testing import wait_for
+from deploy.testing import TandemServer
 from tests.integration.topologies import TOPOLOGIES, Topology
 
 pytestmark = pytest.mark.ray
@@ -46,13 +47,15 @@ def cuda_devices() -> int:
 
 
 class Served:
-    def __init__(self, topology: Topology, device: str, base_url: str, app: str, args: dict):
-        self.topology, self.device, self.base_url, self.app, self.args = topology, device, base_url, app, args
-        self.model = topology.name
+    """A row's app (`server`: its URL, clients and deployment handles) and the reference engine."""
+
+    def __init__(self, topology: Topology, device: str, server: TandemServer, args: dict):
+        self.topology, self.device, self.server, self.args = topology, device, server, args
+        self.model = server.model
         self._reference = None
 
     def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=300)
+        return self.server.async_openai(timeout=300)
 
     def reference(self):
         """The single-process engine on the same device, with the same MTP head and dtype."""
@@ -63,13 +66,8 @@ class Served:
                                   speculative=SpecConfig(method="mtp", k=2, draft=self.args["draft"]))
         return self._reference
 
-    def handle(self, deployment: str):
-        from ray import serve
-
-        return serve.get_deployment_handle(deployment, app_name=self.app)
-
     def metrics(self) -> str:
-        return httpx.get(f"{self.base_url}/metrics", timeout=60).text
+        return httpx.get(f"{self.server.base_url}/metrics", timeout=60).text
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -78,6 +76,7 @@ def served(request, tandem_server, tmp_path_factory):
     from ray import serve
 
     from deploy.app import build_app
+    from deploy.config import TandemConfig
     from tests.engine.test_spec_heads import make_mtp_head
 
     topology, device = request.param
@@ -88,9 +87,11 @@ def served(request, tandem_server, tmp_path_factory):
     head = make_mtp_head(tmp_path_factory.mktemp(topology.name) / "mtp", tandem_server.model_dir, seed=1)
     args = topology.serve_args(device, tandem_server.model_dir, str(head))
     app = f"it-{topology.name}-{device}"
-    serve.run(build_app(args), name=app, route_prefix=f"/{app}")
+    cfg = TandemConfig(**args)
+    serve.run(build_app(cfg), name=app, route_prefix=f"/{app}")
     try:
-        yield Served(topology, device, f"{tandem_server.base_url}/{app}", app, args)
+        yield Served(topology, device, TandemServer(f"{tandem_server.base_url}/{app}", tandem_server.model_dir,
+                                                    cfg.name, cfg, app=app), args)
     finally:
         serve.delete(app)
 
@@ -167,7 +168,7 @@ def test_a_killed_decode_rank_fails_its_requests_and_the_group_returns(served):
                     "tests/decode_worker/test_faults.py")
     from engine import SamplingParams
 
-    decode = served.handle("decode")
+    decode = served.server.decode_handle()
     before = decode.stats.remote().result()["groups_started"]
     pids = decode.rank_pids.remote().result()
 
