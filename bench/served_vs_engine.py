@@ -17,6 +17,7 @@ import random
 import tempfile
 import time
 
+from bench import proc_cpu
 from bench.serve import _level
 
 
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.served_vs_engine", description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="1,16,64")
     ap.add_argument("--tps", default="2,1", help="decode tp of each served deployment")
+    ap.add_argument("--steps-in-flight", default="2", help="the decode replica's steps_in_flight, one deployment "
+                    "per value (e.g. 1,2 to compare strict lockstep with a step queued ahead)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -73,47 +76,85 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.engine_threads)
     engine_rows = {}
     for c in levels:
+        cpu0 = time.process_time()
         engine_rows[c] = _engine_level(model, head, blocks, prompts[c], c, args.max_tokens)
+        engine_rows[c]["cpu_s"] = time.process_time() - cpu0
         print(f"engine c={c}: {engine_rows[c]['throughput_tok_s']:.1f} tok/s", flush=True)
 
     tmp = tempfile.mkdtemp(prefix="tandem-bench-")
     init_ray(RayOptions(num_cpus=8, temp_dir=f"{tmp}/ray"))
     port = free_port_on("127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    served: dict[int, dict[int, dict]] = {}
-    for tp in [int(t) for t in args.tps.split(",")]:
-        name = f"tp{tp}"
+    served: dict[str, dict[int, dict]] = {}
+    variants = [(int(tp), int(n)) for tp in args.tps.split(",") for n in args.steps_in_flight.split(",")]
+    for tp, in_flight in variants:
+        label = f"tp={tp}" + (f", {in_flight} in flight" if len(args.steps_in_flight.split(",")) > 1 else "")
+        name = f"tp{tp}x{in_flight}"
         cfg = TandemConfig(model=model, served_model_name=name, tp=tp, speculative_method="mtp", draft=head,
                            num_speculative_tokens=3, num_kv_blocks=blocks, max_num_seqs=max(64, max(levels)),
-                           max_inflight=4 * max(levels) + 16)
+                           max_inflight=4 * max(levels) + 16, steps_in_flight=in_flight)
         serve.run(build_app(cfg), name=name, route_prefix=f"/{name}")
+        decode = serve.get_deployment_handle("decode", app_name=name)
         base = f"http://127.0.0.1:{port}/{name}"
         asyncio.run(_level(base, name, prompts[levels[0]][:4], 2, 8))  # warm-up
-        served[tp] = {}
+        served[label] = {}
         for c in levels:
-            served[tp][c] = asyncio.run(_level(base, name, prompts[c], c, args.max_tokens))
-            print(f"served tp={tp} c={c}: {served[tp][c]['throughput_tok_s']:.1f} tok/s", flush=True)
+            before, d0 = proc_cpu.snapshot(), decode.stats.remote().result()
+            served[label][c] = row = asyncio.run(_level(base, name, prompts[c], c, args.max_tokens))
+            row["cpu_s_by_role"] = proc_cpu.used(before, proc_cpu.snapshot())
+            d1 = decode.stats.remote().result()
+            # The decode group's own view: how many group steps, and how busy its ranks were in them.
+            row["decode_steps"] = d1["steps"] - d0["steps"]
+            row["rank_busy_share"] = (d1["rank_step_seconds"] - d0["rank_step_seconds"]) / row["wall_s"]
+            row["tokens_per_step"] = row["output_tokens"] / max(1, row["decode_steps"])
+            print(f"served {label} c={c}: {row['throughput_tok_s']:.1f} tok/s, {row['decode_steps']} steps, "
+                  f"{row['tokens_per_step']:.1f} tok/step, ranks busy {row['rank_busy_share']:.0%}, "
+                  f"TTFT p50 {row['ttft_p50_s']:.3f} s, 2nd token p50 {row['tt2t_p50_s']:.3f} s, "
+                  f"TPOT p50 {row['tpot_p50_s']:.3f} s; CPU s by role: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in row["cpu_s_by_role"].items()), flush=True)
         serve.delete(name)
     serve.shutdown()
     import ray
 
     ray.shutdown()
+    # The engine again, after the served runs: the machine is shared, and a load change between the two
+    # shows as a gap between the engine's two figures (the ratios use their mean).
+    for c in levels:
+        again = _engine_level(model, head, blocks, prompts[c], c, args.max_tokens)
+        engine_rows[c]["throughput_after_tok_s"] = again["throughput_tok_s"]
+        print(f"engine again c={c}: {again['throughput_tok_s']:.1f} tok/s", flush=True)
+    load_end = __import__("os").getloadavg()[0]
 
-    tps = list(served)
+    labels = list(served)
     lines = [f"# Served path vs in-process engine ({device_name('cpu')})", "",
              f"Zoo target + MTP head (k=3), {args.prompt_tokens}-token random prompts, {args.max_tokens} output "
              "tokens, greedy, closed loop at each concurrency (2 x concurrency requests, at least 8). Engine: "
-             f"{args.engine_threads} torch thread(s), run first; load average at the start {load_start:.1f}.", "",
-             "| concurrency | engine tok/s | " + " | ".join(f"served tp={tp} tok/s | tp={tp} / engine" for tp in tps) + " |",
-             "|---:|---:|" + "---:|---:|" * len(tps)]
+             f"{args.engine_threads} torch thread(s), run before and after the served deployments (tok/s: "
+             f"before / after; ratios against their mean); load average {load_start:.1f} at the start, "
+             f"{load_end:.1f} at the end.", "",
+             "| concurrency | engine tok/s | " + " | ".join(f"{v} tok/s | / engine" for v in labels) + " |",
+             "|---:|---:|" + "---:|---:|" * len(labels)]
     for c in levels:
-        e = engine_rows[c]["throughput_tok_s"]
-        cells = " | ".join(f"{served[tp][c]['throughput_tok_s']:.0f} | {served[tp][c]['throughput_tok_s'] / e:.2f}x"
-                           for tp in tps)
-        lines.append(f"| {c} | {e:.0f} | {cells} |")
+        before, after = engine_rows[c]["throughput_tok_s"], engine_rows[c]["throughput_after_tok_s"]
+        e = (before + after) / 2
+        cells = " | ".join(f"{served[v][c]['throughput_tok_s']:.0f} | {served[v][c]['throughput_tok_s'] / e:.2f}x"
+                           for v in labels)
+        lines.append(f"| {c} | {before:.0f} / {after:.0f} | {cells} |")
+    lines += ["", "Where the served run's time and CPU went (per deployment and concurrency): group steps, output "
+              "tokens per step, the share of wall time the decode ranks spent inside steps, time to the first and "
+              "second token, and CPU seconds per process role (from /proc; `bench` is this process: the HTTP "
+              "clients).", "",
+              "| deployment | conc | steps | tok/step | ranks busy | TTFT p50 s | 2nd token p50 s | CPU s by role |",
+              "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for v in labels:
+        for c in levels:
+            r = served[v][c]
+            cpu = ", ".join(f"{k} {x:.1f}" for k, x in r["cpu_s_by_role"].items() if x >= 0.1)
+            lines.append(f"| {v} | {c} | {r['decode_steps']} | {r['tokens_per_step']:.1f} | {r['rank_busy_share']:.0%} "
+                         f"| {r['ttft_p50_s']:.3f} | {r['tt2t_p50_s']:.3f} | {cpu} |")
     table = "\n".join(lines)
     path = write_results(args.name, {"model": model, "draft": head, "levels": levels, "engine": engine_rows,
-                                     "served": {str(tp): rows for tp, rows in served.items()}}, table)
+                                     "served": served}, table)
     print(table)
     print(f"wrote {path}")
     return 0

@@ -28,6 +28,11 @@ class DecodeConfig(EngineSettings):
                                                             "that declare them, e.g. {\"tandem_decode\": 1}.")
     handover_timeout_s: float = Field(60.0, gt=0, description="How long a decode stream waits for its hand-over "
                                                               "header.")
+    steps_in_flight: int = Field(2, ge=1, le=4, description="Group steps the replica keeps submitted to its ranks: "
+                                                            "2 queues step N+1 at the ranks while they run step N, "
+                                                            "so they never wait for the replica to read a report "
+                                                            "and send the next step; commands then take effect one "
+                                                            "step later. 1 = strict lockstep.")
     step_timeout_s: float = Field(120.0, gt=0, description="A decode step slower than this is treated as a dead "
                                                            "group (which is rebuilt).")
 

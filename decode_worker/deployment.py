@@ -1,23 +1,26 @@
 """DecodeServer: the decode Serve deployment. A replica owns one RankGroup (a placement group of
-`tp` DecodeRank actors), runs the lockstep step loop and fans each step's tokens out to per-request
-streams. If the group dies, in-flight streams end with an error and the replica builds a new group.
+`tp` DecodeRank actors), runs the lockstep step loop and fans each step's tokens out to the routers.
+If the group dies, in-flight requests end with an error and the replica builds a new group.
 
-`generate` is a streaming method: its first item is the DecodeTarget the prefill must send to, then
-lists of TokenDelta (everything that arrived since the previous item), or a StreamError at the end.
+A router calls `open` per request (the answer says where the prefill sends the KV), reads ONE `feed`
+stream per decode replica for all its requests (a list of (request id, TokenDelta | StreamError) per
+step: decode_worker/feed.py says why), and calls `cancel` for a request it gives up on.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 
 from cluster.errors import WorkerDiedError
 from cluster.placement import RankResources
-from cluster.protocol import StreamError, TokenDelta
+from cluster.protocol import DecodeOpened, StreamError
 from cluster.runtime import replica_id
 from decode_worker.callers import CallerWatch
 from decode_worker.config import DecodeConfig
 from decode_worker.controller import DecodeController
+from decode_worker.feed import Feed
 from decode_worker.group import GroupSpec, RankGroup
 
 log = logging.getLogger(__name__)
@@ -47,57 +50,73 @@ class DecodeServer:
         self._last_error: str | None = None
         self._lost: str | None = None  # an idle group found dead by check_health; the loop rebuilds it
         self._loop = asyncio.create_task(self._run())
-        self._sinks: dict[str, asyncio.Queue] = {}  # open streams, for ending those whose router died
+        self.replica = replica_id()
+        self._feeds: dict[str, Feed] = {}  # router actor name ("" when unnamed) -> its feed
+        self._callers_of: dict[str, str] = {}  # open request id -> its router's feed key
         self.callers = CallerWatch(self._caller_died)
         self._watch = asyncio.create_task(self.callers.run())
 
-    # ------------------------------------------------------------------ the stream of one request
-    async def generate(self, request_id: str, num_prompt_tokens: int = 0, caller: str | None = None):
-        """Yields the DecodeTarget (the ranks the request is placed on), then lists of TokenDelta, or a
-        StreamError; cancel to abort. num_prompt_tokens: the prompt's length (it weighs the placement);
-        caller: the Serve actor name of the router reading the stream (its death ends the stream)."""
+    # ------------------------------------------------------------------ requests and their router's feed
+    async def open(self, request_id: str, num_prompt_tokens: int = 0, caller: str | None = None):
+        """Expect a request's hand-over: a DecodeOpened (this replica, and the ranks the prefill sends to), or
+        a StreamError. Its token deltas then go out on `caller`'s feed. num_prompt_tokens: the prompt's
+        length (it weighs the placement); caller: the Serve actor name of the router (its death cancels
+        its requests)."""
         group = await self._current_group(self.config.handover_timeout_s)
         if group is None:
-            yield StreamError(f"the decode group is restarting after a failure ({self._last_error}); retry")
-            return
-        sink: asyncio.Queue = asyncio.Queue()
-        ranks = self.ctrl.expect(request_id, sink, -(-num_prompt_tokens // self.config.block_size))
-        self._wake.set()
-        self._sinks[request_id] = sink
+            return StreamError(f"the decode group is restarting after a failure ({self._last_error}); retry")
+        feed = self._feed(caller)
+        ranks = self.ctrl.expect(request_id, feed.sink(request_id), -(-num_prompt_tokens // self.config.block_size))
+        self._callers_of[request_id] = caller or ""
         self.callers.opened(request_id, caller)
-        finished = False
-        try:
-            yield group.target_for(ranks)
-            while not finished:
-                batch = [await sink.get()]
-                while not sink.empty():
-                    batch.append(sink.get_nowait())
-                out: list[TokenDelta] = []
-                for item in batch:
-                    if isinstance(item, StreamError):
-                        if out:
-                            yield out
-                        finished = True
-                        yield item
-                        return
-                    out.append(item)
-                    finished = finished or item.finished
-                yield out
-        finally:
-            self._sinks.pop(request_id, None)
-            self.callers.closed(request_id)
-            if not finished:
-                self.ctrl.cancel(request_id)  # client gone, stop string, or prefill failure
-                self._wake.set()
+        self._wake.set()
+        return DecodeOpened(self.replica, group.target_for(ranks))
 
-    def _caller_died(self, request_id: str, caller: str) -> None:
-        """The router reading this stream is dead: abort the request (freeing its blocks) and end the
-        stream, whose consumer is gone."""
+    async def feed(self, caller: str | None = None, replica: str | None = None):
+        """A stream of lists of (request id, TokenDelta | StreamError): everything for `caller`'s requests,
+        one list per step that had any. `replica`: the replica the router means (its request router sends
+        the call there while Serve lists it); another replica refuses, so that the router learns that the
+        one it meant is gone (and its requests with it) instead of reading someone else's feed."""
+        if replica is not None and replica != self.replica:
+            raise LookupError(f"decode replica {replica} is gone (this is {self.replica})")
+        async for batch in self._feed(caller).batches():
+            yield batch
+
+    async def cancel(self, request_id: str, replica: str | None = None) -> None:
+        """The router is done with the request (client gone, stop string, prefill failure): abort it and
+        free its blocks. Unknown ids are ignored (it ended meanwhile, or this is not its replica)."""
+        caller = self._callers_of.pop(request_id, None)
+        if caller is None:
+            return
+        self.callers.closed(request_id)
+        feed = self._feeds.get(caller)
+        if feed is not None:
+            feed.forget(request_id)
         self.ctrl.cancel(request_id)
         self._wake.set()
-        sink = self._sinks.get(request_id)
-        if sink is not None:
-            sink.put_nowait(StreamError(f"the router reading this stream ({caller}) died"))
+
+    def _feed(self, caller: str | None) -> Feed:
+        key = caller or ""
+        feed = self._feeds.get(key)
+        if feed is None:
+            feed = self._feeds[key] = Feed(self._ended)
+        return feed
+
+    def _ended(self, request_id: str) -> None:
+        self._callers_of.pop(request_id, None)
+        self.callers.closed(request_id)
+
+    def _caller_died(self, request_id: str, caller: str) -> None:
+        """The router reading this request's feed is dead: abort the request (freeing its blocks); once none
+        of its requests is left, drop its feed (nobody will read what waits there)."""
+        self._callers_of.pop(request_id, None)
+        self.ctrl.cancel(request_id)
+        self._wake.set()
+        feed = self._feeds.get(caller)
+        if feed is not None:
+            feed.forget(request_id)
+            if not feed.requests:
+                del self._feeds[caller]
 
     async def _current_group(self, timeout_s: float = float("inf")) -> RankGroup | None:
         deadline = time.monotonic() + timeout_s
@@ -107,21 +126,34 @@ class DecodeServer:
 
     # ------------------------------------------------------------------ the step loop
     async def _run(self) -> None:
+        # Group steps submitted and not yet reported, oldest first. While requests decode the replica keeps
+        # `steps_in_flight` of them at the ranks, so that each rank finds its next step waiting when it ends
+        # one instead of idling while this replica reads the report and sends the next (a Ray round trip plus
+        # the controller's work): the controller's commands then land a step later, which it tolerates (it
+        # never assumes a command has been applied before the report that says so).
+        in_flight: collections.deque[asyncio.Future] = collections.deque()
         while True:
-            if self._lost is not None:
+            if self._lost is not None and not in_flight:
                 reason, self._lost = self._lost, None
                 await self._recover(self.group, reason)
                 continue
-            if not self.ctrl.has_work:
+            group = self.group
+            while self.ctrl.has_work and len(in_flight) < self.config.steps_in_flight:
+                if in_flight and not self.ctrl.decoding:
+                    break  # hand-overs only: one step at a time, long-polling the ranks
+                work = self.ctrl.next_step()
+                busy = in_flight or any(w.commands for w in work) or self.ctrl.decoding
+                in_flight.append(group.submit(work, 0.0 if busy else IDLE_POLL_S))
+            if not in_flight:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            group = self.group
-            work = self.ctrl.next_step()
-            wait_s = 0.0 if (any(w.commands for w in work) or self.ctrl.decoding) else IDLE_POLL_S
             try:
-                reports = await group.step(work, wait_s)
+                reports = await in_flight.popleft()
             except WorkerDiedError as e:
+                for later in in_flight:  # they fail alike: the group is being replaced
+                    later.cancel()
+                in_flight.clear()
                 await self._recover(group, str(e))
                 continue
             self._steps += 1

@@ -41,6 +41,8 @@ class RankGroup:
         self.pg = pg
         self.ranks = ranks
         self.target = target
+        self._seq = 0  # the next step's RankStep.seq
+        self._in_flight: asyncio.Future | None = None  # the last step submitted
 
     @staticmethod
     async def start(spec: GroupSpec) -> "RankGroup":
@@ -79,11 +81,24 @@ class RankGroup:
             return self.target
         return dataclasses.replace(self.target, ranks=tuple(self.target.ranks[r] for r in ranks))
 
-    async def step(self, work: list[RankStep], wait_s: float) -> list[StepReport]:
-        """Every rank applies its RankStep (one per rank, in rank order) and steps; WorkerDiedError if any
-        rank dies or hangs."""
+    def submit(self, work: list[RankStep], wait_s: float) -> asyncio.Future:
+        """Send the group's next step now (numbered after every step submitted before it, which the ranks
+        run first); the future gives the reports: every rank applies its RankStep (one per rank, in rank
+        order) and steps. It raises WorkerDiedError if any rank dies, or if the ranks do not answer within
+        the step timeout counted from the end of the step submitted before it (a queued step is not blamed
+        for its predecessor's time)."""
         assert len(work) == len(self.ranks), (len(work), len(self.ranks))
-        refs = [r.step.remote(w, wait_s) for r, w in zip(self.ranks, work)]
+        seq, self._seq = self._seq, self._seq + 1
+        refs = [r.step.remote(dataclasses.replace(w, seq=seq), wait_s) for r, w in zip(self.ranks, work)]
+        self._in_flight = asyncio.ensure_future(self._reports(refs, wait_s, self._in_flight))
+        return self._in_flight
+
+    async def step(self, work: list[RankStep], wait_s: float) -> list[StepReport]:
+        return await self.submit(work, wait_s)
+
+    async def _reports(self, refs: list, wait_s: float, before: asyncio.Future | None) -> list[StepReport]:
+        if before is not None and not before.done():
+            await asyncio.wait([before])  # its failure is reported by its own future
         tasks = [asyncio.ensure_future(_await(ref)) for ref in refs]
         done, pending = await asyncio.wait(tasks, timeout=self.spec.step_timeout_s + wait_s,
                                            return_when=asyncio.FIRST_EXCEPTION)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -29,6 +30,8 @@ from engine import CapacityError, LLMEngine, TandemError
 
 log = logging.getLogger(__name__)
 
+TURN_TIMEOUT_S = 600.0  # a step waiting for its predecessor this long means the replica lost one: fail loudly
+
 
 class DecodeRank:
     """Created through `ray.remote(...)` by decode_worker.group with the rank's resources."""
@@ -45,6 +48,8 @@ class DecodeRank:
         self.stock: HandoverStock | None = None
         self.tp_group = None
         self._sent: dict[str, int] = {}  # request id -> output tokens already reported
+        self._next_seq = 0  # the RankStep.seq this rank runs next
+        self._turn = threading.Condition()
 
     # ------------------------------------------------------------------ setup
     def address(self) -> StoreAddress:
@@ -87,6 +92,23 @@ class DecodeRank:
 
     # ------------------------------------------------------------------ the lockstep step
     def step(self, work: RankStep, wait_s: float = 0.0) -> StepReport:
+        """Runs `work` once every earlier step of the group has run here (a later step may reach this actor
+        first, on another of its threads, or wait here while this one runs: that is what keeps the rank busy
+        while the replica turns the previous report into the next step)."""
+        with self._turn:
+            if not self._turn.wait_for(lambda: self._next_seq >= work.seq, timeout=TURN_TIMEOUT_S):
+                raise RuntimeError(f"decode rank {self.tp_rank}: step {self._next_seq} never came "
+                                   f"(step {work.seq} waited {TURN_TIMEOUT_S:.0f}s)")
+            if self._next_seq != work.seq:
+                raise RuntimeError(f"decode rank {self.tp_rank}: step {work.seq} came twice")
+        try:
+            return self._step(work, wait_s)
+        finally:
+            with self._turn:
+                self._next_seq += 1
+                self._turn.notify_all()
+
+    def _step(self, work: RankStep, wait_s: float) -> StepReport:
         start = time.perf_counter()
         eng = self.engine
         deferred: list[str] = []

@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from router.access import AccessGate, install_limits
 from router.config import RouterConfig
 from router.errors import APIError, install, invalid
+from router.decode_feed import DecodeFeeds
 from router.generation import Generation
 from router.limits import check_request
 from router.output import ResponseWriter
@@ -48,6 +49,7 @@ class Router:
         self.metrics = RouterMetrics(self.cfg.served_model_name)
         self.inflight = 0
         self.actor_name = ray.get_runtime_context().get_actor_name()  # None outside an actor (tests)
+        self.feeds = DecodeFeeds(decode, self.actor_name)  # the decode side's deltas, one stream per replica
         self.waiting_first = 0
         self.created = int(time.time())
         self.metrics_server = None
@@ -208,7 +210,7 @@ class Router:
         # Serve's proxy gives every request an id (the client's X-Request-Id if it sent one): reuse it so
         # the router's, the workers' and Serve's logs name the same request.
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
-        gen = Generation(self.prefill, self.decode, rid, prompt_ids, params, self.actor_name)
+        gen = Generation(self.prefill, self.feeds, rid, prompt_ids, params)
         self.inflight += 1
         self.waiting_first += 1
         self._gauges()

@@ -1,11 +1,11 @@
 """Generation: one request's trip through the workers, as the router sees it.
 
-1. open the decode stream (Serve picks the decode group by load); its first item is the group's address;
+1. open the request on a decode replica (Serve picks it by load); the answer is its group's address;
 2. ask a prefill replica (picked by load) to run the prompt and hand the KV to that group; its stream
    answers with the first token, and ends once the KV has left (or raises if the hand-over failed);
-3. read the decode stream: lists of token deltas, or a StreamError; until the prefill's stream has
-   ended, watch it too, so that a prefill that dies with the hand-over still queued ends the request
-   at once rather than at the decode side's deadline for the header.
+3. read the request's items from that decode replica's feed (router/decode_feed.py): token deltas, or a
+   StreamError; until the prefill's stream has ended, watch it too, so that a prefill that dies with the
+   hand-over still queued ends the request at once rather than at the decode side's deadline for the header.
 Cancelling (client gone, stop string) cancels whatever is in flight; the workers free the blocks.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ray.serve.exceptions import BackPressureError
 
 from cluster.protocol import PrefillRequest, PrefillResult, StreamError
 from engine.errors import TandemError
+from router.decode_feed import DecodeFeeds, FeedBroken
 from router.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -62,14 +63,12 @@ def _role(e: BaseException) -> str:
 
 
 class Generation:
-    def __init__(self, prefill, decode, request_id: str, prompt_token_ids: list[int], params: dict,
-                 caller: str | None = None):
-        self.prefill, self.decode = prefill, decode
-        self.caller = caller  # this router's Serve actor name: the decode side ends our streams if it dies
+    def __init__(self, prefill, feeds: DecodeFeeds, request_id: str, prompt_token_ids: list[int], params: dict):
+        self.prefill, self.feeds = prefill, feeds
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self._stream = None
+        self._queue: asyncio.Queue | None = None  # the decode side's items for this request, while it is open
         self._prefill_call = None  # the prefill's stream, until the hand-over has left it
         self._handover: asyncio.Future | None = None  # ends when the prefill's stream does
         self.first: PrefillResult | None = None
@@ -77,11 +76,7 @@ class Generation:
     async def start(self) -> PrefillResult:
         """Runs until the first token exists; raises APIError (nothing is left running then)."""
         try:
-            self._stream = self.decode.options(stream=True).generate.remote(self.request_id,
-                                                                             len(self.prompt_token_ids), self.caller)
-            target = await self._stream.__anext__()
-            if isinstance(target, StreamError):
-                raise APIError(target.status, target.message, target.error_type)
+            target, self._queue = await self.feeds.open(self.request_id, len(self.prompt_token_ids))
             self._prefill_call = self.prefill.options(stream=True).prefill.remote(
                 PrefillRequest(self.request_id, self.prompt_token_ids, self.params), target)
             self.first = await self._prefill_call.__anext__()
@@ -91,8 +86,8 @@ class Generation:
                 raise api_error(e) from e
             raise
         if self.first.finished:
-            self._stream.cancel()  # no hand-over comes: the decode side drops the expected request
-            self._stream = self._prefill_call = None
+            self._close(cancel=True)  # no hand-over comes: the decode side drops the expected request
+            self._prefill_call = None
         else:
             self._handover = asyncio.ensure_future(self._handed_over(self._prefill_call))
         return self.first
@@ -109,50 +104,56 @@ class Generation:
         if first.finished:
             return
         try:
-            while (item := await self._next_decode_item()) is not None:
+            while True:
+                item = await self._next_decode_item()
                 if isinstance(item, StreamError):
+                    self._close(cancel=False)
                     raise APIError(item.status, item.message, item.error_type)
-                for delta in item:
-                    yield TokenEvent(delta.token_ids, delta.logprobs, delta.finish_reason if delta.finished else None)
-                    if delta.finished:
-                        self._stream = None
-                        return
+                if isinstance(item, FeedBroken):
+                    self._close(cancel=False)
+                    raise api_error(item.error)
+                yield TokenEvent(item.token_ids, item.logprobs, item.finish_reason if item.finished else None)
+                if item.finished:
+                    self._close(cancel=False)
+                    return
         except APIError:
-            self._stream = None
             raise
-        except Exception as e:  # noqa: BLE001 - the decode replica itself failed
-            self._stream = None
+        except Exception as e:  # noqa: BLE001 - anything else: end the request on the decode side too
+            self.cancel()
             raise api_error(e) from e
-        raise APIError(503, "the decode stream ended early", "unavailable_error")
+        except BaseException:  # cancelled (the client went away) or closed early: abort it on the decode side
+            self.cancel()
+            raise
 
     async def _next_decode_item(self):
-        """The decode stream's next item (None at its end); while the hand-over is still the prefill's, the
+        """The decode side's next item for this request; while the hand-over is still the prefill's, the
         prefill's failure (it died, or could not send) ends the request first, the decode side dropping it."""
-        try:
-            if self._handover is None:
-                return await self._stream.__anext__()
-            item = asyncio.ensure_future(self._stream.__anext__())
-            await asyncio.wait({item, self._handover}, return_when=asyncio.FIRST_COMPLETED)
-            if self._handover.done():
-                handover, self._handover, self._prefill_call = self._handover, None, None
-                if handover.exception() is not None:
-                    item.cancel()
-                    self.cancel()
-                    raise api_error(handover.exception()) from handover.exception()
-            return await item
-        except StopAsyncIteration:
-            return None
+        if self._handover is None:
+            return await self._queue.get()
+        item = asyncio.ensure_future(self._queue.get())
+        await asyncio.wait({item, self._handover}, return_when=asyncio.FIRST_COMPLETED)
+        if self._handover.done():
+            handover, self._handover, self._prefill_call = self._handover, None, None
+            if handover.exception() is not None:
+                item.cancel()
+                self.cancel()
+                raise api_error(handover.exception()) from handover.exception()
+        return await item
+
+    def _close(self, cancel: bool) -> None:
+        if self._queue is not None:
+            self._queue = None
+            self.feeds.close(self.request_id, cancel)
 
     def cancel(self) -> None:
         """Stop whatever is still running; never raises (it runs while another error is being answered)."""
         if self._handover is not None:
             self._handover.cancel()
             self._handover = None
-        for call in (self._prefill_call, self._stream):
-            if call is None:
-                continue
+        if self._prefill_call is not None:
             try:
-                call.cancel()
+                self._prefill_call.cancel()
             except Exception as e:  # noqa: BLE001 - a call that failed to start has nothing to cancel
                 log.debug("cancelling %s: %s", self.request_id, e)
-        self._prefill_call = self._stream = None
+            self._prefill_call = None
+        self._close(cancel=True)

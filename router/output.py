@@ -64,6 +64,7 @@ class ResponseWriter:
             status = e.status
             raise
         finally:
+            self.gen.cancel()  # a no-op once the request ended; else (the client left) it aborts it
             self._done(status)
         text = self.echo + text
         lp = self.lp.body() if self.lp is not None else None

@@ -23,6 +23,14 @@ class LoadAwareRequestRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        # A call about one request already placed (its cancel) or a replica's feed names that replica: it goes
+        # there while Serve lists it, else anywhere (a replica that never held the request ignores the cancel,
+        # and refuses a feed meant for another replica: the router then ends the lost replica's requests).
+        pinned = pending_request.kwargs.get("replica") if pending_request is not None else None
+        if pinned:
+            chosen = [r for r in candidate_replicas if r.replica_id.unique_id == pinned]
+            if chosen:
+                return [chosen]
         scored = []
         snapshot = {}
         for r in candidate_replicas:

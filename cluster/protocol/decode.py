@@ -37,6 +37,14 @@ class DecodeTarget:
     device: str  # "cpu" or "cuda": the channel backend follows it
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeOpened:
+    """A decode replica's answer to opening a request: where its hand-over goes, and which replica holds it
+    (its deltas come on that replica's feed; a cancel must reach that replica)."""
+    replica: str  # the Serve replica id
+    target: DecodeTarget
+
+
 class CommandKind(enum.Enum):
     RESERVE = "reserve"  # allocate blocks for an arrived header and let the payload in
     COMMIT = "commit"  # the payload landed on every rank: join the running batch
@@ -58,6 +66,10 @@ class RankStep:
     commands: tuple[Command, ...]  # applied in order before the forward
     forward: bool  # the group runs a forward this step (some rank holds running requests)
     reports_tokens: bool  # this rank's deltas are the ones delivered to streams (under TP: rank 0 only)
+    # The group step's number, from 0 for a new group. A rank runs its steps in this order whatever order the
+    # calls reach it in: its actor serves calls on several threads, and the replica keeps the next step
+    # queued at the ranks while they run this one (decode_worker/deployment.py).
+    seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)
