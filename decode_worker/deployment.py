@@ -53,6 +53,7 @@ class DecodeServer:
         self.replica = replica_id()
         self._feeds: dict[str, Feed] = {}  # router actor name ("" when unnamed) -> its feed
         self._callers_of: dict[str, str] = {}  # open request id -> its router's feed key
+        self._feed_batches = self._feed_items = 0  # stream items sent on feeds, and the request items in them
         self.callers = CallerWatch(self._caller_died)
         self._watch = asyncio.create_task(self.callers.run())
 
@@ -80,6 +81,8 @@ class DecodeServer:
         if replica is not None and replica != self.replica:
             raise LookupError(f"decode replica {replica} is gone (this is {self.replica})")
         async for batch in self._feed(caller).batches():
+            self._feed_batches += 1
+            self._feed_items += len(batch)
             yield batch
 
     async def cancel(self, request_id: str, replica: str | None = None) -> None:
@@ -203,6 +206,8 @@ class DecodeServer:
             "handovers_total": self.ctrl.handovers_total,
             "handovers_stocked": self.ctrl.handovers_stocked,
             "grammar": dict(self.ctrl.grammar_stats),
+            "feed_batches": self._feed_batches,
+            "feed_items": self._feed_items,
             "handover_seconds": [s for s, _, _ in handovers],
             "handover_unpack_seconds": [u for _, u, _ in handovers],
             "handover_bytes": [b for _, _, b in handovers],

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from datetime import timedelta
 
@@ -26,11 +25,10 @@ from cluster.rendezvous import StoreAddress, StoreServer, connect_store
 from cluster.settings import EngineSettings
 from decode_worker.receiver import HandoverReceiver
 from decode_worker.stock import HandoverStock
+from decode_worker.turns import StepTurns
 from engine import CapacityError, LLMEngine, TandemError
 
 log = logging.getLogger(__name__)
-
-TURN_TIMEOUT_S = 600.0  # a step waiting for its predecessor this long means the replica lost one: fail loudly
 
 
 class DecodeRank:
@@ -48,8 +46,7 @@ class DecodeRank:
         self.stock: HandoverStock | None = None
         self.tp_group = None
         self._sent: dict[str, int] = {}  # request id -> output tokens already reported
-        self._next_seq = 0  # the RankStep.seq this rank runs next
-        self._turn = threading.Condition()
+        self._turns = StepTurns()  # runs the group's steps in order (several may be queued here)
 
     # ------------------------------------------------------------------ setup
     def address(self) -> StoreAddress:
@@ -95,18 +92,8 @@ class DecodeRank:
         """Runs `work` once every earlier step of the group has run here (a later step may reach this actor
         first, on another of its threads, or wait here while this one runs: that is what keeps the rank busy
         while the replica turns the previous report into the next step)."""
-        with self._turn:
-            if not self._turn.wait_for(lambda: self._next_seq >= work.seq, timeout=TURN_TIMEOUT_S):
-                raise RuntimeError(f"decode rank {self.tp_rank}: step {self._next_seq} never came "
-                                   f"(step {work.seq} waited {TURN_TIMEOUT_S:.0f}s)")
-            if self._next_seq != work.seq:
-                raise RuntimeError(f"decode rank {self.tp_rank}: step {work.seq} came twice")
-        try:
+        with self._turns.turn(work.seq):
             return self._step(work, wait_s)
-        finally:
-            with self._turn:
-                self._next_seq += 1
-                self._turn.notify_all()
 
     def _step(self, work: RankStep, wait_s: float) -> StepReport:
         start = time.perf_counter()

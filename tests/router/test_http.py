@@ -124,7 +124,14 @@ def test_32_concurrent_requests_all_complete_correctly(tandem_server, reference)
         async with tandem_server.async_openai(timeout=120) as client:
             return await asyncio.gather(*[one(client, i) for i in range(32)])
 
+    decode = tandem_server.decode_handle()
+    before = decode.stats.remote().result()
     assert asyncio.run(main()) == want
+    after = decode.stats.remote().result()
+    # The decode side's tokens reach the router on one feed stream, a batch per step for all the requests
+    # decoding together, not one stream item per request per step.
+    items, batches = after["feed_items"] - before["feed_items"], after["feed_batches"] - before["feed_batches"]
+    assert items >= 32 and items / batches >= 2, (items, batches)
 
 
 BAD = [
