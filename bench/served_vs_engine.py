@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tps", default="2,1", help="decode tp of each served deployment")
     ap.add_argument("--steps-in-flight", default="2", help="the decode replica's steps_in_flight, one deployment "
                     "per value (e.g. 1,2 to compare strict lockstep with a step queued ahead)")
+    ap.add_argument("--handover-stock", default="0", help="the decode ranks' handover_stock, one deployment per "
+                    "value (e.g. 0,0.125)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -86,13 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port_on("127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     served: dict[str, dict[int, dict]] = {}
-    variants = [(int(tp), int(n)) for tp in args.tps.split(",") for n in args.steps_in_flight.split(",")]
-    for tp, in_flight in variants:
-        label = f"tp={tp}" + (f", {in_flight} in flight" if len(args.steps_in_flight.split(",")) > 1 else "")
-        name = f"tp{tp}x{in_flight}"
+    in_flights, stocks = args.steps_in_flight.split(","), args.handover_stock.split(",")
+    variants = [(int(tp), int(n), float(st)) for tp in args.tps.split(",") for n in in_flights for st in stocks]
+    for tp, in_flight, stock in variants:
+        label = (f"tp={tp}" + (f", {in_flight} in flight" if len(in_flights) > 1 else "")
+                 + (f", stock {stock:g}" if len(stocks) > 1 else ""))
+        name = f"tp{tp}x{in_flight}s{int(stock * 1000)}"
         cfg = TandemConfig(model=model, served_model_name=name, tp=tp, speculative_method="mtp", draft=head,
                            num_speculative_tokens=3, num_kv_blocks=blocks, max_num_seqs=max(64, max(levels)),
-                           max_inflight=4 * max(levels) + 16, steps_in_flight=in_flight)
+                           max_inflight=4 * max(levels) + 16, steps_in_flight=in_flight, handover_stock=stock)
         serve.run(build_app(cfg), name=name, route_prefix=f"/{name}")
         decode = serve.get_deployment_handle("decode", app_name=name)
         base = f"http://127.0.0.1:{port}/{name}"

@@ -265,7 +265,11 @@ class HandoverReceiver:
             if rid is not None and rid not in stranded:
                 stranded.append(rid)
             for r in stranded:
-                self._pending.pop(r, None)
+                arrival = self._pending.pop(r, None)
+                if arrival is not None and arrival.stocked and not arrival.decided.is_set():
+                    # its payload never landed (e.g. the answer could not be sent): the blocks go back
+                    arrival.decided.set()
+                    self.stock.give(arrival.block_ids)
                 self._failed.append((r, reason))
             if channel in self._channels:
                 self._channels.remove(channel)

@@ -7,10 +7,11 @@ per hand-over. The stock is the rank's private pool of set-aside blocks (they co
 engine's pool, so scheduling never sees them): a channel thread takes a request's blocks from it,
 receives the payload straight into them, and the group commits the request at its next step.
 
-Off by default (DecodeConfig.handover_stock = 0): on a 2-core CPU the payloads it lets in at once compete
-with the prefill and decode forwards for the same cores, and TTFT rose at concurrency 16
-(bench/results/handover_cpu.md); where transfers have their own engines (NCCL, copy engines) this is
-untested.
+On by default (DecodeConfig.handover_stock = 0.125): it is what lets a hand-over join without waiting for
+the group's steps, so the served path keeps up with the engine (bench/results/served_vs_engine_cpu.md:
+0.99-1.00x at concurrency 16/64 with a step queued ahead, against 0.74-0.81x without the stock, whose
+lockstep RESERVE then costs a step per hand-over). An earlier measurement on a heavily loaded 2-core CPU
+saw TTFT rise at concurrency 16 with it (bench/results/handover_cpu.md).
 
 What keeps tensor-parallel ranks consistent: the engine's own pool must change identically on every
 rank at the same step, whatever each rank's threads did. So the stock never gives to or takes from the
