@@ -120,6 +120,7 @@ class DecodeServer:
             feed.forget(request_id)
             if not feed.requests:
                 del self._feeds[caller]
+                feed.close()
 
     async def _current_group(self, timeout_s: float = float("inf")) -> RankGroup | None:
         deadline = time.monotonic() + timeout_s

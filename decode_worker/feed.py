@@ -59,6 +59,11 @@ class Feed:
             items, self._items = self._items, []
             yield items
 
+    def close(self) -> None:
+        """Its router is dead: end the stream still open for it (Ray keeps a dead caller's stream running)."""
+        self._reader += 1
+        self._items.clear()
+
     @property
     def idle(self) -> bool:
         return not self.requests and not self._items
