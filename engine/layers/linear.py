@@ -138,3 +138,19 @@ def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected a slice of "
                              f"shape {tuple(param.shape)}")
     param.data.copy_(tensor)
+
+
+def matvec_layout(model: nn.Module) -> None:
+    """On CPU, keep every [out, in] matmul weight column-major (W^T contiguous; the shape and all
+    indexing stay [out, in]). Decode multiplies one or a few rows by each weight, and MKL reads a
+    weight laid out W^T contiguous 2-3x faster from memory at M = 1 than a row-major W (measured,
+    bench/results/spec_step_cpu.md); larger M is not slower. Call it after loading: the loaders
+    write into [out, in] slices. Idempotent, and tied weights (embedding = lm_head) change once.
+    CUDA weights stay as loaded (cuBLAS and the Triton kernels have their own preferred layouts)."""
+    from engine.layers.vocab import Embedding
+
+    for module in model.modules():
+        if isinstance(module, (_ParallelLinear, Embedding)) and module.weight.device.type == "cpu":
+            w = module.weight
+            w.data = w.data.t().contiguous().t()
+
