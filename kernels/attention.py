@@ -37,6 +37,9 @@ class StorePlan:
     src: torch.Tensor  # [T] row of key/value to write
     dst: torch.Tensor  # [T] flat slot
     keep: torch.Tensor  # [] bool: no real row at all, slot 0 rewrites its own contents
+    # Host fact, read off a CPU slot_mapping (the reference path runs eagerly, never in a graph): every
+    # row has a slot, so rows are written at slot_mapping itself (two ops per layer instead of eight).
+    direct: bool = False
 
 
 def plan_store_kv(slot_mapping: torch.Tensor) -> StorePlan:
@@ -50,7 +53,8 @@ def plan_store_kv(slot_mapping: torch.Tensor) -> StorePlan:
     rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
     src = torch.where(valid, rows, first)
     dst = torch.where(valid, slot_mapping, torch.where(any_valid, slot_mapping[first], 0)).clamp_(min=0)
-    return StorePlan(src, dst, ~any_valid)
+    direct = slot_mapping.device.type == "cpu" and bool(valid.all())
+    return StorePlan(src, dst, ~any_valid, direct)
 
 
 def store_kv_ref(
@@ -68,6 +72,10 @@ def store_kv_ref(
     if key.shape[0] == 0:
         return
     plan = plan if plan is not None else plan_store_kv(slot_mapping)
+    if plan.direct:
+        k_flat.index_copy_(0, slot_mapping, key.to(k_flat.dtype))
+        v_flat.index_copy_(0, slot_mapping, value.to(v_flat.dtype))
+        return
     for flat, new in ((k_flat, key), (v_flat, value)):
         data = torch.where(plan.keep, flat[0].to(new.dtype), new.index_select(0, plan.src))
         flat.index_copy_(0, plan.dst, data.to(flat.dtype))
@@ -129,6 +137,10 @@ class AttentionPlan:
     G: int  # query heads per KV head
     groups: tuple[_PlanGroup, ...]
     in_batch: torch.Tensor  # [T, 1, 1] bool: the row belongs to a request
+    # Host fact (CPU metadata only): request b owns rows b*mq .. b*mq + mq - 1 and nothing pads, as in
+    # every decode step (mq = 1, or k+1 with full drafts). The queries are then already the padded
+    # batch: no gather of queries, no scatter of outputs, no zeroing of padding rows.
+    uniform: bool = False
 
 
 def _plan_group(block_tables, seq, q_start, q_len, T: int, S: int, G: int, max_q: int, max_seq: int) -> _PlanGroup:
@@ -177,7 +189,10 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, que
             max_q, max_seq = max(host_q[b] for b in members), min(max_seq_len, int(s.max()))
         groups.append(_plan_group(tables, s, qs, ql, T, page_size, group, max_q, max_seq))
     in_batch = torch.arange(T, device=block_tables.device) < query_start_loc[-1].long()
-    return AttentionPlan(T, B, group, tuple(groups), in_batch[:, None, None])
+    mq = groups[0].mq
+    uniform = (len(groups) == 1 and T == B * mq and query_start_loc.device.type == "cpu"
+               and torch.equal(query_start_loc.long(), torch.arange(B + 1) * mq))
+    return AttentionPlan(T, B, group, tuple(groups), in_batch[:, None, None], uniform)
 
 
 def paged_attention_ref(
@@ -201,14 +216,23 @@ def paged_attention_ref(
     B = block_tables.shape[0]
     G = Hq // Hkv
     assert Hq == G * Hkv and k_cache.shape[3] == D
-    if out is None:
-        out = torch.zeros_like(query)
     if T == 0 or B == 0:
-        return out
+        return out if out is not None else torch.zeros_like(query)
     if plan is None:
         plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, T, S, G, max_q_len, max_seq_len)
     assert (plan.T, plan.B, plan.G) == (T, B, G), "the plan was made for another batch"
     k_flat, v_flat = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+    if plan.uniform:
+        g = plan.groups[0]
+        b, L, mq = g.B, g.L, g.mq
+        k = k_flat.index_select(0, g.slots).view(b, L, Hkv, D).transpose(1, 2)
+        v = v_flat.index_select(0, g.slots).view(b, L, Hkv, D).transpose(1, 2)
+        q = query.reshape(b, mq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(b, Hkv, G * mq, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)  # [b, Hkv, G * mq, D]
+        o = o.view(b, Hkv, G, mq, D).permute(0, 3, 1, 2, 4).reshape(T, Hq, D)
+        return o.to(query.dtype) if out is None else out.copy_(o)
+    if out is None:
+        out = torch.zeros_like(query)
     for g in plan.groups:
         b, L, mq = g.B, g.L, g.mq
         k = k_flat.index_select(0, g.slots).view(b, L, Hkv, D).transpose(1, 2)
