@@ -48,13 +48,14 @@ def plan_store_kv(slot_mapping: torch.Tensor) -> StorePlan:
     # (boolean indexing would make the shape data-dependent). With no real row at all, slot 0 is
     # rewritten with its own contents.
     valid = slot_mapping >= 0
+    if slot_mapping.device.type == "cpu" and bool(valid.all()):
+        return StorePlan(slot_mapping, slot_mapping, valid.new_zeros(()), True)
     first = valid.to(torch.int8).argmax()  # a real row if any exists
     any_valid = valid.any()
     rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
     src = torch.where(valid, rows, first)
     dst = torch.where(valid, slot_mapping, torch.where(any_valid, slot_mapping[first], 0)).clamp_(min=0)
-    direct = slot_mapping.device.type == "cpu" and bool(valid.all())
-    return StorePlan(src, dst, ~any_valid, direct)
+    return StorePlan(src, dst, ~any_valid)
 
 
 def store_kv_ref(
@@ -122,8 +123,8 @@ class _PlanGroup:
     slots: torch.Tensor  # [B * L] flat cache slot of each padded KV position
     rows: torch.Tensor  # [B * mq] query row of each padded query position
     mask: torch.Tensor  # [B, 1, G * mq, L] bool
-    token_rows: torch.Tensor  # [n] the token rows of the group's requests
-    padded_rows: torch.Tensor  # [n] their padded query positions (b * mq + i)
+    token_rows: torch.Tensor | None  # [n] the token rows of the group's requests (None: uniform plan)
+    padded_rows: torch.Tensor | None  # [n] their padded query positions (b * mq + i)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,7 @@ class AttentionPlan:
     B: int
     G: int  # query heads per KV head
     groups: tuple[_PlanGroup, ...]
-    in_batch: torch.Tensor  # [T, 1, 1] bool: the row belongs to a request
+    in_batch: torch.Tensor | None  # [T, 1, 1] bool: the row belongs to a request (None: uniform)
     # Host fact (CPU metadata only): request b owns rows b*mq .. b*mq + mq - 1 and nothing pads, as in
     # every decode step (mq = 1, or k+1 with full drafts). The queries are then already the padded
     # batch: no gather of queries, no scatter of outputs, no zeroing of padding rows.
@@ -166,10 +167,33 @@ def _plan_group(block_tables, seq, q_start, q_len, T: int, S: int, G: int, max_q
     return _PlanGroup(B, L, mq, slots, rows.clamp(max=max(T - 1, 0)).view(-1), mask, rows[valid], padded[valid])
 
 
+def _plan_uniform(block_tables, seq, S: int, G: int, mq: int, max_seq: int) -> _PlanGroup:
+    """_plan_group for a uniform layout (request b owns query rows b*mq + i): the same slots and mask,
+    without the query rows' gather and scatter indices. With mq = 1 (decode, draft chains) the mask is
+    only the length mask, [B, 1, 1, L], and SDPA broadcasts it over the G query heads."""
+    B, dev = block_tables.shape[0], block_tables.device
+    L = max(1, min(max_seq, block_tables.shape[1] * S))
+    kpos = torch.arange(L, device=dev)
+    pos = torch.where(kpos < seq[:, None], kpos, 0)  # [B, L]: past seq_len, position 0 (as _plan_group)
+    page = block_tables.gather(1, (pos // S).clamp_(max=block_tables.shape[1] - 1)).long()
+    slots = (page * S + pos % S).view(-1)
+    if mq == 1:
+        return _PlanGroup(B, L, 1, slots, None, (pos > 0)[:, None, None] | (kpos == 0), None, None)
+    qpos = (seq - mq)[:, None] + torch.arange(mq, device=dev)  # [B, mq]
+    mask = (kpos <= qpos[:, :, None]) | (kpos == 0)
+    mask = mask[:, None, None].expand(B, 1, G, mq, L).reshape(B, 1, G * mq, L)
+    return _PlanGroup(B, L, mq, slots, None, mask, None, None)
+
+
 def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          num_tokens: int, page_size: int, group: int, max_q_len: int,
                          max_seq_len: int) -> AttentionPlan:
     T, B = num_tokens, block_tables.shape[0]
+    mq = max(1, max_q_len)
+    if (T == B * mq and query_start_loc.device.type == "cpu"
+            and torch.equal(query_start_loc, torch.arange(0, T + 1, mq, dtype=query_start_loc.dtype))):
+        return AttentionPlan(T, B, group, (_plan_uniform(block_tables, seq_lens.long(), page_size, group, mq,
+                                                         max_seq_len),), None, True)
     q_start = query_start_loc[:-1].long()
     q_len = query_start_loc[1:].long() - q_start  # [B]
     seq = seq_lens.long()
@@ -189,10 +213,7 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, que
             max_q, max_seq = max(host_q[b] for b in members), min(max_seq_len, int(s.max()))
         groups.append(_plan_group(tables, s, qs, ql, T, page_size, group, max_q, max_seq))
     in_batch = torch.arange(T, device=block_tables.device) < query_start_loc[-1].long()
-    mq = groups[0].mq
-    uniform = (len(groups) == 1 and T == B * mq and query_start_loc.device.type == "cpu"
-               and torch.equal(query_start_loc.long(), torch.arange(B + 1) * mq))
-    return AttentionPlan(T, B, group, tuple(groups), in_batch[:, None, None], uniform)
+    return AttentionPlan(T, B, group, tuple(groups), in_batch[:, None, None])
 
 
 def paged_attention_ref(
