@@ -100,7 +100,11 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for both engines (0: torch's default, one per core)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from engine import LLM
 

@@ -60,8 +60,8 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
     a = v.num_accepted[:, None]
     out_rows = batch.verify_rows.gather(1, a)[:, 0]  # [B] last verified row
     bonus = v.tokens.gather(1, a)[:, 0]  # [B] the token after it
-    after = batch.next_tokens[out_rows]
-    next_tokens = batch.next_tokens.index_put((out_rows,), torch.where(batch.samples, bonus, after))
+    after = batch.next_tokens.index_select(0, out_rows)
+    next_tokens = batch.next_tokens.index_copy(0, out_rows, torch.where(batch.samples, bonus, after))
     hidden = proposer.first_hidden(final, captured)  # [T, H_in] or None
     drafts, probs = proposer.propose(ProposeInputs(
         hidden=hidden, input_ids=batch.input_ids, next_tokens=next_tokens, positions=batch.positions,
