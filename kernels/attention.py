@@ -121,8 +121,8 @@ class _PlanGroup:
     L: int  # padded KV length
     mq: int  # padded query length
     slots: torch.Tensor  # [B * L] flat cache slot of each padded KV position
-    rows: torch.Tensor  # [B * mq] query row of each padded query position
-    mask: torch.Tensor  # [B, 1, G * mq, L] bool
+    rows: torch.Tensor | None  # [B * mq] query row of each padded query position (None: uniform plan)
+    mask: torch.Tensor  # [B, 1, G * mq, L] bool ([B, 1, 1, L] in a uniform plan with mq = 1)
     token_rows: torch.Tensor | None  # [n] the token rows of the group's requests (None: uniform plan)
     padded_rows: torch.Tensor | None  # [n] their padded query positions (b * mq + i)
 
