@@ -9,6 +9,7 @@ the batch-1 decode step's achieved weight bandwidth against the device's peak.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -100,6 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--name", default=None, help="results file name under bench/results/ (default engine_<device>)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads for both engines (0: torch's default, one per core)")
     args = ap.parse_args(argv)
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
     from engine import LLM
 
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    rows, results = [], {"device": device_name(args.device), "config": BENCH_CONFIG, "dtype": str(dtype),
+    rows, results = [], {"device": device_name(args.device), "load_before": os.getloadavg(), "config": BENCH_CONFIG, "dtype": str(dtype),
                          "new_tokens": args.new_tokens, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         hf = make_model(tmp, BENCH_CONFIG, dtype).to(args.device)
@@ -145,7 +147,8 @@ def main(argv=None) -> int:
     table = "\n".join([
         f"# bench/engine.py on {results['device']}",
         f"Random Llama, {n_params / 1e6:.1f}M parameters, {dtype}, greedy, {args.new_tokens} new tokens, "
-        f"prompts ~{args.prompt_len} tokens. Tokens/s = generated tokens / wall time (prefill included).",
+        f"prompts ~{args.prompt_len} tokens. Tokens/s = generated tokens / wall time (prefill included). "
+        f"Load average before {results['load_before'][0]:.2f}, after {os.getloadavg()[0]:.2f}.",
         "", "| batch | tandem tok/s | transformers tok/s | ratio |", "|---|---|---|---|", *rows])
     if "batch1_weight_GBs" in results:
         table += (f"\n\nBatch 1 reads all {n_params * 4 / 1e6:.0f} MB of fp32 weights per token: "
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
         table += (f"\n\nBatch-1 decode, 1B random Llama bf16: {bw['step_ms']:.2f} ms/step, "
                   f"{bw['achieved_GBs']:.0f} GB/s of {bw['peak_GBs']} GB/s peak")
     tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    print(write_results(f"engine_{tag}", results, table).read_text())
+    print(write_results(args.name or f"engine_{tag}", results, table).read_text())
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -164,8 +165,9 @@ def summarize(results: dict) -> str:
     runs = results["runs"]
     lines = [f"# Speculative decoding on CPU ({results['device']})", "",
              f"Zoo: `{results['zoo']}`; greedy, up to {results['max_tokens']} new tokens, end token stops; "
-             f"best of {results['repeats']} runs per row. The CPU is shared with other jobs: absolute numbers "
-             "are noisy (rows of one batch size were measured minutes apart).", ""]
+             f"best of {results['repeats']} runs per row; our engine's configurations take turns round by round. "
+             f"The CPU is shared with other jobs: absolute numbers are noisy (load average "
+             f"{results['load_before'][0]:.2f} before, {results['load_after'][0]:.2f} after).", ""]
     for dataset, text in (results.get("sample_outputs") or {}).items():
         lines += [f"The zoo target's greedy output for the first {dataset} prompt (a small model: it repeats "
                   f"itself, which makes drafting easy): `{text[:120]!r}`", ""]
@@ -267,7 +269,9 @@ def main(argv=None) -> None:
     args.methods = [m for m in args.methods.split(",") if m]
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     results = bench(args)
+    results.update(load_before=load_before, load_after=os.getloadavg())
     table = summarize(results)
     md = write_results(args.name, results, table)
     plot(results, md.with_suffix(".png"))
