@@ -48,7 +48,7 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
     with attention_context(batch.attn):
         final, captured = target(batch.input_ids, batch.positions, tuple(sorted(set(capture))))
     B, k1 = batch.verify_rows.shape
-    logits = target.compute_logits(final[batch.verify_rows.reshape(-1)]).view(B, k1, -1)  # [B, k+1, V]
+    logits = target.compute_logits(final.index_select(0, batch.verify_rows.reshape(-1))).view(B, k1, -1)  # [B, k+1, V]
     masks = StepMasks(masker, batch) if masker is not None else None
     use_probs = proposer is not None and draft_probs is not None and not batch.sampling.all_greedy
     q = draft_probs[batch.slots] if use_probs else None  # [B, k, V]
@@ -60,8 +60,8 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
     a = v.num_accepted[:, None]
     out_rows = batch.verify_rows.gather(1, a)[:, 0]  # [B] last verified row
     bonus = v.tokens.gather(1, a)[:, 0]  # [B] the token after it
-    after = batch.next_tokens[out_rows]
-    next_tokens = batch.next_tokens.index_put((out_rows,), torch.where(batch.samples, bonus, after))
+    after = batch.next_tokens.index_select(0, out_rows)
+    next_tokens = batch.next_tokens.index_copy(0, out_rows, torch.where(batch.samples, bonus, after))
     hidden = proposer.first_hidden(final, captured)  # [T, H_in] or None
     drafts, probs = proposer.propose(ProposeInputs(
         hidden=hidden, input_ids=batch.input_ids, next_tokens=next_tokens, positions=batch.positions,
@@ -70,5 +70,5 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
         mask=masks.draft_step(v.tokens, v.num_accepted) if masks is not None and draft_masks else None))
     if use_probs and probs is not None:
         draft_probs.index_copy_(0, batch.slots, probs.to(draft_probs.dtype))
-    first_hidden = hidden[out_rows] if hidden is not None else None
+    first_hidden = hidden.index_select(0, out_rows) if hidden is not None else None
     return StepOutput(v.tokens, v.num_accepted, drafts, first_hidden, v.logprobs, v.top_ids, v.top_logprobs)

@@ -37,6 +37,9 @@ class StorePlan:
     src: torch.Tensor  # [T] row of key/value to write
     dst: torch.Tensor  # [T] flat slot
     keep: torch.Tensor  # [] bool: no real row at all, slot 0 rewrites its own contents
+    # Host fact, read off a CPU slot_mapping (the reference path runs eagerly, never in a graph): every
+    # row has a slot, so rows are written at slot_mapping itself (two ops per layer instead of eight).
+    direct: bool = False
 
 
 def plan_store_kv(slot_mapping: torch.Tensor) -> StorePlan:
@@ -45,6 +48,8 @@ def plan_store_kv(slot_mapping: torch.Tensor) -> StorePlan:
     # (boolean indexing would make the shape data-dependent). With no real row at all, slot 0 is
     # rewritten with its own contents.
     valid = slot_mapping >= 0
+    if slot_mapping.device.type == "cpu" and bool(valid.all()):
+        return StorePlan(slot_mapping, slot_mapping, valid.new_zeros(()), True)
     first = valid.to(torch.int8).argmax()  # a real row if any exists
     any_valid = valid.any()
     rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
@@ -68,6 +73,10 @@ def store_kv_ref(
     if key.shape[0] == 0:
         return
     plan = plan if plan is not None else plan_store_kv(slot_mapping)
+    if plan.direct:
+        k_flat.index_copy_(0, slot_mapping, key.to(k_flat.dtype))
+        v_flat.index_copy_(0, slot_mapping, value.to(v_flat.dtype))
+        return
     for flat, new in ((k_flat, key), (v_flat, value)):
         data = torch.where(plan.keep, flat[0].to(new.dtype), new.index_select(0, plan.src))
         flat.index_copy_(0, plan.dst, data.to(flat.dtype))
@@ -112,10 +121,10 @@ class _PlanGroup:
     L: int  # padded KV length
     mq: int  # padded query length
     slots: torch.Tensor  # [B * L] flat cache slot of each padded KV position
-    rows: torch.Tensor  # [B * mq] query row of each padded query position
-    mask: torch.Tensor  # [B, 1, G * mq, L] bool
-    token_rows: torch.Tensor  # [n] the token rows of the group's requests
-    padded_rows: torch.Tensor  # [n] their padded query positions (b * mq + i)
+    rows: torch.Tensor | None  # [B * mq] query row of each padded query position (None: uniform plan)
+    mask: torch.Tensor  # [B, 1, G * mq, L] bool ([B, 1, 1, L] in a uniform plan with mq = 1)
+    token_rows: torch.Tensor | None  # [n] the token rows of the group's requests (None: uniform plan)
+    padded_rows: torch.Tensor | None  # [n] their padded query positions (b * mq + i)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +137,11 @@ class AttentionPlan:
     B: int
     G: int  # query heads per KV head
     groups: tuple[_PlanGroup, ...]
-    in_batch: torch.Tensor  # [T, 1, 1] bool: the row belongs to a request
+    in_batch: torch.Tensor | None  # [T, 1, 1] bool: the row belongs to a request (None: uniform)
+    # Host fact (CPU metadata only): request b owns rows b*mq .. b*mq + mq - 1 and nothing pads, as in
+    # every decode step (mq = 1, or k+1 with full drafts). The queries are then already the padded
+    # batch: no gather of queries, no scatter of outputs, no zeroing of padding rows.
+    uniform: bool = False
 
 
 def _plan_group(block_tables, seq, q_start, q_len, T: int, S: int, G: int, max_q: int, max_seq: int) -> _PlanGroup:
@@ -154,10 +167,33 @@ def _plan_group(block_tables, seq, q_start, q_len, T: int, S: int, G: int, max_q
     return _PlanGroup(B, L, mq, slots, rows.clamp(max=max(T - 1, 0)).view(-1), mask, rows[valid], padded[valid])
 
 
+def _plan_uniform(block_tables, seq, S: int, G: int, mq: int, max_seq: int) -> _PlanGroup:
+    """_plan_group for a uniform layout (request b owns query rows b*mq + i): the same slots and mask,
+    without the query rows' gather and scatter indices. With mq = 1 (decode, draft chains) the mask is
+    only the length mask, [B, 1, 1, L], and SDPA broadcasts it over the G query heads."""
+    B, dev = block_tables.shape[0], block_tables.device
+    L = max(1, min(max_seq, block_tables.shape[1] * S))
+    kpos = torch.arange(L, device=dev)
+    pos = torch.where(kpos < seq[:, None], kpos, 0)  # [B, L]: past seq_len, position 0 (as _plan_group)
+    page = block_tables.gather(1, (pos // S).clamp_(max=block_tables.shape[1] - 1)).long()
+    slots = (page * S + pos % S).view(-1)
+    if mq == 1:
+        return _PlanGroup(B, L, 1, slots, None, (pos > 0)[:, None, None] | (kpos == 0), None, None)
+    qpos = (seq - mq)[:, None] + torch.arange(mq, device=dev)  # [B, mq]
+    mask = (kpos <= qpos[:, :, None]) | (kpos == 0)
+    mask = mask[:, None, None].expand(B, 1, G, mq, L).reshape(B, 1, G * mq, L)
+    return _PlanGroup(B, L, mq, slots, None, mask, None, None)
+
+
 def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          num_tokens: int, page_size: int, group: int, max_q_len: int,
                          max_seq_len: int) -> AttentionPlan:
     T, B = num_tokens, block_tables.shape[0]
+    mq = max(1, max_q_len)
+    if (T == B * mq and query_start_loc.device.type == "cpu"
+            and torch.equal(query_start_loc, torch.arange(0, T + 1, mq, dtype=query_start_loc.dtype))):
+        return AttentionPlan(T, B, group, (_plan_uniform(block_tables, seq_lens.long(), page_size, group, mq,
+                                                         max_seq_len),), None, True)
     q_start = query_start_loc[:-1].long()
     q_len = query_start_loc[1:].long() - q_start  # [B]
     seq = seq_lens.long()
@@ -201,14 +237,23 @@ def paged_attention_ref(
     B = block_tables.shape[0]
     G = Hq // Hkv
     assert Hq == G * Hkv and k_cache.shape[3] == D
-    if out is None:
-        out = torch.zeros_like(query)
     if T == 0 or B == 0:
-        return out
+        return out if out is not None else torch.zeros_like(query)
     if plan is None:
         plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, T, S, G, max_q_len, max_seq_len)
     assert (plan.T, plan.B, plan.G) == (T, B, G), "the plan was made for another batch"
     k_flat, v_flat = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+    if plan.uniform:
+        g = plan.groups[0]
+        b, L, mq = g.B, g.L, g.mq
+        k = k_flat.index_select(0, g.slots).view(b, L, Hkv, D).transpose(1, 2)
+        v = v_flat.index_select(0, g.slots).view(b, L, Hkv, D).transpose(1, 2)
+        q = query.reshape(b, mq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(b, Hkv, G * mq, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)  # [b, Hkv, G * mq, D]
+        o = o.view(b, Hkv, G, mq, D).permute(0, 3, 1, 2, 4).reshape(T, Hq, D)
+        return o.to(query.dtype) if out is None else out.copy_(o)
+    if out is None:
+        out = torch.zeros_like(query)
     for g in plan.groups:
         b, L, mq = g.B, g.L, g.mq
         k = k_flat.index_select(0, g.slots).view(b, L, Hkv, D).transpose(1, 2)

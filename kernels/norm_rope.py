@@ -131,21 +131,39 @@ def build_rope_cache(head_dim: int, max_pos: int, theta: float, scaling: dict | 
     return torch.cat([freqs.cos(), freqs.sin()], -1).to(device=device, dtype=dtype)
 
 
+def rope_rows(
+    positions: torch.Tensor,  # [T] int
+    cos_sin: torch.Tensor,  # [max_pos, rotary_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference path's per-token tables, gathered once per forward and shared by its layers:
+    (cos twice [T, 1, R], (-sin, sin) [T, 1, R]) fp32, so that rotate_half becomes two products and a sum."""
+    half = cos_sin.shape[1] // 2
+    cs = cos_sin.index_select(0, positions.long()).float()
+    cos, sin = cs[:, :half], cs[:, half:]
+    return torch.cat([cos, cos], -1)[:, None, :], torch.cat([-sin, sin], -1)[:, None, :]
+
+
 def apply_rope_ref(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
     positions: torch.Tensor,  # [T] int
     cos_sin: torch.Tensor,  # [max_pos, rotary_dim]
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # rope_rows(positions, cos_sin), if already gathered
 ) -> tuple[torch.Tensor, torch.Tensor]:
     R = cos_sin.shape[1]
     half = R // 2
-    cs = cos_sin.index_select(0, positions.long()).float()[:, None, :]  # [T, 1, R]
-    cos, sin = cs[..., :half], cs[..., half:]
+    cos2, sin2 = rows if rows is not None else rope_rows(positions, cos_sin)
 
     def rotate(x):
-        xf = x.float()
-        x1, x2 = xf[..., :half], xf[..., half:R]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., R:]], -1).to(x.dtype)
+        # [x1, x2] * [cos, cos] + [x2, x1] * [-sin, sin]: the same products and sums as
+        # [x1 cos - x2 sin, x2 cos + x1 sin] (a - b is a + (-b) exactly), in fewer ops.
+        xf = x if x.dtype == torch.float32 else x.float()
+        xr = xf[..., :R]
+        y = xr * cos2
+        y += torch.cat([xr[..., half:], xr[..., :half]], -1) * sin2
+        if R < xf.shape[-1]:
+            y = torch.cat([y, xf[..., R:]], -1)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     return rotate(q), rotate(k)
 
@@ -206,7 +224,9 @@ def apply_rope_triton(q, k, positions, cos_sin):
     return _rope_one(q, positions, cos_sin), _rope_one(k, positions, cos_sin)
 
 
-def apply_rope(q, k, positions, cos_sin):
-    """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` by their token positions; returns new (q, k)."""
-    fn = apply_rope_triton if use_triton(q) else apply_rope_ref
-    return fn(q, k, positions, cos_sin)
+def apply_rope(q, k, positions, cos_sin, rows=None):
+    """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` by their token positions; returns new (q, k).
+    `rows`: rope_rows(positions, cos_sin) gathered once for every layer of a forward (reference path)."""
+    if use_triton(q):
+        return apply_rope_triton(q, k, positions, cos_sin)
+    return apply_rope_ref(q, k, positions, cos_sin, rows)

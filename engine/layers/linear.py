@@ -138,3 +138,21 @@ def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected a slice of "
                              f"shape {tuple(param.shape)}")
     param.data.copy_(tensor)
+
+
+def matvec_layout(model: nn.Module) -> None:
+    """On CPU, keep the [out, in] matmul weights with more outputs than inputs column-major (W^T
+    contiguous; the shape and all indexing stay [out, in]). Decode multiplies one row by each weight,
+    and MKL reads such a wide weight 2-3x faster from memory at M = 1 when W^T is contiguous (qkv,
+    gate/up, the LM head); weights with as many or fewer outputs than inputs (o, down) are read
+    faster row-major, as loaded (measured: bench/results/spec_step_cpu.md). Call it after loading:
+    the loaders write into [out, in] slices. Idempotent, and a tied weight (embedding = LM head)
+    changes once. CUDA weights stay as loaded (cuBLAS and the Triton kernels have their own layouts)."""
+    from engine.layers.vocab import Embedding
+
+    for module in model.modules():
+        if not isinstance(module, (_ParallelLinear, Embedding)) or module.weight.device.type != "cpu":
+            continue
+        w = module.weight
+        if w.shape[0] > w.shape[1]:
+            w.data = w.data.t().contiguous().t()

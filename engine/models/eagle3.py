@@ -104,7 +104,7 @@ class Eagle3Head(DraftHead):
             hidden = self.fc(hidden)
         layer = self.midlayer
         x = torch.cat([layer.input_layernorm(self.embed_tokens(token_ids)), layer.hidden_norm(hidden)], dim=-1)
-        x = hidden + layer.self_attn(positions, x)
+        x = hidden + layer.self_attn(self.rotary.at(positions), x)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def compute_logits(self, state: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from engine.data_parallel import DPContext
 from engine.errors import UnsupportedModelError
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RopeAt, RotaryEmbedding
 from engine.layers.vocab import Embedding, LMHead
 from engine.parallel import TPContext
 
@@ -33,8 +33,8 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(layer_idx, self.qkv_proj.local_heads, self.qkv_proj.local_kv_heads, cfg.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions [T]; x [T, H] -> [T, H]."""
+    def forward(self, rope: RopeAt, x: torch.Tensor) -> torch.Tensor:
+        """rope: the forward's positions (RotaryEmbedding.at); x [T, H] -> [T, H]."""
         T = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(T, -1, self.head_dim)
@@ -42,7 +42,7 @@ class LlamaAttention(nn.Module):
         v = v.view(T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(rope, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -80,13 +80,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual):
+    def forward(self, rope: RopeAt, hidden, residual):
         """Pre-norm block on the residual stream; returns (block output, residual) unsummed."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -118,9 +118,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> (final normed hidden [T, H], hidden states after each layer in
         `capture_layers` (what draft heads read), in that order)."""
         hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.at(positions)
         captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(rope, hidden, residual)
             if i in capture_layers:
                 captured.append(hidden + residual)
         hidden, _ = self.norm(hidden, residual)

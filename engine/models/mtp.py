@@ -62,7 +62,7 @@ class MTPHead(DraftHead):
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = torch.cat([self.enorm(self.embed_tokens(token_ids)), self.hnorm(hidden)], dim=-1)
         x = self.eh_proj(x)
-        out, residual = self.block(positions, x, None)
+        out, residual = self.block(self.rotary.at(positions), x, None)
         return self.shared_head.norm(out + residual)
 
     def compute_logits(self, state: torch.Tensor) -> torch.Tensor:

@@ -102,7 +102,7 @@ class Proposer(ABC):
         """The k-step draft loop of every proposer: step(s, previous draft [B] or None) -> the draft
         network's logits [B, Vd] for draft s, which sits at position (last verified row) + 2 + s; each
         is masked (when a masker runs) and sampled."""
-        first = inp.positions[inp.out_rows] + 2
+        first = inp.positions.index_select(0, inp.out_rows) + 2
         tokens, probs = [], []
         for s in range(self.k):
             logits = step(s, tokens[-1] if tokens else None)
@@ -137,8 +137,8 @@ class HeadProposer(Proposer):
             state = self.head(inp.hidden, inp.next_tokens, inp.positions)  # [R, H]
         if not inp.chain:
             return None, None
-        state = state[inp.out_rows]  # [B, H]: the first step's output
-        start = inp.positions[inp.out_rows]  # position of each request's last verified row
+        state = state.index_select(0, inp.out_rows)  # [B, H]: the first step's output
+        start = inp.positions.index_select(0, inp.out_rows)  # position of each request's last verified row
 
         def step(s: int, previous: torch.Tensor | None) -> torch.Tensor:
             nonlocal state
@@ -171,8 +171,8 @@ class DraftModelProposer(Proposer):
             self.model(inp.input_ids.clamp(max=top), inp.positions)
         if not inp.chain:
             return None, None
-        start = inp.positions[inp.out_rows] + 1  # the verified token after the last row
-        first = inp.next_tokens[inp.out_rows]
+        start = inp.positions.index_select(0, inp.out_rows) + 1  # the verified token after the last row
+        first = inp.next_tokens.index_select(0, inp.out_rows)
 
         def step(s: int, previous: torch.Tensor | None) -> torch.Tensor:
             token = (first if previous is None else previous).clamp(max=top)

@@ -67,7 +67,8 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
     raw_logprobs = flat.log_softmax(-1) if b.max_logprobs is not None else None
     if mask is not None:
         mask(flat)
-    pb = per_position(b, drafts)
+    # Per-position rows exist for penalties and sampling; a greedy batch without penalties needs neither.
+    pb = per_position(b, drafts) if b.repetition is not None or not b.all_greedy else b
     flat = apply_penalties(flat, pb)
     if b.all_greedy:
         out, accepted = verify_greedy(flat.view(B, k1, V), drafts)

@@ -9,6 +9,7 @@ from kernels.attention import (
     paged_attention,
     paged_attention_ref,
     paged_attention_triton,
+    plan_paged_attention,
     store_kv,
     store_kv_ref,
     store_kv_triton,
@@ -104,6 +105,26 @@ def _check(fn, q_lens, seq_lens, Hq, Hkv, D, page, dtype, pad_rows=2, device="cp
 @pytest.mark.parametrize("Hq,Hkv", HEADS)
 def test_paged_attention_ref(q_lens, seq_lens, Hq, Hkv):
     _check(paged_attention_ref, q_lens, seq_lens, Hq, Hkv, 64, 16, torch.float32)
+
+
+# Decode layouts: every request owns the same number of rows and nothing pads (plain decode, full
+# verification chains, draft-chain steps).
+UNIFORM = [([1], [1]), ([1], [37]), ([1] * 5, [3, 17, 40, 1, 66]), ([4], [90]), ([4, 4, 4], [4, 33, 70])]
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", UNIFORM)
+@pytest.mark.parametrize("Hq,Hkv", HEADS)
+def test_paged_attention_ref_uniform(q_lens, seq_lens, Hq, Hkv):
+    """The reference's uniform plan (no query gather or scatter; at one row per request a length mask
+    SDPA broadcasts over the query heads) against dense math, with a KV bound past every length so
+    that masked positions exist and unused slots hold NaN."""
+    batch, dk, dv = make_batch(q_lens, seq_lens, Hq, Hkv, 64, 16, torch.float32, pad_rows=0)
+    bounds = dict(max_q_len=max(q_lens), max_seq_len=max(seq_lens) + 3)
+    plan = plan_paged_attention(batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], sum(q_lens), 16,
+                                Hq // Hkv, **bounds)
+    assert plan.uniform
+    out = paged_attention_ref(**batch, scale=0.125, **bounds, plan=plan)
+    torch.testing.assert_close(out.double(), expected(batch, dk, dv, q_lens, seq_lens, 0.125), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -9,6 +9,7 @@ from kernels.norm_rope import (
     apply_rope,
     apply_rope_ref,
     apply_rope_triton,
+    rope_rows,
     build_rope_cache,
     rms_norm,
     rms_norm_ref,
@@ -60,6 +61,29 @@ def test_rope_matches_transformers(fn, Hq, Hkv, D):
     got_q, got_k = fn(q, k, positions, build_rope_cache(D, 128, 10000.0, LLAMA3))
     torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,rotary_dim", [(torch.float32, 64), (torch.float32, 32), (torch.bfloat16, 64)])
+def test_rope_ref_rows_is_the_rotation_exactly(dtype, rotary_dim):
+    """The reference rotates as [x1, x2] * [cos, cos] + [x2, x1] * [-sin, sin] with tables gathered once
+    per forward (rope_rows): bit for bit the textbook [x1 cos - x2 sin, x2 cos + x1 sin] in fp32, rounded
+    once, features past rotary_dim passed through."""
+    gen = torch.Generator().manual_seed(rotary_dim)
+    q = torch.randn(5, 3, 64, generator=gen).to(dtype)
+    k = torch.randn(5, 1, 64, generator=gen).to(dtype)
+    positions = torch.tensor([0, 9, 2, 2, 40])
+    cache = build_rope_cache(rotary_dim, 50, 10000.0, None)
+    half = rotary_dim // 2
+    cs = cache[positions][:, None]
+    cos, sin = cs[..., :half], cs[..., half:]
+
+    def textbook(x):
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:rotary_dim]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., rotary_dim:]], -1).to(dtype)
+
+    for got in (apply_rope_ref(q, k, positions, cache), apply_rope_ref(q, k, positions, cache, rope_rows(positions, cache))):
+        assert torch.equal(got[0], textbook(q)) and torch.equal(got[1], textbook(k))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
