@@ -303,10 +303,13 @@ def first_unenforceable(schema: Any) -> Unenforceable | None:
     return None
 
 
+def refusal_message(found: Unenforceable) -> str:
+    return (f"json_schema keyword {found.keyword!r} at {found.path} cannot be enforced by xgrammar "
+            f"({found.reason}); remove it or relax the schema")
+
+
 def check_enforceable(schema: Any) -> None:
     """Raise InvalidRequestError (HTTP 400, param response_format) naming the first unenforceable keyword."""
     found = first_unenforceable(schema)
     if found is not None:
-        raise InvalidRequestError(f"json_schema keyword {found.keyword!r} at {found.path} cannot be enforced by "
-                                  f"the grammar backend ({found.reason}); remove it or relax the schema",
-                                  param="response_format")
+        raise InvalidRequestError(refusal_message(found), param="response_format")
