@@ -182,3 +182,63 @@ def test_a_tool_call_grammar_is_compiled_on_prefill_and_deserialized_on_decode(l
     assert done[0].text.startswith(head) and done[0].text.endswith(body)
     jsonschema.validate(json.loads(done[0].text[len(head):-len(body)]), TOOL_SCHEMA)
     assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 0, "deserializations": 1, **NO_LLGUIDANCE}
+
+
+# A schema xgrammar would not enforce (minProperties) and llguidance does: served by llguidance.
+LLG_SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"}},
+              "required": ["kind", "ok"], "additionalProperties": False, "minProperties": 2}
+
+
+def _llg_params(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=48, temperature=0, seed=7 + i,
+                          structured_output=StructuredOutput(json_schema=LLG_SCHEMA))
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_an_llguidance_schema_greedy_and_speculative_equal_and_validate(llama_dir, spec_drafts, method):
+    """Through the step: greedy guided output of an llguidance-served schema, batched with xgrammar-
+    guided and unguided requests; MTP (or EAGLE-3, whose draft masks go through d2t) at k = 3 (masks
+    on verification rows and on draft steps, the matcher rolled back over rejected drafts) gives the
+    same tokens, and every output validates."""
+    assert StructuredOutput(json_schema=LLG_SCHEMA).plan.backend == "llguidance"
+    prompts = _prompts(6, seed=31)
+    xgrammar = SamplingParams(max_tokens=48, temperature=0, structured_output=GUIDES["json_schema"])
+    params = [_llg_params(i) if i % 2 == 0 else xgrammar if i % 3 else SamplingParams(max_tokens=24, temperature=0)
+              for i in range(6)]
+    kw = dict(num_kv_blocks=512, block_size=4)
+    ref_llm = LLM(llama_dir, **kw)
+    ref = ref_llm.generate(prompts, params)
+    spec = LLM(llama_dir, speculative=_spec(method, 3, spec_drafts, llama_dir), **kw)
+    outs = spec.generate(prompts, params)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert o.token_ids == r.token_ids, i
+        if i % 2 == 0:
+            assert o.finish_reason == "stop"
+            jsonschema.validate(json.loads(o.text), LLG_SCHEMA)
+    for llm in (ref_llm, spec):
+        stats = llm.engine.stats()
+        assert stats["grammar"]["llguidance_compiles"] == 1 and stats["grammar"]["llguidance_cache_hits"] == 2
+        assert stats["kv_blocks_used"] == 0 and not llm.engine._grammar.states
+
+
+def test_an_llguidance_grammar_survives_a_handover(llama_dir):
+    """The header carries the backend and llguidance's grammar text (wire format); the decode engine
+    builds its matcher from them (no compile), replays the prefill's accepted tokens and continues to
+    the single engine's tokens."""
+    from cluster.protocol import GrammarHandover, HandoverHeader, PayloadPart
+
+    prompt, params = _prompts(1, seed=4)[0], _llg_params(0)
+    structured = params.structured_output
+    want = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompt, params)[0]
+    prefill, decode, h = _prefilled(llama_dir, prompt, params)
+    assert h.compiled_grammar.backend == "llguidance" and h.request.output_token_ids  # the first token, sampled
+    header = HandoverHeader(h.request, (PayloadPart.KV,), GrammarHandover.of(structured.key(), h.compiled_grammar,
+                                                                             structured.plan.backend))
+    back = HandoverHeader.from_wire(header.to_wire())
+    assert back.grammar.backend == "llguidance" and back.grammar.cache_key == back.request.params.structured_output.key()
+    done = _decode_handover(prefill, decode, h, back.request, back.grammar.serialized)
+    assert done[0].token_ids == want.token_ids and done[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(done[0].text), LLG_SCHEMA)
+    assert prefill.stats()["grammar"]["llguidance_compiles"] == 1
+    assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 0, "deserializations": 1, "llguidance_compiles": 0,
+                                         "llguidance_cache_hits": 0, "llguidance_deserializations": 1}
