@@ -32,7 +32,7 @@ from pathlib import Path
 from bench.common import write_results
 from engine.schema_rewrite import UNRESOLVED, follow_pointer
 from engine import grammar_llguidance as llg
-from engine.grammar import StructuredOutput, compile_structured, compiled_schema_source
+from engine.grammar import StructuredOutput, compile_structured, llguidance_schema
 from engine.compile_worker import CompileWorker, WorkerFailed, WorkerTimeout
 from engine.schema_rewrite import rewrite
 from engine.schema_support import ANNOTATIONS, first_unenforceable
@@ -180,7 +180,7 @@ def _check(backends: _Backends, schema_text: str, instances: list[tuple[bool, st
 def _check_llguidance(backends: _Backends, structured: StructuredOutput, instances: list[tuple[bool, str]]) -> dict:
     t0 = time.perf_counter()
     try:
-        text = llg.grammar_text(json.loads(compiled_schema_source(structured)))
+        text = llg.grammar_text(llguidance_schema(structured))
         grammar = llg.load(llg.validated(text, backends.lltokenizer, structured.plan.refusal), backends.lltokenizer)
     except Exception as e:  # noqa: BLE001 - llguidance refuses it: the engine answers 400
         return {"llg_served": False, "llg_error": str(e).rsplit("either (", 1)[-1][:200]}

@@ -23,6 +23,7 @@ from functools import cached_property
 from engine import grammar_llguidance as llg
 from engine.errors import InvalidRequestError
 from engine.grammar_state import GrammarState
+from engine.schema_presence import rewrite_presence
 from engine.schema_rewrite import rewrite
 from engine.schema_support import check_enforceable, first_unenforceable, refusal_message
 
@@ -171,6 +172,12 @@ def compiled_schema_source(structured: StructuredOutput) -> str:
     """The JSON text xgrammar compiles for a json_schema request: the user's schema after the exact
     rewrites of engine.schema_rewrite (the cache key stays the user's own text)."""
     return json.dumps(rewrite(json.loads(structured.canonical_source())), separators=(",", ":"))
+
+
+def llguidance_schema(structured: StructuredOutput) -> dict:
+    """The schema llguidance compiles for a json_schema request: the xgrammar rewrites, then the exact
+    key-presence rewrites llguidance can enforce (engine.schema_presence)."""
+    return rewrite_presence(json.loads(compiled_schema_source(structured)))
 
 
 def _compact_json(node, separators: tuple[str, str]):

@@ -9,7 +9,6 @@ that the decode side loads without compiling, and per-backend counters for /metr
 """
 from __future__ import annotations
 
-import json
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -19,7 +18,7 @@ from engine import grammar_llguidance as llg
 from engine.compile_worker import CompileWorker, WorkerFailed, WorkerTimeout
 from engine.errors import InvalidRequestError
 from engine.grammar import XGRAMMAR, SerializedGrammar, StructuredOutput, check_structured_enforceable, \
-    compile_structured, compiled_schema_source, xgr
+    compile_structured, llguidance_schema, xgr
 from engine.grammar_cache import DEFAULT_MAX_CACHE_BYTES, DEFAULT_MAX_CACHED, GrammarCache
 from engine.grammar_state import GrammarState, XGrammarState
 
@@ -163,7 +162,7 @@ class GrammarCompiler:
     def _compile_llguidance(self, structured: StructuredOutput):
         """Validate in the compile process (time-limited), then build the template matcher here: its
         build costs about what the validation did (engine/grammar_llguidance.py)."""
-        text = llg.grammar_text(json.loads(compiled_schema_source(structured)))
+        text = llg.grammar_text(llguidance_schema(structured))
         refusal = structured.plan.refusal
         if self._llg_args is None:
             raise InvalidRequestError(f"{refusal}; llguidance, which could, needs a fast (Rust) tokenizer",
