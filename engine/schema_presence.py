@@ -16,12 +16,15 @@ the jsonschema validator on instances of every presence pattern):
   every such key is absent. Non-objects satisfy `required`, so `not` rejects them: type object.
 - `not: {}` / `not: true`: nothing is valid: the subschema becomes `false`.
 - `oneOf` whose branches are only `required` lists R_1..R_n (n >= 2): branch i holds exactly when
-  R_i is present and, for every j != i, some key of R_j (beyond R_i and the node's own required R_0)
-  is absent. Written where each such j leaves exactly one key k_j: {required: R_i, properties:
-  {k_j: false}}; a branch some R_j is contained in can never be the only one and is dropped. Non-
-  objects satisfy every branch, so n >= 2 rejects them: type object.
+  R_i is present and, for every j != i, some key of M_j = R_j minus R_i and the node's own required
+  R_0 is absent: one branch {required: R_i, properties: {k_j: false for each j}} per choice of one
+  k_j from each M_j (at most 16 branches in all); a branch with some M_j empty can never be the only
+  one and is dropped. Non-objects satisfy every branch, so n >= 2 rejects them: type object.
 
-A node that already has an `anyOf` gets the new disjunction under `allOf` (llguidance intersects);
+- `minProperties` / `maxProperties` where no undeclared key can appear: see `_property_counts`.
+
+A oneOf of other branches becomes anyOf where its branches are provably disjoint
+(engine/schema_one_of.py). A node that already has an `anyOf` gets the new disjunction under `allOf` (llguidance intersects);
 anything not of these shapes is left as it is (and stays refused).
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from engine.schema_one_of import one_of_as_any_of
 from engine.schema_support import ANNOTATIONS
 
 MAX_BRANCHES = 8
@@ -189,29 +193,54 @@ def _one_of_required(node: dict) -> dict:
     base = _required_list(node)
     if sets is None or len(sets) < 2 or base is None:
         return node
-    branches = []
+    branches, seen = [], set()
     for i, own in enumerate(sets):
         present = set(own) | set(base)
-        absent, possible = [], True
-        for j, other in enumerate(sets):
-            if j == i:
-                continue
-            missing = [k for k in other if k not in present]
-            if not missing:
-                possible = False  # branch j holds whenever branch i does
-                break
-            if len(missing) > 1:
-                return node  # "one of several keys absent": not written here
-            absent.append(missing[0])
-        if possible:
-            branches.append({"required": list(own), "properties": {k: False for k in dict.fromkeys(absent)}})
+        missing = [[k for k in dict.fromkeys(other) if k not in present] for j, other in enumerate(sets) if j != i]
+        if not all(missing):
+            continue  # some branch j holds whenever branch i does: i is never the only one
+        # "for every j, one of its missing keys is absent" = any of the choices of one key per j
+        for absent in itertools.product(*missing):
+            key = (i, frozenset(absent))
+            if key not in seen:
+                seen.add(key)
+                branches.append({"required": list(own), "properties": {k: False for k in dict.fromkeys(absent)}})
+            if len(branches) > MAX_BRANCHES * 2:
+                return node
     rest = _objects_only({k: v for k, v in node.items() if k != "oneOf"})
     if rest is None:
         return node
     return _with_disjunction(rest, branches) or node
 
 
-def _presence(node: Any) -> Any:
+def _property_counts(node: dict) -> dict:
+    """min/maxProperties where no undeclared key can appear (additionalProperties false, no
+    patternProperties) over declared properties P with required R: maxProperties >= |P| and
+    minProperties <= |R| hold for every object; minProperties = |P| is "all of P required"; and
+    minProperties 1 is "some key of P present"."""
+    props = node.get("properties")
+    if node.get("additionalProperties") is not False or node.get("patternProperties") or not isinstance(props, dict):
+        return node
+    required = _required_list(node)
+    low, high = node.get("minProperties"), node.get("maxProperties")
+    if required is None or not set(required) <= set(props):
+        return node
+    out = dict(node)
+    if isinstance(high, int) and not isinstance(high, bool) and high >= len(props):
+        del out["maxProperties"]
+    if isinstance(low, int) and not isinstance(low, bool):
+        if low <= len(required):
+            del out["minProperties"]
+        elif low == len(props):
+            del out["minProperties"]
+            out["required"] = list(props)
+        elif low == 1:
+            del out["minProperties"]
+            return _with_disjunction(out, [{"required": [k]} for k in props]) or node
+    return out
+
+
+def _presence(node: Any, root: Any) -> Any:
     if not isinstance(node, dict):
         return node
     node = _dependencies(node)
@@ -219,21 +248,24 @@ def _presence(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     node = _one_of_required(node)
+    node = one_of_as_any_of(node, root)
+    node = _property_counts(node)
     out = {}
     for key, value in node.items():
         if key in ANNOTATIONS or key in ("enum", "const"):
             out[key] = value
         elif key in _SCHEMA_VALUED and isinstance(value, dict):
-            out[key] = _presence(value)
+            out[key] = _presence(value, root)
         elif key in _SCHEMA_LISTS and isinstance(value, list):
-            out[key] = [_presence(v) for v in value]
+            out[key] = [_presence(v, root) for v in value]
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _presence(v) for name, v in value.items()}
+            out[key] = {name: _presence(v, root) for name, v in value.items()}
         else:
             out[key] = value
     return out
 
 
 def rewrite_presence(schema: Any) -> Any:
-    """`schema` with the presence constraints above spelled as anyOf (input not modified)."""
-    return _presence(schema)
+    """`schema` with the presence constraints above spelled as anyOf, and oneOfs of disjoint branches
+    as anyOf (engine/schema_one_of.py); the input is not modified."""
+    return _presence(schema, schema)

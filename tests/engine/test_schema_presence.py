@@ -41,13 +41,26 @@ CASES = {
                                                                              {"required": ["a", "b"]}]},
     "oneOf beside required": {"type": "object", "properties": P, "required": ["c"],
                               "oneOf": [{"required": ["a", "c"]}, {"required": ["b"]}]},
+    "oneOf where two keys may be missing": {"properties": P, "oneOf": [{"required": ["a", "b"]},
+                                                                        {"required": ["c", "d"]}]},
+    "oneOf of one and two keys (composer's repository schema)": {
+        "type": "object", "properties": P, "oneOf": [{"required": ["a"]}, {"required": ["b"]},
+                                                     {"required": ["c", "d"]}]},
+    "oneOf of five overlapping pairs": {"properties": P, "oneOf": [
+        {"required": [x, y]} for x, y in [("a", "b"), ("c", "d"), ("a", "c"), ("b", "d"), ("a", "d")]]},
+    "minProperties 1 over closed properties": {"properties": P, "additionalProperties": False, "minProperties": 1},
+    "all of closed properties, at most all": {"type": "object", "properties": {"a": P["a"], "b": P["b"]},
+                                              "additionalProperties": False, "minProperties": 2, "maxProperties": 3},
+    "minProperties met by required": {"properties": P, "required": ["a", "b"], "additionalProperties": False,
+                                      "minProperties": 2},
     "nested under a property": {"type": "object", "properties": {"x": {"type": "object", "properties": P,
                                                                        "oneOf": [{"required": ["a"]},
                                                                                  {"required": ["d"]}]}}},
 }
 LEFT_ALONE = {
-    "oneOf where two keys may be missing": {"properties": P, "oneOf": [{"required": ["a", "b"]}, {"required": ["c", "d"]}]},
+    "oneOf needing more than 16 branches": {"oneOf": [{"required": list(keys)} for keys in ("fgh", "ijk", "lmn")]},
     "not of a value": {"type": "integer", "not": {"enum": [3]}},
+    "minProperties 2 of open properties": {"properties": P, "minProperties": 2},
     "four dependencies (16 branches)": {"properties": P, "dependencies": {k: ["e"] for k in "abcd"}},
 }
 
@@ -67,7 +80,8 @@ INSTANCES = _instances()
 def test_a_rewrite_accepts_exactly_what_the_schema_accepts(name):
     schema = CASES[name]
     rewritten = rewrite_presence(schema)
-    for keyword in ("dependencies", "dependentRequired", "dependentSchemas", "not", "oneOf"):
+    for keyword in ("dependencies", "dependentRequired", "dependentSchemas", "not", "oneOf", "minProperties",
+                    "maxProperties"):
         assert keyword not in str(rewritten), (keyword, rewritten)
     # `dependencies` is draft 4-7's keyword (2019-09 split it): a schema declaring no draft is read as draft 7
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
