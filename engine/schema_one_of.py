@@ -13,28 +13,15 @@ writes): a pair of branches is disjoint when
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from engine.schema_rewrite import resolve_ref
-from engine.schema_support import _branch_types, _finite_excludes, _forbids, _literals, _properties, _required
-
-
-def _value_key(value: Any) -> str:
-    """JSON equality: 1 and 1.0 are the same number (json.dumps would tell them apart)."""
-    def norm(v):
-        if isinstance(v, float) and v.is_integer():
-            return int(v)
-        if isinstance(v, dict):
-            return {k: norm(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [norm(x) for x in v]
-        return v
-    return json.dumps(norm(value), sort_keys=True)
+from engine.schema_support import (_branch_types, _finite_excludes, _forbids, _literals, _properties, _required,
+                                   json_value_key)
 
 
 def _literal_values(branch: dict, root: Any, required: set[str]) -> dict[str, set[str]]:
-    return {name: {_value_key(v) for v in lits} for name, sub in _properties(branch).items()
+    return {name: {json_value_key(v) for v in lits} for name, sub in _properties(branch).items()
             if name in required and (lits := _literals(sub, root)) is not None}
 
 

@@ -165,8 +165,8 @@ def test_the_cache_bounds_llguidance_grammars_by_bytes(tokenizer):
 
 def test_a_schema_neither_backend_enforces_is_refused_naming_both(compiler):
     with pytest.raises(InvalidRequestError) as e:
-        compiler.compile(StructuredOutput(json_schema={"type": "object", "not": {"required": ["a"]}}))
-    assert e.value.param == "response_format" and "'not'" in e.value.message
+        compiler.compile(StructuredOutput(json_schema={"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}))
+    assert e.value.param == "response_format" and "'uniqueItems'" in e.value.message
     assert "llguidance cannot enforce it either" in e.value.message and "Unimplemented" in e.value.message
 
 
@@ -189,3 +189,20 @@ def test_an_llguidance_compile_past_the_time_limit_is_ended(tokenizer):
         assert compiler.compile(SPEC).template is not None
     finally:
         compiler._worker.close()
+
+
+def test_presence_rewrites_reach_llguidance(compiler, tokenizer):
+    """A dependency (engine/schema_presence.py writes it as anyOf over key presence) is served by
+    llguidance and enforced: "a" only together with "b"."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "dependencies": {"a": ["b"]}}
+    spec = StructuredOutput(json_schema=schema)
+    assert spec.plan.backend == "llguidance" and "'dependencies'" in spec.plan.refusal
+    grammar = compiler.compile(spec)
+
+    def completes(text: str) -> bool:
+        state = compiler.new_state(grammar, spec)
+        return all(state.accept(t) for t in _ids(tokenizer, text)) and state.accept(EOS)
+
+    assert completes('{"a": 1, "b": 2}') and completes('{"b": 2}') and completes("{}")
+    assert not completes('{"a": 1}')
