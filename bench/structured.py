@@ -180,7 +180,9 @@ def _check(backends: _Backends, schema_text: str, instances: list[tuple[bool, st
 def _check_llguidance(backends: _Backends, structured: StructuredOutput, instances: list[tuple[bool, str]]) -> dict:
     t0 = time.perf_counter()
     try:
-        text = llg.grammar_text(llguidance_schema(structured))
+        schema = llguidance_schema(structured)
+        llg.check_gaps(schema, structured.plan.refusal)
+        text = llg.grammar_text(schema)
         grammar = llg.load(llg.validated(text, backends.lltokenizer, structured.plan.refusal), backends.lltokenizer)
     except Exception as e:  # noqa: BLE001 - llguidance refuses it: the engine answers 400
         return {"llg_served": False, "llg_error": str(e).rsplit("either (", 1)[-1][:200]}

@@ -162,8 +162,10 @@ class GrammarCompiler:
     def _compile_llguidance(self, structured: StructuredOutput):
         """Validate in the compile process (time-limited), then build the template matcher here: its
         build costs about what the validation did (engine/grammar_llguidance.py)."""
-        text = llg.grammar_text(llguidance_schema(structured))
         refusal = structured.plan.refusal
+        schema = llguidance_schema(structured)
+        llg.check_gaps(schema, refusal)
+        text = llg.grammar_text(schema)
         if self._llg_args is None:
             raise InvalidRequestError(f"{refusal}; llguidance, which could, needs a fast (Rust) tokenizer",
                                       param="response_format")

@@ -23,6 +23,7 @@ hand-over carries the grammar text, and the decode side builds its template once
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,46 @@ def hf_tokenizer_json(tokenizer) -> str:
     backend.no_padding()
     backend.no_truncation()
     return backend.to_str()
+
+
+_NEGATED_CLASS = re.compile(r"\[\^((?:\\.|[^\]\\])*)\]")
+
+
+def escape_gap(schema) -> str | None:
+    """A pattern llguidance would not enforce exactly, or None. Measured (JSONSchemaBench
+    JsonSchemaStore libman, then by hand): a negated character class that excludes `"` or `\\`
+    (`[^\\\\]`, `[^"]`, `[^\\x22]`) still lets the JSON escapes `\\\\` and `\\"` through, so a string
+    holding the excluded character completes. Such patterns (in `pattern` or as patternProperties
+    names) are refused; a class Python cannot read is refused too."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        regexes = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            regexes += list(node["patternProperties"])
+        for regex in regexes:
+            for body in _NEGATED_CLASS.findall(regex):
+                try:
+                    excluded = re.compile(f"[{body}]")
+                except re.error:
+                    return f"a negated character class it cannot read: [^{body}]"
+                if excluded.fullmatch('"') or excluded.fullmatch("\\"):
+                    return f"the negated class [^{body}] would admit the JSON escapes \\\\ and \\\""
+        stack.extend(node.values())
+    return None
+
+
+def check_gaps(schema, refusal: str) -> None:
+    """InvalidRequestError (both backends' reasons) for a schema with a pattern llguidance would not
+    enforce exactly (`escape_gap`); its own validation does not see these."""
+    gap = escape_gap(schema)
+    if gap is not None:
+        raise InvalidRequestError(f"{refusal}; llguidance cannot enforce it either ({gap})", param="response_format")
 
 
 def validated(text: str, lltokenizer, refusal: str) -> str:

@@ -206,3 +206,16 @@ def test_presence_rewrites_reach_llguidance(compiler, tokenizer):
 
     assert completes('{"a": 1, "b": 2}') and completes('{"b": 2}') and completes("{}")
     assert not completes('{"a": 1}')
+
+
+@pytest.mark.parametrize("pattern", ["^[^\\\\]+$", '^[^"]*$', "^[^\\x22]+$", "^[^!-#]+$"])
+def test_a_negated_class_excluding_a_json_escape_is_refused(compiler, pattern):
+    """Regression (JSONSchemaBench JsonSchemaStore libman, served by llguidance, accepted
+    "js\\\\subfolder/" for `^[^\\\\]+$`): llguidance lets the escapes \\\\ and \\" through a negated class
+    that excludes \\ or ", so such patterns are refused rather than served."""
+    schema = {**HALVES, "properties": {**HALVES["properties"], "p": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(InvalidRequestError) as e:
+        compiler.compile(StructuredOutput(json_schema=schema))
+    assert "llguidance cannot enforce it either" in e.value.message and "negated class" in e.value.message
+    fine = {**schema, "properties": {**schema["properties"], "p": {"type": "string", "pattern": "^[^a-z]+$"}}}
+    assert compiler.compile(StructuredOutput(json_schema=fine)).template is not None
