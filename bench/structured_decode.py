@@ -152,15 +152,18 @@ def main(argv=None) -> int:
     print(results["quality"], flush=True)
 
     # 1b. side by side at batch 1: the engine (no speculation, grammars compiled before the clock) and
-    # transformers + xgrammar's logits processor on the same prompts and schemas
+    # transformers + xgrammar's logits processor on the same prompts and schemas; interleaved, best of
+    # two (the machine is shared)
     llm = LLM(str(paths.target), **{**kw, "max_num_seqs": 1})
     generate(llm, prompts, schemas, 1)
-    got, secs, _ = generate(llm, prompts, schemas, args.max_tokens)
-    engine_tok_s = sum(len(o.token_ids) for o in got if o is not None) / secs
-    results["side_by_side"] = {"engine": {**results["quality"], "tok_s": engine_tok_s},
-                               "hf_xgrammar": hf_xgrammar(str(paths.target), llm.engine.tokenizer, prompts, schemas,
-                                                          args.max_tokens)}
-    print(results["side_by_side"]["hf_xgrammar"], flush=True)
+    engine_tok_s, hf = 0.0, None
+    for _ in range(2):
+        got, secs, _ = generate(llm, prompts, schemas, args.max_tokens)
+        engine_tok_s = max(engine_tok_s, sum(len(o.token_ids) for o in got if o is not None) / secs)
+        run = hf_xgrammar(str(paths.target), llm.engine.tokenizer, prompts, schemas, args.max_tokens)
+        hf = run if hf is None or run["tok_s"] > hf["tok_s"] else hf
+    results["side_by_side"] = {"engine": {**results["quality"], "tok_s": engine_tok_s}, "hf_xgrammar": hf}
+    print(results["side_by_side"], flush=True)
 
     # 2. acceptance at k = 3 with draft masks on and off (same outputs: greedy is lossless)
     heads = {"mtp": str(paths.mtp), "eagle3": str(paths.eagle3), "ngram": None}
@@ -213,7 +216,8 @@ def main(argv=None) -> int:
               f"{'yes' if r['lossless'] else 'NO'} |" for r in results["acceptance"]]
     e, h = results["side_by_side"]["engine"], results["side_by_side"]["hf_xgrammar"]
     n_cases = q["served"] + q["refused"]
-    lines += ["", "Side by side, same prompts and schemas, greedy, batch 1 (no speculation):", "",
+    lines += ["", "Side by side, same prompts and schemas, greedy, batch 1 (no speculation; best of two interleaved "
+              "runs each, grammars compiled before the clock):", "",
               "| system | served | completed (of served) | valid (of completed) | tok/s |", "|---|---|---|---|---|",
               f"| Tandem engine (xgrammar + llguidance, refusals) | {e['served']} | {e['completed']} | {e['valid']} "
               f"({e['valid'] / max(1, e['completed']):.0%}) | {e['tok_s']:.0f} |",
