@@ -3,10 +3,13 @@
 Part 1, grammar faithfulness (no model): per case, compile the schema the way the engine does
 (engine.grammar.compile_structured: compact JSON, ", " and ": " separators), then feed each of the
 case's instances, serialized as that grammar expects, to a fresh xgrammar matcher: a valid instance
-should complete the grammar, an invalid one should not. Reported per subset and overall, with and
-without the refusal filter (engine.schema_support.first_unenforceable: schemas the engine refuses up
-front with a 400), plus compile rate and compile time. Keywords present in the schemas whose invalid
-instances were accepted are counted, to decide what to refuse.
+should complete the grammar, an invalid one should not. A schema xgrammar would not enforce
+(engine.schema_support.first_unenforceable) goes, as in the engine, to llguidance
+(engine/grammar_llguidance.py: same options, same validation, the engine's LLGuidanceState fed the
+instance's tokens and then EOS); it is served if llguidance accepts it, else refused (a 400).
+Reported per subset and overall, for all compiled cases (xgrammar) and for the served ones (each by
+the backend that serves it), per backend, plus compile rate and compile time. Keywords present in
+the schemas whose invalid instances were accepted are counted, to decide what to refuse.
 
     nice -n 10 python -m bench.structured [--cases DIR] [--limit N] [--tokenizer DIR]
 
@@ -28,7 +31,8 @@ from pathlib import Path
 
 from bench.common import write_results
 from engine.schema_rewrite import UNRESOLVED, follow_pointer
-from engine.grammar import StructuredOutput, compile_structured
+from engine import grammar_llguidance as llg
+from engine.grammar import StructuredOutput, compile_structured, llguidance_schema
 from engine.compile_worker import CompileWorker, WorkerFailed, WorkerTimeout
 from engine.schema_rewrite import rewrite
 from engine.schema_support import ANNOTATIONS, first_unenforceable
@@ -135,41 +139,72 @@ def keywords(schema) -> set[str]:
 
 
 # ------------------------------------------------------------------------------ the child process
-def _init(tokenizer_dir: str):
+class _Backends:
+    """The child's state: an xgrammar compiler and llguidance's tokenizer for one HF tokenizer."""
+
+    def __init__(self, tokenizer_dir: str):
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.eos = self.tokenizer.eos_token_id
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, stop_token_ids=[self.eos])
+        self.xgrammar = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.lltokenizer = None
+        if llg.available():
+            self.lltokenizer = llg.tokenizer_of(llg.hf_tokenizer_json(self.tokenizer), len(self.tokenizer), [self.eos])
+
+
+def _check(backends: _Backends, schema_text: str, instances: list[tuple[bool, str]], llguidance: bool) -> dict:
+    """Compile, then for each instance: did the matcher accept all of it and complete? With
+    `llguidance`, the same for llguidance (`llg_*` fields) as the engine would serve the schema."""
     import xgrammar as xgr
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    info = xgr.TokenizerInfo.from_huggingface(tok, stop_token_ids=[tok.eos_token_id])
-    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-
-
-def _check(compiler, schema_text: str, instances: list[tuple[bool, str]]) -> dict:
-    """Compile, then for each instance: did the matcher accept all of it and complete?"""
-    import xgrammar as xgr
-
+    structured = StructuredOutput(json_schema=schema_text)
+    out = {}
+    if llguidance:
+        out.update(_check_llguidance(backends, structured, instances))
     t0 = time.perf_counter()
     try:
-        compiled = compile_structured(compiler, StructuredOutput(json_schema=schema_text))
+        compiled = compile_structured(backends.xgrammar, structured)
     except Exception as e:
-        return {"compiled": False, "error": str(e)[:200]}
+        return {**out, "compiled": False, "error": str(e)[:200]}
     compile_s = time.perf_counter() - t0
     accepted = []
     for _valid, text in instances:
         matcher = xgr.GrammarMatcher(compiled)
         accepted.append(bool(matcher.accept_string(text) and matcher.is_completed()))
-    return {"compiled": True, "compile_s": compile_s, "accepted": accepted}
+    return {**out, "compiled": True, "compile_s": compile_s, "accepted": accepted}
+
+
+def _check_llguidance(backends: _Backends, structured: StructuredOutput, instances: list[tuple[bool, str]]) -> dict:
+    t0 = time.perf_counter()
+    try:
+        schema = llguidance_schema(structured)
+        llg.check_gaps(schema, structured.plan.refusal)
+        text = llg.grammar_text(schema)
+        grammar = llg.load(llg.validated(text, backends.lltokenizer, structured.plan.refusal), backends.lltokenizer)
+    except Exception as e:  # noqa: BLE001 - llguidance refuses it: the engine answers 400
+        return {"llg_served": False, "llg_error": str(e).rsplit("either (", 1)[-1][:200]}
+    compile_s = time.perf_counter() - t0
+    accepted = []
+    for _valid, text in instances:
+        state = llg.LLGuidanceState(grammar.template.deep_copy(), frozenset([backends.eos]))
+        ids = backends.tokenizer.encode(text, add_special_tokens=False)
+        accepted.append(all(state.accept(t) for t in ids) and state.accept(backends.eos))
+    return {"llg_served": True, "llg_compile_s": compile_s, "llg_accepted": accepted}
 
 
 # ------------------------------------------------------------------------------------- measuring
 def run_faithfulness(paths: list[Path], tokenizer_dir: str, timeout: float) -> list[dict]:
-    worker = CompileWorker(_init, (tokenizer_dir,))
+    worker = CompileWorker(_Backends, (tokenizer_dir,))
     rows = []
     t_start = time.perf_counter()
     for n, path in enumerate(paths):
         case = json.loads(path.read_text())
         schema = case["schema"]
         refused = first_unenforceable(rewrite(schema))
+        use_llguidance = refused is not None and isinstance(schema, dict) and llg.available()
         instances = []
         for test in case.get("tests", []):
             try:
@@ -177,14 +212,18 @@ def run_faithfulness(paths: list[Path], tokenizer_dir: str, timeout: float) -> l
             except (TypeError, ValueError, RecursionError):
                 pass
         row = {"case": path.name, "subset": subset_of(path), "keywords": sorted(keywords(schema)),
-               "refused": None if refused is None else f"{refused.keyword} at {refused.path}",
+               "xgrammar_refused": None if refused is None else f"{refused.keyword} at {refused.path}",
                "valid": [v for v, _ in instances]}
         try:
-            row.update(worker.call(_check, json.dumps(schema), instances, timeout=timeout))
+            row.update(worker.call(_check, json.dumps(schema), instances, use_llguidance, timeout=timeout))
         except WorkerTimeout:
             row.update(compiled=False, error=f"timeout {timeout:g} s", timed_out=True)
         except WorkerFailed as e:
             row.update(compiled=False, error=f"{e.kind}: {str(e)[:200]}")
+        # who serves it: xgrammar if it enforces every keyword, else llguidance if it accepts the schema
+        row["backend"] = ("xgrammar" if refused is None and row["compiled"] else
+                          "llguidance" if row.get("llg_served") else None)
+        row["refused"] = None if refused is None or row.get("llg_served") else row["xgrammar_refused"]
         rows.append(row)
         if (n + 1) % 250 == 0:
             print(f"  {n + 1}/{len(paths)} cases, {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
@@ -199,20 +238,26 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def served_accepted(row: dict) -> list[bool]:
+    """The instances accepted by the backend that serves the case."""
+    return row["llg_accepted"] if row["backend"] == "llguidance" else row["accepted"]
+
+
+def _rates(group: list[dict], accepted=lambda r: r["accepted"]) -> dict:
+    va = sum(a for r in group for a, v in zip(accepted(r), r["valid"]) if v)
+    vn = sum(v for r in group for v in r["valid"])
+    ir = sum(not a for r in group for a, v in zip(accepted(r), r["valid"]) if not v)
+    inn = sum(not v for r in group for v in r["valid"])
+    leaky = sum(any(a and not v for a, v in zip(accepted(r), r["valid"])) for r in group)
+    return {"cases": len(group), "valid_accepted": va / vn if vn else None, "valid_n": vn,
+            "invalid_rejected": ir / inn if inn else None, "invalid_n": inn, "cases_with_invalid_accepted": leaky}
+
+
 def summarize(rows: list[dict]) -> dict:
+    """"all": every case xgrammar compiles, as xgrammar alone would treat it; "served": every case the
+    engine serves, by its backend (also split per backend)."""
     compiled = [r for r in rows if r["compiled"]]
-    served = [r for r in compiled if r["refused"] is None]
-
-    def rates(group: list[dict]) -> dict:
-        va = sum(a for r in group for a, v in zip(r["accepted"], r["valid"]) if v)
-        vn = sum(v for r in group for v in r["valid"])
-        ir = sum(not a for r in group for a, v in zip(r["accepted"], r["valid"]) if not v)
-        inn = sum(not v for r in group for v in r["valid"])
-        leaky = sum(any(a and not v for a, v in zip(r["accepted"], r["valid"])) for r in group)
-        return {"valid_accepted": va / vn if vn else None, "valid_n": vn,
-                "invalid_rejected": ir / inn if inn else None, "invalid_n": inn,
-                "cases_with_invalid_accepted": leaky}
-
+    served = [r for r in rows if r["backend"] is not None]
     times = [r["compile_s"] for r in compiled]
     return {"cases": len(rows), "compiled": len(compiled), "compile_rate": len(compiled) / len(rows) if rows else None,
             "timeouts": sum(bool(r.get("timed_out")) for r in rows),
@@ -220,7 +265,9 @@ def summarize(rows: list[dict]) -> dict:
             "refusal_rate": sum(r["refused"] is not None for r in rows) / len(rows) if rows else None,
             "compile_ms_p50": None if not times else 1e3 * _pct(times, 0.5),
             "compile_ms_p99": None if not times else 1e3 * _pct(times, 0.99),
-            "all": rates(compiled), "served": rates(served)}
+            "all": _rates(compiled), "served": _rates(served, served_accepted),
+            "by_backend": {b: _rates([r for r in served if r["backend"] == b], served_accepted)
+                           for b in ("xgrammar", "llguidance")}}
 
 
 def leaks_by_keyword(rows: list[dict]) -> list[dict]:
@@ -255,9 +302,14 @@ def table(summary: dict, by_subset: dict[str, dict], tokenizer: str) -> str:
                 f"| {s['all']['cases_with_invalid_accepted']} / {s['served']['cases_with_invalid_accepted']} |\n")
 
     body = "".join(line(k, v) for k, v in sorted(by_subset.items())) + line("**all**", summary)
-    return (f"# Structured outputs: grammar faithfulness (xgrammar, compact JSON)\n\n"
-            f"Tokenizer: `{tokenizer}`. \"served\" = compiled and not refused by "
-            f"engine.schema_support. Instances are counted over compiled cases.\n\n{head}{body}")
+    backends = ("\n| backend | cases served | valid accepted | invalid rejected | cases leaking |\n|---|---|---|---|---|\n"
+                + "".join(f"| {b} | {s['cases']} | {_fmt(s['valid_accepted'])} of {s['valid_n']} "
+                          f"| {_fmt(s['invalid_rejected'])} of {s['invalid_n']} | {s['cases_with_invalid_accepted']} |\n"
+                          for b, s in summary["by_backend"].items()))
+    return (f"# Structured outputs: grammar faithfulness (xgrammar + llguidance, compact JSON)\n\n"
+            f"Tokenizer: `{tokenizer}`. \"all\" = every case xgrammar compiles, judged by xgrammar; \"served\" "
+            f"= the cases the engine serves (xgrammar where engine.schema_support finds nothing it would not "
+            f"enforce, else llguidance where it accepts the schema), each judged by its backend.\n\n{head}{body}{backends}")
 
 
 def default_tokenizer(tmp: Path) -> str:
@@ -297,14 +349,23 @@ def main(argv: list[str] | None = None) -> None:
     by_subset = {name: summarize([r for r in rows if r["subset"] == name]) for name in sorted({r["subset"] for r in rows})}
     summary = summarize(rows)
     refused_by = Counter(r["refused"].split(" at ")[0] for r in rows if r["refused"])
-    leaking = [{"case": r["case"], "refused": r["refused"]} for r in rows
+    llg_served_by = Counter(r["xgrammar_refused"].split(" at ")[0] for r in rows if r["backend"] == "llguidance")
+    llg_why = Counter(r["llg_error"].split(":")[0][:60] for r in rows if r.get("llg_served") is False)
+    leaking = [{"case": r["case"], "refused": r["refused"], "backend": r["backend"]} for r in rows
                if r["compiled"] and any(a and not v for a, v in zip(r["accepted"], r["valid"]))]
+    served_leaking = [{"case": r["case"], "backend": r["backend"]} for r in rows if r["backend"] is not None
+                      and any(a and not v for a, v in zip(served_accepted(r), r["valid"]))]
     md = table(summary, by_subset, tokenizer if args.tokenizer else "default")
-    md += ("\nRefused by keyword: " + ", ".join(f"`{k}` {n}" for k, n in refused_by.most_common())
+    md += ("\nRefused (neither backend), by xgrammar's keyword: "
+           + ", ".join(f"`{k}` {n}" for k, n in refused_by.most_common())
+           + "\n\nServed by llguidance, by xgrammar's keyword: "
+           + ", ".join(f"`{k}` {n}" for k, n in llg_served_by.most_common())
+           + "\n\nllguidance's own refusals: " + ", ".join(f"{k} {n}" for k, n in llg_why.most_common(8))
            + f"\n\nWall time {wall:.0f} s for {len(rows)} cases.")
     payload = {"cases_dir": str(args.cases), "tokenizer": tokenizer, "limit": args.limit, "wall_s": wall,
                "overall": summary, "by_subset": by_subset, "refused_by_keyword": dict(refused_by),
-               "leaks_by_keyword": leaks_by_keyword(rows), "leaking_cases": leaking,
+               "llguidance_served_by_keyword": dict(llg_served_by), "llguidance_refusals": dict(llg_why),
+               "leaks_by_keyword": leaks_by_keyword(rows), "leaking_cases": leaking, "served_leaking_cases": served_leaking,
                "compile_failures": [{"case": r["case"], "error": r["error"]} for r in rows if not r["compiled"]]}
     print(md)
     print(write_results(args.name, payload, md))

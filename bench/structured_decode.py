@@ -6,7 +6,10 @@ other with --cases, as the held-out evaluation does), with greedy decoding and a
     (jsonschema) among the completed;
   - mean accepted tokens per step at k = 3 for MTP, EAGLE-3 and ngram, with draft masks on and off;
   - guided vs unguided tokens/s with MTP k = 3 at batch 1 and 16 (same prompts, same output lengths;
-    grammars compiled before timing: compile cost is bench/structured.py's).
+    grammars compiled before timing: compile cost is bench/structured.py's);
+  - side by side, the same schemas and prompts through transformers + xgrammar's logits processor
+    (xgrammar.contrib.hf.LogitsProcessor; the schema compiled as is, compact JSON, no refusal):
+    completed, valid of completed, tok/s at batch 1, next to the engine's (no speculation, batch 1).
 The compile/faithfulness side of the benchmark is bench/structured.py.
 
     python -m bench.structured_decode [--zoo DIR] [--cases DIR] [--n 24]
@@ -67,6 +70,47 @@ def generate(llm, prompts: list[str], schemas: list[dict | None], max_tokens: in
     return [outs.get(i) for i in range(len(prompts))], seconds, refused
 
 
+def hf_xgrammar(target_dir: str, tokenizer, prompts: list[str], schemas: list[dict], max_tokens: int) -> dict:
+    """Greedy transformers generate() with xgrammar's HF logits processor, one request at a time: each
+    schema compiled by xgrammar as a transformers user would (compact JSON, no rewrite, no refusal).
+    Completed = it wrote EOS within max_tokens (the grammar ended); tok/s excludes compiles."""
+    import jsonschema
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    eos = tokenizer.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[eos])
+    compiler = xgr.GrammarCompiler(info)
+    out = {"compile_failed": 0, "completed": 0, "valid": 0, "tokens": 0, "seconds": 0.0, "invalid_samples": []}
+    for prompt, schema in zip(prompts, schemas):
+        try:
+            compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))
+        except Exception:  # noqa: BLE001 - xgrammar cannot compile it: not served
+            out["compile_failed"] += 1
+            continue
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        start = time.perf_counter()
+        with torch.no_grad():
+            got = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=eos, logits_processor=[LogitsProcessor(compiled)])
+        out["seconds"] += time.perf_counter() - start
+        new = got[0, ids.shape[1]:].tolist()
+        out["tokens"] += len(new)
+        if not new or new[-1] != eos:
+            continue
+        out["completed"] += 1
+        text = tokenizer.decode(new[:-1])
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            out["valid"] += 1
+        except (json.JSONDecodeError, jsonschema.ValidationError, jsonschema.SchemaError):
+            out["invalid_samples"].append(text[:200])
+    out["tok_s"] = out["tokens"] / out["seconds"] if out["seconds"] else None
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--zoo", default=None, help="a built zoo directory (default: the default zoo)")
@@ -106,6 +150,20 @@ def main(argv=None) -> int:
     results["quality"] = {"refused": len(refused), "served": served, "completed": len(done), "valid": valid,
                           "refusals": refused[:10], "samples": [o.text for o, _ in done[:3]]}
     print(results["quality"], flush=True)
+
+    # 1b. side by side at batch 1: the engine (no speculation, grammars compiled before the clock) and
+    # transformers + xgrammar's logits processor on the same prompts and schemas; interleaved, best of
+    # two (the machine is shared)
+    llm = LLM(str(paths.target), **{**kw, "max_num_seqs": 1})
+    generate(llm, prompts, schemas, 1)
+    engine_tok_s, hf = 0.0, None
+    for _ in range(2):
+        got, secs, _ = generate(llm, prompts, schemas, args.max_tokens)
+        engine_tok_s = max(engine_tok_s, sum(len(o.token_ids) for o in got if o is not None) / secs)
+        run = hf_xgrammar(str(paths.target), llm.engine.tokenizer, prompts, schemas, args.max_tokens)
+        hf = run if hf is None or run["tok_s"] > hf["tok_s"] else hf
+    results["side_by_side"] = {"engine": {**results["quality"], "tok_s": engine_tok_s}, "hf_xgrammar": hf}
+    print(results["side_by_side"], flush=True)
 
     # 2. acceptance at k = 3 with draft masks on and off (same outputs: greedy is lossless)
     heads = {"mtp": str(paths.mtp), "eagle3": str(paths.eagle3), "ngram": None}
@@ -156,6 +214,16 @@ def main(argv=None) -> int:
              "| method (k=3) | draft masks | mean accepted | tok/s | equals guided no-spec |", "|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {'on' if r['draft_masks'] else 'off'} | {r['mean_accepted']:.2f} | {r['tok_s']:.0f} | "
               f"{'yes' if r['lossless'] else 'NO'} |" for r in results["acceptance"]]
+    e, h = results["side_by_side"]["engine"], results["side_by_side"]["hf_xgrammar"]
+    n_cases = q["served"] + q["refused"]
+    lines += ["", "Side by side, same prompts and schemas, greedy, batch 1 (no speculation; best of two interleaved "
+              "runs each, grammars compiled before the clock):", "",
+              "| system | served | completed (of served) | valid (of completed) | tok/s |", "|---|---|---|---|---|",
+              f"| Tandem engine (xgrammar + llguidance, refusals) | {e['served']} | {e['completed']} | {e['valid']} "
+              f"({e['valid'] / max(1, e['completed']):.0%}) | {e['tok_s']:.0f} |",
+              f"| transformers + xgrammar LogitsProcessor | {n_cases - h['compile_failed']} | {h['completed']} | "
+              f"{h['valid']} ({h['valid'] / max(1, h['completed']):.0%}) | {h['tok_s']:.0f} |"]
+    lines += [f"- invalid completed output (transformers + xgrammar): `{t[:160]}`" for t in h["invalid_samples"][:4]]
     lines += ["", "| batch | guided | tok/s | mean accepted (MTP k=3) |", "|---|---|---|---|"]
     lines += [f"| {r['batch']} | {'yes' if r['guided'] else 'no'} | {r['tok_s']:.0f} | {r['mean_accepted']:.2f} |"
               for r in results["speed"]]

@@ -7,7 +7,10 @@ and, where llguidance accepts it, feed each valid and invalid instance (serializ
 grammar writes it, tokenized by the zoo tokenizer) to an LLMatcher. llguidance refuses what it cannot
 enforce itself, so "serves" counts schemas it compiles, and a leak is an invalid instance it accepts.
 
-    pip install llguidance   # not a project dependency: this only measures
+This was the measurement that decided to add llguidance; it is now the engine's second backend
+(engine/grammar_llguidance.py), and bench/structured.py reports what the engine serves with it (per
+backend, with the key-presence rewrites of engine/schema_presence.py, which this script leaves out).
+
     python -m bench.structured_llguidance [--cases DIR]
 """
 from __future__ import annotations

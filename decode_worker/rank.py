@@ -27,6 +27,7 @@ from decode_worker.receiver import HandoverReceiver
 from decode_worker.stock import HandoverStock
 from decode_worker.turns import StepTurns
 from engine import CapacityError, LLMEngine, TandemError
+from engine.grammar import SerializedGrammar
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +219,8 @@ class DecodeRank:
             self.receiver.close()
 
 
-def _compiled(header) -> str | None:
-    return header.grammar.compiled if header.grammar is not None else None
+def _compiled(header) -> SerializedGrammar | None:
+    return header.grammar.serialized if header.grammar is not None else None
 
 
 def rank_actor_class(num_cpus: float, num_gpus: float):

@@ -1,38 +1,58 @@
-"""Structured output: grammars compiled by xgrammar, one matcher per request, token masks per step.
+"""Structured output: grammars compiled by xgrammar (or llguidance), one matcher per request, token
+masks per step.
 
 `StructuredOutput` is what a user asks for (a JSON Schema, any JSON object, a regex, an EBNF grammar,
 a choice of strings, or an xgrammar structural tag: free text with tagged, schema-constrained regions,
-which is how tool calls are constrained). `GrammarCompiler` turns it into an xgrammar CompiledGrammar,
-cached by a hash of its canonical source (engine/grammar_cache.py, bounded by count and by bytes), off
-the critical path (a thread pool) so a request's prompt can run while its grammar compiles; compiled
-grammars serialize for the prefill -> decode hand-over.
-`GrammarState` is one request's matcher: it fills the request's bitmask row, accepts sampled tokens
-and rolls back rejected drafts (speculation).
+which is how tool calls are constrained). Its `plan` names the backend: xgrammar for everything, except
+a JSON schema with a keyword xgrammar would not enforce (engine/schema_support.py), which goes to
+llguidance (engine/grammar_llguidance.py) and is refused only if llguidance cannot enforce it either.
+`GrammarCompiler` turns it into the backend's compiled grammar, cached by a hash of backend and
+canonical source (engine/grammar_cache.py, bounded by count and by bytes), off the critical path (a
+thread pool, the compile itself in a child process with a time limit) so a request's prompt can run
+while its grammar compiles; compiled grammars serialize (`SerializedGrammar`) for the prefill ->
+decode hand-over. `GrammarState` (engine/grammar_state.py) is one request's matcher: it fills the
+request's bitmask row, accepts sampled tokens and rolls back rejected drafts (speculation).
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 
-import torch
-
+from engine import grammar_llguidance as llg
 from engine.errors import InvalidRequestError
-from engine.compile_worker import CompileWorker, WorkerFailed, WorkerTimeout
-from engine.grammar_cache import DEFAULT_MAX_CACHE_BYTES, DEFAULT_MAX_CACHED, GrammarCache
+from engine.grammar_state import GrammarState
+from engine.schema_presence import rewrite_presence
 from engine.schema_rewrite import rewrite
-from engine.schema_support import check_enforceable
+from engine.schema_support import check_enforceable, first_unenforceable, refusal_message
 
 try:
     import xgrammar as xgr
 except ImportError:  # pragma: no cover - xgrammar is a hard dependency; this keeps the error readable
     xgr = None
 
-DEFAULT_COMPILE_TIMEOUT_S = 5.0
-log = logging.getLogger(__name__)
 _KINDS = ("json_schema", "regex", "grammar", "choice", "structural_tag")
+XGRAMMAR = "xgrammar"
+BACKENDS = (XGRAMMAR, llg.BACKEND)
+__all__ = ["GrammarCompiler", "GrammarPlan", "GrammarState", "SerializedGrammar", "StructuredOutput"]
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarPlan:
+    """Which backend compiles a request's grammar, and why xgrammar cannot (the 400's text when no
+    backend can)."""
+
+    backend: str  # one of BACKENDS
+    refusal: str | None = None  # set when xgrammar would not enforce the schema
+
+
+@dataclass(frozen=True, slots=True)
+class SerializedGrammar:
+    """A compiled grammar as a hand-over carries it."""
+
+    backend: str  # one of BACKENDS
+    text: str  # xgrammar: CompiledGrammar.serialize_json(); llguidance: the grammar its matcher is built from
 
 
 @dataclass(frozen=True)
@@ -104,9 +124,22 @@ class StructuredOutput:
     def is_compact_json(self) -> bool:
         return self.compact and self.kind in ("json_schema", "json_object")
 
+    @cached_property
+    def plan(self) -> GrammarPlan:
+        """xgrammar, unless this is a JSON schema with a keyword xgrammar would not enforce (after the
+        exact rewrites of engine.schema_rewrite): then llguidance, when installed (computed once)."""
+        if self.kind != "json_schema":
+            return GrammarPlan(XGRAMMAR)
+        found = first_unenforceable(rewrite(json.loads(self.canonical_source())))
+        if found is None:
+            return GrammarPlan(XGRAMMAR)
+        # llguidance is set up for compact JSON only (its options mirror xgrammar's compact grammar)
+        llguidance = llg.available() and self.compact
+        return GrammarPlan(llg.BACKEND if llguidance else XGRAMMAR, refusal_message(found))
+
     def key(self) -> str:
-        """Content hash: the cache key here and on the decode side of a hand-over."""
-        text = f"{self.kind}\0{int(self.compact)}\0{self.canonical_source()}"
+        """Content hash of backend and source: the cache key here and on the decode side of a hand-over."""
+        text = f"{self.plan.backend}\0{self.kind}\0{int(self.compact)}\0{self.canonical_source()}"
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -139,6 +172,12 @@ def compiled_schema_source(structured: StructuredOutput) -> str:
     """The JSON text xgrammar compiles for a json_schema request: the user's schema after the exact
     rewrites of engine.schema_rewrite (the cache key stays the user's own text)."""
     return json.dumps(rewrite(json.loads(structured.canonical_source())), separators=(",", ":"))
+
+
+def llguidance_schema(structured: StructuredOutput) -> dict:
+    """The schema llguidance compiles for a json_schema request: the xgrammar rewrites, then the exact
+    key-presence rewrites llguidance can enforce (engine.schema_presence)."""
+    return rewrite_presence(json.loads(compiled_schema_source(structured)))
 
 
 def _compact_json(node, separators: tuple[str, str]):
@@ -176,24 +215,18 @@ def structural_tag_schemas(tag) -> list:
 
 
 def check_structured_enforceable(structured: StructuredOutput) -> None:
-    """Enforce or refuse: InvalidRequestError naming the first schema keyword the grammar would not enforce."""
+    """Enforce or refuse: InvalidRequestError naming the first schema keyword the grammar would not enforce.
+    A schema planned for llguidance passes here: whether llguidance enforces it is decided by its
+    compile (in the time-limited compile process), which raises the refusal if it cannot."""
     if structured.kind == "json_schema":
-        check_enforceable(rewrite(json.loads(structured.canonical_source())))
+        if structured.plan.refusal is not None and structured.plan.backend == XGRAMMAR:
+            raise InvalidRequestError(structured.plan.refusal, param="response_format")
     elif structured.kind == "structural_tag":
         for schema in structural_tag_schemas(json.loads(structured.canonical_source())):
             try:
                 check_enforceable(rewrite(schema))
             except InvalidRequestError as e:
                 raise InvalidRequestError(e.message, param="tools") from None
-
-
-def _worker_compiler(tokenizer_info_json: str, max_threads: int):
-    """A compile process's state: an xgrammar compiler for the parent's tokenizer."""
-    return xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=max_threads)
-
-
-def _compile_serialized(compiler, fields: dict) -> str:
-    return compile_structured(compiler, StructuredOutput.from_dict(fields)).serialize_json()
 
 
 def _parsed(value, field: str, param: str):
@@ -206,163 +239,5 @@ def _parsed(value, field: str, param: str):
         raise InvalidRequestError(f"{field} is not valid JSON: {e}", param=param) from e
 
 
-class GrammarCompiler:
-    """Compiles and caches grammars for one tokenizer and one model vocabulary size."""
-
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None,
-                 max_threads: int = 2, max_cached: int = DEFAULT_MAX_CACHED,
-                 compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S,
-                 max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES):
-        """`compile_timeout_s`: a compile past it is ended (it runs in a child process) and the request
-        gets a 400; None compiles in this process without a limit. The cache keeps at most `max_cached`
-        compiled grammars and `max_cache_bytes` bytes of them (xgrammar's memory_size_bytes), least
-        recently used out first."""
-        if xgr is None:
-            raise RuntimeError("xgrammar is not installed; structured output needs it (pip install xgrammar)")
-        self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                                 stop_token_ids=stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
-        self.compile_timeout_s = compile_timeout_s
-        self._worker = CompileWorker(_worker_compiler, (self.tokenizer_info.serialize_json(), max_threads))
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
-        self.cache = GrammarCache(max_cached, max_cache_bytes)
-        # what /metrics reports per side: a decode engine fed by hand-overs should show no compiles
-        self.stats = {"compiles": 0, "cache_hits": 0, "deserializations": 0}
-        self._no_control_chars = self._control_free_mask()
-
-    def _control_free_mask(self) -> torch.Tensor:
-        """[ceil(V/32)] int32 with the bits of tokens that contain a byte 0x00-0x1F cleared.
-
-        xgrammar's JSON string rule admits raw control characters, which JSON forbids; in compact
-        JSON they cannot occur anywhere (no newlines between tokens, escapes inside strings), so
-        these tokens are masked out of compact JSON grammars."""
-        allowed = torch.ones(((self.vocab_size + 31) // 32) * 32, dtype=torch.bool)
-        for token_id, piece in enumerate(self.tokenizer_info.decoded_vocab[: self.vocab_size]):
-            if any(b < 0x20 for b in piece) and token_id not in self.tokenizer_info.stop_token_ids:
-                allowed[token_id] = False
-        bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
-        packed = bits.sum(dim=1)
-        return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-    def compile_async(self, structured: StructuredOutput) -> Future:
-        """A future of the CompiledGrammar; the same source compiles once. A failed compilation leaves
-        the cache as soon as it fails, so a later request with the same source is compiled again."""
-        key = structured.key()
-        with self.cache.lock:
-            fut = self.cache.get(key)
-            if fut is not None:
-                self.stats["cache_hits"] += 1
-                return fut
-            self.stats["compiles"] += 1
-            fut: Future = Future()
-            self.cache.put(key, fut)
-        self._pool.submit(self._compile_into, key, structured, fut)
-        return fut
-
-    def _compile_into(self, key: str, structured: StructuredOutput, fut: Future) -> None:
-        """Compile, size the cache entry, then wake the waiters (in this order: no waiter sees the cache
-        before its bounds hold)."""
-        try:
-            compiled = self._compile(structured)
-        except BaseException as e:  # noqa: BLE001 - the request's error, raised to whoever waits on fut
-            with self.cache.lock:
-                self.cache.settle(key, fut, None)
-            fut.set_exception(e)
-            return
-        with self.cache.lock:
-            self.cache.settle(key, fut, compiled)
-        fut.set_result(compiled)
-
-    def compile(self, structured: StructuredOutput):
-        return self.compile_async(structured).result()
-
-    def _compile(self, structured: StructuredOutput):
-        check_structured_enforceable(structured)
-        if self.compile_timeout_s is None:
-            return compile_structured(self._compiler, structured)
-        try:
-            text = self._worker.call(_compile_serialized, structured.to_dict(), timeout=self.compile_timeout_s)
-        except WorkerTimeout as e:
-            raise InvalidRequestError(f"the {structured.kind.replace('_', ' ')} did not compile within the "
-                                      f"{self.compile_timeout_s:g} s compile time limit; simplify it",
-                                      param=structured.param) from e
-        except WorkerFailed as e:
-            if e.kind == "InvalidRequestError":
-                raise InvalidRequestError(str(e), param=structured.param) from e
-            if e.kind != "WorkerStartup":
-                raise RuntimeError(f"grammar compile process failed: {e.kind}: {e}") from e
-            # A process that cannot spawn children (a __main__ read from stdin, a sandbox) still serves
-            # structured outputs, without the time limit.
-            log.warning("the grammar compile process did not start (%s); compiling in this process, with no "
-                        "compile time limit", e)
-            self.compile_timeout_s = None
-            return compile_structured(self._compiler, structured)
-        return self.deserialize(text)
-
-    def serialize(self, compiled) -> str:
-        return compiled.serialize_json()
-
-    def deserialize(self, text: str):
-        return xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info)
-
-    def serialized(self, structured: StructuredOutput) -> str | None:
-        """The compiled form of a grammar this compiler holds (for a hand-over), or None."""
-        with self.cache.lock:
-            fut = self.cache.peek(structured.key())
-        if fut is None or not fut.done() or fut.exception() is not None:
-            return None
-        return self.serialize(fut.result())
-
-    def adopt(self, structured: StructuredOutput, serialized: str):
-        """The CompiledGrammar of a grammar compiled elsewhere (the prefill side): the one held under its
-        content key (a cache hit: not deserialized again), else `serialized` loaded and cached. Never
-        compiles, even when the cache cannot keep it (larger than its byte bound)."""
-        key = structured.key()
-        with self.cache.lock:
-            held = self.cache.get(key)
-            if held is not None and held.done():
-                self.stats["cache_hits"] += 1
-                return held.result()
-        try:
-            compiled = self.deserialize(serialized)
-        except (RuntimeError, ValueError) as e:
-            raise InvalidRequestError(f"the handed-over compiled grammar does not load: {e}", param="handover") from e
-        fut: Future = Future()
-        fut.set_result(compiled)
-        with self.cache.lock:
-            self.stats["deserializations"] += 1
-            self.cache.put(key, fut)
-        return compiled
-
-    def new_state(self, compiled, structured: StructuredOutput | None = None) -> "GrammarState":
-        extra = self._no_control_chars if structured is not None and structured.is_compact_json else None
-        return GrammarState(xgr.GrammarMatcher(compiled), extra)
-
-    def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        """[rows, ceil(V/32)] int32, all bits set (everything allowed)."""
-        return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-
-
-class GrammarState:
-    """One request's position in its grammar."""
-
-    def __init__(self, matcher, extra_mask: torch.Tensor | None = None):
-        self.matcher = matcher
-        self.extra_mask = extra_mask  # [ceil(V/32)] int32 ANDed into every row this state fills
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        if self.extra_mask is not None:
-            bitmask[row] &= self.extra_mask
-
-    def accept(self, token_id: int) -> bool:
-        return self.matcher.accept_token(token_id)
-
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.matcher.rollback(num_tokens)
-
-    @property
-    def terminated(self) -> bool:
-        return self.matcher.is_terminated()
+# The compiler lives in its own module and imports this one; re-exported here, where users look for it.
+from engine.grammar_compiler import GrammarCompiler  # noqa: E402

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.grammar import SerializedGrammar
 from engine.sampling_params import SamplingParams
 
 
@@ -84,7 +85,7 @@ class Handover:
     request: HandoverRequest
     block_ids: list[int]  # blocks holding the prompt's KV (target and draft layers), in order
     hidden: torch.Tensor | None = None  # [H_in] the draft head's input at the last prompt row (speculation)
-    compiled_grammar: str | None = None  # xgrammar's serialized CompiledGrammar of a guided request
+    compiled_grammar: SerializedGrammar | None = None  # a guided request's compiled grammar, serialized
 
 
 def _params_dict(params: SamplingParams) -> dict:

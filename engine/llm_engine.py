@@ -23,7 +23,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.data_parallel import DPContext
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import CapacityError, InvalidRequestError
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarCompiler, SerializedGrammar
 from engine.handover import Handover, HandoverRequest
 from engine.logits_masker import LogitsMasker
 from engine.model_runner import ModelRunner, StepResult
@@ -128,7 +128,7 @@ class LLMEngine:
         return Request(request_id, ids, params, seed=seed, max_total_tokens=self.max_model_len,
                        prefill_only=prefill_only, detokenizer=detokenizer)
 
-    def _start_grammar(self, req: Request, compiled: str | None = None) -> None:
+    def _start_grammar(self, req: Request, compiled: SerializedGrammar | None = None) -> None:
         """A guided request's matcher, after the tokens it already has; InvalidRequestError for a bad grammar."""
         structured = req.params.structured_output
         if structured is None:
@@ -403,7 +403,7 @@ class LLMEngine:
         if self.runner.drafter is not None:
             self.runner.drafter.release(request_id)
 
-    def reserve(self, handover: HandoverRequest, compiled_grammar: str | None = None,
+    def reserve(self, handover: HandoverRequest, compiled_grammar: SerializedGrammar | None = None,
                 block_ids: list[int] | None = None) -> list[int]:
         """Decode side: allocate blocks for an incoming request's prompt KV; raises CapacityError if full.
         compiled_grammar: Handover.compiled_grammar of a guided request (else its grammar is compiled here).

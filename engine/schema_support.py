@@ -136,6 +136,19 @@ def _json_type(value: Any) -> str:
     return {float: "number", str: "string", list: "array", dict: "object", type(None): "null"}[type(value)]
 
 
+def json_value_key(value: Any) -> str:
+    """JSON equality of literals: 1 and 1.0 are one number (json.dumps would tell them apart)."""
+    def norm(v):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        return v
+    return json.dumps(norm(value), sort_keys=True)
+
+
 def _literals(branch: Any, root: Any) -> list | None:
     from engine.schema_rewrite import resolve_ref
 
@@ -227,7 +240,7 @@ def _pair_disjoint(a: Any, b: Any, root: Any, parent: dict) -> bool:
         return False
     da, db = _discriminator(a, root, _required(parent)), _discriminator(b, root, _required(parent))
     for name in set(da) & set(db):
-        if not ({json.dumps(v, sort_keys=True) for v in da[name]} & {json.dumps(v, sort_keys=True) for v in db[name]}):
+        if not ({json_value_key(v) for v in da[name]} & {json_value_key(v) for v in db[name]}):
             return True
     return _excludes(a, b, parent) and _excludes(b, a, parent)
 
@@ -303,10 +316,13 @@ def first_unenforceable(schema: Any) -> Unenforceable | None:
     return None
 
 
+def refusal_message(found: Unenforceable) -> str:
+    return (f"json_schema keyword {found.keyword!r} at {found.path} cannot be enforced by xgrammar "
+            f"({found.reason}); remove it or relax the schema")
+
+
 def check_enforceable(schema: Any) -> None:
     """Raise InvalidRequestError (HTTP 400, param response_format) naming the first unenforceable keyword."""
     found = first_unenforceable(schema)
     if found is not None:
-        raise InvalidRequestError(f"json_schema keyword {found.keyword!r} at {found.path} cannot be enforced by "
-                                  f"the grammar backend ({found.reason}); remove it or relax the schema",
-                                  param="response_format")
+        raise InvalidRequestError(refusal_message(found), param="response_format")

@@ -1,4 +1,5 @@
-"""GrammarMasker: structured outputs in the step, a LogitsMasker over xgrammar matchers.
+"""GrammarMasker: structured outputs in the step, a LogitsMasker over grammar matchers (xgrammar's or
+llguidance's, behind engine/grammar_state.py's GrammarState).
 
 Each guided request has a matcher (engine/grammar.py, GrammarState) that has accepted exactly the
 request's emitted output tokens. Per step (DESIGN.md, "Grammar with speculation"):
@@ -23,7 +24,8 @@ from concurrent.futures import Future
 
 import torch
 
-from engine.grammar import GrammarCompiler, GrammarState, StructuredOutput, check_structured_enforceable
+from engine.grammar import (GrammarCompiler, GrammarState, SerializedGrammar, StructuredOutput,
+                            check_structured_enforceable)
 from engine.logits_masker import LogitsMasker, MaskRow
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ class GrammarMasker(LogitsMasker):
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, structured: StructuredOutput, output_token_ids: list[int] = (),
-            compiled: str | None = None) -> None:
+            compiled: SerializedGrammar | None = None) -> None:
         """Compile (or find in the cache) and start a matcher; raises InvalidRequestError on a bad grammar.
         `output_token_ids`: tokens already emitted (a hand-over's first token), accepted first;
         `compiled`: the grammar serialized by the side that compiled it (a hand-over): never recompiled."""

@@ -36,7 +36,7 @@ def _grammar(handover: Handover) -> GrammarHandover | None:
     structured = handover.request.params.structured_output
     if structured is None:
         return None
-    return GrammarHandover(cache_key=structured.key(), compiled=handover.compiled_grammar)
+    return GrammarHandover.of(structured.key(), handover.compiled_grammar, structured.plan.backend)
 
 
 def pack_blocks(kv_cache: torch.Tensor, block_ids: list[int], heads: tuple[int, int]) -> torch.Tensor:

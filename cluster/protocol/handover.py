@@ -7,7 +7,7 @@ the payload tensors in order. For a hand-over the header frame carries `Handover
       "version": HANDOVER_VERSION,     # checked first: prefill and decode must speak the same protocol
       "request": {...},                # engine.HandoverRequest.to_dict(): tokens, params, seed, cache layout
       "parts":   ["kv", ...],          # the payload tensors' names, in the order they are sent
-      "grammar": {...} | nil,          # GrammarHandover of a guided request: its compiled grammar
+      "grammar": {...} | nil,          # GrammarHandover of a guided request: its backend and compiled grammar
     }
 
 The payload is reached by name (`HandoverPayload.kv`, `.draft_hidden`), never by position. A header
@@ -24,9 +24,10 @@ import torch
 
 from cluster.errors import HandoverHeaderError
 from engine.errors import InvalidRequestError
+from engine.grammar import BACKENDS, SerializedGrammar
 from engine.handover import HandoverRequest
 
-HANDOVER_VERSION = 2  # bump on any change to the fields below or to HandoverRequest's (2: StructuredOutput.structural_tag)
+HANDOVER_VERSION = 3  # bump on any change to the fields below or to HandoverRequest's (3: GrammarHandover.backend)
 
 
 class PayloadPart(str, enum.Enum):
@@ -66,23 +67,37 @@ class HandoverPayload:
 @dataclass(frozen=True, slots=True)
 class GrammarHandover:
     """A guided request's grammar, so the decode rank need not compile it again. The matcher is rebuilt
-    from the request's own output tokens (HandoverRequest.output_token_ids), which the header carries."""
+    from the request's own output tokens (HandoverRequest.output_token_ids: exactly the tokens the
+    prefill's matcher accepted), which the header carries."""
     cache_key: str  # engine.grammar.StructuredOutput.key(): the content hash both sides cache compilations by
-    compiled: str | None  # xgrammar's serialized CompiledGrammar; None: the receiver compiles (or has it cached)
+    compiled: str | None  # SerializedGrammar.text; None: the receiver compiles (or has it cached)
+    backend: str = "xgrammar"  # SerializedGrammar.backend: which library loads `compiled` ("xgrammar", "llguidance")
+
+    @staticmethod
+    def of(cache_key: str, serialized: SerializedGrammar | None, backend: str) -> "GrammarHandover":
+        return GrammarHandover(cache_key, serialized.text if serialized is not None else None,
+                               serialized.backend if serialized is not None else backend)
+
+    @property
+    def serialized(self) -> SerializedGrammar | None:
+        return SerializedGrammar(self.backend, self.compiled) if self.compiled is not None else None
 
     def to_wire(self) -> dict:
-        return {"cache_key": self.cache_key, "compiled": self.compiled}
+        return {"cache_key": self.cache_key, "backend": self.backend, "compiled": self.compiled}
 
     @staticmethod
     def from_wire(raw: object) -> "GrammarHandover":
-        fields = _fields(raw, "grammar", {"cache_key", "compiled"})
-        cache_key, compiled = fields["cache_key"], fields["compiled"]
+        fields = _fields(raw, "grammar", {"cache_key", "backend", "compiled"})
+        cache_key, backend, compiled = fields["cache_key"], fields["backend"], fields["compiled"]
         if not isinstance(cache_key, str):
             raise HandoverHeaderError(f"hand-over field 'grammar.cache_key' must be str, got {type(cache_key).__name__}")
+        if backend not in BACKENDS:
+            raise HandoverHeaderError(f"hand-over field 'grammar.backend' must be one of {list(BACKENDS)}, "
+                                      f"got {backend!r}")
         if compiled is not None and not isinstance(compiled, str):
             raise HandoverHeaderError(f"hand-over field 'grammar.compiled' must be str or nil, "
                                       f"got {type(compiled).__name__}")
-        return GrammarHandover(cache_key, compiled)
+        return GrammarHandover(cache_key, compiled, backend)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,8 @@ def wire_dict(header: HandoverHeader) -> dict:
 
 
 @pytest.mark.parametrize("grammar", [None, GrammarHandover("ab12", '{"vocab": [1, 2], "ü": "\\u0000"}'),
-                                     GrammarHandover("ab12", None)])
+                                     GrammarHandover("ab12", None),
+                                     GrammarHandover("cd34", '{"grammars": []}', "llguidance")])
 @pytest.mark.parametrize("parts", [(KV,), (KV, HIDDEN), (KV, PayloadPart.DRAFT_KV, HIDDEN)])
 def test_round_trip(grammar, parts):
     header = HandoverHeader(request(), parts, grammar)
@@ -72,10 +73,12 @@ def test_missing_field_is_named(field):
     ("parts", ["kv", "kv"], "parts"),
     ("parts", "kv", "parts"),
     ("request", [1, 2], "'request' must be a map"),
-    ("grammar", {"cache_key": 7, "compiled": None}, "grammar.cache_key"),
-    ("grammar", {"cache_key": "k", "compiled": b"bytes"}, "grammar.compiled"),
-    ("grammar", {"cache_key": "k"}, "grammar lacks"),
-    ("grammar", {"cache_key": "k", "compiled": None, "accepted_tokens": [1]}, "grammar has unknown"),
+    ("grammar", {"cache_key": 7, "backend": "xgrammar", "compiled": None}, "grammar.cache_key"),
+    ("grammar", {"cache_key": "k", "backend": "xgrammar", "compiled": b"bytes"}, "grammar.compiled"),
+    ("grammar", {"cache_key": "k", "backend": "outlines", "compiled": None}, "grammar.backend"),
+    ("grammar", {"cache_key": "k", "compiled": None}, "grammar lacks"),
+    ("grammar", {"cache_key": "k", "backend": "xgrammar", "compiled": None, "accepted_tokens": [1]},
+     "grammar has unknown"),
 ])
 def test_mistyped_field_is_named(field, value, message):
     raw = wire_dict(HandoverHeader(request(), (KV,)))

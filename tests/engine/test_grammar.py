@@ -159,7 +159,8 @@ def test_the_compiler_cache_is_bounded_by_xgrammar_bytes(tokenizer):
     compiler.compile(specs[0])  # a hit: a is the most recently used now
     compiler.compile(specs[2])
     assert compiler.cache.keys() == [a, c] and compiler.cache.nbytes == sizes[0] + sizes[2]
-    assert compiler.stats == {"compiles": 3, "cache_hits": 1, "deserializations": 0}
+    assert compiler.stats == {"compiles": 3, "cache_hits": 1, "deserializations": 0, "llguidance_compiles": 0,
+                              "llguidance_cache_hits": 0, "llguidance_deserializations": 0}
 
 
 TOOL_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},

@@ -23,6 +23,7 @@ SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird
           "required": ["kind", "ok", "size"], "additionalProperties": False}
 REGEX = "[a-c]{2}-[0-9]{2}"
 CHOICES = ["yes", "no", "maybe later"]
+NO_LLGUIDANCE = {"llguidance_compiles": 0, "llguidance_cache_hits": 0, "llguidance_deserializations": 0}
 GUIDES = {"json_schema": StructuredOutput(json_schema=SCHEMA), "regex": StructuredOutput(regex=REGEX),
           "choice": StructuredOutput(choice=CHOICES)}
 
@@ -84,25 +85,31 @@ def test_guided_speculation_equals_guided_plain_decoding(llama_dir, spec_drafts,
 
 
 def test_a_bad_grammar_is_refused_and_others_keep_running(llama_dir):
-    """A schema keyword the grammar cannot enforce is refused by add_request at once; a grammar that
-    fails to compile (it compiles while the prompt runs) finishes its request with finish_reason
-    "error" and an InvalidRequestError naming the parameter, its blocks and matcher freed."""
+    """A schema keyword no backend can enforce is refused: by add_request at once where only xgrammar
+    could serve the request (non-compact JSON), else by the compile, which llguidance runs in the
+    compile process (it may take seconds, so never on the caller's thread): that request, like one
+    whose grammar fails to compile, finishes with finish_reason "error" and an InvalidRequestError
+    naming the parameter and both backends' reasons, its blocks and matcher freed."""
+    negation = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}  # item uniqueness: neither backend
     engine = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4))
     engine.add_request("good", [5, 6, 7], _params(0, "regex"))
     with pytest.raises(InvalidRequestError) as e:
         engine.add_request("refused", [5, 6, 7], SamplingParams(structured_output=StructuredOutput(
-            json_schema={"type": "object", "not": {"required": ["a"]}})))
-    assert e.value.param == "response_format" and "refused" not in engine.requests
+            json_schema=negation, compact=False)))
+    assert e.value.param == "response_format" and "refused" not in engine.requests and "'uniqueItems'" in e.value.message
+    engine.add_request("neither", [5, 6, 7], SamplingParams(structured_output=StructuredOutput(json_schema=negation)))
     engine.add_request("bad", [5, 6, 7], SamplingParams(structured_output=StructuredOutput(regex="(unclosed")))
     done = []
     while engine.has_unfinished():
         done += [o for o in engine.step() if o.finished]
     by_id = {o.request_id: o for o in done}
-    assert sorted(by_id) == ["bad", "good"] and _valid("regex", by_id["good"].text)
-    bad = by_id["bad"]
+    assert sorted(by_id) == ["bad", "good", "neither"] and _valid("regex", by_id["good"].text)
+    bad, neither = by_id["bad"], by_id["neither"]
     assert bad.finish_reason == "error" and bad.token_ids == [] and isinstance(bad.error, InvalidRequestError)
     assert bad.error.param == "response_format" and "cannot compile" in bad.error.message
-    assert "bad" not in engine._grammar.states and engine.stats()["kv_blocks_used"] == 0
+    assert neither.finish_reason == "error" and neither.token_ids == [] and neither.error.param == "response_format"
+    assert "'uniqueItems'" in neither.error.message and "llguidance cannot enforce it either" in neither.error.message
+    assert not engine._grammar.states and engine.stats()["kv_blocks_used"] == 0
 
 
 def test_abort_frees_the_matcher(llama_dir):
@@ -148,7 +155,7 @@ def test_guided_request_survives_a_handover(llama_dir):
     assert done[0].token_ids == want.token_ids and _valid("json_schema", done[0].text)
     assert not prefill._grammar.states and not decode._grammar.states
     assert prefill.stats()["grammar"]["compiles"] == 1
-    assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 0, "deserializations": 1}
+    assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 0, "deserializations": 1, **NO_LLGUIDANCE}
 
 
 def test_a_tool_call_grammar_is_compiled_on_prefill_and_deserialized_on_decode(llama_dir):
@@ -164,13 +171,74 @@ def test_a_tool_call_grammar_is_compiled_on_prefill_and_deserialized_on_decode(l
     prompt = _prompts(1, seed=5)[0]
     want = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompt, params)[0]
     prefill, decode, h = _prefilled(llama_dir, prompt, params)
-    header = HandoverHeader(h.request, (PayloadPart.KV,), GrammarHandover(tool.key(), h.compiled_grammar))
+    header = HandoverHeader(h.request, (PayloadPart.KV,), GrammarHandover.of(tool.key(), h.compiled_grammar,
+                                                                          tool.plan.backend))
     back = HandoverHeader.from_wire(header.to_wire())
     assert back == header and back.request.params.structured_output == tool
     assert back.grammar.cache_key == back.request.params.structured_output.key()
-    done = _decode_handover(prefill, decode, h, back.request, back.grammar.compiled)
+    done = _decode_handover(prefill, decode, h, back.request, back.grammar.serialized)
     assert done[0].token_ids == want.token_ids and done[0].finish_reason == "stop"
     head, body = '<tool_call>\n{"name": "weather", "arguments": ', "}\n</tool_call>"
     assert done[0].text.startswith(head) and done[0].text.endswith(body)
     jsonschema.validate(json.loads(done[0].text[len(head):-len(body)]), TOOL_SCHEMA)
-    assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 0, "deserializations": 1}
+    assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 0, "deserializations": 1, **NO_LLGUIDANCE}
+
+
+# A schema xgrammar would not enforce (minProperties) and llguidance does: served by llguidance.
+LLG_SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"}},
+              "required": ["kind", "ok"], "additionalProperties": False, "minProperties": 2}
+
+
+def _llg_params(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=48, temperature=0, seed=7 + i,
+                          structured_output=StructuredOutput(json_schema=LLG_SCHEMA))
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_an_llguidance_schema_greedy_and_speculative_equal_and_validate(llama_dir, spec_drafts, method):
+    """Through the step: greedy guided output of an llguidance-served schema, batched with xgrammar-
+    guided and unguided requests; MTP (or EAGLE-3, whose draft masks go through d2t) at k = 3 (masks
+    on verification rows and on draft steps, the matcher rolled back over rejected drafts) gives the
+    same tokens, and every output validates."""
+    assert StructuredOutput(json_schema=LLG_SCHEMA).plan.backend == "llguidance"
+    prompts = _prompts(6, seed=31)
+    xgrammar = SamplingParams(max_tokens=48, temperature=0, structured_output=GUIDES["json_schema"])
+    params = [_llg_params(i) if i % 2 == 0 else xgrammar if i % 3 else SamplingParams(max_tokens=24, temperature=0)
+              for i in range(6)]
+    kw = dict(num_kv_blocks=512, block_size=4)
+    ref_llm = LLM(llama_dir, **kw)
+    ref = ref_llm.generate(prompts, params)
+    spec = LLM(llama_dir, speculative=_spec(method, 3, spec_drafts, llama_dir), **kw)
+    outs = spec.generate(prompts, params)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert o.token_ids == r.token_ids, i
+        if i % 2 == 0:
+            assert o.finish_reason == "stop"
+            jsonschema.validate(json.loads(o.text), LLG_SCHEMA)
+    for llm in (ref_llm, spec):
+        stats = llm.engine.stats()
+        assert stats["grammar"]["llguidance_compiles"] == 1 and stats["grammar"]["llguidance_cache_hits"] == 2
+        assert stats["kv_blocks_used"] == 0 and not llm.engine._grammar.states
+
+
+def test_an_llguidance_grammar_survives_a_handover(llama_dir):
+    """The header carries the backend and llguidance's grammar text (wire format); the decode engine
+    builds its matcher from them (no compile), replays the prefill's accepted tokens and continues to
+    the single engine's tokens."""
+    from cluster.protocol import GrammarHandover, HandoverHeader, PayloadPart
+
+    prompt, params = _prompts(1, seed=4)[0], _llg_params(0)
+    structured = params.structured_output
+    want = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompt, params)[0]
+    prefill, decode, h = _prefilled(llama_dir, prompt, params)
+    assert h.compiled_grammar.backend == "llguidance" and h.request.output_token_ids  # the first token, sampled
+    header = HandoverHeader(h.request, (PayloadPart.KV,), GrammarHandover.of(structured.key(), h.compiled_grammar,
+                                                                             structured.plan.backend))
+    back = HandoverHeader.from_wire(header.to_wire())
+    assert back.grammar.backend == "llguidance" and back.grammar.cache_key == back.request.params.structured_output.key()
+    done = _decode_handover(prefill, decode, h, back.request, back.grammar.serialized)
+    assert done[0].token_ids == want.token_ids and done[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(done[0].text), LLG_SCHEMA)
+    assert prefill.stats()["grammar"]["llguidance_compiles"] == 1
+    assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 0, "deserializations": 1, "llguidance_compiles": 0,
+                                         "llguidance_cache_hits": 0, "llguidance_deserializations": 1}

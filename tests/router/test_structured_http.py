@@ -16,6 +16,8 @@ pytestmark = pytest.mark.ray
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"}},
           "required": ["kind", "ok"], "additionalProperties": False}
 REGEX = "[a-c]{2}-[0-9]{2}"
+# minProperties: xgrammar would not enforce it, llguidance does (engine/grammar_llguidance.py)
+LLG_SCHEMA = {**SCHEMA, "minProperties": 2}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,20 @@ def test_response_format_json_schema_on_chat_and_completions(tandem_server, engi
                                      temperature=0, extra_body={"response_format": fmt})
     assert done.choices[0].text == engine_text("The quick brown fox", json_schema=SCHEMA)
     jsonschema.validate(json.loads(done.choices[0].text), SCHEMA)
+
+
+def test_a_schema_xgrammar_cannot_enforce_is_served_by_llguidance(tandem_server, engine_text):
+    """Served through the disaggregated path by the second backend: the hand-over carries llguidance's
+    grammar, the output validates and equals the single-process engine's."""
+    client = tandem_server.openai()
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": LLG_SCHEMA, "strict": True}}
+    chat = client.chat.completions.create(model=tandem_server.model, messages=[{"role": "user", "content": "a pet"}],
+                                          max_tokens=40, temperature=0, response_format=fmt)
+    jsonschema.validate(json.loads(chat.choices[0].message.content), LLG_SCHEMA)
+    assert chat.choices[0].finish_reason == "stop"
+    done = client.completions.create(model=tandem_server.model, prompt="lazy fox", max_tokens=40, temperature=0,
+                                     extra_body={"response_format": fmt})
+    assert done.choices[0].text == engine_text("lazy fox", json_schema=LLG_SCHEMA)
 
 
 def test_vllm_spellings_and_streaming(tandem_server, engine_text):
@@ -92,6 +108,12 @@ def test_a_grammar_that_does_not_compile_is_a_400_and_the_server_keeps_serving(t
         client.completions.create(model=tandem_server.model, prompt="hi", max_tokens=8,
                                   extra_body={"structured_outputs": {"json": bad}})
     assert "compile" in str(e.value)
+    neither = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}  # no backend enforces item uniqueness
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=tandem_server.model, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=8, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "n", "schema": neither}})
+    assert "'uniqueItems'" in str(e.value) and "llguidance" in str(e.value)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=tandem_server.model, prompt="hi", max_tokens=8,
                                   extra_body={"response_format": {"type": "xml"}})
