@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.schema_rewrite import resolve_ref
-from engine.schema_support import (_branch_types, _finite_excludes, _forbids, _literals, _properties, _required,
+from engine.schema_support import (_forbids, _literals, _properties, _required, disjoint_by_type_or_literals,
                                    json_value_key)
 
 
@@ -26,16 +25,10 @@ def _literal_values(branch: dict, root: Any, required: set[str]) -> dict[str, se
 
 
 def pair_disjoint(a: Any, b: Any, root: Any, parent: dict) -> bool:
-    ta, tb = _branch_types(a, root), _branch_types(b, root)
-    if ta is not None and tb is not None and not (ta & tb):
-        return True
-    if _finite_excludes(a, b, root) or _finite_excludes(b, a, root):
-        return True
-    a, b = resolve_ref(a, root), resolve_ref(b, root)
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return False
-    if not (parent.get("type") == "object" or (ta == {"object"} and tb == {"object"})):
-        return False
+    first = disjoint_by_type_or_literals(a, b, root, parent)
+    if isinstance(first, bool):
+        return first
+    a, b = first
     base = _required(parent)
     la = _literal_values(a, root, _required(a) | base)
     lb = _literal_values(b, root, _required(b) | base)

@@ -224,7 +224,10 @@ def _finite_excludes(finite: Any, other: Any, root: Any) -> bool:
         return False
 
 
-def _pair_disjoint(a: Any, b: Any, root: Any, parent: dict) -> bool:
+def disjoint_by_type_or_literals(a: Any, b: Any, root: Any, parent: dict) -> bool | tuple[dict, dict]:
+    """The first steps of both backends' oneOf proofs: True if the JSON types the branches admit do not meet,
+    or one admits only literals the other rejects; False if nothing more can be shown (not both objects);
+    else the two branches resolved, for the caller's object-level argument."""
     from engine.schema_rewrite import resolve_ref
 
     ta, tb = _branch_types(a, root), _branch_types(b, root)
@@ -238,6 +241,14 @@ def _pair_disjoint(a: Any, b: Any, root: Any, parent: dict) -> bool:
     # the rest reasons about objects: the instance must be one (the node's type, or both branches')
     if not (parent.get("type") == "object" or (ta == {"object"} and tb == {"object"})):
         return False
+    return a, b
+
+
+def _pair_disjoint(a: Any, b: Any, root: Any, parent: dict) -> bool:
+    first = disjoint_by_type_or_literals(a, b, root, parent)
+    if isinstance(first, bool):
+        return first
+    a, b = first
     da, db = _discriminator(a, root, _required(parent)), _discriminator(b, root, _required(parent))
     for name in set(da) & set(db):
         if not ({json_value_key(v) for v in da[name]} & {json_value_key(v) for v in db[name]}):
