@@ -40,7 +40,17 @@ class DecodeFeeds:
     async def open(self, request_id: str, num_prompt_tokens: int) -> tuple[DecodeTarget, asyncio.Queue]:
         """Raises APIError for a refusal of the decode side (its group is being rebuilt), or what the call
         raised."""
-        opened: DecodeOpened | StreamError = await self.decode.open.remote(request_id, num_prompt_tokens, self.caller)
+        try:
+            opened: DecodeOpened | StreamError = await self.decode.open.remote(request_id, num_prompt_tokens,
+                                                                               self.caller)
+        except asyncio.CancelledError:
+            # The client left while the decode side was opening it: it may be open there already, and which
+            # replica holds it is not known; a cancel goes to whichever Serve picks (with one decode replica,
+            # the right one; else the request's hand-over deadline ends it there).
+            task = _detached(self._cancel(request_id, None))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+            raise
         if isinstance(opened, StreamError):
             raise APIError(opened.status, opened.message, opened.error_type)
         queue: asyncio.Queue = asyncio.Queue()
@@ -62,7 +72,7 @@ class DecodeFeeds:
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
 
-    async def _cancel(self, request_id: str, replica: str) -> None:
+    async def _cancel(self, request_id: str, replica: str | None) -> None:
         try:
             await self.decode.cancel.remote(request_id, replica=replica)
         except Exception as e:  # noqa: BLE001 - the replica may be gone: then so is the request
@@ -89,12 +99,6 @@ class DecodeFeeds:
         for request_id, owner in list(self._replica_of.items()):
             if owner == replica:
                 self._queues[request_id].put_nowait(FeedBroken(error))
-
-    def stop(self) -> None:
-        for task in self._readers.values():
-            task.cancel()
-        self._readers.clear()
-
 
 def _detached(coro) -> asyncio.Task:
     """A task outside the HTTP request being served: Serve cancels the calls a request made when the request
