@@ -2,12 +2,16 @@
 prefill -> hand-over -> decode group) and through the in-process engine, same model, same MTP head, same
 prompts, same closed-loop concurrency.
 
-Deployments: `tandem serve`'s embedded default (the zoo target, MTP k=3) with decode tp=2 and with tp=1.
-The engine runs first, in this process, with one torch thread (as each served actor has; the served
-deployment gets the same cores, spread over its processes), `max_num_seqs` = the concurrency, all requests submitted at once (the
-engine's scheduler then keeps `concurrency` running, as the HTTP clients do). Greedy, `ignore_eos`.
+Deployments: `tandem serve`'s embedded default (the zoo target, MTP k=3) with decode tp=2 and with tp=1,
+and optionally other values of `steps_in_flight` and `handover_stock` (one deployment per combination).
+The engine runs before and after them, in this process, with one torch thread (as each served actor has;
+the served deployment gets the same cores, spread over its processes), `max_num_seqs` = the concurrency,
+all requests submitted at once (the engine's scheduler then keeps `concurrency` running, as the HTTP
+clients do). Greedy, `ignore_eos`. Per served run it also records where the time and CPU went: group
+steps, tokens per step, the ranks' busy share, and CPU seconds per process role (bench/proc_cpu.py).
 
     python -m bench.served_vs_engine [--levels 1,16,64] [--tps 2,1] [--max-tokens 64]
+                                     [--steps-in-flight 1,2] [--handover-stock 0,0.125]
 """
 from __future__ import annotations
 
