@@ -17,10 +17,11 @@ class DecodeConfig(EngineSettings):
                                                                  "in as soon as its header arrives instead of after "
                                                                  "a lockstep RESERVE at the group's next step (the "
                                                                  "blocks go to the requests that land in them and "
-                                                                 "the stock is refilled); 0 = off. With it the "
-                                                                 "served path kept 0.99-1.00x the engine's tok/s at "
-                                                                 "concurrency 16/64 on 2 CPU cores, 0.81-0.94x "
-                                                                 "without (bench/results/served_vs_engine_cpu.md).")
+                                                                 "the stock is refilled); 0 = off. With it (and a "
+                                                                 "step queued ahead) served tok/s at concurrency 64 "
+                                                                 "rose 21% on 2 CPU cores, requests joining the "
+                                                                 "batch 3x sooner (bench/results/"
+                                                                 "served_vs_engine_cpu.md).")
     rank_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per decode rank.")
     rank_num_gpus: float | None = Field(None, ge=0, le=1, description="GPUs reserved per decode rank (in its "
                                                                       "placement-group bundle); default: 1 on "

@@ -8,10 +8,10 @@ engine's pool, so scheduling never sees them): a channel thread takes a request'
 receives the payload straight into them, and the group commits the request at its next step.
 
 On by default (DecodeConfig.handover_stock = 0.125): it is what lets a hand-over join without waiting for
-the group's steps, so the served path keeps up with the engine (bench/results/served_vs_engine_cpu.md:
-0.99-1.00x at concurrency 16/64 with a step queued ahead, against 0.74-0.81x without the stock, whose
-lockstep RESERVE then costs a step per hand-over). An earlier measurement on a heavily loaded 2-core CPU
-saw TTFT rise at concurrency 16 with it (bench/results/handover_cpu.md).
+the group's steps (bench/results/served_vs_engine_cpu.md, 2 quiet CPU cores, concurrency 64, with a step
+queued ahead: +21% tok/s, 2nd-token p50 3.4 s -> 1.1 s; without the stock every hand-over costs a lockstep
+RESERVE at a step boundary, and the prefill sends them one after another). An earlier measurement on a
+heavily loaded 2-core CPU saw TTFT rise at concurrency 16 with it (bench/results/handover_cpu.md).
 
 What keeps tensor-parallel ranks consistent: the engine's own pool must change identically on every
 rank at the same step, whatever each rank's threads did. So the stock never gives to or takes from the
