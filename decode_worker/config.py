@@ -19,8 +19,8 @@ class DecodeConfig(EngineSettings):
                                                                  "blocks go to the requests that land in them and "
                                                                  "the stock is refilled); 0 = off. With it (and a "
                                                                  "step queued ahead) served tok/s at concurrency 64 "
-                                                                 "rose 21% on 2 CPU cores, requests joining the "
-                                                                 "batch 3x sooner (bench/results/"
+                                                                 "rose by a fifth on 2 CPU cores, requests joining "
+                                                                 "the batch 3x sooner (bench/results/"
                                                                  "served_vs_engine_cpu.md).")
     rank_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per decode rank.")
     rank_num_gpus: float | None = Field(None, ge=0, le=1, description="GPUs reserved per decode rank (in its "
