@@ -80,3 +80,28 @@ def one_thread_module():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def walk_tokens(compiler, spec, seed: int, max_steps: int = 300, bias=None) -> tuple[list[int], int]:
+    """Greedy decoding of random logits under the grammar mask (any backend's compiler) until the matcher
+    terminates: (the tokens before the last, the last), which ended it; AssertionError if it never does."""
+    import torch
+
+    from kernels.bitmask import apply_token_bitmask
+
+    state = compiler.new_state(compiler.compile(spec), spec)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(max_steps):
+        logits = torch.randn(1, VOCAB, generator=g)
+        if bias is not None:
+            logits += bias
+        mask = compiler.allocate_bitmask(1)
+        state.fill_bitmask(mask, 0)
+        apply_token_bitmask(logits, mask)
+        token = int(logits.argmax())
+        assert state.accept(token)
+        if state.terminated:
+            return out, token
+        out.append(token)
+    raise AssertionError("grammar did not terminate")

@@ -8,8 +8,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler, StructuredOutput
-from kernels.bitmask import apply_token_bitmask
-from tests.engine.conftest import VOCAB, _tokenizer
+from tests.engine.conftest import VOCAB, _tokenizer, walk_tokens
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "kind": {"enum": ["cat", "dog"]},
@@ -38,22 +37,7 @@ def _closing_bias(tokenizer) -> torch.Tensor:
 
 def _walk(compiler, tokenizer, spec, seed, max_steps=300, bias=None):
     """Greedy decoding of random logits under the grammar mask until the matcher terminates."""
-    state = compiler.new_state(compiler.compile(spec), spec)
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(max_steps):
-        logits = torch.randn(1, VOCAB, generator=g)
-        if bias is not None:
-            logits += bias
-        mask = compiler.allocate_bitmask(1)
-        state.fill_bitmask(mask, 0)
-        apply_token_bitmask(logits, mask)
-        token = int(logits.argmax())
-        assert state.accept(token)
-        if state.terminated:
-            return tokenizer.decode(out)
-        out.append(token)
-    raise AssertionError("grammar did not terminate")
+    return tokenizer.decode(walk_tokens(compiler, spec, seed, max_steps, bias)[0])
 
 
 @pytest.mark.parametrize("seed", range(4))

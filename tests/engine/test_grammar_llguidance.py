@@ -14,8 +14,7 @@ import torch
 from engine import grammar_llguidance as llg
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler, StructuredOutput
-from kernels.bitmask import apply_token_bitmask
-from tests.engine.conftest import VOCAB, _tokenizer
+from tests.engine.conftest import VOCAB, _tokenizer, walk_tokens
 
 pytestmark = pytest.mark.skipif(not llg.available(), reason="llguidance is not installed")
 EOS = 1
@@ -76,20 +75,8 @@ def test_the_bitmask_layout_is_xgrammars(compiler, tokenizer):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_constrained_random_decoding_validates(compiler, seed):
-    state = compiler.new_state(compiler.compile(SPEC), SPEC)
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(60):
-        logits = torch.randn(1, VOCAB, generator=g)
-        mask = compiler.allocate_bitmask(1)
-        state.fill_bitmask(mask, 0)
-        apply_token_bitmask(logits, mask)
-        token = int(logits.argmax())
-        assert state.accept(token)
-        if state.terminated:
-            break
-        out.append(token)
-    assert state.terminated and token == EOS
+    out, token = walk_tokens(compiler, SPEC, seed, max_steps=60)  # raises unless the matcher terminated
+    assert token == EOS
     text = compiler.tokenizer_info.decoded_vocab  # bytes per token
     jsonschema.validate(json.loads(b"".join(text[t] for t in out).decode()), HALVES)
 
