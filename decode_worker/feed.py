@@ -54,8 +54,8 @@ class Feed:
                 try:
                     await asyncio.wait_for(self._ready.wait(), 1.0)  # wake now and then to see a takeover
                 except asyncio.TimeoutError:
-                    continue
-                continue
+                    pass
+                continue  # the loop's test first: a takeover while waiting ends this subscription
             items, self._items = self._items, []
             yield items
 
