@@ -1,8 +1,7 @@
 """Exact rewrites of JSON Schemas into schemas xgrammar enforces (issue 11, enforce or refuse).
 
 A rewrite here must keep the set of valid instances the same (or, never wider: a narrower language
-only costs completeness, never validity). One rewrite so far, proven by evaluation rather than by
-reasoning about keywords:
+only costs completeness, never validity). The rewrites:
 
 - finite schemas: a subschema whose instances are drawn from a finite set of literals (its own
   `enum`/`const`, an `allOf` branch with one, an `anyOf`/`oneOf` whose branches are all finite, or
@@ -16,6 +15,7 @@ reasoning about keywords:
   pattern varies in length and is a single character repeated (`[a-z]+`, `\\w*`, `.{2,}`), the
   bounds move into that repetition (`^[a-z]+$` with maxLength 8 -> `^[a-z]{1,8}$`). JSON Schema
   counts code points, and one atom matches one code point both in ECMA regexes and in xgrammar.
+- `format`: into what both backends enforce, or dropped when no draft defines it (engine/schema_formats.py).
 
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 
 import jsonschema
 
+from engine.schema_formats import rewrite_format
 from engine.schema_support import ANNOTATIONS
 
 MAX_LITERALS = 1024  # larger literal sets are left alone (the validator runs once per literal)
@@ -454,7 +455,7 @@ def _rewrite(node: Any, root: Any, validator, is_root: bool, expanding: frozense
         merged = merge_all_of(node, root, expanding)
         if merged is not None:
             node, expanding = merged
-    node = _lengths_into_pattern(node)
+    node = _lengths_into_pattern(rewrite_format(node))
     for key, value in node.items():
         if key in ANNOTATIONS or key in ("enum", "const"):
             out[key] = value

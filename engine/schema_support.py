@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.schema_formats import unenforced_format
 
 # Keywords whose constraint xgrammar's JSON-schema grammar does not carry at all (it ignores them),
 # so a matcher completes on instances the schema rejects (measured: bench/structured.py). Values: why.
@@ -82,6 +83,8 @@ def _unenforced(keyword: str, value: Any, node: dict, root: Any = None) -> str |
         return "an intersection of several schemas is only approximated"
     if keyword == "oneOf" and isinstance(value, list) and not _provably_disjoint(value, root, node):
         return "oneOf is enforced as anyOf unless its branches are provably disjoint"
+    if keyword == "format":
+        return unenforced_format(value)
     if keyword == "pattern" and isinstance(value, str):
         if "minLength" in node or "maxLength" in node:
             return "a pattern combined with minLength/maxLength drops the length bounds"
