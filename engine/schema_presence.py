@@ -23,8 +23,8 @@ the jsonschema validator on instances of every presence pattern):
 
 - `minProperties` / `maxProperties` where no undeclared key can appear: see `_property_counts`.
 
-A oneOf of other branches becomes anyOf where its branches are provably disjoint
-(engine/schema_one_of.py). A node that already has an `anyOf` gets the new disjunction under `allOf` (llguidance intersects);
+A oneOf of other branches becomes anyOf where its branches are provably disjoint, else, for object
+branches, anyOf of branches narrowed to be disjoint (engine/schema_one_of.py: narrower, not exact). A node that already has an `anyOf` gets the new disjunction under `allOf` (llguidance intersects);
 anything not of these shapes is left as it is (and stays refused).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from engine.schema_one_of import one_of_as_any_of
+from engine.schema_one_of import narrowed_one_of, one_of_as_any_of
 from engine.schema_support import ANNOTATIONS
 
 MAX_BRANCHES = 8
@@ -248,7 +248,7 @@ def _presence(node: Any, root: Any) -> Any:
     if not isinstance(node, dict):
         return node
     node = _one_of_required(node)
-    node = one_of_as_any_of(node, root)
+    node = narrowed_one_of(one_of_as_any_of(node, root), root)
     node = _property_counts(node)
     out = {}
     for key, value in node.items():

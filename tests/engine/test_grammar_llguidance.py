@@ -206,3 +206,23 @@ def test_a_negated_class_excluding_a_json_escape_is_refused(compiler, pattern):
     assert "llguidance cannot enforce it either" in e.value.message and "negated class" in e.value.message
     fine = {**schema, "properties": {**schema["properties"], "p": {"type": "string", "pattern": "^[^a-z]+$"}}}
     assert compiler.compile(StructuredOutput(json_schema=fine)).template is not None
+
+
+OVERLAPPING_ONE_OF = {"type": "object", "properties": {
+    "w": {"type": "number", "multipleOf": 0.5}, "kind": {"type": "string", "maxLength": 3},
+    "n": {"type": "integer", "maximum": 99}, "s": {"type": "string", "maxLength": 4}},
+    "oneOf": [{"properties": {"kind": {"const": "a"}}, "required": ["n"]},
+              {"properties": {"kind": {"enum": ["b", "c"]}}, "required": ["s"]}],
+    "required": ["w"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_overlapping_oneof_is_served_narrowed_and_what_it_writes_is_valid(compiler, seed):
+    """Overlapping oneOf branches (an object with n and s satisfies both) are narrowed until disjoint
+    (engine/schema_one_of.narrowed_one_of): llguidance serves the schema and every output is valid
+    against the user's schema, oneOf and all."""
+    spec = StructuredOutput(json_schema=OVERLAPPING_ONE_OF)
+    out, token = walk_tokens(compiler, spec, seed, max_steps=300)
+    assert token == EOS and spec.plan.backend == llg.BACKEND
+    text = compiler.tokenizer_info.decoded_vocab
+    jsonschema.validate(json.loads(b"".join(text[t] for t in out).decode()), OVERLAPPING_ONE_OF)

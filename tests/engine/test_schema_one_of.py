@@ -60,3 +60,55 @@ def test_xgrammars_disjointness_proof_does_not_tell_1_from_1_0_either():
 
     schema = OVERLAPPING["1 and 1.0"]
     assert not _provably_disjoint(schema["oneOf"], schema, schema)
+
+
+OBJ = {"type": "object"}
+NARROWABLE = {
+    "open objects, each requiring its own key": OVERLAPPING["open objects"],
+    "closed objects requiring nothing": {"type": "object", "oneOf": [
+        {"properties": {"x": {"type": "integer"}}, "additionalProperties": False},
+        {"properties": {"y": {"type": "integer"}}, "additionalProperties": False}]},
+    "a discriminator nobody requires": {"oneOf": [
+        {**OBJ, "properties": {"kind": {"const": "a"}, "n": {"type": "integer"}}},
+        {**OBJ, "properties": {"kind": {"enum": ["b", "c"]}, "x": {"type": "string"}}}]},
+    "a discriminator one level down": {"oneOf": [
+        {**OBJ, "properties": {"n": {**OBJ, "properties": {"kind": {"const": "a"}}, "required": ["kind"]}}},
+        {**OBJ, "properties": {"n": {**OBJ, "properties": {"kind": {"const": "b"}}, "required": ["kind"]}}}]},
+    "no type: narrowed to objects": {"oneOf": [{"required": ["x"]}, {"required": ["y"]}, {"required": ["kind"]}]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(NARROWABLE))
+def test_narrowed_branches_accept_only_what_the_oneof_accepts(name):
+    """Narrower, never wider: every instance the anyOf of narrowed branches accepts, the oneOf accepts
+    (sound), and the narrowing leaves something to write."""
+    from engine.schema_one_of import narrowed_one_of
+
+    schema = NARROWABLE[name]
+    narrowed = narrowed_one_of(schema, schema)
+    assert "oneOf" not in narrowed and narrowed["anyOf"]
+    before, after = jsonschema.Draft7Validator(schema), jsonschema.Draft7Validator(narrowed)
+    instances = INSTANCES + [{"n": {"kind": k}} for k in ("a", "b", "c")] + [{"n": {}}, {"x": "s", "kind": "b"}]
+    assert [x for x in instances if after.is_valid(x) and not before.is_valid(x)] == []
+    assert any(after.is_valid(x) for x in instances)
+
+
+def test_what_cannot_be_narrowed_is_left_alone():
+    from engine.schema_one_of import narrowed_one_of
+
+    for schema in (OVERLAPPING["integer within number"], OVERLAPPING["1 and 1.0"],
+                   {"type": "object", "oneOf": [{"properties": {"x": {"type": "integer"}}},
+                                                {"properties": {"x": {"type": "number"}}}]}):
+        assert narrowed_one_of(schema, schema) == schema
+
+
+def test_a_branch_with_no_way_out_is_dropped_and_the_rest_stays_sound():
+    """{} overlaps every object: it is kept by giving up "x" (which the other branch requires), while
+    {required: [x]} has nothing to give up or require against {}: it is never written."""
+    from engine.schema_one_of import narrowed_one_of
+
+    schema = {"type": "object", "oneOf": [{}, {"required": ["x"]}]}
+    narrowed = narrowed_one_of(schema, schema)
+    assert narrowed["anyOf"] == [{"type": "object", "properties": {"x": False}}]
+    assert not jsonschema.Draft7Validator(schema).is_valid({"x": 1})
+    assert jsonschema.Draft7Validator(schema).is_valid({"y": 1})
