@@ -16,6 +16,7 @@ only costs completeness, never validity). The rewrites:
   bounds move into that repetition (`^[a-z]+$` with maxLength 8 -> `^[a-z]{1,8}$`). JSON Schema
   counts code points, and one atom matches one code point both in ECMA regexes and in xgrammar.
 - `format`: into what both backends enforce, or dropped when no draft defines it (engine/schema_formats.py).
+- `not` of a type or of a few strings or integers: spelled positively (engine/schema_not.py).
 
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import jsonschema
 
 from engine.schema_formats import rewrite_format
+from engine.schema_not import rewrite_not
 from engine.schema_support import ANNOTATIONS
 
 MAX_LITERALS = 1024  # larger literal sets are left alone (the validator runs once per literal)
@@ -455,7 +457,9 @@ def _rewrite(node: Any, root: Any, validator, is_root: bool, expanding: frozense
         merged = merge_all_of(node, root, expanding)
         if merged is not None:
             node, expanding = merged
-    node = _lengths_into_pattern(rewrite_format(node))
+    if "$ref" not in node:  # keywords beside a $ref mean different things in different drafts: left alone
+        node = rewrite_format(rewrite_not(node))
+    node = _lengths_into_pattern(node)
     for key, value in node.items():
         if key in ANNOTATIONS or key in ("enum", "const"):
             out[key] = value
