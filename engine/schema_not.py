@@ -6,7 +6,8 @@ exact or narrower positive form (engine/schema_rewrite.py's rule: narrower only 
 - `not: {type: T}`: the node's own types (all seven when it names none) minus T. Excluding "number"
   excludes integers too; excluding "integer" alone would leave the non-integral numbers, which no
   type names, so "number" goes as well (narrower).
-- `not: {enum: [...]}` / `not: {const: v}` on a string node (or an untyped one, narrowed to strings):
+- `not: {enum: [...]}` / `not: {const: v}` on a string node (or an untyped one: every other type, or,
+  beside other keywords, narrowed to strings):
   a pattern matching the non-empty strings outside the set, built from the set's trie: a string is
   outside it when it leaves the trie (a character no listed value continues with, then anything) or
   stops at a trie node where no value ends. ("." excludes line breaks: narrower again.) Values holding '"' or '\\' are left alone: a negated class
@@ -35,6 +36,12 @@ def rewrite_not(node: dict) -> dict:
         return node
     shape = {k: v for k, v in negated.items() if k not in ANNOTATIONS}
     rest = {k: v for k, v in node.items() if k != "not"}
+    if shape.get("type") in ("string", "integer") and len(shape) == 2 and ({"const", "enum"} & set(shape)):
+        # {type: string, enum: L} is the strings of L: the same literals when L holds only strings
+        literals = [shape["const"]] if "const" in shape else shape["enum"]
+        wanted = str if shape["type"] == "string" else int
+        if isinstance(literals, list) and all(type(v) is wanted for v in literals):
+            shape = {"enum": literals}
     if set(shape) == {"type"}:
         return _without_types(rest, shape["type"]) or node
     values = [shape["const"]] if set(shape) == {"const"} else shape.get("enum") if set(shape) == {"enum"} else None
@@ -43,7 +50,13 @@ def rewrite_not(node: dict) -> dict:
     types = _types(node)
     if all(isinstance(v, str) for v in values) and types in ({"string"}, set(ALL_TYPES)) and "pattern" not in node:
         pattern = complement_pattern(values)
-        return {**rest, "type": "string", "pattern": pattern} if pattern is not None else node
+        if pattern is None:
+            return node
+        if types == {"string"} or "anyOf" in rest or set(rest) - ANNOTATIONS:
+            return {**rest, "type": "string", "pattern": pattern}
+        # untyped and alone: every non-string too (exact but for "" and line breaks)
+        return {**rest, "anyOf": [{"type": [t for t in ALL_TYPES if t != "string"]},
+                                  {"type": "string", "pattern": pattern}]}
     if all(type(v) is int for v in values) and types == {"integer"} and "anyOf" not in node:
         gaps = _integer_gaps(sorted(set(values)), rest)
         return {**rest, "anyOf": gaps} if gaps else node

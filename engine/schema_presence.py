@@ -23,6 +23,7 @@ the jsonschema validator on instances of every presence pattern):
 
 - `minProperties` / `maxProperties` where no undeclared key can appear: see `_property_counts`.
 
+`if`/`then`/`else` on one property becomes anyOf (engine/schema_conditional.py).
 A oneOf of other branches becomes anyOf where its branches are provably disjoint, else, for object
 branches, anyOf of branches narrowed to be disjoint (engine/schema_one_of.py: narrower, not exact). A node that already has an `anyOf` gets the new disjunction under `allOf` (llguidance intersects);
 anything not of these shapes is left as it is (and stays refused).
@@ -32,6 +33,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from engine.schema_conditional import rewrite_conditional
 from engine.schema_one_of import narrowed_one_of, one_of_as_any_of
 from engine.schema_support import ANNOTATIONS
 
@@ -243,7 +245,7 @@ def _property_counts(node: dict) -> dict:
 def _presence(node: Any, root: Any) -> Any:
     if not isinstance(node, dict):
         return node
-    node = _dependencies(node)
+    node = _dependencies(rewrite_conditional(node))
     node = _not(node)
     if not isinstance(node, dict):
         return node

@@ -44,8 +44,8 @@ def _tool(name="f", **function) -> dict:
     ({"tools": [_tool(parameters={"type": "object", "properties": {"a": {"type": "text"}}})]},
      "tools[0].function.parameters"),
     ({"tools": [_tool(parameters={"type": "object", "required": "a"})]}, "tools[0].function.parameters"),
-    ({"tools": [_tool(parameters={"type": "object", "properties": {"a": {"not": {"type": "null"}}}})]},
-     "tools[0].function.parameters"),  # enforce or refuse: xgrammar ignores `not`
+    ({"tools": [_tool(parameters={"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}})]},
+     "tools[0].function.parameters"),  # enforce or refuse: neither backend enforces uniqueItems
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "time"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),

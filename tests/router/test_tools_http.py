@@ -98,7 +98,7 @@ def test_a_conversation_with_tool_results_continues(tandem_server):
 @pytest.mark.parametrize("kw,param", [
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"not": {"type": "null"}}}}}}]}, "tools[0].function.parameters"),
+        "a": {"type": "array", "uniqueItems": True}}}}}]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
      "tools[0].function.parameters"),
     ({"tool_choice": {"type": "function", "function": {"name": "nowhere"}}}, "tool_choice"),
