@@ -76,7 +76,7 @@ class DecodeRank:
         stocked = self.engine.blocks.set_aside(int(self.engine.blocks.pool.num_blocks * share)) if share else None
         self.stock = HandoverStock(stocked) if stocked else None
         self.receiver = HandoverReceiver(self.engine.kv_cache, self.settings.transfer_timeout_s, self.stock,
-                                         FaultPoints(self.settings.fault_points))
+                                         FaultPoints(self.settings.fault_points), on_header=self._warm_grammar)
         m = self.engine.model_cfg
         # Cache layers: the target's, then the draft's when speculation shares the cache.
         return KVLayout(num_layers=self.engine.kv_cache.shape[0], num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
@@ -208,6 +208,10 @@ class DecodeRank:
         if out.logprobs is not None:
             logprobs = tuple((lp.token_id, lp.logprob, lp.top) for lp in out.logprobs[sent:])
         return TokenDelta(out.request_id, tuple(new), out.finished, out.finish_reason, logprobs)
+
+    def _warm_grammar(self, header) -> None:
+        """The header's compiled grammar loaded on the channel thread, not at reserve on the step thread."""
+        self.engine.warm_grammar(header.request.params.structured_output, _compiled(header))
 
     def kv_blocks(self, request_id: str):
         """[L, 2, n, S, local heads, D] copy of a request's KV blocks (for checks; not on the hot path)."""

@@ -15,6 +15,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -55,8 +56,11 @@ def _read_header(message: Message) -> HandoverHeader:
 
 class HandoverReceiver:
     def __init__(self, kv_cache: torch.Tensor, payload_timeout_s: float = 60.0, stock: HandoverStock | None = None,
-                 faults: FaultPoints | None = None):
+                 faults: FaultPoints | None = None, on_header: Callable[[HandoverHeader], None] | None = None):
+        """on_header: called on the channel thread with each header read, before it is parked (the rank
+        loads the request's grammar there, off the step thread); its errors are logged and ignored."""
         self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, local kv heads, head_dim]
+        self.on_header = on_header
         self.payload_timeout_s = payload_timeout_s
         self.faults = faults or FaultPoints()
         self.stock = stock
@@ -161,6 +165,11 @@ class HandoverReceiver:
                     self._refuse(channel, e)
                     continue
                 rid = header.request_id
+                if self.on_header is not None:
+                    try:
+                        self.on_header(header)
+                    except Exception:  # noqa: BLE001 - a warm-up only: the rank's reserve decides
+                        log.exception("hand-over header hook failed for %s", rid)
                 arrival = _Arrival(header, message, channel)
                 stocked = self._from_stock(header)
                 with self._lock:

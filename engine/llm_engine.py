@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import random
+import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -61,6 +62,8 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, self.model_cfg, self.tp, max_model_len, self.dp)
         self.runner.masker = logits_masker
         self._grammar: GrammarMasker | None = None  # made on the first guided request
+        self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(max_model_len)
         self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
@@ -142,11 +145,31 @@ class LLMEngine:
             if self.runner.masker is not None:
                 raise InvalidRequestError("this engine runs a logits masker of its own; structured outputs need "
                                           "the built-in one", param="structured_output")
-            if self.tokenizer is None:
-                raise InvalidRequestError("structured outputs need the model's tokenizer", param="structured_output")
-            self._grammar = GrammarMasker(GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size,
-                                                          sorted(self.eos_token_ids)))
+            self._grammar = GrammarMasker(self._grammar_compiler())
             self.runner.masker = self._grammar
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The engine's one GrammarCompiler, made on first use (from any thread: warm_grammar's too)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("structured outputs need the model's tokenizer",
+                                              param="structured_output")
+                self._compiler = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, sorted(self.eos_token_ids))
+            return self._compiler
+
+    def warm_grammar(self, structured, compiled: SerializedGrammar | None) -> None:
+        """Load a hand-over's compiled grammar into the compiler's cache now, on the caller's thread (the
+        decode rank's channel thread, as the header lands), so that `reserve` on the step thread finds it
+        there: for llguidance the load builds the lexer and parser from the grammar text, up to seconds
+        for a large schema (engine/grammar_llguidance.py), a stall of every running request's step.
+        A grammar that does not load is left for `reserve` to refuse, with the request's error."""
+        if structured is None or compiled is None:
+            return
+        try:
+            self._grammar_compiler().adopt(structured, compiled)
+        except InvalidRequestError as e:
+            log.info("hand-over grammar did not load ahead of its reserve: %s", e)
 
     def _install_grammars(self, wait: bool) -> None:
         """Matchers for the requests whose grammar finished compiling; a failed compile finishes its request

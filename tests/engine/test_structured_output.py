@@ -223,7 +223,7 @@ def test_an_llguidance_schema_greedy_and_speculative_equal_and_validate(llama_di
 
 def test_an_llguidance_grammar_survives_a_handover(llama_dir):
     """The header carries the backend and llguidance's grammar text (wire format); the decode engine
-    builds its matcher from them (no compile), replays the prefill's accepted tokens and continues to
+    builds its matcher from them (no compile; the template ahead of the reserve), replays the prefill's accepted tokens and continues to
     the single engine's tokens."""
     from cluster.protocol import GrammarHandover, HandoverHeader, PayloadPart
 
@@ -236,9 +236,11 @@ def test_an_llguidance_grammar_survives_a_handover(llama_dir):
                                                                              structured.plan.backend))
     back = HandoverHeader.from_wire(header.to_wire())
     assert back.grammar.backend == "llguidance" and back.grammar.cache_key == back.request.params.structured_output.key()
+    # the decode rank loads it as the header lands (its channel thread), so reserve finds it cached
+    decode.warm_grammar(back.request.params.structured_output, back.grammar.serialized)
     done = _decode_handover(prefill, decode, h, back.request, back.grammar.serialized)
     assert done[0].token_ids == want.token_ids and done[0].finish_reason == "stop"
     jsonschema.validate(json.loads(done[0].text), LLG_SCHEMA)
     assert prefill.stats()["grammar"]["llguidance_compiles"] == 1
-    assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 0, "deserializations": 1, "llguidance_compiles": 0,
-                                         "llguidance_cache_hits": 0, "llguidance_deserializations": 1}
+    assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 1, "deserializations": 1, "llguidance_compiles": 0,
+                                         "llguidance_cache_hits": 1, "llguidance_deserializations": 1}
