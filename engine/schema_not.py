@@ -19,7 +19,6 @@ an `anyOf` (integers) is left alone too: the new constraint would have to be int
 """
 from __future__ import annotations
 
-from typing import Any
 
 from engine.schema_support import ANNOTATIONS
 

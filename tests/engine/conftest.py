@@ -82,6 +82,19 @@ def one_thread_module():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="session")
+def grammar_tokenizer(tmp_path_factory):
+    """The tiny tokenizer (VOCAB ids) for grammar tests; id 1 ends a guided output."""
+    return _tokenizer(tmp_path_factory.mktemp("grammar_tok"))
+
+
+@pytest.fixture(scope="session")
+def grammar_compiler(grammar_tokenizer):
+    from engine.grammar import GrammarCompiler
+
+    return GrammarCompiler(grammar_tokenizer, VOCAB, [1])
+
+
 def walk_tokens(compiler, spec, seed: int, max_steps: int = 300, bias=None) -> tuple[list[int], int]:
     """Greedy decoding of random logits under the grammar mask (any backend's compiler) until the matcher
     terminates: (the tokens before the last, the last), which ended it; AssertionError if it never does."""

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from engine import grammar_llguidance as llg
-from engine.grammar import GrammarCompiler, StructuredOutput
+from engine.grammar import StructuredOutput
 from engine.schema_formats import ENFORCED, REPLACEMENTS
 from engine.schema_rewrite import rewrite
 from engine.schema_support import first_unenforceable
-from tests.engine.conftest import VOCAB, _tokenizer, walk_tokens
+from tests.engine.conftest import VOCAB, walk_tokens
 
 EOS = 1
 
@@ -104,16 +104,6 @@ REFERENCE = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return _tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    return GrammarCompiler(tokenizer, VOCAB, [EOS])
-
-
 def test_every_format_has_a_reference_check():
     assert set(REFERENCE) == set(REPLACEMENTS) | ENFORCED
 
@@ -140,24 +130,24 @@ def test_a_pattern_beside_an_unenforced_format_is_refused():
 
 
 @pytest.mark.parametrize("fmt", sorted(ENFORCED))
-def test_both_backends_enforce_the_formats_left_alone(compiler, tokenizer, fmt):
+def test_both_backends_enforce_the_formats_left_alone(grammar_compiler, grammar_tokenizer, fmt):
     """The premise of ENFORCED: two words are no value of any of these formats, and neither backend's
     matcher lets it complete."""
     for spec in _specs(fmt):
-        state = compiler.new_state(compiler.compile(spec), spec)
-        ids = tokenizer.encode(_as_json(spec, "zz z"), add_special_tokens=False)
+        state = grammar_compiler.new_state(grammar_compiler.compile(spec), spec)
+        ids = grammar_tokenizer.encode(_as_json(spec, "zz z"), add_special_tokens=False)
         assert not (all(state.accept(t) for t in ids) and state.accept(EOS)), (fmt, spec.plan.backend)
 
 
 @pytest.mark.parametrize("fmt", sorted(set(REPLACEMENTS) | ENFORCED))
-def test_what_the_backends_write_is_valid_for_the_original_format(compiler, tokenizer, fmt):
+def test_what_the_backends_write_is_valid_for_the_original_format(grammar_compiler, grammar_tokenizer, fmt):
     # Random logits, tilted towards the tokens that can end a string, so long formats end in time.
-    bias = torch.tensor([2.0 if '"' in tokenizer.decode([t]) or t == EOS else 0.0 for t in range(VOCAB)])
+    bias = torch.tensor([2.0 if '"' in grammar_tokenizer.decode([t]) or t == EOS else 0.0 for t in range(VOCAB)])
     for spec in _specs(fmt):
         for seed in range(6):
-            out, token = walk_tokens(compiler, spec, seed, max_steps=400, bias=bias)
+            out, token = walk_tokens(grammar_compiler, spec, seed, max_steps=400, bias=bias)
             assert token == EOS
-            value = json.loads(tokenizer.decode(out))
+            value = json.loads(grammar_tokenizer.decode(out))
             if spec.plan.backend == llg.BACKEND:
                 jsonschema.validate(value, json.loads(spec.canonical_source()))
                 value = value["v"]

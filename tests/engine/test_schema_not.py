@@ -9,13 +9,14 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from engine import grammar_llguidance as llg
-from engine.grammar import GrammarCompiler, StructuredOutput
+from engine.grammar import StructuredOutput
 from engine.schema_not import complement_pattern, rewrite_not
 from engine.schema_rewrite import rewrite
 from engine.schema_support import first_unenforceable
-from tests.engine.conftest import VOCAB, _tokenizer, walk_tokens
+from tests.engine.conftest import VOCAB, walk_tokens
 
 EOS = 1
 CASES = {
@@ -60,16 +61,11 @@ def test_what_cannot_be_spelled_stays():
         assert first_unenforceable(rewrite(schema)) is not None
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return _tokenizer(tmp_path_factory.mktemp("tok"))
-
-
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-def test_what_the_backends_write_is_valid(tokenizer, backend):
+def test_what_the_backends_write_is_valid(grammar_compiler, grammar_tokenizer, backend):
     if backend == "llguidance" and not llg.available():
         pytest.skip("llguidance is not installed")
-    compiler = GrammarCompiler(tokenizer, VOCAB, [EOS])
+    compiler, tokenizer = grammar_compiler, grammar_tokenizer
     schema = {"type": "object", "properties": {"c": {"type": "string", "not": {"enum": ["a", "ab", "b"]}},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 9,
                                                      "not": {"enum": [0, 1, 5]}}},
@@ -78,7 +74,7 @@ def test_what_the_backends_write_is_valid(tokenizer, backend):
         schema["properties"]["w"] = {"type": "number", "multipleOf": 0.5}
     spec = StructuredOutput(json_schema=schema)
     assert spec.plan.backend == backend
-    bias = __import__("torch").tensor([2.0 if '"' in tokenizer.decode([t]) else 0.0 for t in range(VOCAB)])
+    bias = torch.tensor([2.0 if '"' in tokenizer.decode([t]) else 0.0 for t in range(VOCAB)])
     for seed in range(8):
         out, token = walk_tokens(compiler, spec, seed, max_steps=300, bias=bias)
         assert token == EOS
