@@ -17,6 +17,8 @@ only costs completeness, never validity). The rewrites:
   counts code points, and one atom matches one code point both in ECMA regexes and in xgrammar.
 - `format`: into what both backends enforce, or dropped when no draft defines it (engine/schema_formats.py).
 - `not` of a type or of a few strings or integers: spelled positively (engine/schema_not.py).
+- `propertyNames` of any string, of listed names or of a pattern: as properties, patternProperties
+  and additionalProperties (engine/schema_property_names.py).
 
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ import jsonschema
 
 from engine.schema_formats import rewrite_format
 from engine.schema_not import rewrite_not
+from engine.schema_property_names import rewrite_property_names
 from engine.schema_support import ANNOTATIONS
 
 MAX_LITERALS = 1024  # larger literal sets are left alone (the validator runs once per literal)
@@ -458,7 +461,7 @@ def _rewrite(node: Any, root: Any, validator, is_root: bool, expanding: frozense
         if merged is not None:
             node, expanding = merged
     if "$ref" not in node:  # keywords beside a $ref mean different things in different drafts: left alone
-        node = rewrite_format(rewrite_not(node))
+        node = rewrite_property_names(rewrite_format(rewrite_not(node)), root)
     node = _lengths_into_pattern(node)
     for key, value in node.items():
         if key in ANNOTATIONS or key in ("enum", "const"):
