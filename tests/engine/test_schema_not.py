@@ -68,8 +68,9 @@ def test_what_the_backends_write_is_valid(grammar_compiler, grammar_tokenizer, b
     compiler, tokenizer = grammar_compiler, grammar_tokenizer
     schema = {"type": "object", "properties": {"c": {"type": "string", "not": {"enum": ["a", "ab", "b"]}},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 9,
-                                                     "not": {"enum": [0, 1, 5]}}},
-              "required": ["c", "n"], "additionalProperties": False}
+                                                     "not": {"enum": [0, 1, 5]}},
+                                               "t": {"not": {"type": ["string", "number", "array", "object"]}}},
+              "required": ["c", "n", "t"], "additionalProperties": False}
     if backend == "llguidance":  # a keyword xgrammar does not enforce sends it to llguidance
         schema["properties"]["w"] = {"type": "number", "multipleOf": 0.5}
     spec = StructuredOutput(json_schema=schema)
