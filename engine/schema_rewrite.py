@@ -19,6 +19,7 @@ only costs completeness, never validity). The rewrites:
 - `not` of a type or of a few strings or integers: spelled positively (engine/schema_not.py).
 - `propertyNames` of any string, of listed names or of a pattern: as properties, patternProperties
   and additionalProperties (engine/schema_property_names.py).
+- keywords beside a `$ref` in a draft 3-7 schema, which those drafts ignore: dropped.
 
 """
 from __future__ import annotations
@@ -448,9 +449,20 @@ _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 
 
+_REF_OVERRIDES = re.compile(r"json-schema\.org/draft-0[3-7]/schema")
+
+
+def _ref_overrides_siblings(root: Any) -> bool:
+    """Up to draft 7, "$ref" stands alone: keywords beside it are ignored (2019-09 made them apply)."""
+    return isinstance(root.get("$schema"), str) and _REF_OVERRIDES.search(root["$schema"]) is not None
+
+
 def _rewrite(node: Any, root: Any, validator, is_root: bool, expanding: frozenset = frozenset()) -> Any:
     if not isinstance(node, dict):
         return node
+    if "$ref" in node and not is_root and _ref_overrides_siblings(root):
+        # what the draft ignores, a backend might apply (llguidance refuses a circular $ref beside keywords)
+        node = {k: v for k, v in node.items() if k == "$ref" or k in ANNOTATIONS - {"$schema"}}
     if is_root or not isinstance(node.get("$id", node.get("id")), str):  # an inner $id moves the ref base
         finite = _finite_enum(node, root, validator)
         if finite is not None:

@@ -51,14 +51,20 @@ def test_finite_subschema_inside_an_object_keeps_its_annotations_and_the_rest():
     assert list(out) == list(schema)  # key order kept: the grammar writes properties in declared order
 
 
-def test_plain_enums_and_ref_siblings_are_left_alone():
+def test_plain_enums_are_left_alone_and_ref_siblings_follow_the_draft():
     plain = {"type": "string", "enum": ["a", "b"]}
     assert rewrite(plain) == plain
-    # draft 7 ignores keywords beside $ref: the enum here is not a bound on the instances
-    sibling = {"$schema": "http://json-schema.org/draft-07/schema#",
-               "definitions": {"s": {"type": "string"}},
-               "properties": {"p": {"$ref": "#/definitions/s", "enum": ["a"], "not": {"const": "b"}}}}
-    assert rewrite(sibling)["properties"]["p"] == sibling["properties"]["p"]
+    # draft 7 ignores keywords beside $ref: the enum here is not a bound on the instances, so it goes
+    p = {"$ref": "#/definitions/s", "enum": ["a"], "not": {"const": "b"}, "description": "kept"}
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"s": {"type": "string"}},
+              "properties": {"p": p}}
+    assert rewrite(draft7)["properties"]["p"] == {"$ref": "#/definitions/s", "description": "kept"}
+    for instance in ({"p": "b"}, {"p": "zz"}, {"p": 1}):
+        assert jsonschema.Draft7Validator(draft7).is_valid(instance) == \
+            jsonschema.Draft7Validator(rewrite(draft7)).is_valid(instance)
+    # 2020-12 (or no $schema) applies them: left alone
+    later = {**draft7, "$schema": "https://json-schema.org/draft/2020-12/schema"}
+    assert rewrite(later)["properties"]["p"] == p
 
 
 @pytest.mark.parametrize("pattern, lo, hi, expected", [
