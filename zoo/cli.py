@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--docs", type=int, default=120, help="held-out documents per domain")
     ev.add_argument("--prompts", type=int, default=64, help="held-out schema prompts to generate from")
     ev.add_argument("--max-new-tokens", type=int, default=256)
+    ev.add_argument("--text-prompts", type=int, default=32,
+                    help="held-out GSM8K questions whose greedy answers measure acceptance on natural text")
     ev.add_argument("--k", type=int, default=3, help="drafts per step for the acceptance comparison")
     ev.add_argument("--baseline", type=Path, default=None, help="an earlier zoo_eval.json to report beside")
     return parser
@@ -162,7 +164,8 @@ def _eval(args) -> int:
         return 1
     baseline = json.loads(args.baseline.read_text()) if args.baseline else None
     result = evaluate_zoo(Path(root), max_docs=args.docs, gen_prompts=args.prompts,
-                          max_new_tokens=args.max_new_tokens, k=args.k, baseline=baseline)
+                          max_new_tokens=args.max_new_tokens, k=args.k, baseline=baseline,
+                          text_prompts=args.text_prompts)
     result["command"] = "tandem zoo " + shlex.join(args.argv)
     json_path, md_path = write_results(result, args.results or RESULTS_DIR)
     print(md_path.read_text())

@@ -95,7 +95,7 @@ def agreement(target, draft, heads, tokenizer, docs, depth: int) -> dict:
 
 
 def evaluate_zoo(root: Path, max_docs: int = 120, depth: int = 3, gen_prompts: int = 64,
-                 max_new_tokens: int = 256, k: int = 3, baseline: dict | None = None) -> dict:
+                 max_new_tokens: int = 256, k: int = 3, baseline: dict | None = None, text_prompts: int = 32) -> dict:
     """Everything above on held-out data; `baseline` (an earlier result) is carried along for the report."""
     started = time.perf_counter()
     manifest = json.loads(layout(root).manifest.read_text())
@@ -115,7 +115,9 @@ def evaluate_zoo(root: Path, max_docs: int = 120, depth: int = 3, gen_prompts: i
     accept = generation_eval.acceptance(target, {"mtp": mtp, "eagle3": eagle3}, outputs, k)
     grammar = generation_eval.constrained(target, tokenizer, layout(root).tokenizer, schemas, max_new_tokens)
     questions = [d for d in by_domain.get("text", []) if d.text.startswith(BOS + "Question: ")]
-    free["text_samples"] = generation_eval.plain_text(target, tokenizer, spread(questions, 3))
+    free["text_samples"], text_outputs = generation_eval.plain_text(target, tokenizer, spread(questions, text_prompts))
+    accept_text = generation_eval.acceptance(target, {"mtp": mtp, "eagle3": eagle3}, text_outputs, k) | {
+        "prompts": len(text_outputs)}
     return {
         "zoo": str(root),
         "recipe": manifest["recipe"]["name"],
@@ -127,9 +129,10 @@ def evaluate_zoo(root: Path, max_docs: int = 120, depth: int = 3, gen_prompts: i
         "generation": free,
         "constrained": grammar,
         "acceptance": accept,
+        "acceptance_text": accept_text,
         "baseline": baseline and {key: baseline.get(key) for key in (
             "recipe", "target_parameters", "target_loss", "agreement", "generation", "constrained", "acceptance",
-            "build")},
+            "acceptance_text", "build")},
         "heldout_docs": {k: min(len(v), max_docs) for k, v in by_domain.items()},
         "build": {key: manifest.get(key) for key in ("build_seconds", "peak_rss_mb", "target_parameters", "draft_parameters")},
         "eval_seconds": round(time.perf_counter() - started, 1),

@@ -6,7 +6,7 @@
   the compact separators the engine compiles JSON schemas with); the share that finish (emit eos)
   within the token budget and the share of those that satisfy the schema;
 - `acceptance`: greedy speculative decoding at k drafts, simulated exactly on the target's own greedy
-  output: a step at position i accepts the drafts that equal the following tokens, then moves past
+  output (for schema prompts, and for held-out GSM8K questions: natural text): a step at position i accepts the drafts that equal the following tokens, then moves past
   them and the bonus token. Heads draft from the target's features (the unrolled chain of
   zoo.distill.unroll, which sees the same tokens as drafting token by token while drafts match);
   ngram is engine.speculative.ngram's prompt lookup with the engine's default n range.
@@ -122,17 +122,21 @@ def constrained(target, tokenizer, tokenizer_dir, schemas: list[dict], max_new_t
             "samples": shown, "compile_failures": failures}
 
 
-def plain_text(target, tokenizer, docs, max_new_tokens: int = 96) -> list[dict]:
-    """Greedy answers to held-out GSM8K questions (documents "Question: ...\nAnswer: ..."): short plain text."""
+def plain_text(target, tokenizer, docs, max_new_tokens: int = 96, shown: int = 3) -> tuple[list[dict], list]:
+    """Greedy answers to held-out GSM8K questions (documents "Question: ...\nAnswer: ..."): short plain
+    text. -> (the first `shown` as samples, every (prompt ids, output ids) pair for `acceptance`)."""
     eos = tokenizer.token_to_id(END)
-    shown = []
+    samples, pairs = [], []
     for doc in docs:
         prompt = doc.text[: doc.text.index("Answer:") + len("Answer:")]
-        tokens = _greedy(target, torch.tensor([tokenizer.encode(prompt).ids]), eos, max_new_tokens)
-        question = prompt.split("Question: ", 1)[-1].rsplit("\nAnswer:", 1)[0]
-        shown.append({"schema": "gsm8k", "prompt": " ".join(question.split())[:200],
-                      "output": tokenizer.decode(tokens, skip_special_tokens=True)[:300]})
-    return shown
+        ids = tokenizer.encode(prompt).ids
+        tokens = _greedy(target, torch.tensor([ids]), eos, max_new_tokens)
+        pairs.append((ids, tokens))
+        if len(samples) < shown:
+            question = prompt.split("Question: ", 1)[-1].rsplit("\nAnswer:", 1)[0]
+            samples.append({"schema": "gsm8k", "prompt": " ".join(question.split())[:200],
+                            "output": tokenizer.decode(tokens, skip_special_tokens=True)[:300]})
+    return samples, pairs
 
 
 def _leading_matches(guesses: list[int], following: list[int]) -> int:

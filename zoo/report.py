@@ -16,6 +16,9 @@ GOALS = (  # (label, how to read it from a result, goal, higher is better) from 
        0.8, True) for head in ("mtp", "eagle3") for d in range(3)),
     *((f"{head} accepted per step minus ngram's (k drafts)",
        lambda r, h=head: round(r["acceptance"][h] - r["acceptance"]["ngram"], 4), 0.0, True) for head in ("mtp", "eagle3")),
+    *((f"{head} minus ngram on natural text (k drafts)",
+       lambda r, h=head: round(r["acceptance_text"][h] - r["acceptance_text"]["ngram"], 4), 0.0, True)
+      for head in ("mtp", "eagle3")),
 )
 
 
@@ -116,6 +119,7 @@ def markdown(result: dict) -> str:
         *(f"| {name} | {accept[name]:.3f} | {accept['steps'][name]} | "
           f"{_read(lambda r, n=name: r['acceptance'][n], result.get('baseline'))} |" for name in accept["steps"]),
         "",
+        *_text_acceptance_lines(result),
         "## Sample outputs",
         "",
         "Unconstrained:",
@@ -141,3 +145,13 @@ def write_results(result: dict, out_dir: Path = RESULTS_DIR, stem: str = "zoo_ev
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     md_path.write_text(markdown(result))
     return json_path, md_path
+
+
+def _text_acceptance_lines(result: dict) -> list[str]:
+    """The same simulation on the target's greedy answers to held-out GSM8K questions (natural text)."""
+    accept = result.get("acceptance_text")
+    if not accept:
+        return []
+    return [f"On natural text (greedy answers to {accept['prompts']} held-out GSM8K questions, 96 new tokens):", "",
+            "| drafter | accepted per step | steps |", "|---|---|---|",
+            *(f"| {name} | {accept[name]:.3f} | {accept['steps'][name]} |" for name in accept["steps"]), ""]

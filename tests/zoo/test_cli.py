@@ -67,11 +67,12 @@ def test_path_prints_the_built_zoo(micro_zoo, capsys):
 
 def test_eval_writes_json_and_markdown(micro_zoo, tmp_path, capsys):
     rc = main(["eval", "--zoo", str(micro_zoo), "--results", str(tmp_path), "--docs", "3", "--prompts", "2",
-               "--max-new-tokens", "24"])
+               "--max-new-tokens", "24", "--text-prompts", "2"])
     assert rc == 0
     result = json.loads((tmp_path / "zoo_eval.json").read_text())
     assert len(result["agreement"]["mtp/instance"]) == 3 and len(result["agreement"]["eagle3/all"]) == 3
     assert set(result["target_loss"]) >= {"json", "json_instance"}
     assert set(result["acceptance"]) >= {"mtp", "eagle3", "ngram"} and result["constrained"]["prompts"] == 2
+    assert set(result["acceptance_text"]) >= {"mtp", "eagle3", "ngram"} and result["acceptance_text"]["prompts"] <= 2
     assert 0 <= result["generation"]["degenerate"] <= 1
     assert (tmp_path / "zoo_eval.md").read_text() == markdown(result)
