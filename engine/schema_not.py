@@ -10,15 +10,15 @@ exact or narrower positive form (engine/schema_rewrite.py's rule: narrower only 
   beside other keywords, narrowed to strings):
   a pattern matching the non-empty strings outside the set, built from the set's trie: a string is
   outside it when it leaves the trie (a character no listed value continues with, then anything) or
-  stops at a trie node where no value ends. ("." excludes line breaks: narrower again.) Values holding '"' or '\\' are left alone: a negated class
-  excluding those lets JSON escapes through in llguidance (engine/grammar_llguidance.escape_gap). On an
-  integer node: the integers between the excluded ones, as anyOf of ranges (exact).
+  stops at a trie node where no value ends ("." excludes line breaks: narrower again). Values holding
+  '"' or '\\' are left alone: a negated class excluding those lets JSON escapes through in llguidance
+  (engine/grammar_llguidance.escape_gap). On an integer node: the integers between the excluded ones,
+  as anyOf of ranges (exact).
 
 Anything else keeps its `not` (and stays refused). A node that already has a `pattern` (strings) or
 an `anyOf` (integers) is left alone too: the new constraint would have to be intersected with it.
 """
 from __future__ import annotations
-
 
 from engine.schema_support import ANNOTATIONS
 

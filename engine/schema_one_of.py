@@ -7,6 +7,7 @@ writes): a pair of branches is disjoint when
 - one admits only literals, and the validator rejects each of them under the other;
 - the instance must be an object (the node or both branches say so) and
   - a property both require (or the node requires) has literal values in each with none in common, or
+    values of JSON types that do not meet, or is an object whose schemas are disjoint by these rules, or
   - one branch (or the node) requires a key the other forbids (`false`, or not declared under
     additionalProperties: false without patternProperties): every instance of the first lacks nothing
     the second needs absent, so it fails the second; one direction is enough.
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-MAX_DEPTH = 4  # nested objects a disjointness proof looks into
-
 from engine.schema_support import (_branch_types, _forbids, _literals, _properties, _required,
                                    disjoint_by_type_or_literals, json_value_key)
+
+MAX_DEPTH = 4  # nested objects a disjointness proof looks into
+MAX_NARROWED_BRANCHES = 32
 
 
 def _literal_values(branch: dict, root: Any, required: set[str]) -> dict[str, set[str]]:
@@ -73,9 +75,6 @@ def one_of_as_any_of(node: dict, root: Any) -> dict:
     return {("anyOf" if k == "oneOf" else k): v for k, v in node.items()}
 
 
-MAX_NARROWED_BRANCHES = 32
-
-
 def narrowed_one_of(node: dict, root: Any) -> dict:
     """A oneOf whose branches may overlap, as anyOf of branches narrowed until no two overlap: a
     language inside the oneOf's (narrower costs completeness, never validity), or `node` unchanged.
@@ -83,8 +82,9 @@ def narrowed_one_of(node: dict, root: Any) -> dict:
     Each branch i that can be an object is narrowed to objects (`type: object`), and for each other
     branch j it is not already disjoint from (pair_disjoint) it either gives up a key that j requires
     and i does not (i's objects lack it, so they fail j), or requires a key i declares and j forbids or
-    declares with a schema no value of i's can satisfy (i's objects have it, so they fail j). A branch with neither against some j is dropped (never
-    written: still sound, since what is written fails it too). Every written instance then satisfies
+    declares with a schema no value of i's can satisfy (i's objects have it, so they fail j). A branch
+    with neither against some j is dropped (never written: still sound, since what is written fails
+    it too). Every written instance then satisfies
     its own branch and fails every other: exactly one, as oneOf asks. With no branch left, `node` is
     returned and stays refused. Measured: bench/results/structured_faithfulness_cpu.md."""
     from engine.schema_rewrite import resolve_ref

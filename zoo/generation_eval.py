@@ -6,9 +6,10 @@
   the compact separators the engine compiles JSON schemas with); the share that finish (emit eos)
   within the token budget and the share of those that satisfy the schema;
 - `acceptance`: greedy speculative decoding at k drafts, simulated exactly on the target's own greedy
-  output (for schema prompts, and for held-out GSM8K questions: natural text): a step at position i accepts the drafts that equal the following tokens, then moves past
-  them and the bonus token. Heads draft from the target's features (the unrolled chain of
-  zoo.distill.unroll, which sees the same tokens as drafting token by token while drafts match);
+  output (for schema prompts, and for held-out GSM8K questions: natural text): a step at position i
+  accepts the drafts that equal the following tokens, then moves past them and the bonus token. Heads
+  draft from the target's features (the unrolled chain of zoo.distill.unroll, which sees the same
+  tokens as drafting token by token while drafts match);
   ngram is engine.speculative.ngram's prompt lookup with the engine's default n range.
 """
 from __future__ import annotations

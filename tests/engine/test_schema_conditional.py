@@ -26,7 +26,8 @@ EXACT = {  # exact but for "" and line breaks in a complemented string (engine/s
                                     "then": THEN, "else": ELSE},
 }
 NARROWER = {  # the complement of a string literal is spelled for strings only
-    "typed const": {"type": "object", "if": {"type": "object", "properties": {"kind": {"type": "string", "const": "image"}}},
+    "typed const": {"type": "object",
+                    "if": {"type": "object", "properties": {"kind": {"type": "string", "const": "image"}}},
                     "then": THEN, "else": ELSE},
 }
 KEY_VALUES = [None, 1, 2.5, "image", "video", "x", {}, [], True]
@@ -77,7 +78,8 @@ def test_an_existing_anyof_is_kept_beside_the_conditional():
 @pytest.mark.skipif(not llg.available(), reason="llguidance is not installed")
 def test_llguidance_serves_a_conditional_and_writes_valid_objects(grammar_compiler, grammar_tokenizer):
     compiler, tokenizer = grammar_compiler, grammar_tokenizer
-    schema = {"type": "object", "properties": {"kind": {"enum": ["a", "b", "c"]}, "n": {"type": "integer", "maximum": 9}},
+    schema = {"type": "object",
+              "properties": {"kind": {"enum": ["a", "b", "c"]}, "n": {"type": "integer", "maximum": 9}},
               "required": ["kind"], "additionalProperties": False,
               "if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["n"]},
               "else": {"properties": {"n": False}}}
