@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.schema_not import ALL_TYPES, rewrite_not
-from engine.schema_support import ANNOTATIONS
+from engine.schema_support import without_annotations
 
 
 def rewrite_conditional(node: dict) -> dict:
@@ -46,7 +46,7 @@ def rewrite_conditional(node: dict) -> dict:
 def _negation(condition: Any) -> dict | None:
     if not isinstance(condition, dict):
         return None
-    shape = {k: v for k, v in condition.items() if k not in ANNOTATIONS}
+    shape = without_annotations(condition)
     properties, required = shape.pop("properties", None), shape.pop("required", [])
     typed = shape.pop("type", None)
     if shape or typed not in (None, "object") or not isinstance(properties, dict) or len(properties) != 1:

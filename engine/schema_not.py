@@ -20,7 +20,7 @@ an `anyOf` (integers) is left alone too: the new constraint would have to be int
 """
 from __future__ import annotations
 
-from engine.schema_support import ANNOTATIONS
+from engine.schema_support import ANNOTATIONS, without_annotations
 
 ALL_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
 MAX_VALUES = 64
@@ -33,7 +33,7 @@ def rewrite_not(node: dict) -> dict:
     negated = node.get("not")
     if not isinstance(negated, dict):
         return node
-    shape = {k: v for k, v in negated.items() if k not in ANNOTATIONS}
+    shape = without_annotations(negated)
     rest = {k: v for k, v in node.items() if k != "not"}
     if shape.get("type") in ("string", "integer") and len(shape) == 2 and ({"const", "enum"} & set(shape)):
         # {type: string, enum: L} is the strings of L: the same literals when L holds only strings

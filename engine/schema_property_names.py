@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from engine.schema_support import ANNOTATIONS
+from engine.schema_support import without_annotations
 
 
 def rewrite_property_names(node: dict, root: Any) -> dict:
@@ -29,11 +29,11 @@ def rewrite_property_names(node: dict, root: Any) -> dict:
         return node
     names = resolve_ref(node["propertyNames"], root)
     rest = {k: v for k, v in node.items() if k != "propertyNames"}
-    if names is True or (isinstance(names, dict) and _shape(names) in ({}, {"type": "string"})):
+    if names is True or (isinstance(names, dict) and without_annotations(names) in ({}, {"type": "string"})):
         return rest
     if not isinstance(names, dict):
         return node
-    shape = _shape(names)
+    shape = without_annotations(names)
     if shape.get("type") == "string":  # names are strings: the type adds nothing
         del shape["type"]
     properties = rest.get("properties", {})
@@ -56,7 +56,3 @@ def rewrite_property_names(node: dict, root: Any) -> dict:
         return {**rest, "properties": fixed, "patternProperties": {shape["pattern"]: extra},
                 "additionalProperties": False}
     return node
-
-
-def _shape(schema: dict) -> dict:
-    return {k: v for k, v in schema.items() if k not in ANNOTATIONS}

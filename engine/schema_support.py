@@ -46,6 +46,11 @@ _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+def without_annotations(schema: dict) -> dict:
+    """The keywords of `schema` that constrain instances (ANNOTATIONS left out)."""
+    return {k: v for k, v in schema.items() if k not in ANNOTATIONS}
+
+
 @dataclass(frozen=True, slots=True)
 class Unenforceable:
     keyword: str

@@ -95,6 +95,24 @@ def grammar_compiler(grammar_tokenizer):
     return GrammarCompiler(grammar_tokenizer, VOCAB, [1])
 
 
+def closing_bias(tokenizer, closers: str, weight: float, also: tuple[int, ...] = ()):
+    """Logit bias favouring the tokens that hold one of `closers` (and the ids in `also`), so random
+    walks through a free-form grammar end within their step budget."""
+    import torch
+
+    return torch.tensor([weight if any(c in tokenizer.decode([t]) for c in closers) or t in also else 0.0
+                         for t in range(VOCAB)])
+
+
+def walk_json(compiler, tokenizer, spec, seed: int, max_steps: int = 300, bias=None):
+    """walk_tokens ending on the stop token (id 1), its text parsed as JSON."""
+    import json
+
+    out, token = walk_tokens(compiler, spec, seed, max_steps, bias)
+    assert token == 1, token
+    return json.loads(tokenizer.decode(out))
+
+
 def walk_tokens(compiler, spec, seed: int, max_steps: int = 300, bias=None) -> tuple[list[int], int]:
     """Greedy decoding of random logits under the grammar mask (any backend's compiler) until the matcher
     terminates: (the tokens before the last, the last), which ended it; AssertionError if it never does."""

@@ -8,7 +8,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler, StructuredOutput
-from tests.engine.conftest import VOCAB, _tokenizer, walk_tokens
+from tests.engine.conftest import VOCAB, _tokenizer, closing_bias, walk_tokens
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "kind": {"enum": ["cat", "dog"]},
@@ -24,15 +24,6 @@ def tokenizer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
     return GrammarCompiler(tokenizer, VOCAB)
-
-
-def _closing_bias(tokenizer) -> torch.Tensor:
-    """Favour tokens that close strings and objects so free-form JSON random walks end."""
-    bias = torch.zeros(VOCAB)
-    for t in range(len(tokenizer)):
-        if any(c in tokenizer.decode([t]) for c in '}"') or t == tokenizer.eos_token_id:
-            bias[t] = 3.0
-    return bias
 
 
 def _walk(compiler, tokenizer, spec, seed, max_steps=300, bias=None):
@@ -51,7 +42,7 @@ def test_constrained_random_decoding_validates(compiler, tokenizer, seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_json_object(compiler, tokenizer, seed):
     value = json.loads(_walk(compiler, tokenizer, StructuredOutput(json_object=True), seed,
-                             bias=_closing_bias(tokenizer)))
+                             bias=closing_bias(tokenizer, '}"', 3.0, (tokenizer.eos_token_id,))))
     assert isinstance(value, dict)
 
 
