@@ -25,6 +25,7 @@ from engine.errors import InvalidRequestError
 from engine.grammar_state import GrammarState
 from engine.schema_presence import rewrite_presence
 from engine.schema_rewrite import rewrite
+from engine.schema_siblings import without_absent_properties
 from engine.schema_support import check_enforceable, first_unenforceable, refusal_message
 
 try:
@@ -171,13 +172,14 @@ def compile_structured(compiler, structured: StructuredOutput):
 def compiled_schema_source(structured: StructuredOutput) -> str:
     """The JSON text xgrammar compiles for a json_schema request: the user's schema after the exact
     rewrites of engine.schema_rewrite (the cache key stays the user's own text)."""
-    return json.dumps(rewrite(json.loads(structured.canonical_source())), separators=(",", ":"))
+    schema = without_absent_properties(rewrite(json.loads(structured.canonical_source())))
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def llguidance_schema(structured: StructuredOutput) -> dict:
     """The schema llguidance compiles for a json_schema request: the xgrammar rewrites, then the exact
     key-presence rewrites llguidance can enforce (engine.schema_presence)."""
-    return rewrite_presence(json.loads(compiled_schema_source(structured)))
+    return rewrite_presence(rewrite(json.loads(structured.canonical_source())))
 
 
 def _compact_json(node, separators: tuple[str, str]):
@@ -190,7 +192,8 @@ def _compact_json(node, separators: tuple[str, str]):
         return node
     if (node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict)
             and set(node) <= {"type", "json_schema", "style"} and node.get("style", "json") == "json"):
-        grammar = xgr.Grammar.from_json_schema(json.dumps(rewrite(node["json_schema"])), any_whitespace=False,
+        schema = without_absent_properties(rewrite(node["json_schema"]))
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
                                                separators=separators)
         return {"type": "grammar", "grammar": str(grammar)}
     return {k: _compact_json(v, separators) for k, v in node.items()}

@@ -19,7 +19,11 @@ only costs completeness, never validity). The rewrites:
 - `not` of a type or of a few strings or integers: spelled positively (engine/schema_not.py).
 - `propertyNames` of any string, of listed names or of a pattern: as properties, patternProperties
   and additionalProperties (engine/schema_property_names.py).
-- keywords beside a `$ref` in a draft 3-7 schema, which those drafts ignore: dropped.
+- keywords beside a `$ref` in a draft 3-7 schema, which those drafts ignore: dropped; a `$ref` to a
+  named anchor ("#name"), which xgrammar does not resolve: the anchor's JSON pointer (engine/schema_anchors.py).
+- keywords beside an `anyOf`/`oneOf` (xgrammar drops them): moved into each branch; string and
+  number keywords of a node with no `type` (xgrammar drops them too): every type spelled out
+  (engine/schema_siblings.py).
 
 """
 from __future__ import annotations
@@ -31,9 +35,11 @@ from typing import Any
 
 import jsonschema
 
+from engine.schema_anchors import pointer_refs
 from engine.schema_formats import rewrite_format
 from engine.schema_not import rewrite_not
 from engine.schema_property_names import rewrite_property_names
+from engine.schema_siblings import declare_required, distribute, typed
 from engine.schema_support import ANNOTATIONS
 
 MAX_LITERALS = 1024  # larger literal sets are left alone (the validator runs once per literal)
@@ -117,9 +123,11 @@ def candidates(node: Any, root: Any, depth: int = 0) -> list | None:
     return None
 
 
-def _finite_enum(node: dict, root: Any, validator) -> dict | None:
-    """`{"enum": [...]}` equal to `node`, or None (not finite, too many literals, or not decidable)."""
-    if not (set(node) - ANNOTATIONS - _ENUM_ONLY):
+def _finite_enum(node: dict, root: Any, validator) -> dict | bool | None:
+    """`{"enum": [...]}` equal to `node`, False where no value satisfies it, or None (not finite, too
+    many literals, or not decidable)."""
+    plain = not (set(node) - ANNOTATIONS - _ENUM_ONLY)
+    if plain and not ("type" in node and ("enum" in node or "const" in node)):
         return None  # already plain: nothing the grammar cannot enforce
     values = candidates(node, root)
     if values is None or len(values) > MAX_LITERALS:
@@ -134,8 +142,12 @@ def _finite_enum(node: dict, root: Any, validator) -> dict | None:
                 kept.append(value)
     except Exception:  # noqa: BLE001 - undecidable here (a bad $ref, an odd regex, recursion): keep it
         return None
+    if plain and len(kept) == len(values):
+        return None  # every literal has the type: the node is fine as it is
     if not kept:
-        return None  # unsatisfiable (a schema bug, e.g. string enum under type object): xgrammar has no empty enum
+        # A schema bug (`{"type": "object", "enum": ["A"]}`): xgrammar would write the enum and ignore the
+        # type. False says what it means; the compiler then refuses it, naming the empty subschema.
+        return False
     annotations = {k: v for k, v in node.items() if k in ANNOTATIONS and k not in ("$id", "id", "$schema")}
     return {**annotations, "enum": kept}
 
@@ -428,7 +440,9 @@ def merge_all_of(node: dict, root: Any, expanding: frozenset = frozenset()) -> t
     branches = node.get("allOf")
     if not isinstance(branches, list) or not branches:
         return None
-    merged = {k: v for k, v in node.items() if k != "allOf"}
+    # annotations stay on the node (an "id" at the root names the document its "#/..." refs live in)
+    kept = {k: v for k, v in node.items() if k in ANNOTATIONS}
+    merged = {k: v for k, v in node.items() if k != "allOf" and k not in ANNOTATIONS}
     for branch in branches:
         if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
             if branch["$ref"] in expanding:
@@ -440,7 +454,7 @@ def merge_all_of(node: dict, root: Any, expanding: frozenset = frozenset()) -> t
         merged = _conjoin(merged, branch)
         if merged is None:
             return None
-    return merged, expanding
+    return {**kept, **merged}, expanding
 
 
 _SCHEMA_VALUED = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not",
@@ -457,31 +471,39 @@ def _ref_overrides_siblings(root: Any) -> bool:
     return isinstance(root.get("$schema"), str) and _REF_OVERRIDES.search(root["$schema"]) is not None
 
 
-def _rewrite(node: Any, root: Any, validator, is_root: bool, expanding: frozenset = frozenset()) -> Any:
+def _rewrite(node: Any, root: Any, validator, is_root: bool, expanding: frozenset = frozenset(),
+             negated: bool = False) -> Any:
+    """`node` rewritten (module docstring); `negated`: it is a `not`'s subschema or one of its branches."""
     if not isinstance(node, dict):
         return node
     if "$ref" in node and not is_root and _ref_overrides_siblings(root):
         # what the draft ignores, a backend might apply (llguidance refuses a circular $ref beside keywords)
         node = {k: v for k, v in node.items() if k == "$ref" or k in ANNOTATIONS - {"$schema"}}
-    if is_root or not isinstance(node.get("$id", node.get("id")), str):  # an inner $id moves the ref base
+    base = node.get("$id", node.get("id"))
+    inner_id = not is_root and isinstance(base, str) and not base.startswith("#")  # it moves the ref base
+    if not inner_id:
         finite = _finite_enum(node, root, validator)
         if finite is not None:
             return finite
     out = {}
-    if "allOf" in node:
+    if "allOf" in node and not inner_id:
         merged = merge_all_of(node, root, expanding)
         if merged is not None:
             node, expanding = merged
     if "$ref" not in node:  # keywords beside a $ref mean different things in different drafts: left alone
+        node, expanding = distribute(node, root, expanding)
         node = rewrite_property_names(rewrite_format(rewrite_not(node)), root)
+        node, expanding = distribute(node, root, expanding)  # `not` of integers writes an anyOf of ranges
+        node = typed(node) if negated else declare_required(typed(node))
     node = _lengths_into_pattern(node)
     for key, value in node.items():
         if key in ANNOTATIONS or key in ("enum", "const"):
             out[key] = value
         elif key in _SCHEMA_VALUED and isinstance(value, dict):
-            out[key] = _rewrite(value, root, validator, False, expanding)
+            out[key] = _rewrite(value, root, validator, False, expanding, key == "not")
         elif key in _SCHEMA_LISTS and isinstance(value, list):
-            out[key] = [_rewrite(v, root, validator, False, expanding) for v in value]
+            branches = negated and key in ("anyOf", "allOf", "oneOf")
+            out[key] = [_rewrite(v, root, validator, False, expanding, branches) for v in value]
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: _rewrite(v, root, validator, False, expanding) if isinstance(v, dict) else v
                         for name, v in value.items()}
@@ -495,6 +517,7 @@ def rewrite(schema: Any) -> Any:
     input is not modified, key order is kept (the grammar generates properties in declared order)."""
     if not isinstance(schema, dict):
         return schema
+    schema = pointer_refs(schema)
     try:
         validator = validator_of(schema)
     except Exception:  # noqa: BLE001 - a schema jsonschema cannot load: the compiler will say why

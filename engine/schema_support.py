@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.schema_formats import unenforced_format
+from engine.schema_formats import ENFORCED, unenforced_format
 
 # Keywords whose constraint xgrammar's JSON-schema grammar does not carry at all (it ignores them),
 # so a matcher completes on instances the schema rejects (measured: bench/structured.py). Values: why.
@@ -46,6 +46,12 @@ _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+def siblings(node: dict, key: str) -> dict:
+    """The keywords beside `node[key]` (an anyOf/oneOf) that constrain instances: not annotations, nor
+    definitions (which constrain nothing and must stay where $refs point)."""
+    return {k: v for k, v in node.items() if k != key and k not in ANNOTATIONS and k not in ("$defs", "definitions")}
+
+
 def without_annotations(schema: dict) -> dict:
     """The keywords of `schema` that constrain instances (ANNOTATIONS left out)."""
     return {k: v for k, v in schema.items() if k not in ANNOTATIONS}
@@ -58,7 +64,7 @@ class Unenforceable:
     reason: str
 
 
-def _pointer(parts: tuple) -> str:
+def pointer(parts: tuple) -> str:
     return "#" + "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
 
 
@@ -69,13 +75,15 @@ def _violation(node: dict, parts: tuple, root: Any) -> Unenforceable | None:
             continue
         reason = _unenforced(keyword, value, node, root)
         if reason is not None:
-            return Unenforceable(keyword, _pointer(parts + (keyword,)), reason)
+            return Unenforceable(keyword, pointer(parts + (keyword,)), reason)
     return None
 
 
 def _unenforced(keyword: str, value: Any, node: dict, root: Any = None) -> str | None:
     if keyword in UNENFORCED:
         return UNENFORCED[keyword]
+    if keyword == "$ref" and isinstance(value, str) and value != "#" and not value.startswith("#/"):
+        return "only local JSON-pointer references (\"#/...\") are resolved; this one would allow any value"
     if keyword == "uniqueItems" and value is True:
         return "item uniqueness is not enforced"
     if keyword in ("minProperties", "maxProperties"):
@@ -86,11 +94,22 @@ def _unenforced(keyword: str, value: Any, node: dict, root: Any = None) -> str |
         return "multipleOf is enforced only for integers"
     if keyword == "allOf" and isinstance(value, list) and len(value) > 1:
         return "an intersection of several schemas is only approximated"
+    if keyword == "required" and isinstance(value, list):
+        declared = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        missing = [name for name in value if name not in declared]
+        if missing:
+            return f"required property {missing[0]!r} is not declared in properties, so it is never written"
+    if keyword == "allOf" and isinstance(value, list) and siblings(node, keyword):
+        return "keywords beside allOf are ignored (here they could not be merged with its branches)"
+    if keyword in ("anyOf", "oneOf") and isinstance(value, list) and siblings(node, keyword):
+        return f"keywords beside {keyword} are ignored (here they could not be moved into its branches)"
     if keyword == "oneOf" and isinstance(value, list) and not _provably_disjoint(value, root, node):
         return "oneOf is enforced as anyOf unless its branches are provably disjoint"
     if keyword == "format":
         return unenforced_format(value)
     if keyword == "pattern" and isinstance(value, str):
+        if node.get("format") in ENFORCED:
+            return "a pattern beside a format: only the format is enforced"
         if "minLength" in node or "maxLength" in node:
             return "a pattern combined with minLength/maxLength drops the length bounds"
         problem = _regex_problem(value)
@@ -101,6 +120,29 @@ def _unenforced(keyword: str, value: Any, node: dict, root: Any = None) -> str |
             problem = _regex_problem(regex)
             if problem is not None:
                 return problem
+        named = _named_and_matched(node, value)
+        if named is not None:
+            return (f"property {named!r} is named in properties and matched by patternProperties: only one of "
+                    "the two schemas is enforced")
+    return None
+
+
+def _named_and_matched(node: dict, pattern_properties: dict) -> str | None:
+    """A property `node` declares whose name a patternProperties regex with a non-trivial schema also
+    matches (the instance must then satisfy both; xgrammar checks one), or None."""
+    properties = node.get("properties")
+    if not isinstance(properties, dict):
+        return None
+    for regex, schema in pattern_properties.items():
+        if schema is True or (isinstance(schema, dict) and not without_annotations(schema)):
+            continue
+        try:
+            compiled = re.compile(regex)
+        except re.error:
+            compiled = None  # Python cannot read it: assume it matches
+        for name in properties:
+            if compiled is None or compiled.search(name):
+                return name
     return None
 
 

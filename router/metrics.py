@@ -33,6 +33,10 @@ class RouterMetrics:
                              ["model"], registry=r).labels(**labels)
         self.queue = Gauge("tandem_queue_length", "Requests admitted but without a first token yet.",
                            ["model"], registry=r).labels(**labels)
+        self.structured_violations = Counter(
+            "tandem_structured_output_violations", "Guided outputs whose grammar finished but which the schema "
+            "rejects (answered with a 500, never as a normal completion): a backend gap to report.",
+            ["model"], registry=r).labels(**labels)
         self.rejected = Counter("tandem_requests_rejected", "Requests refused because the queue bound was hit.",
                                 ["model"], registry=r).labels(**labels)
         self.kv_used = Gauge("tandem_kv_blocks_used", "KV blocks in use, per worker replica.",

@@ -7,6 +7,7 @@ import time
 
 from router import responses as R
 from engine.detokenizer import IncrementalDetokenizer
+from engine.output_check import output_violation
 from router.errors import APIError
 from router.generation import Generation
 from router.tool_parser import ToolCallStream, parse_tool_calls
@@ -27,6 +28,9 @@ class ResponseWriter:
         self.arrival, self.endpoint = arrival, endpoint
         self.tools = tools  # router.tools.ToolRequest constraining the output to calls, or None
         self.finish_reason: str | None = None
+        # judged at the end unless the client's own stop tokens may cut it (stop strings end in piece.stop)
+        self._structured = None if gen.params.get("stop_token_ids") else gen.params.get("structured_output")
+        self._text: list[str] = []  # the generated text so far, judged when its grammar finishes it
         self._last_token_time: float | None = None
         self._closed = False
 
@@ -50,10 +54,25 @@ class ResponseWriter:
                 return
             if ev.finish_reason is not None:
                 self.finish_reason = ev.finish_reason
-                yield piece.text + self.det.flush().text, lp
+                last = piece.text + self.det.flush().text
+                if ev.finish_reason == "stop":
+                    self._check("".join(self._text) + last)
+                yield last, lp
                 return
+            if self._structured is not None:
+                self._text.append(piece.text)
             if piece.text or lp:
                 yield piece.text, lp
+
+    def _check(self, text: str) -> None:
+        """Enforce or refuse, last line (engine/output_check.py): raises a 500 for a finished guided
+        output its schema rejects, before its last piece and its finish_reason are sent."""
+        violation = output_violation(self._structured, text)
+        if violation is not None:
+            self.router.metrics.structured_violations.inc()
+            raise APIError(500, f"{violation}; the grammar backend did not enforce it, so the output is "
+                           "withheld (please report the schema)", "server_error", "response_format",
+                           "structured_output_violation")
 
     async def collect(self) -> dict:
         status = 500

@@ -136,3 +136,25 @@ def walk_tokens(compiler, spec, seed: int, max_steps: int = 300, bias=None) -> t
             return out, token
         out.append(token)
     raise AssertionError("grammar did not terminate")
+
+
+def assert_backend_writes_valid(compiler, tokenizer, schema: dict, backend: str, closers: str,
+                                max_steps: int = 300, seeds: int = 8) -> None:
+    """Random walks through `schema`'s grammar on `backend` each end in an instance valid against it.
+    For llguidance, a keyword xgrammar does not enforce (multipleOf on a number) is added to send the
+    schema there; skipped where llguidance is not installed."""
+    import jsonschema
+    import pytest
+
+    from engine import grammar_llguidance as llg
+    from engine.grammar import StructuredOutput
+
+    if backend == "llguidance":
+        if not llg.available():
+            pytest.skip("llguidance is not installed")
+        schema = {**schema, "properties": {**schema["properties"], "w": {"type": "number", "multipleOf": 0.5}}}
+    spec = StructuredOutput(json_schema=schema)
+    assert spec.plan.backend == backend
+    bias = closing_bias(tokenizer, closers, 2.0)
+    for seed in range(seeds):
+        jsonschema.validate(walk_json(compiler, tokenizer, spec, seed, max_steps=max_steps, bias=bias), schema)

@@ -9,12 +9,10 @@ import re
 import jsonschema
 import pytest
 
-from engine import grammar_llguidance as llg
-from engine.grammar import StructuredOutput
 from engine.schema_not import complement_pattern, rewrite_not
 from engine.schema_rewrite import rewrite
 from engine.schema_support import first_unenforceable
-from tests.engine.conftest import closing_bias, walk_json
+from tests.engine.conftest import assert_backend_writes_valid
 
 CASES = {
     "not a type": {"not": {"type": "object"}},
@@ -60,18 +58,9 @@ def test_what_cannot_be_spelled_stays():
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_what_the_backends_write_is_valid(grammar_compiler, grammar_tokenizer, backend):
-    if backend == "llguidance" and not llg.available():
-        pytest.skip("llguidance is not installed")
-    compiler, tokenizer = grammar_compiler, grammar_tokenizer
     schema = {"type": "object", "properties": {"c": {"type": "string", "not": {"enum": ["a", "ab", "b"]}},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 9,
                                                      "not": {"enum": [0, 1, 5]}},
                                                "t": {"not": {"type": ["string", "number", "array", "object"]}}},
               "required": ["c", "n", "t"], "additionalProperties": False}
-    if backend == "llguidance":  # a keyword xgrammar does not enforce sends it to llguidance
-        schema["properties"]["w"] = {"type": "number", "multipleOf": 0.5}
-    spec = StructuredOutput(json_schema=schema)
-    assert spec.plan.backend == backend
-    bias = closing_bias(tokenizer, '"', 2.0)
-    for seed in range(8):
-        jsonschema.validate(walk_json(compiler, tokenizer, spec, seed, max_steps=300, bias=bias), schema)
+    assert_backend_writes_valid(grammar_compiler, grammar_tokenizer, schema, backend, '"')

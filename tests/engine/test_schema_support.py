@@ -82,7 +82,7 @@ def test_each_refused_keyword(schema, keyword):
                                                      {"properties": {"op": {"enum": ["remove"]}}}]},
 ])
 def test_annotations_and_enforceable_schemas_pass(schema):
-    assert first_unenforceable(schema) is None
+    assert first_unenforceable(rewrite(schema)) is None  # as the engine plans: after the exact rewrites
 
 
 def test_nested_paths_and_defs():
