@@ -56,8 +56,10 @@ def output_violation(structured: dict | None, text: str) -> str | None:
     schema_text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
     try:
         error = jsonschema.exceptions.best_match(_validator(schema_text).iter_errors(value))
-    except Exception as e:  # noqa: BLE001 - a schema the validator cannot run (a remote $ref): not judged
-        return None if not isinstance(e, RecursionError) else "the output is nested too deeply to validate"
+    except RecursionError:
+        return "the output is nested too deeply to validate"
+    except Exception:  # noqa: BLE001 - a schema the validator cannot run (a remote $ref): not judged
+        return None
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "(root)"

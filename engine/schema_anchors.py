@@ -12,6 +12,8 @@ from typing import Any
 
 from engine.schema_support import pointer
 
+_LITERALS = ("enum", "const", "default", "examples", "example")  # values that are data, not schemas
+
 
 def _anchors(node: Any, parts: tuple, found: dict[str, str]) -> None:
     if isinstance(node, dict):
@@ -22,7 +24,7 @@ def _anchors(node: Any, parts: tuple, found: dict[str, str]) -> None:
         if isinstance(node.get("$anchor"), str):
             found.setdefault("#" + node["$anchor"], pointer(parts))
         for key, value in node.items():
-            if key not in ("enum", "const", "default", "examples", "example"):  # literals, not schemas
+            if key not in _LITERALS:
                 _anchors(value, parts + (key,), found)
     elif isinstance(node, list):
         for i, value in enumerate(node):
@@ -35,7 +37,7 @@ def _replaced(node: Any, anchors: dict[str, str]) -> Any:
         for key, value in node.items():
             if key == "$ref" and isinstance(value, str) and value in anchors:
                 out[key] = anchors[value]
-            elif key in ("enum", "const", "default", "examples", "example"):
+            elif key in _LITERALS:
                 out[key] = value
             else:
                 out[key] = _replaced(value, anchors)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.schema_support import ANNOTATIONS, siblings
+from engine.schema_support import ANNOTATIONS, map_subschemas, siblings
 
 ALL_TYPES = ["null", "boolean", "object", "array", "number", "string"]
 # keywords that constrain only strings / only numbers (xgrammar drops them without a `type`)
@@ -108,12 +108,9 @@ def without_absent_properties(node: Any) -> Any:
     the key again, leaving it undeclared says the same. (llguidance reads `false` itself and would
     write undeclared keys, so its schema keeps them.) A required `false` property is left: no
     object satisfies it, and the compiler's refusal says so."""
-    if isinstance(node, list):
-        return [without_absent_properties(v) for v in node]
     if not isinstance(node, dict):
         return node
-    out = {k: (v if k in ("enum", "const", "default", "examples") else without_absent_properties(v))
-           for k, v in node.items()}
+    out = map_subschemas(node, without_absent_properties)
     properties, required = out.get("properties"), out.get("required", [])
     if (isinstance(properties, dict) and out.get("additionalProperties", False) is False
             and not out.get("patternProperties") and isinstance(required, list)):

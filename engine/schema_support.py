@@ -342,7 +342,22 @@ def _regex_problem(regex: str) -> str | None:
     return None
 
 
-def _subschemas(node: dict, parts: tuple):
+def map_subschemas(node: dict, fn) -> dict:
+    """A copy of `node` with `fn` applied to every schema nested directly in it (where `subschemas`
+    finds them: not to property-name maps or literals)."""
+    out = dict(node)
+    for sub, parts in subschemas(node, ()):
+        if len(parts) == 1:
+            out[parts[0]] = fn(sub)
+            continue
+        keyword, at = parts
+        if out[keyword] is node[keyword]:
+            out[keyword] = list(node[keyword]) if isinstance(node[keyword], list) else dict(node[keyword])
+        out[keyword][at] = fn(sub)
+    return out
+
+
+def subschemas(node: dict, parts: tuple):
     """(subschema, its path) for every schema nested directly in `node`, in declaration order."""
     for keyword, value in node.items():
         if keyword in ANNOTATIONS:
@@ -373,7 +388,7 @@ def first_unenforceable(schema: Any) -> Unenforceable | None:
         found = _violation(node, parts, schema)
         if found is not None:
             return found
-        stack.extend(reversed(list(_subschemas(node, parts))))
+        stack.extend(reversed(list(subschemas(node, parts))))
     return None
 
 

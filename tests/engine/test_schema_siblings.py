@@ -131,3 +131,11 @@ def test_a_property_that_must_be_absent_is_left_undeclared_for_xgrammar(grammar_
         jsonschema.validate(out, schema)
     with pytest.raises(InvalidRequestError, match="false"):
         grammar_compiler.compile(StructuredOutput(json_schema={**schema, "required": ["a", "b"]}))
+
+
+def test_only_schemas_are_walked_for_absent_properties():
+    """A property named "properties" is a name, not the keyword: its schema's additionalProperties: false
+    stays (25 dev schemas, e.g. GeoJSON-style "properties" members, lost it to a walk of every dict)."""
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "additionalProperties": False,
+                                                              "properties": {"a": {"type": "string"}}}}}
+    assert json.loads(compiled_schema_source(StructuredOutput(json_schema=schema))) == schema
