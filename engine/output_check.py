@@ -7,8 +7,9 @@ measured on JSONSchemaBench, not proven: a backend may still accept an instance 
 json_object output ends because its grammar terminated, the text is validated here with the jsonschema
 validator of the schema's own draft, formats asserted (the same judge the benchmarks use). A violation
 is the server's failure, not the client's: the router answers it with a 500 naming the keyword, so an
-invalid instance is never returned with finish_reason "stop". Outputs cut by max_tokens or by a stop
-string are what the client asked for and are not judged.
+invalid instance is never returned with finish_reason "stop" (router/output.py; it judges tool calls'
+arguments the same way, each against its function's parameters). Outputs cut by max_tokens or by a
+stop string are what the client asked for and are not judged.
 """
 from __future__ import annotations
 

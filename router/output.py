@@ -66,12 +66,21 @@ class ResponseWriter:
 
     def _check(self, text: str) -> None:
         """Enforce or refuse, last line (engine/output_check.py): raises a 500 for a finished guided
-        output its schema rejects, before its last piece and its finish_reason are sent."""
-        violation = output_violation(self._structured, text)
+        output its schema rejects (for tool calls: arguments their function's parameters reject),
+        before its last piece and its finish_reason are sent."""
+        if self._structured is None:
+            return
+        if self.tools is None:
+            violation, param = output_violation(self._structured, text), "response_format"
+        else:
+            parameters = {t.name: t.parameters for t in self.tools.tools}
+            calls = parse_tool_calls(text, self.tools.names).tool_calls
+            found = (output_violation({"json_schema": parameters[c.name]}, c.arguments) for c in calls)
+            violation, param = next((v for v in found if v is not None), None), "tools"
         if violation is not None:
             self.router.metrics.structured_violations.inc()
             raise APIError(500, f"{violation}; the grammar backend did not enforce it, so the output is "
-                           "withheld (please report the schema)", "server_error", "response_format",
+                           "withheld (please report the schema)", "server_error", param,
                            "structured_output_violation")
 
     async def collect(self) -> dict:
