@@ -169,3 +169,18 @@ def test_refusal_removes_leaks_on_real_cases(tokenizer):
     assert checked > 20
     assert len(leaks_served) < len(leaks_all), (leaks_all, leaks_served)
     assert len(leaks_served) <= 1, f"served schemas accepted invalid instances: {sorted(leaks_served)}"
+
+
+@pytest.mark.parametrize("pattern, misread", [
+    (r"^a(:[^\s]+)?$", True),  # xgrammar accepted "a:"
+    (r"^a(\.[0-9]+)?$", True),  # xgrammar accepted "a1"
+    (r"^[a-z]{2}(-x(-[a-z0-9]{1,8})+)?$", True),  # nested, JSONSchemaBench Github_hard o58443
+    (r"^a(:[^\s]+)*$", False),  # a star group is read right
+    (r"^a(:[^:]+)?b$", False),  # not at the end
+    (r"^a(-[a-z]{4})?$", False),  # no "+" inside
+    (r"^a(:[0-9]+)?$", False),  # positive classes only: read right
+    (r"^(?:(?:\S+\s+){0,9}\S+)?$", False),  # the group is the whole regex: read right
+])
+def test_a_trailing_optional_group_with_a_repetition_goes_elsewhere(pattern, misread):
+    found = first_unenforceable({"type": "string", "pattern": pattern})
+    assert (found is not None and "optional group" in found.reason) == misread
