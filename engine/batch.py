@@ -92,10 +92,11 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
     t = 0
     for b, s in enumerate(scheduled):
         req, n = s.request, s.num_new_tokens
-        start, held = req.num_computed_tokens, blocks.num_slots[req.request_id]
+        start, held, num_tokens = s.start, blocks.num_slots[req.request_id], s.num_tokens
         table = blocks.table(req.request_id)
         tables[b, : len(table)] = table
-        window = _tokens(req, start, start + min(n, rows[b]) + 1)  # this step's inputs and the token after
+        # this step's inputs and the token after; a carried request's come from the running step (overlap.py)
+        window = [0] * (n + 1) if s.carried else _tokens(req, start, start + min(n, rows[b]) + 1)
         m = rows[b]
         pos = np.arange(start, start + m, dtype=np.int64)
         real = min(n, m)
@@ -108,15 +109,16 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
         samples[b] = s.sample
         slot_limit[b] = held
         if s.sample:
-            nd = start + n - req.num_tokens
+            nd = start + n - num_tokens
             num_drafts[b] = nd
-            drafts[b, :nd] = req.spec_token_ids[:nd]
-            first = t + req.num_tokens - 1 - start  # row of the last verified token
+            if not s.carried:
+                drafts[b, :nd] = req.spec_token_ids[:nd]
+            first = t + num_tokens - 1 - start  # row of the last verified token
             verify_rows[b] = first + np.minimum(np.arange(k1), nd)
             propose |= not req.prefill_only
         else:
             verify_rows[b] = t + real - 1
-        first_pos[b] = req.num_tokens
+        first_pos[b] = num_tokens
         t += m
         qsl[b + 1] = t
         seq_lens[b] = start + m

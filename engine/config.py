@@ -156,6 +156,10 @@ class EngineConfig:
     # (engine/graph_masks.py); False: such steps run eagerly.
     graph_masks: bool = True
     detokenize: bool = True  # keep each request's text and apply stop strings (off where the router does both)
+    # Plan and launch step N+1 before reading step N's outputs (engine/overlap.py): hides the host's work
+    # behind the device's on a GPU; on a CPU it only reorders it. Steps with grammars, penalties, prompt
+    # lookup, ADP or prefill-only requests run synchronously all the same.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpecConfig.coerce(self.speculative))

@@ -29,6 +29,7 @@ from engine.handover import Handover, HandoverRequest
 from engine.logits_masker import LogitsMasker
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.overlap import InFlight, carry_blocker
 from engine.parallel import TPContext
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -86,6 +87,8 @@ class LLMEngine:
         self._seeds = random.Random(cfg.seed)
         self._finished_unreported: list[Request] = []
         self._compiling: dict[str, Future] = {}  # request id -> its grammar's compile (GrammarMasker.start)
+        self._inflight: InFlight | None = None  # async scheduling: the launched step not read yet
+        self.num_overlapped_steps = 0  # steps launched before the previous step's outputs were read
 
     def _auto_num_blocks(self, max_model_len: int) -> int:
         per_block = self.runner.kv_block_bytes()
@@ -219,7 +222,7 @@ class LLMEngine:
         self._finished_unreported.append(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._finished_unreported)
+        return self.scheduler.num_unfinished > 0 or bool(self._finished_unreported) or self._inflight is not None
 
     def stats(self) -> dict:
         out = {
@@ -228,6 +231,7 @@ class LLMEngine:
             "num_parked": sum(r.status in (RequestStatus.PARKED, RequestStatus.RESERVED) for r in self.requests.values()),
             "kv_blocks_used": self.blocks.pool.num_used,
             "kv_blocks_total": self.blocks.pool.num_blocks,
+            "overlapped_steps": self.num_overlapped_steps,
         }
         if self.spec is not None:
             hist = self.accepted_length_hist
@@ -241,6 +245,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One step's outputs. With async scheduling, the outputs of the step launched by the previous
+        call, while the step planned after it runs (engine/overlap.py)."""
+        if self._inflight is not None:
+            touched = self._advance()
+            reports = self._finished_unreported + touched
+            self._finished_unreported = []
+            return [self._output(r) for r in reports]
         if self._received:
             self._draft_received()
         if self._compiling:
@@ -258,17 +269,55 @@ class LLMEngine:
         if self.dp is not None or not sched.empty:  # an ADP rank takes part in the group's step regardless
             scheduled = [] if sched.empty else sched.scheduled
             step = self.runner.prepare(scheduled, self.blocks)
-            result = self.runner.run(step) if step is not None else None
-            if result is not None:
-                touched = self._update(scheduled, result)
+            if step is not None and step.masker is None and self._can_plan_ahead():
+                self._inflight = InFlight(scheduled, step, self.runner.launch(step))  # read by the next call
+            else:
+                result = self.runner.run(step) if step is not None else None
+                if result is not None:
+                    touched = self._update(scheduled, result)
         reports = self._finished_unreported + touched
         self._finished_unreported = []
         return [self._output(r) for r in reports]
 
-    def _update(self, scheduled: list[ScheduledRequest], res: StepResult) -> list[Request]:
+    # ------------------------------------------------------------------ async scheduling (engine/overlap.py)
+    def _can_plan_ahead(self) -> bool:
+        """Can a step be planned before the running one is read: the option is on and no request waits on
+        the host for the running step's tokens (carry_blocker)."""
+        if not self.cfg.async_scheduling or self.dp is not None or self._received or self._compiling:
+            return False
+        proposer = self.runner.proposer is not None
+        return all(carry_blocker(r, proposer, self.spec is not None) is None
+                   for r in (*self.scheduler.running, *self.scheduler.waiting))
+
+    def _advance(self) -> list[Request]:
+        """Launch the step after the running one when it can be planned now, then apply the running one's
+        outputs (while the new one runs). Otherwise only apply them: the next call steps synchronously."""
+        prev, nxt = self._inflight, None
+        if self._can_plan_ahead():
+            if self.spec is not None and self.spec.dynamic_k:
+                self._limit_drafts()
+            sched = self.scheduler.schedule_ahead(prev.rows(), self._drafts_ahead)
+            if sched is not None and sched.scheduled:
+                step = self.runner.prepare(sched.scheduled, self.blocks, carry_from=prev)
+                nxt = InFlight(sched.scheduled, step, self.runner.launch(step))
+                self.num_overlapped_steps += 1
+        self._inflight = nxt
+        return self._update(prev.scheduled, self.runner.collect(prev.prepared, prev.launched), nxt)
+
+    def _drafts_ahead(self, req: Request, emitted: int) -> int | None:
+        """Drafts a carried request verifies next step: k, when it has room for k more after the running
+        step emits up to `emitted` tokens for it. None: it may not (its max_tokens is near), so it waits
+        for the running step's outcome and then drafts exactly as a synchronous step would; that keeps
+        the outputs of seeded sampling identical with and without async scheduling."""
+        room = min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - emitted - 1
+        k = 0 if self.spec is None else self.spec.k_for(len(self.scheduler.running)) if self.spec.dynamic_k else self.spec.k
+        return k if room >= k else None
+
+    def _update(self, scheduled: list[ScheduledRequest], res: StepResult, ahead: InFlight | None = None) -> list[Request]:
         """Emit each request's accepted drafts and bonus token (one token without speculation), stopping
         at the first that ends it; rewind the KV of rejected drafts (and of the draft chain's lookahead)
-        by lengths alone."""
+        by lengths alone, keeping what `ahead` (the step launched after this one) uses."""
+        next_rows = {s.request.request_id: s.num_new_tokens for s in ahead.scheduled} if ahead is not None else {}
         now = time.monotonic()
         touched = []
         for b, s in enumerate(scheduled):
@@ -296,7 +345,10 @@ class LLMEngine:
             if req.status.finished or self.spec is None:
                 continue
             held = self.blocks.num_slots.get(req.request_id, 0)
-            self.blocks.rewind(req.request_id, held - req.num_computed_tokens)
+            keep = req.num_computed_tokens
+            if req.request_id in next_rows:  # its next step runs from here, with its lookahead
+                keep = min(held, self.scheduler.slots_needed(req, next_rows[req.request_id]))
+            self.blocks.rewind(req.request_id, held - keep)
             if req.status is RequestStatus.PARKED:
                 self.runner.drafter.release(req.request_id)
                 if res.first_hidden is not None:

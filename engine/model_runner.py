@@ -7,6 +7,7 @@ There is one step for every configuration: without speculation it is k = 0 of th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from engine.layers.linear import matvec_layout
 from engine.loader import load_weights
 from engine.logits_masker import LogitsMasker, MaskRow
 from engine.models.llama import LlamaForCausalLM
+from engine.overlap import InFlight, carry_inputs
 from engine.parallel import TPContext
 from engine.scheduler import ScheduledRequest
 from engine.speculative.config import position_margin
@@ -41,6 +43,15 @@ class StepResult:
     top_ids: list[list[list[int]]] | None
     top_logprobs: list[list[list[float]]] | None
     first_hidden: torch.Tensor | None  # [B, H_in] on the device
+
+
+@dataclass(frozen=True, slots=True)
+class Launched:
+    """A step launched by ModelRunner.launch and not read yet."""
+
+    out: StepOutput  # on the device: what the next step's carried inputs gather from
+    host: StepOutput  # the same outputs as the host will read them (pinned copies on a GPU; `out` on a CPU)
+    ready: object | None  # torch.cuda.Event recorded after the copies (None on a CPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +146,13 @@ class ModelRunner:
             return model_step(self.model, self.proposer, batch, self.draft_probs, masker, self.draft_masks)
 
     # ------------------------------------------------------------------ the step
-    def prepare(self, scheduled: list[ScheduledRequest], blocks: BlockManager) -> PreparedStep | None:
+    def prepare(self, scheduled: list[ScheduledRequest], blocks: BlockManager,
+                carry_from: InFlight | None = None) -> PreparedStep | None:
         """Host work before launch: draft-state slots, the masker's snapshot, the batch's tensors
         (padded to a captured size when a graph will replay it). Under ADP every rank calls it every
-        step, with or without requests (it holds the group's agreement); None: no rank runs a forward."""
+        step, with or without requests (it holds the group's agreement); None: no rank runs a forward.
+        carry_from: the step still running when this one was planned (engine/overlap.py): the carried
+        requests' inputs are gathered from its outputs on the device (never under ADP or with masks)."""
         slots = None
         if self.drafter is not None:
             self.drafter.prepare([s.request for s in scheduled])  # before a graph of a sampled mode is captured
@@ -167,6 +181,9 @@ class ModelRunner:
         else:
             batch = build_batch(scheduled, blocks, self.kv_cache, self.device, self.vocab_size, self.k, slots,
                                 masked=masker is not None)
+        if carry_from is not None:
+            assert masker is None and self.dp is None, "a carried step has no masks and no ADP agreement"
+            carry_inputs(batch, scheduled, carry_from, self.k, padded=graph)
         return PreparedStep(batch, len(scheduled), graph, masker, None if graph else rows)
 
     def _agree(self, scheduled: list[ScheduledRequest], can_graph: bool) -> GroupPlan:
@@ -183,12 +200,39 @@ class ModelRunner:
                 self.model.idle_forward(self.dtype, self.device)
             return None
         try:
-            out = (self.graphs.replay(step.batch, step.masker) if step.graph
-                   else self.run_step(step.batch, step.masker, step.dp_rows))
-            return _to_host(out, step.num_requests, step.batch.host_num_drafts, step.batch.host_samples)
+            return _to_host(self._forward(step), step.num_requests, step.batch.host_num_drafts, step.batch.host_samples)
         finally:
             if step.masker is not None:
                 step.masker.end_step()
+
+    @torch.inference_mode()
+    def launch(self, step: PreparedStep) -> Launched:
+        """Start an unmasked step without reading it (on a GPU the kernels are queued and this returns at
+        once); `collect` reads it. On a GPU its small outputs are also queued for copying into pinned host
+        memory behind it, with an event: reading them later waits for this step only, not for the step
+        launched after it (a plain .tolist() would wait for the whole stream). A graph's static outputs
+        are copied, since the next replay, launched before they are read, overwrites them."""
+        assert step.batch is not None and step.masker is None
+        out = self._forward(step)
+        if step.graph:
+            out = StepOutput(**{f.name: _cloned(getattr(out, f.name)) for f in dataclasses.fields(out)})
+        if out.tokens.device.type != "cuda":
+            return Launched(out, out, None)
+        host = StepOutput(**{f.name: _pinned_copy(getattr(out, f.name)) if f.name != "first_hidden" else None
+                             for f in dataclasses.fields(out)})
+        ready = torch.cuda.Event()
+        ready.record()
+        return Launched(out, host, ready)
+
+    def collect(self, step: PreparedStep, launched: Launched) -> StepResult:
+        """The launched step's outputs on the host: its one sync."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return _to_host(launched.host, step.num_requests, step.batch.host_num_drafts, step.batch.host_samples)
+
+    def _forward(self, step: PreparedStep) -> StepOutput:
+        return (self.graphs.replay(step.batch, step.masker) if step.graph
+                else self.run_step(step.batch, step.masker, step.dp_rows))
 
     def _begin_masks(self, scheduled: list[ScheduledRequest]) -> LogitsMasker | None:
         """The masker when some request of this step is constrained; its host snapshot is taken here."""
@@ -213,3 +257,16 @@ def _to_host(out: StepOutput, B: int, num_drafts: list[int], samples: list[bool]
     top_lps = out.top_logprobs[:B].tolist() if out.top_logprobs is not None else None
     first_hidden = out.first_hidden[:B] if out.first_hidden is not None else None
     return StepResult(emitted, num_drafts, drafts, lps, top_ids, top_lps, first_hidden)
+
+
+def _cloned(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _pinned_copy(value):
+    """A non-blocking copy of a device tensor into pinned host memory (queued on the current stream)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    return host

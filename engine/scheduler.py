@@ -23,8 +23,27 @@ from engine.request import Request, RequestStatus
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens + ahead
     sample: bool  # this step produces the request's next token
+    # Overlapped scheduling (engine/overlap.py): this step was planned while the step before it still ran,
+    # relative to the host's state then (valid until that step's outputs are applied). ahead: that step's
+    # rows of this request (computed before this step's rows, counted as if all its drafts are accepted);
+    # carried: that step samples this request, so this step's inputs (its new token and drafts) are that
+    # step's outputs, gathered on the device, and its positions move back by the drafts that step
+    # rejects; emitted_max: the most tokens that step can emit for it.
+    ahead: int = 0
+    carried: bool = False
+    emitted_max: int = 0
+
+    @property
+    def start(self) -> int:
+        """First position this step computes (optimistic while the step before is in flight)."""
+        return self.request.num_computed_tokens + self.ahead
+
+    @property
+    def num_tokens(self) -> int:
+        """The request's tokens before this step's drafts (optimistic while the step before is in flight)."""
+        return self.request.num_tokens + self.emitted_max
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +102,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while not self.blocks.allocate(req.request_id, self._slots_needed(req, n)):
+            while not self.blocks.allocate(req.request_id, self.slots_needed(req, n)):
                 victim = self.running.pop()  # the newest running request gives way
                 self._preempt(victim)
                 preempted.append(victim)
@@ -96,9 +115,15 @@ class Scheduler:
             i += 1
 
         # New requests only when nobody had to give way this step (FCFS: no overtaking).
-        # A request held back for its grammar lets the ones behind it pass.
+        if not preempted:
+            budget = self._admit(scheduled, budget, now)
+        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+
+    def _admit(self, scheduled: list[ScheduledRequest], budget: int, now: float) -> int:
+        """Waiting requests join in arrival order while budget, seats and blocks last; -> the budget left.
+        A request held back for its grammar lets the ones behind it pass."""
         j = 0
-        while not preempted and j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[j]
             remaining = req.num_tokens - req.num_computed_tokens
             n = self._until_grammar(req, min(remaining, budget))
@@ -107,33 +132,83 @@ class Scheduler:
                 continue
             if n < remaining and not self.enable_chunked_prefill:
                 break
-            if not self.blocks.allocate(req.request_id, self._slots_needed(req, n)):
+            if not self.blocks.allocate(req.request_id, self.slots_needed(req, n)):
                 break
             del self.waiting[j]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(self._scheduled(req, n, now))
             budget -= n
-
-        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+        return budget
 
     @staticmethod
-    def _until_grammar(req: Request, n: int) -> int:
+    def _until_grammar(req: Request, n: int, ahead: int = 0) -> int:
         """`n` cut so that a request whose grammar is not compiled yet does not sample this step."""
-        if req.grammar_ready or req.num_computed_tokens + n < req.num_tokens:
+        start = req.num_computed_tokens + ahead
+        if req.grammar_ready or start + n < req.num_tokens:
             return n
-        return req.num_tokens - 1 - req.num_computed_tokens
+        return req.num_tokens - 1 - start
 
-    def _slots_needed(self, req: Request, n: int) -> int:
-        end = req.num_computed_tokens + n
-        if end < req.num_tokens or not self.num_lookahead_slots:
+    def slots_needed(self, req: Request, n: int, ahead: int = 0, emitted: int = 0) -> int:
+        """KV slots a request holds to compute n tokens after its computed ones (and `ahead` more, of
+        which `emitted` are its own sampled tokens), with the draft chain's lookahead when it samples."""
+        end = req.num_computed_tokens + ahead + n
+        if end < req.num_tokens + emitted or not self.num_lookahead_slots:
             return end
         return max(end, min(end + self.num_lookahead_slots, req.max_total_tokens))
 
+    def schedule_ahead(self, inflight: dict[str, tuple[int, bool, int]], drafts_for) -> SchedulerOutput | None:
+        """Plan the next step while the step before it still runs (engine/overlap.py). `inflight`: request
+        id -> (rows, samples, drafts verified) of that running step. None when only a synchronous step can
+        do (a request would need preemption); nothing is preempted here. A request the running step samples
+        continues with 1 + `drafts_for(req, emitted_max)` rows (None: it sits this step out, e.g. near
+        its max_tokens), at positions that assume every draft of the running step is accepted; its KV
+        is held for that case."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        now = time.monotonic()
+        for req in self.running:
+            if budget <= 0:
+                break
+            prev = inflight.get(req.request_id)
+            if prev is None:  # not in the running step: the host knows its state
+                n = self._until_grammar(req, min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens,
+                                                 budget))
+                if n <= 0:
+                    continue
+                if not self.blocks.allocate(req.request_id, self.slots_needed(req, n)):
+                    return None
+                scheduled.append(self._scheduled(req, n, now))
+            else:
+                ahead, sampled, num_drafts = prev
+                if sampled:
+                    emitted = num_drafts + 1
+                    d = drafts_for(req, emitted)
+                    if d is None:
+                        continue
+                    n, sample = min(1 + d, budget), True
+                else:  # mid-prompt: the next chunk, known on the host
+                    emitted = 0
+                    n = self._until_grammar(req, min(req.num_tokens - req.num_computed_tokens - ahead, budget), ahead)
+                    if n <= 0:
+                        continue
+                    sample = req.num_computed_tokens + ahead + n >= req.num_tokens
+                if not self.blocks.allocate(req.request_id, self.slots_needed(req, n, ahead, emitted)):
+                    return None
+                self._first_scheduled(req, now)
+                scheduled.append(ScheduledRequest(req, n, sample, ahead, sampled, emitted))
+            budget -= scheduled[-1].num_new_tokens
+        budget = self._admit(scheduled, budget, now)
+        return SchedulerOutput(scheduled, [], self.max_num_batched_tokens - budget)
+
     def _scheduled(self, req: Request, n: int, now: float) -> ScheduledRequest:
+        self._first_scheduled(req, now)
+        return ScheduledRequest(req, n, sample=req.num_computed_tokens + n >= req.num_tokens)
+
+    @staticmethod
+    def _first_scheduled(req: Request, now: float) -> None:
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = now
-        return ScheduledRequest(req, n, sample=req.num_computed_tokens + n >= req.num_tokens)
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: drop the KV, keep the tokens (prompt and output so far)."""

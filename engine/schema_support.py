@@ -321,7 +321,7 @@ _MISREAD_INSIDE = re.compile(r"\[\^|\\|\(")  # a negated class, an escape, a nes
 
 
 def _trailing_optional_repeat(regex: str) -> bool:
-    """Whether an alternative of `regex` ends, after something else, in an optional group whose body
+    r"""Whether an alternative of `regex` ends, after something else, in an optional group whose body
     repeats with "+" and holds a negated class, an escape or a group: xgrammar 0.2.8 reads those wrongly
     (measured: `^a(:[^\s]+)?$` and `^a(:\S+)?$` accept "a:", `^a(\.[0-9]+)?$` accepts "a1";
     JSONSchemaBench Github_medium o22092, Github_hard o58443's `(-x(-[a-zA-Z0-9]{1,8})+)?$`), while
