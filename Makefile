@@ -50,10 +50,12 @@ test-gpu: $(STAMP)
 
 # One call on a GPU machine: every GPU test (test-gpu), then the GPU benchmarks, whose results land in
 # bench/results/*_cuda.{md,json} naming the GPU (kernels against their torch references and the
-# bandwidth limit; engine decode against transformers and, on a 1B bf16 Llama, the HBM roofline).
+# bandwidth limit; engine decode against transformers and, on a 1B bf16 Llama, the HBM roofline; the host
+# time async scheduling hides per step).
 gpu-check: test-gpu
 	$(PY) -m bench.kernels --device cuda
 	$(PY) -m bench.engine --device cuda
+	$(PY) -m bench.overlap --device cuda
 
 bench: $(STAMP)
 	$(PY) -m bench.engine $(ARGS)

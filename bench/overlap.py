@@ -171,14 +171,18 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.repeats}. Load average {load0:.1f} before, {load1:.1f} after.", "",
              "Host ms per step: wall time outside the model runner's run/launch/collect (scheduling, batch "
              "building, the update, detokenizing, outputs): what overlap can hide at most.", "",
-             "| batch | mode | sync tok/s | async tok/s | async / sync | sync wall ms/step | async wall ms/step "
+             "Hidden ms per step: (sync wall - async wall) / sync steps; negative: async cost more. Async runs "
+             "a few more steps (a request within k+1 tokens of its max_tokens sits one step out, and a request "
+             "that ends at step N still ran in N+1).", "",
+             "| batch | mode | sync tok/s | async tok/s | async / sync | sync steps | async steps "
              "| sync host ms/step | hidden ms/step | steps ahead |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         s, a = r["sync"], r["async"]
+        hidden = (s["steps"] * s["wall_ms_per_step"] - a["steps"] * a["wall_ms_per_step"]) / s["steps"]
         lines.append(f"| {r['batch']} | {r['mode']} | {s['tok_s']:.1f} | {a['tok_s']:.1f} | {a['tok_s'] / s['tok_s']:.2f}x "
-                     f"| {s['wall_ms_per_step']:.2f} | {a['wall_ms_per_step']:.2f} | {s['host_ms_per_step']:.2f} "
-                     f"| {s['wall_ms_per_step'] - a['wall_ms_per_step']:.2f} | {a['overlapped_share']:.0%} |")
+                     f"| {s['steps']} | {a['steps']} | {s['host_ms_per_step']:.2f} | {hidden:.2f} "
+                     f"| {a['overlapped_share']:.0%} |")
     if probe is not None:
         alone, beside = probe["alone"], probe["beside a Python thread"]
         lines += ["", "Why a worker thread hides nothing on a CPU: median wall ms of the model step (batch 1, MTP "

@@ -62,6 +62,8 @@ class EngineSettings(BaseModel):
                                               "fires only for requests whose id names it. Empty: none.")
     torch_threads: int | None = Field(1, ge=1, description="torch threads per CPU engine (default of torch if "
                                                            "unset).")
+    async_scheduling: bool = Field(False, description="Engines launch step N+1 before reading step N "
+                                   "(engine/overlap.py): hides host time on GPUs; on CPUs it only reorders it.")
 
     @model_validator(mode="after")
     def _check(self):
