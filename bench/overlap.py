@@ -171,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.repeats}. Load average {load0:.1f} before, {load1:.1f} after.", "",
              "Host ms per step: wall time outside the model runner's run/launch/collect (scheduling, batch "
              "building, the update, detokenizing, outputs): what overlap can hide at most.", "",
-             "Hidden ms per step: (sync wall - async wall) / sync steps; negative: async cost more. Async runs "
-             "a few more steps (a request within k+1 tokens of its max_tokens sits one step out, and a request "
-             "that ends at step N still ran in N+1).", "",
+             "Hidden ms per step: (sync wall - async wall) / sync steps; negative: async cost more (a request "
+             "that ends at step N still ran in N+1, and steps that cannot be planned ahead wait for the one "
+             "before).", "",
              "| batch | mode | sync tok/s | async tok/s | async / sync | sync steps | async steps "
              "| sync host ms/step | hidden ms/step | steps ahead |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -42,9 +42,19 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _boolean(text: str) -> bool:
+    """A switch is written `--name true` or `--name false` (also 1/0, yes/no, on/off), like its YAML value."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}; write true or false")
+
+
 def _flag_type(name: str, annotation) -> tuple[type, list | None]:
-    """(argparse type, choices) of a field: str, int, float, a Literal of strings, one of those | None, or a
-    dict (a JSON object)."""
+    """(argparse type, choices) of a field: str, int, float, bool, a Literal of strings, one of those | None,
+    or a dict (a JSON object)."""
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
@@ -54,6 +64,8 @@ def _flag_type(name: str, annotation) -> tuple[type, list | None]:
         return str, list(args)
     elif annotation in (str, int, float):
         return annotation, None
+    elif annotation is bool:
+        return _boolean, None
     elif typing.get_origin(annotation) is dict:
         return _json_object, None
     raise TypeError(f"settings field {name!r} of type {annotation!r} has no command-line form; give it one in "

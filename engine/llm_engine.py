@@ -302,16 +302,19 @@ class LLMEngine:
                 nxt = InFlight(sched.scheduled, step, self.runner.launch(step))
                 self.num_overlapped_steps += 1
         self._inflight = nxt
-        return self._update(prev.scheduled, self.runner.collect(prev.prepared, prev.launched), nxt)
+        touched = self._update(prev.scheduled, self.runner.collect(prev.prepared, prev.launched), nxt)
+        if nxt is not None and all(s.request.status.finished for s in nxt.scheduled):
+            self._inflight = None  # it only ran rows of requests that just ended: nothing in it to read
+        return touched
 
-    def _drafts_ahead(self, req: Request, emitted: int) -> int | None:
-        """Drafts a carried request verifies next step: k, when it has room for k more after the running
-        step emits up to `emitted` tokens for it. None: it may not (its max_tokens is near), so it waits
-        for the running step's outcome and then drafts exactly as a synchronous step would; that keeps
-        the outputs of seeded sampling identical with and without async scheduling."""
+    def _drafts_ahead(self, req: Request, emitted: int) -> int:
+        """Drafts a carried request verifies next step, with room counted as if the running step emits
+        `emitted` tokens for it (all its drafts accepted): the rule a synchronous step drafts by too
+        (Drafter.next_drafts), so both verify the same drafts. If the running step does end the request,
+        the row planned for it is dropped."""
         room = min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - emitted - 1
         k = 0 if self.spec is None else self.spec.k_for(len(self.scheduler.running)) if self.spec.dynamic_k else self.spec.k
-        return k if room >= k else None
+        return max(0, min(k, room))
 
     def _update(self, scheduled: list[ScheduledRequest], res: StepResult, ahead: InFlight | None = None) -> list[Request]:
         """Emit each request's accepted drafts and bonus token (one token without speculation), stopping
@@ -354,7 +357,8 @@ class LLMEngine:
                 if res.first_hidden is not None:
                     req.draft_hidden = res.first_hidden[b].clone()
             else:
-                req.spec_token_ids = self.runner.drafter.next_drafts(req, res.drafts[b] if res.drafts else None)
+                req.spec_token_ids = self.runner.drafter.next_drafts(req, res.drafts[b] if res.drafts else None,
+                                                                     rejected=num_drafts - accepted)
         return touched
 
     def _limit_drafts(self) -> None:

@@ -161,9 +161,8 @@ class Scheduler:
         """Plan the next step while the step before it still runs (engine/overlap.py). `inflight`: request
         id -> (rows, samples, drafts verified) of that running step. None when only a synchronous step can
         do (a request would need preemption); nothing is preempted here. A request the running step samples
-        continues with 1 + `drafts_for(req, emitted_max)` rows (None: it sits this step out, e.g. near
-        its max_tokens), at positions that assume every draft of the running step is accepted; its KV
-        is held for that case."""
+        continues with 1 + `drafts_for(req, emitted_max)` rows, at positions that assume every draft of
+        the running step is accepted; its KV is held for that case."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         now = time.monotonic()
@@ -183,10 +182,7 @@ class Scheduler:
                 ahead, sampled, num_drafts = prev
                 if sampled:
                     emitted = num_drafts + 1
-                    d = drafts_for(req, emitted)
-                    if d is None:
-                        continue
-                    n, sample = min(1 + d, budget), True
+                    n, sample = min(1 + drafts_for(req, emitted), budget), True
                 else:  # mid-prompt: the next chunk, known on the host
                     emitted = 0
                     n = self._until_grammar(req, min(req.num_tokens - req.num_computed_tokens - ahead, budget), ahead)

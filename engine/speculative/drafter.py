@@ -103,10 +103,14 @@ class Drafter:
                                        device=self.device)
 
     # ------------------------------------------------------------------ drafts
-    def next_drafts(self, req: Request, step_drafts: list[int] | None) -> list[int]:
+    def next_drafts(self, req: Request, step_drafts: list[int] | None, rejected: int = 0) -> list[int]:
         """The drafts a request carries into its next step: the draft network's, or prompt lookup's;
-        never more than the request may still emit after the next step's own token."""
-        room = min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - 1
+        never more than the request may still emit after the next step's own token, counted as if the
+        step just read had accepted its `rejected` drafts too. That is the count a step planned before
+        the previous one is read must use (engine/overlap.py), so drafts, and with them seeded samples,
+        are the same with and without async scheduling; it differs from the exact room only within k
+        tokens of max_tokens."""
+        room = min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - 1 - rejected
         if room <= 0:
             return []
         if self.proposer is None:

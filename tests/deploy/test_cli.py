@@ -21,6 +21,15 @@ def test_flags_map_onto_the_deployment_config(tiny_model_dir):
     assert cfg.router().served_model_name == "m"
 
 
+def test_switches_take_true_or_false(tiny_model_dir):
+    """A bool setting (async_scheduling) is written as its YAML value is; anything else is a usage error."""
+    for text, value in (("true", True), ("False", False), ("1", True), ("off", False)):
+        cfg = tandem_config(parser().parse_args(["--model", tiny_model_dir, "--async-scheduling", text]))
+        assert cfg.decode().async_scheduling is value and cfg.decode().engine_config().async_scheduling is value
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--model", tiny_model_dir, "--async-scheduling", "maybe"])
+
+
 def test_every_deployment_setting_is_a_flag_with_its_help():
     from deploy.config import TandemConfig
 
