@@ -17,7 +17,7 @@ from engine.batch import StepBatch, build_batch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.data_parallel import DPContext, GroupPlan, RankPlan, dp_rows
-from engine.layers.linear import matvec_layout
+from engine.layers.linear import VERIFY_ROWS_BUDGET, matvec_layout
 from engine.loader import load_weights
 from engine.logits_masker import LogitsMasker, MaskRow
 from engine.models.llama import LlamaForCausalLM
@@ -86,7 +86,7 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, tp, self.dtype, max_pos=max_pos, dp=dp).to(self.dtype)
         load_weights(self.model, cfg.model, self.dtype)
-        matvec_layout(self.model)
+        matvec_layout(self.model, VERIFY_ROWS_BUDGET if spec is not None and spec.k else 0)
         self.model.eval()
         self.num_kv_heads = self.model.layers[0].self_attn.attn.num_kv_heads
         self.kv_cache: torch.Tensor | None = None

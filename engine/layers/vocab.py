@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import copy_checked
+from engine.layers.linear import copy_checked, linear
 
 
 class Embedding(nn.Module):
@@ -23,5 +23,7 @@ class Embedding(nn.Module):
 
 
 class LMHead(Embedding):
+    weight_rows: torch.Tensor | None = None  # a row-major copy of a column-major weight (matvec_layout)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight, rows=self.weight_rows)

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ModelLoadError
-from engine.layers.linear import matvec_layout
+from engine.layers.linear import VERIFY_ROWS_BUDGET, matvec_layout
 from engine.loader import load_weights
 from engine.models.eagle3 import Eagle3Head
 from engine.models.llama import LlamaForCausalLM
@@ -66,5 +66,5 @@ def load_proposer(spec: SpecConfig, cfg: EngineConfig, model_cfg: ModelConfig, t
             for layer in net.layers:  # the draft's KV layers come after the target's
                 layer.self_attn.attn.layer_idx += first_layer
             proposer = DraftModelProposer(net.eval(), spec.k, model_cfg.vocab_size, kv_cache_ref)
-    matvec_layout(net)
+    matvec_layout(net, VERIFY_ROWS_BUDGET)  # its first pass verifies k+1 rows per request
     return proposer, kv_shape, shares

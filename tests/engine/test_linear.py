@@ -39,3 +39,25 @@ def test_matvec_layout_keeps_values_and_ties():
         for n, p in model.named_parameters():
             assert torch.equal(p, before[n]), n
         torch.testing.assert_close(model(ids), want, atol=1e-5, rtol=1e-5)
+
+
+def test_row_major_copies_for_few_rows_within_budget():
+    """With a budget, each weight made column-major keeps a row-major copy that `linear` uses for 2-8 rows
+    (speculation's verification rows at batch 1-2); outputs equal the one-layout model's for 1 to 12 rows;
+    past the budget no copy is kept at all."""
+    from engine.layers.linear import linear
+
+    model, plain = Tiny(), Tiny()
+    matvec_layout(plain)
+    kept = matvec_layout(model, rows_budget_bytes=1 << 20)
+    assert kept == (24 * 8 + 32 * 8) * 4  # the wide linear and the (tied) LM head
+    assert model.wide.weight_rows.is_contiguous() and torch.equal(model.wide.weight_rows, model.wide.weight)
+    assert model.head.weight_rows is not None and model.narrow.weight_rows is None
+    for rows in (1, 2, 4, 8, 12):
+        ids = torch.arange(rows) % 32
+        torch.testing.assert_close(model(ids), plain(ids), atol=1e-5, rtol=1e-5)
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(linear(x, model.wide.weight, model.wide.bias, model.wide.weight_rows),
+                                   torch.nn.functional.linear(x, model.wide.weight, model.wide.bias))
+    small = Tiny()
+    assert matvec_layout(small, rows_budget_bytes=100) == 0 and small.wide.weight_rows is None
