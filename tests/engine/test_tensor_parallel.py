@@ -1,5 +1,6 @@
 """tp=2 over gloo in two processes gives the same greedy tokens as one process (sharded attention
-heads, sharded MLP, row-parallel all-reduce), for MHA, GQA and more ranks than KV heads."""
+heads, sharded MLP, row-parallel all-reduce), for MHA, GQA and more ranks than KV heads; also with async
+scheduling, where every rank launches step N+1 before reading step N (the collectives stay in order)."""
 import socket
 
 import torch
@@ -30,10 +31,13 @@ def _rank_main(rank: int, world: int, port: int, cases: list, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        for model_dir, params in cases:
-            cfg = EngineConfig(model=model_dir, num_kv_blocks=64, block_size=4, tp_size=world, tp_rank=rank)
+        for model_dir, params, ahead in cases:
+            cfg = EngineConfig(model=model_dir, num_kv_blocks=64, block_size=4, tp_size=world, tp_rank=rank,
+                               async_scheduling=ahead)
             engine = LLMEngine(cfg, tp_group=dist.group.WORLD)
-            queue.put((rank, model_dir, params.temperature, _generate(engine, params), engine.kv_cache.shape[4]))
+            tokens = _generate(engine, params)
+            assert not ahead or engine.num_overlapped_steps > 0
+            queue.put((rank, model_dir, params.temperature, ahead, tokens, engine.kv_cache.shape[4]))
     finally:
         dist.destroy_process_group()
 
@@ -44,8 +48,9 @@ TEMPERATURES = [0.0, 0.9]
 
 def test_tp2_matches_single_process(checkpoints):
     """One pair of processes runs every case (spawning is the slow part)."""
-    cases = [(checkpoints[a][0], SamplingParams(max_tokens=16, temperature=t, seed=7, ignore_eos=True))
+    cases = [(checkpoints[a][0], SamplingParams(max_tokens=16, temperature=t, seed=7, ignore_eos=True), False)
              for a in ARCHS for t in TEMPERATURES]
+    cases += [(m, params, True) for m, params, _ in cases if m == checkpoints["llama"][0]]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -54,15 +59,15 @@ def test_tp2_matches_single_process(checkpoints):
         p.start()
     got = {}
     for _ in range(2 * len(cases)):
-        rank, model_dir, temperature, tokens, heads = queue.get(timeout=300)
-        got[(rank, model_dir, temperature)] = (tokens, heads)
+        rank, model_dir, temperature, ahead, tokens, heads = queue.get(timeout=300)
+        got[(rank, model_dir, temperature, ahead)] = (tokens, heads)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     for arch in ARCHS:
         model_dir, hf = checkpoints[arch]
-        for (m, params) in [c for c in cases if c[0] == model_dir]:
+        for (m, params, ahead) in [c for c in cases if c[0] == model_dir]:
             single = _generate(LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, block_size=4)), params)
-            r0, r1 = got[(0, m, params.temperature)], got[(1, m, params.temperature)]
-            assert r0[0] == r1[0] == single, (arch, params.temperature)
+            r0, r1 = got[(0, m, params.temperature, ahead)], got[(1, m, params.temperature, ahead)]
+            assert r0[0] == r1[0] == single, (arch, params.temperature, ahead)
             assert r0[1] == max(1, hf.config.num_key_value_heads // 2)
