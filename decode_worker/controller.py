@@ -70,6 +70,7 @@ class DecodeController:
         self.kv_blocks_total = 0
         self.num_running = 0
         self.grammar_stats: dict[str, int] = {}  # the lead rank's engine: compiles, cache hits, deserializations
+        self.overlapped_steps = 0  # the lead rank's engine steps launched ahead (async scheduling)
         self.handovers: list[tuple[float, float, int]] = []  # recent (receive s, unpack s, bytes) per request
         self.handovers_total = 0
         self.handovers_stocked = 0  # of those, reserved from the ranks' stocks (no lockstep RESERVE)
@@ -143,6 +144,7 @@ class DecodeController:
 
     def on_reports(self, reports: list[StepReport]) -> None:
         self.rank_loads = [RankLoad(r.kv_blocks_used, r.kv_blocks_total, r.num_running) for r in reports]
+        self.overlapped_steps = reports[0].overlapped_steps
         if self.attention_dp:  # each rank holds its own requests and blocks, and deserializes its own grammars
             self.kv_blocks_used = sum(r.kv_blocks_used for r in reports)
             self.kv_blocks_total = sum(r.kv_blocks_total for r in reports)

@@ -207,6 +207,7 @@ class DecodeServer:
             "handovers_total": self.ctrl.handovers_total,
             "handovers_stocked": self.ctrl.handovers_stocked,
             "grammar": dict(self.ctrl.grammar_stats),
+            "overlapped_steps": self.ctrl.overlapped_steps,
             "feed_batches": self._feed_batches,
             "feed_items": self._feed_items,
             "handover_seconds": [s for s, _, _ in handovers],

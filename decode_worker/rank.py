@@ -128,7 +128,8 @@ class DecodeRank:
             reserved=tuple(reserved), landed=tuple(landed), failed=tuple(failed + broken), deferred=tuple(deferred),
             kv_blocks_used=used, kv_blocks_total=stats["kv_blocks_total"],
             num_running=stats["num_running"], step_seconds=time.perf_counter() - start,
-            handover_seconds=tuple(timings), grammar=tuple(stats.get("grammar", {}).items()))
+            handover_seconds=tuple(timings), grammar=tuple(stats.get("grammar", {}).items()),
+            overlapped_steps=stats["overlapped_steps"])
 
     def _apply(self, cmd: Command, deferred: list[str], failed: list[tuple[str, str]]) -> None:
         eng, rid = self.engine, cmd.request_id

@@ -98,6 +98,7 @@ class StepReport:
     handover_seconds: tuple[tuple[str, float, float, int], ...] = field(default=())  # (rid, recv s, unpack s, bytes)
     reserved: tuple[str, ...] = field(default=())  # headers that took blocks from the rank's hand-over stock
     grammar: tuple[tuple[str, int], ...] = field(default=())  # the engine's grammar counters (compiles, ...)
+    overlapped_steps: int = 0  # the engine's steps launched before its previous step was read (async scheduling)
 
 
 @dataclass(frozen=True, slots=True)
