@@ -97,6 +97,22 @@ def start_app(server: TandemServer, name: str, **overrides) -> TandemServer:
     return TandemServer(f"{server.base_url}/{name}", server.model_dir, cfg.name, cfg, app=name)
 
 
+def wait_decode_settled(app: str, what: str = "every KV block is back") -> dict:
+    """The decode deployment's stats once it holds no request and no KV block (its hand-over stock's blocks
+    count as free); AssertionError naming `what` if that does not happen within two minutes."""
+    from ray import serve
+
+    from cluster.testing import wait_for
+
+    decode = serve.get_deployment_handle("decode", app_name=app)
+
+    def settled():
+        s = decode.stats.remote().result()
+        return s if s["num_requests"] == 0 and s["kv_blocks_used"] == 0 else None
+
+    return wait_for(settled, what, poll_s=0.2)
+
+
 def stop_router(name: str) -> None:
     from ray import serve
 

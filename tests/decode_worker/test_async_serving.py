@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from cluster.testing import wait_for
+from deploy.testing import wait_decode_settled
 
 pytestmark = pytest.mark.ray
 
@@ -39,13 +39,7 @@ def test_async_scheduling_serves_the_engines_tokens(tandem_server):
         want = [llm.generate([p], SamplingParams(max_tokens=12, temperature=b["temperature"], seed=b["seed"],
                                                  ignore_eos=True))[0].text for p, b in zip(prompts, bodies)]
         assert texts == want
-        decode = serve.get_deployment_handle("decode", app_name="ahead")
-
-        def settled():
-            s = decode.stats.remote().result()
-            return s if s["num_requests"] == 0 and s["kv_blocks_used"] == 0 else None
-
-        stats = wait_for(settled, "every block is back", poll_s=0.2)
+        stats = wait_decode_settled("ahead", "every block is back")
         assert stats["overlapped_steps"] > 0
     finally:
         serve.delete("ahead")

@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from cluster.testing import wait_for
+from deploy.testing import wait_decode_settled
 
 pytestmark = pytest.mark.ray
 
@@ -40,13 +40,7 @@ def test_small_stock_serves_a_burst_by_both_paths(tandem_server):
         llm = LLM(tandem_server.model_dir, num_kv_blocks=256)
         want = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))]
         assert texts == want
-        decode = serve.get_deployment_handle("decode", app_name="stock")
-
-        def settled():
-            s = decode.stats.remote().result()
-            return s if s["num_requests"] == 0 and s["kv_blocks_used"] == 0 else None
-
-        stats = wait_for(settled, "every block is back (in the pool or the stock)", poll_s=0.2)
+        stats = wait_decode_settled("stock", "every block is back (in the pool or the stock)")
         assert stats["handovers_total"] == len(prompts)
         # The stock served some at once; the burst (one prefill step's hand-overs, up to 4 blocks each, on a
         # 6-block stock) outran it, so others took the lockstep path.
