@@ -34,6 +34,7 @@ from engine.parallel import TPContext
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, ScheduledRequest
+from engine.speculative.drafter import draft_room
 from engine.structured_output import GrammarMasker
 
 log = logging.getLogger(__name__)
@@ -312,7 +313,7 @@ class LLMEngine:
         `emitted` tokens for it (all its drafts accepted): the rule a synchronous step drafts by too
         (Drafter.next_drafts), so both verify the same drafts. If the running step does end the request,
         the row planned for it is dropped."""
-        room = min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - emitted - 1
+        room = draft_room(req, emitted)
         k = 0 if self.spec is None else self.spec.k_for(len(self.scheduler.running)) if self.spec.dynamic_k else self.spec.k
         return max(0, min(k, room))
 

@@ -88,7 +88,7 @@ def carry_inputs(batch: StepBatch, scheduled: list[ScheduledRequest], prev: InFl
         src_req.append(p)
         for j in range(s.num_new_tokens):
             dst_rows.append(starts[b] + j)
-            src.append(p * k1 + j)
+            src.append((len(cur) - 1) * k1 + j)  # entry j of this request's row of `nxt` below
             row_req.append(b)
             has_next.append(j < s.num_new_tokens - 1)
 
@@ -102,17 +102,14 @@ def carry_inputs(batch: StepBatch, scheduled: list[ScheduledRequest], prev: InFl
     accepted = out.num_accepted.index_select(0, src_req)  # [C]
     bonus = out.tokens.index_select(0, src_req).gather(1, accepted[:, None])  # [C, 1] N's new token
     nxt = bonus if out.drafts is None else torch.cat((bonus, out.drafts.index_select(0, src_req)), 1)  # [C, k+1]
-    table = torch.zeros((out.tokens.shape[0], k1), dtype=torch.int64, device=device)
-    table.index_copy_(0, src_req, nxt)
-    flat = table.view(-1)
+    flat = nxt.reshape(-1)
     batch.input_ids.index_copy_(0, dst_rows, flat.index_select(0, src))
     # the token after row j is input j+1 (a draft); after the last row it is sampled in the step itself
     after = torch.where(has_next, flat.index_select(0, (src + 1).clamp(max=flat.numel() - 1)), 0)
     batch.next_tokens.index_copy_(0, dst_rows, after)
     if k:
         nd = batch.num_drafts.index_select(0, cur)[:, None]
-        mine = table.index_select(0, src_req)[:, 1:]
-        batch.drafts.index_copy_(0, cur, torch.where(torch.arange(k, device=device) < nd, mine, 0))
+        batch.drafts.index_copy_(0, cur, torch.where(torch.arange(k, device=device) < nd, nxt[:, 1:], 0))
 
     prev_drafts = prev.prepared.batch.num_drafts.index_select(0, src_req)
     rejected = torch.zeros(batch.verify_rows.shape[0], dtype=torch.int64, device=device)

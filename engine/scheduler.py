@@ -98,7 +98,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._until_grammar(req, min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget))
+            n = self._until_grammar(req, min(self._uncomputed(req), budget))
             if n <= 0:
                 i += 1
                 continue
@@ -142,6 +142,11 @@ class Scheduler:
         return budget
 
     @staticmethod
+    def _uncomputed(req: Request) -> int:
+        """A running request's tokens (and drafts) not computed yet."""
+        return req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
+
+    @staticmethod
     def _until_grammar(req: Request, n: int, ahead: int = 0) -> int:
         """`n` cut so that a request whose grammar is not compiled yet does not sample this step."""
         start = req.num_computed_tokens + ahead
@@ -171,8 +176,7 @@ class Scheduler:
                 break
             prev = inflight.get(req.request_id)
             if prev is None:  # not in the running step: the host knows its state
-                n = self._until_grammar(req, min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens,
-                                                 budget))
+                n = self._until_grammar(req, min(self._uncomputed(req), budget))
                 if n <= 0:
                     continue
                 if not self.blocks.allocate(req.request_id, self.slots_needed(req, n)):

@@ -110,7 +110,7 @@ class Drafter:
         the previous one is read must use (engine/overlap.py), so drafts, and with them seeded samples,
         are the same with and without async scheduling; it differs from the exact room only within k
         tokens of max_tokens."""
-        room = min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - 1 - rejected
+        room = draft_room(req, rejected)
         if room <= 0:
             return []
         if self.proposer is None:
@@ -162,3 +162,10 @@ class Drafter:
         for r, row in zip(reqs, drafts.tolist()):
             r.spec_token_ids = self.next_drafts(r, row)
             blocks.rewind(r.request_id, blocks.num_slots[r.request_id] - r.num_computed_tokens)
+
+
+def draft_room(req: Request, pending: int) -> int:
+    """Drafts a request can still use after its next step's own token, with `pending` more of its tokens
+    counted as emitted (drafts the step just read rejected, or, planning ahead, all the running step may
+    emit): one rule for synchronous and async steps."""
+    return min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - 1 - pending
