@@ -2,8 +2,9 @@
 prefill -> hand-over -> decode group) and through the in-process engine, same model, same MTP head, same
 prompts, same closed-loop concurrency.
 
-Deployments: `tandem serve`'s embedded default (the zoo target, MTP k=3) with decode tp=2 and with tp=1,
-and optionally other values of `steps_in_flight` and `handover_stock` (one deployment per combination).
+Deployments: `tandem serve`'s embedded default (the zoo target, MTP k=3, direct ingress) with decode tp=2
+and with tp=1, and optionally other values of `steps_in_flight`, `handover_stock` and the ingress (one
+deployment per combination; the defaults are the deployment's own).
 The engine runs before and after them, in this process, with one torch thread (as each served actor has;
 the served deployment gets the same cores, spread over its processes), `max_num_seqs` = the concurrency,
 all requests submitted at once (the engine's scheduler then keeps `concurrency` running, as the HTTP
@@ -11,13 +12,14 @@ clients do). Greedy, `ignore_eos`. Per served run it also records where the time
 steps, tokens per step, the ranks' busy share, and CPU seconds per process role (bench/proc_cpu.py).
 
     python -m bench.served_vs_engine [--levels 1,16,64] [--tps 2,1] [--max-tokens 64]
-                                     [--steps-in-flight 1,2] [--handover-stock 0,0.125]
+                                     [--steps-in-flight 1,2] [--handover-stock 0,0.125] [--ingress direct,proxy]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import random
+import sys
 import tempfile
 import time
 
@@ -42,14 +44,27 @@ def _engine_level(model: str, head: str, blocks: int, prompts: list[list[int]], 
             "throughput_tok_s": tokens / wall}
 
 
+def _decode_default(name: str):
+    from decode_worker.config import DecodeConfig
+
+    return DecodeConfig.model_fields[name].default
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.served_vs_engine", description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="1,16,64")
     ap.add_argument("--tps", default="2,1", help="decode tp of each served deployment")
-    ap.add_argument("--steps-in-flight", default="2", help="the decode replica's steps_in_flight, one deployment "
-                    "per value (e.g. 1,2 to compare strict lockstep with a step queued ahead)")
-    ap.add_argument("--handover-stock", default="0", help="the decode ranks' handover_stock, one deployment per "
-                    "value (e.g. 0,0.125)")
+    # The defaults are the deployment's own (DecodeConfig): a figure for "the default deployment" must not
+    # quietly measure another one (session 9's re-run took stock 0 here while `tandem serve` uses 0.125).
+    ap.add_argument("--steps-in-flight", default=str(_decode_default("steps_in_flight")),
+                    help="the decode replica's steps_in_flight, one deployment per value (e.g. 1,2 to compare strict "
+                    "lockstep with a step queued ahead); default: the deployment's")
+    ap.add_argument("--handover-stock", default=f'{_decode_default("handover_stock"):g}',
+                    help="the decode ranks' handover_stock, one deployment per value (e.g. 0,0.125); default: the "
+                    "deployment's")
+    ap.add_argument("--ingress", default="direct", help="how HTTP reaches the router, one deployment per value: "
+                    "direct (tandem serve's default: the router replica answers on its own port) and/or proxy "
+                    "(Serve's HTTP proxy relays every chunk), e.g. direct,proxy")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -65,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.common import device_name, write_results
     from cluster.rendezvous import free_port_on
     from cluster.runtime import RayOptions, init_ray
-    from deploy.app import build_app
+    from deploy.app import application
     from deploy.config import TandemConfig
     from engine.config import ModelConfig
 
@@ -89,21 +104,27 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = tempfile.mkdtemp(prefix="tandem-bench-")
     init_ray(RayOptions(num_cpus=8, temp_dir=f"{tmp}/ray"))
+    ingresses = args.ingress.split(",")
     port = free_port_on("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    if "proxy" in ingresses:  # else no proxy runs, as under `tandem serve`
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    else:
+        serve.start(proxy_location="Disabled")
     served: dict[str, dict[int, dict]] = {}
     in_flights, stocks = args.steps_in_flight.split(","), args.handover_stock.split(",")
-    variants = [(int(tp), int(n), float(st)) for tp in args.tps.split(",") for n in in_flights for st in stocks]
-    for tp, in_flight, stock in variants:
+    variants = [(int(tp), int(n), float(st), ing) for tp in args.tps.split(",") for n in in_flights for st in stocks
+                for ing in ingresses]
+    for tp, in_flight, stock, ingress in variants:
         label = (f"tp={tp}" + (f", {in_flight} in flight" if len(in_flights) > 1 else "")
-                 + (f", stock {stock:g}" if len(stocks) > 1 else ""))
-        name = f"tp{tp}x{in_flight}s{int(stock * 1000)}"
+                 + (f", stock {stock:g}" if len(stocks) > 1 else "") + (f", {ingress}" if len(ingresses) > 1 else ""))
+        name = f"tp{tp}x{in_flight}s{int(stock * 1000)}{ingress}"
         cfg = TandemConfig(model=model, served_model_name=name, tp=tp, speculative_method="mtp", draft=head,
                            num_speculative_tokens=3, num_kv_blocks=blocks, max_num_seqs=max(64, max(levels)),
                            max_inflight=4 * max(levels) + 16, steps_in_flight=in_flight, handover_stock=stock)
-        serve.run(build_app(cfg), name=name, route_prefix=f"/{name}")
+        api = ("127.0.0.1", free_port_on("127.0.0.1")) if ingress == "direct" else None
+        serve.run(application(cfg, api), name=name, route_prefix=f"/{name}")
         decode = serve.get_deployment_handle("decode", app_name=name)
-        base = f"http://127.0.0.1:{port}/{name}"
+        base = f"http://127.0.0.1:{api[1]}" if api else f"http://127.0.0.1:{port}/{name}"
         asyncio.run(_level(base, name, prompts[levels[0]][:4], 2, 8))  # warm-up
         served[label] = {}
         for c in levels:
@@ -160,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu = ", ".join(f"{k} {x:.1f}" for k, x in r["cpu_s_by_role"].items() if x >= 0.1)
             lines.append(f"| {v} | {c} | {r['decode_steps']} | {r['tokens_per_step']:.1f} | {r['rank_busy_share']:.0%} "
                          f"| {r['ttft_p50_s']:.3f} | {r['tt2t_p50_s']:.3f} | {cpu} |")
+    lines += ["", "Command: `python -m bench.served_vs_engine " + " ".join(argv if argv is not None else sys.argv[1:]) + "`"]
     table = "\n".join(lines)
     path = write_results(args.name, {"model": model, "draft": head, "levels": levels, "engine": engine_rows,
                                      "served": served}, table)

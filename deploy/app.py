@@ -1,5 +1,6 @@
 """The Serve application: router -> (prefill, decode). `build_app` is the import path of the Serve
-config YAML (`serve deploy deploy/serve.yaml`); `tandem serve` calls it too."""
+config YAML (`serve deploy deploy/serve.yaml`), where HTTP comes through Serve's proxies; `tandem serve`
+calls `application`, by default with `api` (direct ingress: the router replicas answer HTTP themselves)."""
 from __future__ import annotations
 
 from ray import serve
@@ -19,7 +20,12 @@ def _routing(role: str) -> RequestRouterConfig:
 
 
 def build_app(args: dict | TandemConfig) -> serve.Application:
-    cfg = args if isinstance(args, TandemConfig) else TandemConfig(**args)
+    """The Serve YAML's builder (Serve requires exactly one parameter): HTTP through Serve's proxies."""
+    return application(args if isinstance(args, TandemConfig) else TandemConfig(**args))
+
+
+def application(cfg: TandemConfig, api: tuple[str, int] | None = None) -> serve.Application:
+    """api: (host, port) for direct ingress (router/ingress.py); None: through Serve's HTTP proxy."""
     prefill = serve.deployment(
         PrefillServer, name="prefill", num_replicas=cfg.prefill_replicas,
         ray_actor_options={"num_cpus": cfg.prefill_num_cpus, "num_gpus": cfg.prefill_gpus(),
@@ -39,4 +45,4 @@ def build_app(args: dict | TandemConfig) -> serve.Application:
         Router, name="router", num_replicas=cfg.router_replicas, ray_actor_options=control,
         max_ongoing_requests=cfg.max_inflight * 2, graceful_shutdown_timeout_s=5,
     )
-    return router.bind(prefill, decode, cfg.router().model_dump())
+    return router.bind(prefill, decode, cfg.router(api).model_dump())

@@ -71,9 +71,12 @@ class TandemConfig(PrefillConfig, DecodeConfig, RouterSettings):
     def decode(self) -> DecodeConfig:
         return _part(self, DecodeConfig)
 
-    def router(self) -> RouterConfig:
+    def router(self, api: tuple[str, int] | None = None) -> RouterConfig:
+        """api: (host, port) the router replicas serve HTTP on themselves (direct ingress); None: Serve's
+        HTTP proxy brings the requests."""
         own = self.model_dump(include=set(RouterSettings.model_fields))
-        return RouterConfig(model=self.model, served_model_name=self.name, **own)
+        where = {"api_host": api[0], "api_port": api[1]} if api is not None else {}
+        return RouterConfig(model=self.model, served_model_name=self.name, **own, **where)
 
 
 def _part(cfg: TandemConfig, kind: type[BaseModel]):

@@ -15,11 +15,12 @@ _users = 0
 
 @dataclass(frozen=True)
 class TandemServer:
-    base_url: str  # http://127.0.0.1:PORT
+    base_url: str  # http://127.0.0.1:PORT: the router replica's own port (direct ingress), or Serve's proxy
     model_dir: str
     model: str  # the served model name
     config: object  # deploy.config.TandemConfig
     app: str = "tandem"  # the Serve application's name
+    proxy_url: str = ""  # http://127.0.0.1:PORT: Serve's HTTP proxy (every application, under its route prefix)
 
     def openai(self, **kwargs):
         import openai
@@ -50,24 +51,37 @@ class TandemServer:
                 **{f"decode/rank{r}": load[1] for r, load in enumerate(decode["dp_ranks"])}}
 
 
-def start_server(model_dir: str, **overrides) -> TandemServer:
+def _ingress(server_proxy_url: str, name: str, ingress: str) -> tuple[tuple[str, int] | None, str]:
+    """(the router's direct-ingress address or None, the base URL its clients use) for an application `name`."""
+    if ingress == "proxy":
+        return None, f"{server_proxy_url}/{name}" if name != "tandem" else server_proxy_url
+    port = free_port_on("127.0.0.1")
+    return ("127.0.0.1", port), f"http://127.0.0.1:{port}"
+
+
+def start_server(model_dir: str, ingress: str = "direct", **overrides) -> TandemServer:
+    """The session's application, as `tandem serve` runs it (direct ingress, unless `ingress="proxy"`); Serve's
+    HTTP proxy runs too (`proxy_url`), so that tests can reach any application through it as well."""
     from ray import serve
 
-    from deploy.app import build_app
+    from deploy.app import application
     from deploy.config import TandemConfig
 
-    port = free_port_on("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    proxy_url = f"http://127.0.0.1:{free_port_on('127.0.0.1')}"
+    serve.start(http_options={"host": "127.0.0.1", "port": int(proxy_url.rsplit(':', 1)[1])})
     cfg = TandemConfig(**{"model": model_dir, "served_model_name": "tiny", "tp": 2, "num_kv_blocks": 256,
                           "max_num_seqs": 64, "max_inflight": 40, **overrides})
-    serve.run(build_app(cfg), name="tandem", route_prefix="/")
-    return TandemServer(f"http://127.0.0.1:{port}", model_dir, cfg.name, cfg)
+    api, base_url = _ingress(proxy_url, "tandem", ingress)
+    serve.run(application(cfg, api), name="tandem", route_prefix="/")
+    return TandemServer(base_url, model_dir, cfg.name, cfg, proxy_url=proxy_url)
 
 
-def start_router(server: TandemServer, name: str, **router_settings) -> TandemServer:
+def start_router(server: TandemServer, name: str, ingress: str = "direct", num_replicas: int = 1,
+                 **router_settings) -> TandemServer:
     """A second router, with its own settings (small limits, an API key), on `server`'s prefill and decode
-    deployments: an application of one router replica under the route prefix `/name`, so tests of limits
-    cost no second engine. Stop it with `stop_router(name)`."""
+    deployments: an application of `num_replicas` router replicas (on a port of their own, or under the route
+    prefix `/name` of Serve's proxy with `ingress="proxy"`), so tests of limits cost no second engine. Stop it
+    with `stop_router(name)`."""
     from ray import serve
 
     from deploy.config import TandemConfig
@@ -76,25 +90,27 @@ def start_router(server: TandemServer, name: str, **router_settings) -> TandemSe
     cfg = TandemConfig(**{**server.config.model_dump(), **router_settings})
     prefill = serve.get_deployment_handle("prefill", app_name="tandem")
     decode = serve.get_deployment_handle("decode", app_name="tandem")
-    app = serve.deployment(Router, name=f"router-{name}", ray_actor_options={"num_cpus": 0},
+    app = serve.deployment(Router, name=f"router-{name}", num_replicas=num_replicas, ray_actor_options={"num_cpus": 0},
                            max_ongoing_requests=cfg.max_inflight * 2 + 8, graceful_shutdown_timeout_s=5)
-    serve.run(app.bind(prefill, decode, cfg.router().model_dump()), name=name, route_prefix=f"/{name}")
-    return TandemServer(f"{server.base_url}/{name}", server.model_dir, cfg.name, cfg)
+    api, base_url = _ingress(server.proxy_url, name, ingress)
+    serve.run(app.bind(prefill, decode, cfg.router(api).model_dump()), name=name, route_prefix=f"/{name}")
+    return TandemServer(base_url, server.model_dir, cfg.name, cfg, proxy_url=server.proxy_url)
 
 
-def start_app(server: TandemServer, name: str, **overrides) -> TandemServer:
+def start_app(server: TandemServer, name: str, ingress: str = "direct", **overrides) -> TandemServer:
     """A whole second application (router, prefill, decode group) with its own settings (`overrides` of
-    `server`'s), under the route prefix `/name` of `server`'s Serve: for tests that need a small KV cache,
-    short deadlines or armed fault points without touching the session's application. Its deployments
-    hold Ray CPUs like the session's: stop it with `stop_app(name)` before the next one starts."""
+    `server`'s), on a port of its own (or under the route prefix `/name` of Serve's proxy): for tests that
+    need a small KV cache, short deadlines or armed fault points without touching the session's application.
+    Its deployments hold Ray CPUs like the session's: stop it with `stop_app(name)` before the next one starts."""
     from ray import serve
 
-    from deploy.app import build_app
+    from deploy.app import application
     from deploy.config import TandemConfig
 
     cfg = TandemConfig(**{**server.config.model_dump(), **overrides})
-    serve.run(build_app(cfg), name=name, route_prefix=f"/{name}")
-    return TandemServer(f"{server.base_url}/{name}", server.model_dir, cfg.name, cfg, app=name)
+    api, base_url = _ingress(server.proxy_url, name, ingress)
+    serve.run(application(cfg, api), name=name, route_prefix=f"/{name}")
+    return TandemServer(base_url, server.model_dir, cfg.name, cfg, app=name, proxy_url=server.proxy_url)
 
 
 def wait_decode_settled(app: str, what: str = "every KV block is back") -> dict:

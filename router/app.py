@@ -11,7 +11,7 @@ import uuid
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
 from engine.errors import TandemError
@@ -21,6 +21,7 @@ from router.config import RouterConfig
 from router.errors import APIError, install, invalid
 from router.decode_feed import DecodeFeeds
 from router.generation import Generation
+from router.ingress import ApiServer, unless_client_leaves
 from router.limits import check_request
 from router.output import ResponseWriter
 from router.metrics import RouterMetrics
@@ -56,6 +57,22 @@ class Router:
         if self.cfg.metrics_port is not None:
             self.metrics_server = await start_metrics_server(self.cfg.metrics_host, self.cfg.metrics_port,
                                                              self._render_metrics)
+        # Direct ingress (router/ingress.py): this replica answers HTTP on the API address itself.
+        self.api_server = ApiServer(api, self.cfg.api_host, self.cfg.api_port) if self.cfg.api_port else None
+
+    async def check_health(self) -> None:
+        """Serve's periodic probe: a replica whose own API server stopped is replaced."""
+        failed = self.api_server.failed if self.api_server is not None else None
+        if failed is not None:
+            raise RuntimeError(failed)
+
+    def __del__(self):
+        # Serve calls this when it stops the replica and awaits a coroutine it returns: open streams get a
+        # moment to end, and the port is let go. (Sync, so that the garbage collector's later call, which
+        # finds the server gone, leaves no coroutine unawaited.)
+        server, self.api_server = getattr(self, "api_server", None), None
+        if server is not None:
+            return server.stop()
 
     # ------------------------------------------------------------------ plain endpoints
     @api.get("/health")
@@ -231,7 +248,10 @@ class Router:
         if body.stream:
             return StreamingResponse(out.sse(), media_type="text/event-stream", headers=headers)
         try:
-            return JSONResponse(await out.collect(), headers=headers)
+            if self.api_server is None:  # behind Serve's proxy, which cancels this call when the client goes
+                return JSONResponse(await out.collect(), headers=headers)
+            answered, answer = await unless_client_leaves(request, out.collect())
+            return JSONResponse(answer, headers=headers) if answered else Response(status_code=499)
         except APIError as e:
             return e.response()
 

@@ -31,3 +31,9 @@ class RouterSettings(BaseModel):
 class RouterConfig(RouterSettings):
     model: str = Field(description="Model directory: its tokenizer and chat template are used here.")
     served_model_name: str = Field(description="The name clients put in the `model` field.")
+    api_port: int | None = Field(None, ge=1, le=65535, description="Direct ingress (router/ingress.py): each "
+                                                                   "router replica answers HTTP itself on "
+                                                                   "api_host:api_port (replicas sharing a node "
+                                                                   "share the port); None: requests come through "
+                                                                   "Serve's HTTP proxy.")
+    api_host: str = Field("127.0.0.1", description="Address the direct-ingress port binds (with api_port).")

@@ -3,6 +3,7 @@ text, stop strings, logprobs, tool calls (router/tool_parser.py), usage, and the
 metrics."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 from router import responses as R
@@ -90,6 +91,9 @@ class ResponseWriter:
             status = 200
         except APIError as e:
             status = e.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away
             raise
         finally:
             self.gen.cancel()  # a no-op once the request ended; else (the client left) it aborts it

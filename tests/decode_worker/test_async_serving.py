@@ -29,7 +29,7 @@ def test_async_scheduling_serves_the_engines_tokens(tandem_server):
                    "temperature": 0 if i % 2 else 0.8, "seed": 100 + i} for i, p in enumerate(prompts)]
 
         async def main():
-            async with httpx.AsyncClient(base_url=f"{tandem_server.base_url}/ahead", timeout=120) as http:
+            async with httpx.AsyncClient(base_url=f"{tandem_server.proxy_url}/ahead", timeout=120) as http:
                 rs = await asyncio.gather(*[http.post("/v1/completions", json=b) for b in bodies])
                 assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
                 return [r.json()["choices"][0]["text"] for r in rs]

@@ -33,7 +33,7 @@ def adp_app(tandem_server, tmp_path_factory):
     cfg = TandemConfig(**{**args, "served_model_name": "adp", "handover_stock": 0.125})
     serve.run(build_app(cfg), name="adp", route_prefix="/adp")
     try:
-        yield f"{tandem_server.base_url}/adp", str(head)
+        yield f"{tandem_server.proxy_url}/adp", str(head)
     finally:
         serve.delete("adp")
 

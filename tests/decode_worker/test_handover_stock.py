@@ -29,7 +29,7 @@ def test_small_stock_serves_a_burst_by_both_paths(tandem_server):
         prompts = [" ".join(["word"] * (2 + 3 * (i % 5))) + f" {i}" for i in range(12)]
 
         async def main():
-            async with httpx.AsyncClient(base_url=f"{tandem_server.base_url}/stock", timeout=120) as http:
+            async with httpx.AsyncClient(base_url=f"{tandem_server.proxy_url}/stock", timeout=120) as http:
                 rs = await asyncio.gather(*[http.post("/v1/completions", json={
                     "model": "stock", "prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
                     for p in prompts])

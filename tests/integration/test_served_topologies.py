@@ -90,7 +90,7 @@ def served(request, tandem_server, tmp_path_factory):
     cfg = TandemConfig(**args)
     serve.run(build_app(cfg), name=app, route_prefix=f"/{app}")
     try:
-        yield Served(topology, device, TandemServer(f"{tandem_server.base_url}/{app}", tandem_server.model_dir,
+        yield Served(topology, device, TandemServer(f"{tandem_server.proxy_url}/{app}", tandem_server.model_dir,
                                                     cfg.name, cfg, app=app), args)
     finally:
         serve.delete(app)

@@ -26,7 +26,7 @@ def test_two_prefill_and_two_decode_replicas_share_the_load(tandem_server):
         prompts = [f"Hello {i}, how are you?" for i in range(16)]
 
         async def main():
-            async with httpx.AsyncClient(base_url=f"{tandem_server.base_url}/multi", timeout=120) as http:
+            async with httpx.AsyncClient(base_url=f"{tandem_server.proxy_url}/multi", timeout=120) as http:
                 rs = await asyncio.gather(*[http.post("/v1/completions", json={
                     "model": "multi", "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
                     for p in prompts])
@@ -68,7 +68,7 @@ def test_speculative_decode_group_gets_the_draft_kv_and_stays_lossless(tandem_se
     serve.run(build_app(cfg), name="spec", route_prefix="/spec")
     try:
         prompts = ["Hello, how are you?", "The quick brown fox jumps over", "def add(a, b):"]
-        with httpx.Client(base_url=f"{tandem_server.base_url}/spec", timeout=120) as http:
+        with httpx.Client(base_url=f"{tandem_server.proxy_url}/spec", timeout=120) as http:
             texts = [http.post("/v1/completions", json={"model": "spec", "prompt": p, "max_tokens": 20,
                                                         "temperature": 0, "ignore_eos": True}).json()
                      for p in prompts]
@@ -105,7 +105,7 @@ def test_mtp_hand_over_carries_the_hidden_state_and_stays_lossless(tandem_server
     serve.run(build_app(cfg), name="mtp", route_prefix="/mtp")
     try:
         prompts = ["Hello, how are you?", "def add(a, b):"]
-        with httpx.Client(base_url=f"{tandem_server.base_url}/mtp", timeout=120) as http:
+        with httpx.Client(base_url=f"{tandem_server.proxy_url}/mtp", timeout=120) as http:
             texts = [http.post("/v1/completions", json={"model": "mtp", "prompt": p, "max_tokens": 16,
                                                         "temperature": 0, "ignore_eos": True}).json()
                      ["choices"][0]["text"] for p in prompts]
