@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import tempfile
 import time
 
@@ -181,7 +180,6 @@ def main(argv: list[str] | None = None) -> int:
             cpu = ", ".join(f"{k} {x:.1f}" for k, x in r["cpu_s_by_role"].items() if x >= 0.1)
             lines.append(f"| {v} | {c} | {r['decode_steps']} | {r['tokens_per_step']:.1f} | {r['rank_busy_share']:.0%} "
                          f"| {r['ttft_p50_s']:.3f} | {r['tt2t_p50_s']:.3f} | {cpu} |")
-    lines += ["", "Command: `python -m bench.served_vs_engine " + " ".join(argv if argv is not None else sys.argv[1:]) + "`"]
     table = "\n".join(lines)
     path = write_results(args.name, {"model": model, "draft": head, "levels": levels, "engine": engine_rows,
                                      "served": served}, table)

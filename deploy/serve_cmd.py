@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
                     help="how HTTP reaches the router: direct = each router replica answers on --host:--port itself "
                          "(no Serve proxy; replicas on one node share the port); proxy = Serve's HTTP proxy "
                          "forwards requests and relays every streamed chunk (default: direct, which served "
-                         "+15%% tokens/s at concurrency 64 on 2 cores, bench/results/served_vs_engine_cpu.md)")
+                         "+21%% tokens/s at concurrency 64 on 2 cores, bench/results/"
+                         "served_vs_engine_2026-11-24_cpu.md)")
     ap.add_argument("--address", default=None, help="Ray address to join ('auto', 'host:6379'); default: "
                                                     "start Ray in this process")
     ap.add_argument("--num-cpus", type=int, default=None, help="embedded Ray's logical CPUs (default: enough "

@@ -2,11 +2,11 @@
 
 Behind Serve's HTTP proxy every chunk of a streamed answer crosses two processes: the router replica yields
 it as a Ray streaming item and the proxy writes it to the client. A served answer streams one chunk per
-decode step, so at concurrency 64 that is ~400 Ray items a second, and on 2 CPU cores the proxy and the
-router's Serve plumbing took ~4.3 of the run's ~15 CPU seconds (bench/results/served_vs_engine_*_cpu.md).
-Here the replica runs the same FastAPI app in a uvicorn server on its own event loop: the chunk goes from
-the SSE generator to the socket. Router replicas on one node bind the same port with SO_REUSEPORT, and the
-kernel spreads connections over them; replicas on other nodes serve their node's address, as Serve's
+decode step, so at concurrency 64 that is ~400 Ray items a second: on 2 CPU cores the router and the proxy
+took 4.7 CPU seconds of such a run, against 1.7 for the router alone here, and the served tokens/s rose by a
+fifth (bench/results/served_vs_engine_2026-11-24_cpu.md). Here the replica runs the same FastAPI app in a
+uvicorn server on its own event loop: the chunk goes from the SSE generator to the socket. Router replicas
+on one node bind the same port with SO_REUSEPORT, and the kernel spreads connections over them; replicas on other nodes serve their node's address, as Serve's
 per-node proxies do. Serve still deploys, health-checks and restarts the replicas and routes their calls to
 the prefill and decode deployments.
 """
