@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.detach and args.address is not None:
         return 0
     stop = threading.Event()
+    # Ctrl-C as well as SIGTERM only set the event: a KeyboardInterrupt raised inside Event.wait can land in
+    # the lock's own bookkeeping ("release unlocked lock") and skip the orderly shutdown below.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        while not stop.wait(1.0):
-            pass
-    except KeyboardInterrupt:
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while not stop.wait(1.0):
         pass
     print("shutting down", flush=True)
     serve.shutdown()
