@@ -74,6 +74,7 @@ class DecodeController:
         self.handovers: list[tuple[float, float, int]] = []  # recent (receive s, unpack s, bytes) per request
         self.handovers_total = 0
         self.handovers_stocked = 0  # of those, reserved from the ranks' stocks (no lockstep RESERVE)
+        self.handovers_committed_on_landing = 0  # of those, committed by a one-rank group itself (no COMMIT wait)
 
     # ------------------------------------------------------------------ from streams
     def expect(self, request_id: str, sink: asyncio.Queue, prompt_blocks: int = 0) -> Placement:
@@ -160,9 +161,7 @@ class DecodeController:
             self.num_running = lead.num_running
             self.grammar_stats = dict(lead.grammar)
         for rep in reports:
-            for d in rep.deltas:
-                self._deliver(d, rep.tp_rank)
-        for rep in reports:
+            self.handovers_committed_on_landing += rep.committed_on_landing
             for rid, reason in rep.failed:
                 self._on_failed(rid, rep.tp_rank, reason)
             for rid in rep.arrived:
@@ -181,6 +180,11 @@ class DecodeController:
                     t.handover_bytes += nbytes
             for rid in rep.landed:
                 self._on_landed(rid, rep.tp_rank)
+        # Tokens after the hand-over events: a one-rank group commits a request on landing, so one report
+        # can carry its landing and its first tokens, which only a RUNNING request delivers.
+        for rep in reports:
+            for d in rep.deltas:
+                self._deliver(d, rep.tp_rank)
         for t in list(self.requests.values()):
             if t.phase is Phase.EXPECTED and (t.arrived | t.reserved).issuperset(t.ranks):
                 if t.cancelled:

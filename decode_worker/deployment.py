@@ -206,6 +206,7 @@ class DecodeServer:
             "rank_step_seconds": self._step_seconds,
             "handovers_total": self.ctrl.handovers_total,
             "handovers_stocked": self.ctrl.handovers_stocked,
+            "handovers_committed_on_landing": self.ctrl.handovers_committed_on_landing,
             "grammar": dict(self.ctrl.grammar_stats),
             "overlapped_steps": self.ctrl.overlapped_steps,
             "feed_batches": self._feed_batches,

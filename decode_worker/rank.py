@@ -48,6 +48,7 @@ class DecodeRank:
         self.tp_group = None
         self._sent: dict[str, int] = {}  # request id -> output tokens already reported
         self._turns = StepTurns()  # runs the group's steps in order (several may be queued here)
+        self._committed_early: set[str] = set()  # committed on landing, the replica's COMMIT still to come
 
     # ------------------------------------------------------------------ setup
     def address(self) -> StoreAddress:
@@ -106,6 +107,7 @@ class DecodeRank:
             self._apply(cmd, deferred, failed)
         if not work.commands and not work.forward and not eng.has_unfinished() and wait_s > 0:
             self.receiver.wait_for_event(wait_s)  # long-poll: nothing to compute, wait for hand-overs
+        early = self._commit_landed(failed) if self.tp_size == 1 and self.stock is not None else 0
         deltas = []
         # Under ADP every rank steps the engine every group step: the engine's own agreement (one all-gather)
         # decides whether anybody runs a forward, and a rank without rows runs the idle forward, so the
@@ -113,7 +115,9 @@ class DecodeRank:
         # requests: they are all idle at once, and an idle step has nothing to match.
         if eng.has_unfinished() or self.attention_dp:
             outputs = eng.step()
-            if work.reports_tokens:
+            # A one-rank group reports its tokens always: it may run requests it committed on landing
+            # (_commit_landed) before the replica counts them as running.
+            if work.reports_tokens or self.tp_size == 1:
                 deltas = [self._delta(o) for o in outputs]
             else:
                 for o in outputs:
@@ -129,7 +133,7 @@ class DecodeRank:
             kv_blocks_used=used, kv_blocks_total=stats["kv_blocks_total"],
             num_running=stats["num_running"], step_seconds=time.perf_counter() - start,
             handover_seconds=tuple(timings), grammar=tuple(stats.get("grammar", {}).items()),
-            overlapped_steps=stats["overlapped_steps"])
+            overlapped_steps=stats["overlapped_steps"], committed_on_landing=early)
 
     def _apply(self, cmd: Command, deferred: list[str], failed: list[tuple[str, str]]) -> None:
         eng, rid = self.engine, cmd.request_id
@@ -151,18 +155,43 @@ class DecodeRank:
             if not self.receiver.is_stocked(rid):
                 self.receiver.provide_blocks(rid, block_ids)
         elif cmd.kind is CommandKind.COMMIT:
-            if not self._adopt_stocked(rid, failed):
+            if rid in self._committed_early:  # done when its payload landed (_commit_landed)
+                self._committed_early.discard(rid)
                 return
-            hidden = self.receiver.take_hidden(rid)
-            if hidden is not None:
-                eng.commit(rid, hidden.to(eng.kv_cache.device))
-            else:
-                eng.commit(rid)
+            self._commit(rid, failed)
         elif cmd.kind is CommandKind.ABORT:
+            self._committed_early.discard(rid)
             eng.abort(rid)
             self.receiver.drop(rid)
         elif cmd.kind is CommandKind.DROP:
+            if rid in self._committed_early:  # the replica no longer tracks it, but it runs here: end it
+                self._committed_early.discard(rid)
+                eng.abort(rid)
             self.receiver.drop(rid)
+
+    def _commit(self, rid: str, failed: list[tuple[str, str]]) -> None:
+        eng = self.engine
+        if not self._adopt_stocked(rid, failed):
+            return
+        hidden = self.receiver.take_hidden(rid)
+        if hidden is not None:
+            eng.commit(rid, hidden.to(eng.kv_cache.device))
+        else:
+            eng.commit(rid)
+
+    def _commit_landed(self, failed: list[tuple[str, str]]) -> int:
+        """A one-rank group commits each stocked hand-over whose payload has landed at this step boundary,
+        without waiting for the replica's COMMIT. That COMMIT comes two steps after the landing: the replica
+        reads the report of the step the payload landed in while the next step is already queued here
+        (steps_in_flight), which kept a new request out of ~2 steps (decode_worker/config.py). Nothing has to
+        agree on the moment, as no other rank holds the request; the replica learns of it from the landing in
+        this report or an earlier one, which it reads before this step's tokens, and its COMMIT is then a
+        no-op here. Under tp > 1 every rank must commit in the same step, so the COMMIT decides."""
+        landed = self.receiver.landed_in_stock()
+        for rid in landed:
+            self._committed_early.add(rid)  # also when the engine refuses it: the COMMIT must not retry it
+            self._commit(rid, failed)
+        return len(landed)
 
     def _adopt_stocked(self, rid: str, failed: list[tuple[str, str]]) -> bool:
         """At commit, a request whose KV landed in stock blocks gets them as its own: swapped for the blocks

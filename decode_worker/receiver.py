@@ -106,6 +106,11 @@ class HandoverReceiver:
             del self._pending[request_id]
             return arrival.header, arrival.block_ids
 
+    def landed_in_stock(self) -> list[str]:
+        """Requests whose payload has landed in stock blocks and that the rank has not taken yet."""
+        with self._lock:
+            return [rid for rid, a in self._pending.items() if a.stocked and a.decided.is_set() and not a.dropped]
+
     def take_hidden(self, request_id: str) -> torch.Tensor | None:
         with self._lock:
             return self._hidden.pop(request_id, None)

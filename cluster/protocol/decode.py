@@ -99,6 +99,7 @@ class StepReport:
     reserved: tuple[str, ...] = field(default=())  # headers that took blocks from the rank's hand-over stock
     grammar: tuple[tuple[str, int], ...] = field(default=())  # the engine's grammar counters (compiles, ...)
     overlapped_steps: int = 0  # the engine's steps launched before its previous step was read (async scheduling)
+    committed_on_landing: int = 0  # stocked hand-overs a one-rank group committed itself (DecodeRank._commit_landed)
 
 
 @dataclass(frozen=True, slots=True)

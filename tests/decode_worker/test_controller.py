@@ -236,3 +236,20 @@ def test_stocked_then_cancelled_or_unknown_is_dropped_everywhere():
     assert cmds(ctrl) == [(D, "a")] and "a" not in ctrl.requests
     ctrl.on_reports([reserved_report(0), reserved_report(1, reserved=["a"], landed=["a"])])
     assert cmds(ctrl) == [(D, "a")]  # a late stocked header of a gone request: dropped (blocks back to stock)
+
+
+def test_a_one_rank_group_that_committed_on_landing_gets_its_first_tokens_delivered():
+    """A tp=1 rank commits a stocked hand-over as soon as it lands (DecodeRank._commit_landed): one report then
+    carries the header, the landing and the first tokens; the tokens reach the stream, and the COMMIT that
+    follows is the rank's no-op."""
+    ctrl, q = DecodeController(tp_size=1), asyncio.Queue()
+    ctrl.expect("a", q)
+    d1 = TokenDelta("a", (5, 6), False, None)
+    early = StepReport(tp_rank=0, deltas=(d1,), arrived=(), landed=("a",), failed=(), deferred=(), kv_blocks_used=2,
+                       kv_blocks_total=64, num_running=1, step_seconds=0.0, reserved=("a",), committed_on_landing=1)
+    ctrl.on_reports([early])
+    assert drain(q) == [d1] and ctrl.requests["a"].phase is Phase.RUNNING
+    assert cmds(ctrl) == [(C, "a")] and ctrl.handovers_committed_on_landing == 1
+    d2 = TokenDelta("a", (7,), True, "length")
+    ctrl.on_reports([report(0, deltas=[d2])])
+    assert drain(q) == [d2] and not ctrl.has_work

@@ -47,3 +47,39 @@ def test_small_stock_serves_a_burst_by_both_paths(tandem_server):
         assert 0 < stats["handovers_stocked"] < stats["handovers_total"], stats
     finally:
         serve.delete("stock")
+
+
+def test_a_one_rank_group_commits_stocked_hand_overs_on_landing(tandem_server):
+    """tp=1: the rank commits each stocked hand-over at the first step boundary after its payload lands
+    instead of waiting for the replica's COMMIT; outputs still equal the engine's, blocks all come back."""
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.config import TandemConfig
+    from engine import LLM, SamplingParams
+
+    cfg = TandemConfig(model=tandem_server.model_dir, served_model_name="early", tp=1, num_kv_blocks=128,
+                       rank_num_cpus=0.5, prefill_num_cpus=0.5)
+    serve.run(build_app(cfg), name="early", route_prefix="/early")
+    try:
+        prompts = [f"Item {i} of the list is" for i in range(8)]
+
+        async def main():
+            async with httpx.AsyncClient(base_url=f"{tandem_server.proxy_url}/early", timeout=120) as http:
+                rs = await asyncio.gather(*[http.post("/v1/completions", json={
+                    "model": "early", "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+                    for p in prompts])
+                assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+                return [r.json()["choices"][0]["text"] for r in rs]
+
+        texts = asyncio.run(main())
+        llm = LLM(tandem_server.model_dir, num_kv_blocks=256)
+        want = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+        assert texts == want
+        stats = wait_decode_settled("early", "every block is back (in the pool or the stock)")
+        assert stats["handovers_total"] == len(prompts)
+        # Most on landing; one whose landing the replica reads while it runs a single long-poll step (nothing
+        # decoding yet) gets the replica's COMMIT in the very next step, as under tp > 1.
+        assert 0 < stats["handovers_committed_on_landing"] <= stats["handovers_stocked"], stats
+    finally:
+        serve.delete("early")
