@@ -109,3 +109,31 @@ def test_a_port_another_program_holds_fails_the_deploy_with_the_address_named(ta
     finally:
         holder.close()
         stop_router("taken")
+
+
+def test_stopping_a_router_ends_its_open_streams_and_frees_their_blocks(tandem_server):
+    """A router replica stopped (deleted, scaled down, replaced) with a stream open: its API server stops
+    accepting, gives the stream a moment, then cuts it; the request is aborted on the decode side, whose blocks
+    all come back, and the session's router keeps serving."""
+    from deploy.testing import wait_decode_settled
+
+    doomed = start_router(tandem_server, "doomed")
+    body = {"model": doomed.model, "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    chunks = 0
+    with httpx.Client(base_url=doomed.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            for line in lines:
+                chunks += line.startswith("data: {")
+                if chunks == 4:
+                    break
+            stop_router("doomed")  # returns once Serve has stopped the replica
+            # Cut: 1000 tokens take a tp=2 group of the tiny model on CPU far longer than the 3 s grace period.
+            with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                for line in lines:
+                    assert line != "data: [DONE]", "the stream ran to its end instead of being cut"
+    wait_decode_settled("tandem", "the cut stream's blocks are back")
+    plain, _ = _texts(tandem_server.base_url, tandem_server.model)
+    assert plain
