@@ -90,8 +90,9 @@ def start_router(server: TandemServer, name: str, ingress: str = "direct", num_r
     cfg = TandemConfig(**{**server.config.model_dump(), **router_settings})
     prefill = serve.get_deployment_handle("prefill", app_name="tandem")
     decode = serve.get_deployment_handle("decode", app_name="tandem")
-    app = serve.deployment(Router, name=f"router-{name}", num_replicas=num_replicas, ray_actor_options={"num_cpus": 0},
-                           max_ongoing_requests=cfg.max_inflight * 2 + 8, graceful_shutdown_timeout_s=5)
+    app = serve.deployment(Router, name=f"router-{name}", num_replicas=num_replicas,
+                           ray_actor_options={"num_cpus": 0}, max_ongoing_requests=cfg.max_inflight * 2 + 8,
+                           graceful_shutdown_timeout_s=5)
     api, base_url = _ingress(server.proxy_url, name, ingress)
     serve.run(app.bind(prefill, decode, cfg.router(api).model_dump()), name=name, route_prefix=f"/{name}")
     return TandemServer(base_url, server.model_dir, cfg.name, cfg, proxy_url=server.proxy_url)

@@ -6,9 +6,10 @@ decode step, so at concurrency 64 that is ~400 Ray items a second: on 2 CPU core
 took 4.7 CPU seconds of such a run, against 1.7 for the router alone here, and the served tokens/s rose by a
 fifth (bench/results/served_vs_engine_2026-11-24_cpu.md). Here the replica runs the same FastAPI app in a
 uvicorn server on its own event loop: the chunk goes from the SSE generator to the socket. Router replicas
-on one node bind the same port with SO_REUSEPORT, and the kernel spreads connections over them; replicas on other nodes serve their node's address, as Serve's
-per-node proxies do. Serve still deploys, health-checks and restarts the replicas and routes their calls to
-the prefill and decode deployments.
+on one node bind the same port with SO_REUSEPORT (which Linux allows only to processes of the same user),
+and the kernel spreads connections over them; replicas on other nodes serve their node's address, as
+Serve's per-node proxies do. Serve still deploys, health-checks and restarts the replicas and routes their
+calls to the prefill and decode deployments.
 """
 from __future__ import annotations
 
