@@ -49,6 +49,12 @@ def _decode_default(name: str):
     return DecodeConfig.model_fields[name].default
 
 
+def _serve_parser():
+    from deploy.serve_cmd import parser
+
+    return parser()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.served_vs_engine", description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="1,16,64")
@@ -61,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--handover-stock", default=f'{_decode_default("handover_stock"):g}',
                     help="the decode ranks' handover_stock, one deployment per value (e.g. 0,0.125); default: the "
                     "deployment's")
-    ap.add_argument("--ingress", default="direct", help="how HTTP reaches the router, one deployment per value: "
-                    "direct (tandem serve's default: the router replica answers on its own port) and/or proxy "
-                    "(Serve's HTTP proxy relays every chunk), e.g. direct,proxy")
+    ap.add_argument("--ingress", default=_serve_parser().get_default("ingress"),
+                    help="how HTTP reaches the router, one deployment per value: direct (the router replica answers "
+                    "on its own port) and/or proxy (Serve's HTTP proxy relays every chunk), e.g. direct,proxy; "
+                    "default: tandem serve's")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -105,10 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(RayOptions(num_cpus=8, temp_dir=f"{tmp}/ray"))
     ingresses = args.ingress.split(",")
     port = free_port_on("127.0.0.1")
-    if "proxy" in ingresses:  # else no proxy runs, as under `tandem serve`
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-    else:
-        serve.start(proxy_location="Disabled")
+    # No proxy runs unless a deployment uses it, as under `tandem serve` with direct ingress.
+    serve.start(proxy_location=None if "proxy" in ingresses else "Disabled",
+                http_options={"host": "127.0.0.1", "port": port})
     served: dict[str, dict[int, dict]] = {}
     in_flights, stocks = args.steps_in_flight.split(","), args.handover_stock.split(",")
     variants = [(int(tp), int(n), float(st), ing) for tp in args.tps.split(",") for n in in_flights for st in stocks

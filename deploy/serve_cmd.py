@@ -132,11 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(RayOptions(address=args.address, num_cpus=args.num_cpus or max(os.cpu_count() or 1, needed),
                         resources=cfg.custom_resources_needed() or None))
     api = (args.host, args.port) if args.ingress == "direct" else None
-    if api is None:
-        serve.start(http_options={"host": args.host, "port": args.port})
-    else:
-        # No proxy: the router replicas take --host:--port themselves (http_options only name it in Serve's logs).
-        serve.start(proxy_location="Disabled", http_options={"host": args.host, "port": args.port})
+    # Direct: no proxy, the router replicas take --host:--port themselves (http_options then only name it in
+    # Serve's logs).
+    serve.start(proxy_location="Disabled" if api else None, http_options={"host": args.host, "port": args.port})
     start = time.monotonic()
     print(f"deploying: 1 router, {cfg.prefill_replicas} prefill, {cfg.decode_replicas} decode group(s) of "
           f"tp={cfg.tp} on {cfg.device}...", flush=True)
