@@ -1,10 +1,15 @@
-"""CallerWatch: ends the decode streams of a router replica that died.
+"""CallerWatch: ends the decode streams and the feed of a router replica that died.
 
 Ray does not end a streaming call whose caller's process is gone: with a router killed mid-stream, the
 decode group went on decoding its requests to their last token for nobody, holding their KV blocks all
 the while (tests/router/test_faults.py). Each stream names the router that opened it (its Serve actor's
-name); every CHECK_S this pings the routers that have streams open and, for one that is dead, hands its
-streams to `on_dead`.
+name); every CHECK_S this pings the routers that have requests or a feed subscription open and, for one
+that is dead, hands its requests to `on_dead` and then the router itself to `on_gone`.
+
+A router's feed stream (decode_worker/feed.py) outlives its requests: a router that died with none open
+left its feed streaming for nobody, counted by Serve as an ongoing request of the decode replica for good
+(in its load, and in every graceful shutdown, which then waited out its timeout and force-killed the
+replica). So feed subscribers are watched too.
 
 A name alone does not tell: Ray keeps a dead actor's name resolvable, so life is an answer to
 `__ray_ready__`. A slow answer counts as alive (a busy router is not a dead one).
@@ -12,6 +17,7 @@ A name alone does not tell: Ray keeps a dead actor's name resolvable, so life is
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import Callable
 
@@ -26,11 +32,15 @@ SERVE_NAMESPACE = "serve"  # where Ray Serve creates its replica actors (ray.ser
 
 
 class CallerWatch:
-    def __init__(self, on_dead: Callable[[str, str], None], check_s: float = CHECK_S):
-        """on_dead(request_id, caller): the stream's router is gone."""
+    def __init__(self, on_dead: Callable[[str, str], None], check_s: float = CHECK_S,
+                 on_gone: Callable[[str], None] | None = None):
+        """on_dead(request_id, caller): the stream's router is gone; on_gone(caller): called after its
+        requests', once per dead router (its feed can go)."""
         self.on_dead = on_dead
+        self.on_gone = on_gone
         self.check_s = check_s
         self._streams: dict[str, str] = {}  # request id -> the caller's actor name
+        self.subscribers: collections.Counter[str] = collections.Counter()  # caller -> its open feed streams
         self._handles: dict[str, object] = {}
         self.callers_lost = 0
 
@@ -41,10 +51,20 @@ class CallerWatch:
     def closed(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def subscribed(self, caller: str | None) -> None:
+        if caller:
+            self.subscribers[caller] += 1
+
+    def unsubscribed(self, caller: str | None) -> None:
+        if caller:
+            self.subscribers[caller] -= 1
+            if self.subscribers[caller] <= 0:
+                del self.subscribers[caller]
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.check_s)
-            callers = set(self._streams.values())
+            callers = set(self._streams.values()) | set(self.subscribers)
             for name in [n for n in self._handles if n not in callers]:
                 del self._handles[name]
             for name in callers:
@@ -56,6 +76,8 @@ class CallerWatch:
                 for rid in orphans:
                     self.closed(rid)
                     self.on_dead(rid, name)
+                if self.on_gone is not None:
+                    self.on_gone(name)
 
     async def _alive(self, name: str) -> bool:
         try:

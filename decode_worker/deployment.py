@@ -54,7 +54,7 @@ class DecodeServer:
         self._feeds: dict[str, Feed] = {}  # router actor name ("" when unnamed) -> its feed
         self._callers_of: dict[str, str] = {}  # open request id -> its router's feed key
         self._feed_batches = self._feed_items = 0  # stream items sent on feeds, and the request items in them
-        self.callers = CallerWatch(self._caller_died)
+        self.callers = CallerWatch(self._caller_died, on_gone=self._router_gone)
         self._watch = asyncio.create_task(self.callers.run())
 
     # ------------------------------------------------------------------ requests and their router's feed
@@ -80,10 +80,14 @@ class DecodeServer:
         one it meant is gone (and its requests with it) instead of reading someone else's feed."""
         if replica is not None and replica != self.replica:
             raise LookupError(f"decode replica {replica} is gone (this is {self.replica})")
-        async for batch in self._feed(caller).batches():
-            self._feed_batches += 1
-            self._feed_items += len(batch)
-            yield batch
+        self.callers.subscribed(caller)
+        try:
+            async for batch in self._feed(caller).batches():
+                self._feed_batches += 1
+                self._feed_items += len(batch)
+                yield batch
+        finally:
+            self.callers.unsubscribed(caller)
 
     async def cancel(self, request_id: str, replica: str | None = None) -> None:
         """The router is done with the request (client gone, stop string, prefill failure): abort it and
@@ -121,6 +125,12 @@ class DecodeServer:
             if not feed.requests:
                 del self._feeds[caller]
                 feed.close()
+
+    def _router_gone(self, caller: str) -> None:
+        """After its requests (_caller_died): a dead router's feed ends, also one that had no request open."""
+        feed = self._feeds.pop(caller, None)
+        if feed is not None:
+            feed.close()
 
     async def _current_group(self, timeout_s: float = float("inf")) -> RankGroup | None:
         deadline = time.monotonic() + timeout_s
@@ -192,6 +202,7 @@ class DecodeServer:
             "max_num_seqs": self.config.max_num_seqs,
             "groups_started": self.groups_started,
             "routers_lost": self.callers.callers_lost,
+            "feed_subscriptions": sum(self.callers.subscribers.values()),  # routers' feed streams open (named)
             "tp_size": self.config.tp,
             "attention_dp": self.config.attention_dp,
             # per rank: (requests placed there since start, KV blocks in use, KV blocks, running requests);

@@ -63,6 +63,7 @@ class Feed:
         """Its router is dead: end the stream still open for it (Ray keeps a dead caller's stream running)."""
         self._reader += 1
         self._items.clear()
+        self._ready.set()  # a subscription waiting for items sees it now, not at its next wake-up
 
     @property
     def idle(self) -> bool:

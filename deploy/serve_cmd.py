@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future
 
 log = logging.getLogger("tandem.serve")
 
@@ -126,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.runtime import RayOptions, init_ray, shutdown_ray
     from deploy.app import application
 
+    stop = threading.Event()
+    # Ctrl-C and SIGTERM only set the event, from the start: a KeyboardInterrupt raised while Serve waited for
+    # the deployment was swallowed there (the server then came up and ran on until a second Ctrl-C), and one
+    # raised inside Event.wait can land in the lock's own bookkeeping ("release unlocked lock"); both skipped
+    # the orderly shutdown below.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     needed = int(cfg.prefill_replicas * cfg.prefill_num_cpus + cfg.decode_replicas * cfg.tp * cfg.rank_num_cpus) + 1
     # An embedded Ray is one node: it declares the custom resources the config asks for (node kinds of a
     # cluster), so that a configuration written for a cluster also runs here instead of pending forever.
@@ -138,20 +146,38 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     print(f"deploying: 1 router, {cfg.prefill_replicas} prefill, {cfg.decode_replicas} decode group(s) of "
           f"tp={cfg.tp} on {cfg.device}...", flush=True)
-    serve.run(application(cfg, api), name="tandem", route_prefix="/")
-    print(f"ready in {time.monotonic() - start:.1f}s", flush=True)
-    print(usage_text(args.host, args.port, cfg.name, cfg.api_key is not None), flush=True)
-    if args.detach and args.address is not None:
-        return 0
-    stop = threading.Event()
-    # Ctrl-C as well as SIGTERM only set the event: a KeyboardInterrupt raised inside Event.wait can land in
-    # the lock's own bookkeeping ("release unlocked lock") and skip the orderly shutdown below.
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
-    print("shutting down", flush=True)
+    # serve.run waits until every replica is up (or forever, for resources nobody has): on another thread, so
+    # that a stop signal ends the wait too.
+    deploying = _on_a_thread(lambda: serve.run(application(cfg, api), name="tandem", route_prefix="/"))
+    while not stop.is_set() and not deploying.done():
+        stop.wait(0.2)
+    code = 0
+    if not stop.is_set() and deploying.exception() is not None:
+        print(f"tandem serve: the deployment failed: {deploying.exception()}", file=sys.stderr)
+        code = 1
+    elif not stop.is_set():
+        print(f"ready in {time.monotonic() - start:.1f}s", flush=True)
+        print(usage_text(args.host, args.port, cfg.name, cfg.api_key is not None), flush=True)
+        if args.detach and args.address is not None:
+            return 0
+        while not stop.wait(1.0):
+            pass
+    print("shutting down" if deploying.done() else "stopped while deploying: shutting down", flush=True)
     serve.shutdown()
     if args.address is None:
         shutdown_ray()
-    return 0
+    return code
+
+
+def _on_a_thread(fn) -> Future:
+    """fn() run on a daemon thread; its outcome in the future."""
+    done: Future = Future()
+
+    def run():
+        try:
+            done.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            done.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="tandem-deploy").start()
+    return done

@@ -9,6 +9,7 @@ import signal
 
 import openai
 import pytest
+import ray
 
 from cluster.testing import wait_for
 
@@ -82,3 +83,35 @@ def test_killed_decode_rank_gives_errors_not_hangs_and_the_group_recovers(tandem
     assert after["groups_started"] == before["groups_started"] + 1 and after["group_id"] != before["group_id"]
     assert set(decode.rank_pids.remote().result()).isdisjoint(pids)
     wait_for(lambda: not any(tandem_server.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)
+
+
+def test_a_dead_routers_feed_ends_even_with_no_request_open(tandem_server):
+    """A router that dies with no request open leaves its feed stream on the decode replica, which Ray never
+    ends: it counted as an ongoing request there for good (in the replica's load, and in every graceful
+    shutdown, which waited out its timeout and force-killed the replica). The replica's caller watch ends it."""
+    decode = tandem_server.decode_handle()
+    before = decode.stats.remote().result()
+    name = f"feed-reader-{os.getpid()}"  # a named actor in Serve's namespace, as a router replica is
+    reader = FeedReader.options(name=name, namespace="serve").remote(tandem_server.app)
+    reading = reader.read.remote(name)
+    wait_for(lambda: decode.stats.remote().result()["feed_subscriptions"] == before["feed_subscriptions"] + 1,
+             "the reader's feed subscription open", 60)
+    ray.kill(reader, no_restart=True)
+    stats = wait_for(lambda: (s := decode.stats.remote().result())["feed_subscriptions"]
+                     == before["feed_subscriptions"] and s, "the dead reader's feed ended", 60)
+    assert stats["routers_lost"] == before["routers_lost"] + 1
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(reading, timeout=30)
+
+
+@ray.remote(num_cpus=0)
+class FeedReader:
+    """Reads a decode replica's feed the way router/decode_feed.py does, and nothing else."""
+
+    def __init__(self, app: str):
+        from ray import serve
+        self.decode = serve.get_deployment_handle("decode", app)
+
+    async def read(self, name: str) -> None:
+        async for _ in self.decode.options(stream=True).feed.remote(name):
+            pass

@@ -2,6 +2,7 @@
 printed instructions are valid curl / openai usage for the served model."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -117,3 +118,46 @@ def test_router_limits_and_the_api_key_flow_from_flags_or_the_environment(tiny_m
     assert "api_key" not in cfg.prefill().model_dump() and "api_key" not in cfg.decode().model_dump()
     text = usage_text("127.0.0.1", 8000, "tiny", with_key=True)
     assert 'Authorization: Bearer $TANDEM_API_KEY' in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["deploying", "serving"])
+def test_ctrl_c_stops_tandem_serve_while_deploying_and_while_serving(when):
+    """The whole command, with its own embedded Ray: Ctrl-C ends it with an orderly shutdown whenever it comes.
+    Regression: a Ctrl-C during the deployment (~10 s on CPU) was swallowed inside Serve's wait, and the
+    server came up and ran on."""
+    import shutil
+    import signal
+    import tempfile
+
+    import httpx
+
+    from cluster.rendezvous import free_port_on
+
+    port = free_port_on("127.0.0.1")
+    ray_tmp = tempfile.mkdtemp(prefix="tandem-serve-")  # short: Ray's socket paths must fit in 107 bytes
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--port", str(port), "--num-cpus", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_TMPDIR": ray_tmp})
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if (when == "deploying" and line.startswith("deploying:")) or line.startswith("Ctrl-C stops serving"):
+                break
+        assert lines and proc.poll() is None, "".join(lines)
+        if when == "serving":
+            answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+                "model": "tandem-tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+            assert answer.status_code == 200, answer.text
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    said = "stopped while deploying: shutting down" if when == "deploying" else "shutting down"
+    assert proc.returncode == 0 and said in rest, "".join(lines) + rest
+    with pytest.raises(httpx.TransportError):  # nothing serves there any more
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
