@@ -1,8 +1,8 @@
 """`tandem serve`: deploy the router, prefill and decode deployments on Ray Serve and keep serving.
 
 Embedded default: starts Ray in this process (the zoo's prebuilt target with its MTP head drafting k=3,
-one prefill replica, one decode group of two ranks, on CPU) and serves on 127.0.0.1:8000. With
---address it joins a running cluster (`ray up deploy/cluster.yaml`, then
+one prefill replica, one decode group: tp=1 on a CPU with fewer than 8 cores, else two ranks) and serves on
+127.0.0.1:8000. With --address it joins a running cluster (`ray up deploy/cluster.yaml`, then
 `tandem serve --address auto --model DIR --device cuda`).
 """
 from __future__ import annotations

@@ -5,7 +5,9 @@
   on the JSON instance tokens alone (the part a structured-output request generates);
 - head agreement: for MTP and EAGLE-3, teacher-forced top-1 agreement with the target at depths
   1..3 on held-out JSON documents, scored on the instance positions (where speculation runs) and on
-  all positions; the draft model's next-token agreement with the target on the same positions;
+  all positions; the draft model's next-token agreement with the target on the same positions; and
+  depth-1 agreement on the instance positions by the target's confidence there (its top-1
+  probability), which says how much of the agreement the target's own certainty allows;
 - generation (zoo.generation_eval): greedy completions of held-out schema prompts, unconstrained
   (parse, validate and degeneration rates) and under the schema's grammar (finish rate), and the
   drafts MTP, EAGLE-3 and ngram prompt lookup would get accepted at k drafts on those outputs.
@@ -23,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from zoo import generation_eval, layout
 from zoo.corpus import build_corpus
-from zoo.distill import head_agreement
+from zoo.distill import head_agreement, shift_left, unroll
 from zoo.features import target_features
 from zoo.heads.eagle3 import Eagle3Head
 from zoo.heads.mtp import MTPHead
@@ -66,11 +68,25 @@ def domain_losses(target, tokenizer, docs) -> dict[str, float]:
     return {name: round(s / max(n, 1), 4) for name, (s, n) in sums.items()}
 
 
+# Bands of the target's top-1 probability at the position it predicts: [0, 0.5), [0.5, 0.9), [0.9, 1].
+CONFIDENCE_BANDS = (0.0, 0.5, 0.9)
+
+
+def _by_band(hit: torch.Tensor, valid: torch.Tensor, confidence: torch.Tensor, counts: list[list[int]]) -> None:
+    """Adds (hits, positions) per confidence band to `counts`."""
+    edges = (*CONFIDENCE_BANDS, float("inf"))
+    for band, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        mask = valid & (confidence >= lo) & (confidence < hi)
+        counts[band][0] += int((hit & mask).sum())
+        counts[band][1] += int(mask.sum())
+
+
 @torch.no_grad()
 def agreement(target, draft, heads, tokenizer, docs, depth: int) -> dict:
     aux_ids = heads["eagle3"].aux_layer_ids if "eagle3" in heads else None
     counts = {f"{name}/{scope}": [[0, 0] for _ in range(depth)] for name in heads for scope in ("instance", "all")}
     counts.update({f"draft/{scope}": [[0, 0]] for scope in ("instance", "all")})
+    bands = {name: [[0, 0] for _ in CONFIDENCE_BANDS] for name in (*heads, "draft")}
     for doc in docs:
         ids = torch.tensor([tokenizer.encode(doc.text).ids])
         n = ids.shape[1]
@@ -82,7 +98,13 @@ def agreement(target, draft, heads, tokenizer, docs, depth: int) -> dict:
         everything[0, : n - 1] = True
         features = target_features(target, ids, aux_ids)
         target_top = features["logits"].argmax(-1)
+        confidence = features["logits"].float().softmax(-1).amax(-1)  # [1, n]
         draft_top = draft(input_ids=ids, use_cache=False).logits.argmax(-1)
+        _by_band(draft_top == target_top, instance, confidence, bands["draft"])
+        for name, head in heads.items():  # depth 1: index i predicts what the target predicts at i + 1
+            guess = head.to_target_vocab(unroll(head, features, ids, 1)[0]).argmax(-1)
+            _by_band(guess == shift_left(target_top, 1, -1), shift_left(instance, 1, False),
+                     shift_left(confidence, 1, 0.0), bands[name])
         for scope, mask in (("instance", instance), ("all", everything)):
             for name, head in heads.items():
                 for d, (hit, count) in enumerate(head_agreement(head, features, ids, real, depth, mask)):
@@ -91,7 +113,9 @@ def agreement(target, draft, heads, tokenizer, docs, depth: int) -> dict:
             counts[f"draft/{scope}"][0][0] += int(((draft_top == target_top) & mask).sum())
             counts[f"draft/{scope}"][0][1] += int(mask.sum())
     return {key: [round(h / max(c, 1), 4) for h, c in value] for key, value in counts.items()} | {
-        "positions": {key: [c for _, c in value] for key, value in counts.items()}}
+        "positions": {key: [c for _, c in value] for key, value in counts.items()},
+        "by_confidence": {"bands": list(CONFIDENCE_BANDS), "positions": [c for _, c in bands["draft"]],
+                          **{name: [round(h / max(c, 1), 4) for h, c in value] for name, value in bands.items()}}}
 
 
 def evaluate_zoo(root: Path, max_docs: int = 120, depth: int = 3, gen_prompts: int = 64,

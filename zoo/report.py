@@ -54,17 +54,35 @@ def _loss_lines(result: dict) -> list[str]:
 def _agreement_lines(result: dict) -> list[str]:
     agree = result["agreement"]
     base = (result.get("baseline") or {}).get("agreement") or {}
-    depth = max(len(v) for k, v in agree.items() if k != "positions")
+    depth = max(len(v) for k, v in agree.items() if k not in ("positions", "by_confidence"))
     lines = ["| model | positions | " + " | ".join(f"depth {d + 1}" for d in range(depth)) + " | previous depth 1 |",
              "|---|---|" + "---|" * (depth + 1)]
     for key, values in agree.items():
-        if key == "positions":
+        if key in ("positions", "by_confidence"):
             continue
         model, scope = key.split("/")
         cells = [f"{v:.3f}" for v in values] + ["" for _ in range(depth - len(values))]
         before = f"{base[key][0]:.3f}" if key in base else ""
         lines.append(f"| {model} | {scope} | " + " | ".join(cells) + f" | {before} |")
     return lines
+
+
+def _confidence_lines(result: dict) -> list[str]:
+    """Depth-1 agreement on the instance positions per band of the target's top-1 probability."""
+    bands = result["agreement"].get("by_confidence")
+    if not bands:
+        return []
+    edges = [*bands["bands"], 1.0]
+    total = max(sum(bands["positions"]), 1)
+    models = [k for k in bands if k not in ("bands", "positions")]
+    lines = ["Depth 1 on the instance positions, by the target's top-1 probability at the position it predicts "
+             "(where the target itself hesitates, a head can hardly guess its pick):", "",
+             "| target top-1 probability | share of positions | " + " | ".join(models) + " |",
+             "|---|---|" + "---|" * len(models)]
+    for b, n in enumerate(bands["positions"]):
+        span = f"[{edges[b]:.1f}, {edges[b + 1]:.1f}" + ("]" if b == len(bands["positions"]) - 1 else ")")
+        lines.append(f"| {span} | {n / total:.0%} | " + " | ".join(f"{bands[m][b]:.3f}" for m in models) + " |")
+    return ["", *lines]
 
 
 def _sample_lines(samples: list[dict]) -> list[str]:
@@ -102,6 +120,7 @@ def markdown(result: dict) -> str:
         "## Teacher-forced top-1 agreement with the target (held-out JSON documents)",
         "",
         *_agreement_lines(result),
+        *_confidence_lines(result),
         "",
         f"## Greedy generation on {gen['prompts']} held-out schema prompts ({gen['max_new_tokens']} new tokens)",
         "",

@@ -71,6 +71,8 @@ def test_eval_writes_json_and_markdown(micro_zoo, tmp_path, capsys):
     assert rc == 0
     result = json.loads((tmp_path / "zoo_eval.json").read_text())
     assert len(result["agreement"]["mtp/instance"]) == 3 and len(result["agreement"]["eagle3/all"]) == 3
+    bands = result["agreement"]["by_confidence"]
+    assert len(bands["positions"]) == len(bands["bands"]) == len(bands["mtp"]) == len(bands["draft"])
     assert set(result["target_loss"]) >= {"json", "json_instance"}
     assert set(result["acceptance"]) >= {"mtp", "eagle3", "ngram"} and result["constrained"]["prompts"] == 2
     assert set(result["acceptance_text"]) >= {"mtp", "eagle3", "ngram"} and result["acceptance_text"]["prompts"] <= 2
