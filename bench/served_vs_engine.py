@@ -11,7 +11,11 @@ all requests submitted at once (the engine's scheduler then keeps `concurrency` 
 clients do). Greedy, `ignore_eos`. Per served run it also records where the time and CPU went: group
 steps, tokens per step, the ranks' busy share, and CPU seconds per process role (bench/proc_cpu.py).
 
-    python -m bench.served_vs_engine [--levels 1,16,64] [--tps 2,1] [--max-tokens 64]
+Every measurement is taken `--repeats` times (the engine's before and after the served deployments, each
+served level back to back) and the ratio is the median served run over the median engine run: on a small
+shared machine one run of a few seconds varies by +-10%, as much as the effects measured here.
+
+    python -m bench.served_vs_engine [--levels 1,16,64] [--tps 2,1] [--max-tokens 64] [--repeats 3]
                                      [--steps-in-flight 1,2] [--handover-stock 0,0.125] [--ingress direct,proxy]
 """
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import tempfile
 import time
 
@@ -74,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement (the median counts)")
     ap.add_argument("--engine-threads", type=int, default=1, help="torch threads of the in-process engine (1: as "
                     "each served actor; more oversubscribes a small shared machine)")
     ap.add_argument("--name", default="served_vs_engine_cpu")
@@ -103,10 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.engine_threads)
     engine_rows = {}
     for c in levels:
-        cpu0 = time.process_time()
-        engine_rows[c] = _engine_level(model, head, blocks, prompts[c], c, args.max_tokens)
-        engine_rows[c]["cpu_s"] = time.process_time() - cpu0
-        print(f"engine c={c}: {engine_rows[c]['throughput_tok_s']:.1f} tok/s", flush=True)
+        runs = []
+        for _ in range(args.repeats):
+            cpu0 = time.process_time()
+            runs.append(_engine_level(model, head, blocks, prompts[c], c, args.max_tokens))
+            runs[-1]["cpu_s"] = time.process_time() - cpu0
+        engine_rows[c] = _median_run(runs)
+        print(f"engine c={c}: {_spread(runs)} tok/s", flush=True)
 
     tmp = tempfile.mkdtemp(prefix="tandem-bench-")
     init_ray(RayOptions(num_cpus=8, temp_dir=f"{tmp}/ray"))
@@ -133,15 +142,18 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_level(base, name, prompts[levels[0]][:4], 2, 8))  # warm-up
         served[label] = {}
         for c in levels:
-            before, d0 = proc_cpu.snapshot(), decode.stats.remote().result()
-            served[label][c] = row = asyncio.run(_level(base, name, prompts[c], c, args.max_tokens))
-            row["cpu_s_by_role"] = proc_cpu.used(before, proc_cpu.snapshot())
-            d1 = decode.stats.remote().result()
-            # The decode group's own view: how many group steps, and how busy its ranks were in them.
-            row["decode_steps"] = d1["steps"] - d0["steps"]
-            row["rank_busy_share"] = (d1["rank_step_seconds"] - d0["rank_step_seconds"]) / row["wall_s"]
-            row["tokens_per_step"] = row["output_tokens"] / max(1, row["decode_steps"])
-            print(f"served {label} c={c}: {row['throughput_tok_s']:.1f} tok/s, {row['decode_steps']} steps, "
+            runs = []
+            for _ in range(args.repeats):
+                before, d0 = proc_cpu.snapshot(), decode.stats.remote().result()
+                runs.append(row := asyncio.run(_level(base, name, prompts[c], c, args.max_tokens)))
+                row["cpu_s_by_role"] = proc_cpu.used(before, proc_cpu.snapshot())
+                d1 = decode.stats.remote().result()
+                # The decode group's own view: how many group steps, and how busy its ranks were in them.
+                row["decode_steps"] = d1["steps"] - d0["steps"]
+                row["rank_busy_share"] = (d1["rank_step_seconds"] - d0["rank_step_seconds"]) / row["wall_s"]
+                row["tokens_per_step"] = row["output_tokens"] / max(1, row["decode_steps"])
+            served[label][c] = row = _median_run(runs)
+            print(f"served {label} c={c}: {_spread(runs)} tok/s; median run: {row['decode_steps']} steps, "
                   f"{row['tokens_per_step']:.1f} tok/step, ranks busy {row['rank_busy_share']:.0%}, "
                   f"TTFT p50 {row['ttft_p50_s']:.3f} s, 2nd token p50 {row['tt2t_p50_s']:.3f} s, "
                   f"TPOT p50 {row['tpot_p50_s']:.3f} s; CPU s by role: "
@@ -154,26 +166,27 @@ def main(argv: list[str] | None = None) -> int:
     # The engine again, after the served runs: the machine is shared, and a load change between the two
     # shows as a gap between the engine's two figures (the ratios use their mean).
     for c in levels:
-        again = _engine_level(model, head, blocks, prompts[c], c, args.max_tokens)
-        engine_rows[c]["throughput_after_tok_s"] = again["throughput_tok_s"]
-        print(f"engine again c={c}: {again['throughput_tok_s']:.1f} tok/s", flush=True)
+        again = [_engine_level(model, head, blocks, prompts[c], c, args.max_tokens) for _ in range(args.repeats)]
+        engine_rows[c]["after"] = _median_run(again)
+        print(f"engine again c={c}: {_spread(again)} tok/s", flush=True)
     load_end = __import__("os").getloadavg()[0]
 
     labels = list(served)
     lines = [f"# Served path vs in-process engine ({device_name('cpu')})", "",
              f"Zoo target + MTP head (k=3), {args.prompt_tokens}-token random prompts, {args.max_tokens} output "
              "tokens, greedy, closed loop at each concurrency (2 x concurrency requests, at least 8). Engine: "
-             f"{args.engine_threads} torch thread(s), run before and after the served deployments (tok/s: "
-             f"before / after; ratios against their mean); load average {load_start:.1f} at the start, "
-             f"{load_end:.1f} at the end.", "",
-             "| concurrency | engine tok/s | " + " | ".join(f"{v} tok/s | / engine" for v in labels) + " |",
+             f"{args.engine_threads} torch thread(s), run {args.repeats} times before and {args.repeats} times after "
+             "the served deployments; each served level runs "
+             f"{args.repeats} times. Tok/s: the median run (lowest-highest); the ratio is the served median over the "
+             f"median of all the engine's runs. Load average {load_start:.1f} at the start, {load_end:.1f} at the end.",
+             "", "| concurrency | engine tok/s (before; after) | "
+             + " | ".join(f"{v} tok/s | / engine" for v in labels) + " |",
              "|---:|---:|" + "---:|---:|" * len(labels)]
     for c in levels:
-        before, after = engine_rows[c]["throughput_tok_s"], engine_rows[c]["throughput_after_tok_s"]
-        e = (before + after) / 2
-        cells = " | ".join(f"{served[v][c]['throughput_tok_s']:.0f} | {served[v][c]['throughput_tok_s'] / e:.2f}x"
-                           for v in labels)
-        lines.append(f"| {c} | {before:.0f} / {after:.0f} | {cells} |")
+        before, after = engine_rows[c], engine_rows[c]["after"]
+        e = statistics.median(before["runs_tok_s"] + after["runs_tok_s"])
+        cells = " | ".join(f"{_spread_of(served[v][c])} | {served[v][c]['throughput_tok_s'] / e:.2f}x" for v in labels)
+        lines.append(f"| {c} | {_spread_of(before)}; {_spread_of(after)} | {cells} |")
     lines += ["", "Where the served run's time and CPU went (per deployment and concurrency): group steps, output "
               "tokens per step, the share of wall time the decode ranks spent inside steps, time to the first and "
               "second token, and CPU seconds per process role (from /proc; `bench` is this process: the HTTP "
@@ -192,6 +205,24 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"wrote {path}")
     return 0
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median tok/s (the lower middle one of an even count), with every run's tok/s."""
+    ordered = sorted(runs, key=lambda r: r["throughput_tok_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "runs_tok_s": [r["throughput_tok_s"] for r in runs]}
+
+
+def _spread(runs: list[dict]) -> str:
+    return _spread_of(_median_run(runs))
+
+
+def _spread_of(row: dict) -> str:
+    """'median (lowest-highest)' of a median run's tok/s."""
+    values = row["runs_tok_s"]
+    if len(values) == 1:
+        return f"{values[0]:.0f}"
+    return f"{row['throughput_tok_s']:.0f} ({min(values):.0f}-{max(values):.0f})"
 
 
 if __name__ == "__main__":
