@@ -56,7 +56,7 @@ class CallerWatch:
             self.subscribers[caller] += 1
 
     def unsubscribed(self, caller: str | None) -> None:
-        if caller:
+        if caller and caller in self.subscribers:  # not when its death was already noticed
             self.subscribers[caller] -= 1
             if self.subscribers[caller] <= 0:
                 del self.subscribers[caller]
@@ -76,6 +76,7 @@ class CallerWatch:
                 for rid in orphans:
                     self.closed(rid)
                     self.on_dead(rid, name)
+                self.subscribers.pop(name, None)  # its feed stream ends (on_gone); it is not pinged again
                 if self.on_gone is not None:
                     self.on_gone(name)
 
