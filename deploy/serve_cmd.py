@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         stop.wait(0.2)
     code = 0
     if not stop.is_set() and deploying.exception() is not None:
-        print(f"tandem serve: the deployment failed: {deploying.exception()}", file=sys.stderr)
+        print(f"tandem serve: the deployment failed: {_failure_reason('tandem') or deploying.exception()}",
+              file=sys.stderr)
         code = 1
     elif not stop.is_set():
         print(f"ready in {time.monotonic() - start:.1f}s", flush=True)
@@ -167,6 +168,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.address is None:
         shutdown_ray()
     return code
+
+
+def _failure_reason(app: str) -> str | None:
+    """Why Serve gave up on the application's deployments: the last line of each failed one's message (a
+    replica's constructor error ends with its exception, e.g. a taken port), else None."""
+    from ray import serve
+
+    try:
+        deployments = serve.status().applications[app].deployments
+    except Exception:  # noqa: BLE001 - no status to read: the caller reports the exception it has
+        return None
+    reasons = []
+    for name, status in deployments.items():
+        lines = [line.strip() for line in (status.message or "").splitlines() if line.strip()]
+        if str(status.status).endswith(("DEPLOY_FAILED", "UNHEALTHY")) and lines:
+            reasons.append(f"{name}: {lines[-1]}")
+    return "; ".join(reasons) or None
 
 
 def _on_a_thread(fn) -> Future:

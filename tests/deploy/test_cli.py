@@ -3,8 +3,10 @@ printed instructions are valid curl / openai usage for the served model."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -120,25 +122,39 @@ def test_router_limits_and_the_api_key_flow_from_flags_or_the_environment(tiny_m
     assert 'Authorization: Bearer $TANDEM_API_KEY' in text
 
 
+def _tandem_serve(port: int, ray_tmp: str) -> subprocess.Popen:
+    """`tandem serve` as a user starts it, with an embedded Ray of its own (in `ray_tmp`: Ray's socket paths
+    must fit in 107 bytes, so not under pytest's long tmp_path)."""
+    return subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--port", str(port), "--num-cpus", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_TMPDIR": ray_tmp})
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float = 180) -> str:
+    """The rest of its output once it exits; killed if it does not."""
+    try:
+        return proc.communicate(timeout=timeout_s)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["deploying", "serving"])
 def test_ctrl_c_stops_tandem_serve_while_deploying_and_while_serving(when):
-    """The whole command, with its own embedded Ray: Ctrl-C ends it with an orderly shutdown whenever it comes.
-    Regression: a Ctrl-C during the deployment (~10 s on CPU) was swallowed inside Serve's wait, and the
-    server came up and ran on."""
-    import shutil
+    """The whole command: Ctrl-C ends it with an orderly shutdown whenever it comes. Regression: a Ctrl-C
+    during the deployment (~10 s on CPU) was raised inside Serve's wait (a traceback, no shutdown) or
+    swallowed there, and the server came up and ran on."""
     import signal
-    import tempfile
 
     import httpx
 
     from cluster.rendezvous import free_port_on
 
     port = free_port_on("127.0.0.1")
-    ray_tmp = tempfile.mkdtemp(prefix="tandem-serve-")  # short: Ray's socket paths must fit in 107 bytes
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--port", str(port), "--num-cpus", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "RAY_TMPDIR": ray_tmp})
+    ray_tmp = tempfile.mkdtemp(prefix="tandem-serve-")
+    proc = _tandem_serve(port, ray_tmp)
     try:
         lines = []
         for line in proc.stdout:
@@ -151,7 +167,7 @@ def test_ctrl_c_stops_tandem_serve_while_deploying_and_while_serving(when):
                 "model": "tandem-tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0})
             assert answer.status_code == 200, answer.text
         proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=180)
+        rest = _finish(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -161,3 +177,24 @@ def test_ctrl_c_stops_tandem_serve_while_deploying_and_while_serving(when):
     assert proc.returncode == 0 and said in rest, "".join(lines) + rest
     with pytest.raises(httpx.TransportError):  # nothing serves there any more
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+@pytest.mark.slow
+def test_a_taken_port_fails_tandem_serve_with_the_reason():
+    """Another program holds the port: exit 1 and the OS's reason in one line, not Serve's generic failure."""
+    import socket
+
+    ray_tmp = tempfile.mkdtemp(prefix="tandem-serve-")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = _tandem_serve(port, ray_tmp)
+        try:
+            out = _finish(proc)
+        finally:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 1, out
+    reason = next((line for line in out.splitlines() if line.startswith("tandem serve: the deployment failed")), out)
+    assert reason.startswith("tandem serve: the deployment failed: router: OSError:") and \
+        f"the router cannot serve the API on 127.0.0.1:{port}: Address already in use" in reason, reason
