@@ -164,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         while not stop.wait(1.0):
             pass
     print("shutting down" if deploying.done() else "stopped while deploying: shutting down", flush=True)
-    serve.shutdown()
-    if args.address is None:
+    if args.address is None:  # the embedded Ray, and Serve on it, are this command's
+        serve.shutdown()
         shutdown_ray()
+    else:  # on a cluster, other applications may share Serve: only the one deployed here goes
+        serve.delete("tandem")
     return code
 
 
