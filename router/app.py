@@ -66,13 +66,14 @@ class Router:
         if failed is not None:
             raise RuntimeError(failed)
 
-    def __del__(self):
-        # Serve calls this when it stops the replica and awaits a coroutine it returns: open streams get a
-        # moment to end, and the port is let go. (Sync, so that the garbage collector's later call, which
-        # finds the server gone, leaves no coroutine unawaited.)
+    async def __del__(self):
+        # Serve awaits this when it stops the replica: open streams get a moment to end, and the port is let
+        # go. It must be a coroutine function: Serve's ingress wrapper awaits the class's __del__ only then,
+        # and dropped the coroutine a sync one returned (the stop never ran; streams were cut when the process
+        # went, with a "never awaited" warning).
         server, self.api_server = getattr(self, "api_server", None), None
         if server is not None:
-            return server.stop()
+            await server.stop()
 
     # ------------------------------------------------------------------ plain endpoints
     @api.get("/health")

@@ -137,3 +137,25 @@ def test_stopping_a_router_ends_its_open_streams_and_frees_their_blocks(tandem_s
     wait_decode_settled("tandem", "the cut stream's blocks are back")
     plain, _ = _texts(tandem_server.base_url, tandem_server.model)
     assert plain
+
+
+def test_a_stopped_router_lets_a_stream_that_is_about_to_end_finish(tandem_server):
+    """The other half of the stop: a stream that ends within the grace period runs to its [DONE] and its blocks
+    come back. (Serve's own ~2 s before it ends a replica would cover these 24 tokens too: whether Serve awaits
+    the router's stop shows in the replica's log, which said "coroutine 'ApiServer.stop' was never awaited"
+    while __del__ was sync.)"""
+    from deploy.testing import wait_decode_settled
+
+    brief = start_router(tandem_server, "brief")
+    body = {"model": brief.model, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=brief.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            stop_router("brief")  # returns once Serve has stopped the replica: after the stream ended
+            rest = list(lines)
+    events = [line for line in rest if line]
+    assert first and events and events[-1] == "data: [DONE]", events[-3:]
+    wait_decode_settled("tandem", "the finished stream's blocks are back")
