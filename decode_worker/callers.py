@@ -72,7 +72,8 @@ class CallerWatch:
                     continue
                 self.callers_lost += 1
                 orphans = [rid for rid, c in self._streams.items() if c == name]
-                log.warning("router %s died with %d decode stream(s) open: ending them", name, len(orphans))
+                log.warning("router %s is gone, with %d request(s) open here: ending them and its feed", name,
+                            len(orphans))
                 for rid in orphans:
                     self.closed(rid)
                     self.on_dead(rid, name)
