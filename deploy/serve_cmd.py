@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = threading.Event()
     # Ctrl-C and SIGTERM only set the event, from the start: a KeyboardInterrupt raised while Serve waited for
-    # the deployment was swallowed there (the server then came up and ran on until a second Ctrl-C), and one
-    # raised inside Event.wait can land in the lock's own bookkeeping ("release unlocked lock"); both skipped
-    # the orderly shutdown below.
+    # the deployment ended in a traceback, or was swallowed there and the server came up and ran on until a
+    # second Ctrl-C; one raised inside Event.wait can land in the lock's own bookkeeping ("release unlocked
+    # lock"). Each skipped the orderly shutdown below.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     needed = int(cfg.prefill_replicas * cfg.prefill_num_cpus + cfg.decode_replicas * cfg.tp * cfg.rank_num_cpus) + 1
