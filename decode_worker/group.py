@@ -2,12 +2,15 @@
 
 A group is disposable: if any rank dies or a step misses its deadline, the whole group is killed
 (a rank stuck in a collective with a dead peer cannot be trusted) and the replica builds a new one.
+Steps travel over a step link per rank (cluster/step_link.py), not as Ray calls: a Ray call per rank per
+step cost more CPU than a small model's step can spare.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import secrets
 import uuid
 from dataclasses import dataclass
 
@@ -17,6 +20,7 @@ from cluster.errors import WorkerDiedError
 from cluster.placement import RankResources, in_bundle, release, reserve_ranks
 from cluster.protocol import DecodeTarget, KVLayout, RankEndpoint, RankStep, StepReport
 from cluster.settings import EngineSettings
+from cluster.step_link import TOKEN_BYTES, StepLink, StepLinkError
 from decode_worker.rank import rank_actor_class
 from engine.parallel import kv_head_slice
 
@@ -32,15 +36,18 @@ class GroupSpec:
     strategy: str = "PACK"
     start_timeout_s: float = 300.0
     step_timeout_s: float = 120.0
+    step_link: bool = True  # steps over step links; False: as Ray actor calls (kept to measure the two)
 
 
 class RankGroup:
-    def __init__(self, spec: GroupSpec, group_id: str, pg, ranks: list, target: DecodeTarget):
+    def __init__(self, spec: GroupSpec, group_id: str, pg, ranks: list, target: DecodeTarget,
+                 links: list[StepLink]):
         self.spec = spec
         self.group_id = group_id
         self.pg = pg
         self.ranks = ranks
         self.target = target
+        self.links = links  # one per rank, in rank order; empty when steps go as Ray calls
         self._seq = 0  # the next step's RankStep.seq
         self._in_flight: asyncio.Future | None = None  # the last step submitted
 
@@ -52,16 +59,25 @@ class RankGroup:
         cls = rank_actor_class(spec.resources.num_cpus, spec.resources.num_gpus)
         ranks = [cls.options(scheduling_strategy=in_bundle(pg, r), name=f"tandem-decode-{group_id}-rank{r}")
                  .remote(spec.engine, r, spec.tp_size, spec.attention_dp) for r in range(spec.tp_size)]
+        links: list[StepLink] = []
         try:
             addresses = await asyncio.wait_for(asyncio.gather(*[r.address.remote() for r in ranks]),
                                                spec.start_timeout_s)
             layouts = await asyncio.wait_for(
                 asyncio.gather(*[r.join.remote(addresses[0], group_id, spec.start_timeout_s) for r in ranks]),
                 spec.start_timeout_s)
+            if spec.step_link:
+                token = secrets.token_bytes(TOKEN_BYTES)
+                listening = await asyncio.wait_for(
+                    asyncio.gather(*[r.open_step_link.remote(token) for r in ranks]), spec.start_timeout_s)
+                for r, address in enumerate(listening):
+                    links.append(await StepLink.open(tuple(address), token, f"decode group {group_id} rank {r}",
+                                                     spec.start_timeout_s))
         except BaseException as e:
+            _close(links)
             _kill(ranks)
             release(pg)
-            if isinstance(e, (ray.exceptions.RayError, asyncio.TimeoutError)):
+            if isinstance(e, (ray.exceptions.RayError, asyncio.TimeoutError, StepLinkError)):
                 raise WorkerDiedError(f"decode group {group_id} failed to start: {e}") from e
             raise
         layout: KVLayout = layouts[0]
@@ -72,7 +88,7 @@ class RankGroup:
             for r in range(spec.tp_size))
         target = DecodeTarget(group_id=group_id, ranks=endpoints, layout=layout, device=spec.engine.device)
         log.info("decode group %s up: tp=%d, layout %s", group_id, spec.tp_size, layout)
-        return RankGroup(spec, group_id, pg, ranks, target)
+        return RankGroup(spec, group_id, pg, ranks, target, links)
 
     def target_for(self, ranks: tuple[int, ...]) -> DecodeTarget:
         """The address a prefill sends one request to: the ranks it is placed on (under ADP, one rank with
@@ -89,17 +105,21 @@ class RankGroup:
         for its predecessor's time)."""
         assert len(work) == len(self.ranks), (len(work), len(self.ranks))
         seq, self._seq = self._seq, self._seq + 1
-        refs = [r.step.remote(dataclasses.replace(w, seq=seq), wait_s) for r, w in zip(self.ranks, work)]
-        self._in_flight = asyncio.ensure_future(self._reports(refs, wait_s, self._in_flight))
+        work = [dataclasses.replace(w, seq=seq) for w in work]
+        if self.links:
+            calls = [link.call((w, wait_s)) for link, w in zip(self.links, work)]
+        else:
+            calls = [asyncio.ensure_future(_await(r.step.remote(w, wait_s))) for r, w in zip(self.ranks, work)]
+        self._in_flight = asyncio.ensure_future(self._reports(calls, wait_s, self._in_flight))
         return self._in_flight
 
     async def step(self, work: list[RankStep], wait_s: float) -> list[StepReport]:
         return await self.submit(work, wait_s)
 
-    async def _reports(self, refs: list, wait_s: float, before: asyncio.Future | None) -> list[StepReport]:
+    async def _reports(self, tasks: list[asyncio.Future], wait_s: float,
+                       before: asyncio.Future | None) -> list[StepReport]:
         if before is not None and not before.done():
             await asyncio.wait([before])  # its failure is reported by its own future
-        tasks = [asyncio.ensure_future(_await(ref)) for ref in refs]
         done, pending = await asyncio.wait(tasks, timeout=self.spec.step_timeout_s + wait_s,
                                            return_when=asyncio.FIRST_EXCEPTION)
         for t in done:
@@ -118,12 +138,18 @@ class RankGroup:
         return list(await asyncio.gather(*[r.pid.remote() for r in self.ranks]))
 
     def kill(self) -> None:
+        _close(self.links)
         _kill(self.ranks)
         release(self.pg)
 
 
 async def _await(ref):
     return await ref
+
+
+def _close(links: list[StepLink]) -> None:
+    for link in links:
+        link.close()
 
 
 def _kill(ranks: list) -> None:

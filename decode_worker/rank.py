@@ -22,6 +22,7 @@ from cluster.faults import FaultPoints
 from cluster.groups import backend_for, build_group
 from cluster.protocol import Command, CommandKind, KVLayout, RankStep, StepReport, TokenDelta
 from cluster.rendezvous import StoreAddress, StoreServer, connect_store
+from cluster.step_link import StepListener
 from cluster.settings import EngineSettings
 from decode_worker.receiver import HandoverReceiver
 from decode_worker.stock import HandoverStock
@@ -49,6 +50,7 @@ class DecodeRank:
         self._sent: dict[str, int] = {}  # request id -> output tokens already reported
         self._turns = StepTurns()  # runs the group's steps in order (several may be queued here)
         self._committed_early: set[str] = set()  # committed on landing, the replica's COMMIT still to come
+        self._link: StepListener | None = None
 
     # ------------------------------------------------------------------ setup
     def address(self) -> StoreAddress:
@@ -89,11 +91,25 @@ class DecodeRank:
                                timeout_s, self.settings.handover_transport)
         self.receiver.add_channel(channel)
 
+    def open_step_link(self, token: bytes) -> tuple[str, int]:
+        """Listen for the replica's step link (cluster/step_link.py): the group's steps come that way, not as
+        Ray calls. -> the address to connect to, on this node's address (the one hand-overs reach)."""
+        if self._link is not None:
+            raise RuntimeError("this rank already has a step link")
+        self._link = StepListener(self.server.address.host, token, self._linked_step,
+                                  name=f"step-link-rank{self.tp_rank}")
+        return self._link.address
+
+    def _linked_step(self, request: tuple[RankStep, float]) -> StepReport:
+        work, wait_s = request
+        return self.step(work, wait_s)
+
     # ------------------------------------------------------------------ the lockstep step
     def step(self, work: RankStep, wait_s: float = 0.0) -> StepReport:
-        """Runs `work` once every earlier step of the group has run here (a later step may reach this actor
-        first, on another of its threads, or wait here while this one runs: that is what keeps the rank busy
-        while the replica turns the previous report into the next step)."""
+        """Runs `work` once every earlier step of the group has run here. Steps come over the step link in
+        order, the next one already waiting in its socket while this one runs (that is what keeps the rank
+        busy while the replica turns the previous report into the next step); StepTurns keeps the order
+        for anyone calling `step` directly too."""
         with self._turns.turn(work.seq):
             return self._step(work, wait_s)
 
@@ -249,6 +265,8 @@ class DecodeRank:
         return self.engine.kv_cache.index_select(2, torch.tensor(table, dtype=torch.long)).clone()
 
     def shutdown(self) -> None:
+        if self._link is not None:
+            self._link.close()
         if self.receiver is not None:
             self.receiver.close()
 
@@ -258,5 +276,6 @@ def _compiled(header) -> SerializedGrammar | None:
 
 
 def rank_actor_class(num_cpus: float, num_gpus: float):
-    """The DecodeRank actor class with a rank's resources. Threads: step, channel accepts, pings."""
+    """The DecodeRank actor class with a rank's resources. Ray threads: start-up, channel accepts, pings (the
+    steps run on the step link's own thread)."""
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=16)(DecodeRank)

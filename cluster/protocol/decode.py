@@ -66,9 +66,9 @@ class RankStep:
     commands: tuple[Command, ...]  # applied in order before the forward
     forward: bool  # the group runs a forward this step (some rank holds running requests)
     reports_tokens: bool  # this rank's deltas are the ones delivered to streams (under TP: rank 0 only)
-    # The group step's number, from 0 for a new group. A rank runs its steps in this order whatever order the
-    # calls reach it in: its actor serves calls on several threads, and the replica keeps the next step
-    # queued at the ranks while they run this one (decode_worker/deployment.py).
+    # The group step's number, from 0 for a new group. A rank runs its steps in this order: the replica keeps
+    # the next step queued at the ranks while they run this one (decode_worker/deployment.py), over the step
+    # link (in order) or as Ray calls (which may reach the actor's threads out of order).
     seq: int = 0
 
 
