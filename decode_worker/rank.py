@@ -22,8 +22,8 @@ from cluster.faults import FaultPoints
 from cluster.groups import backend_for, build_group
 from cluster.protocol import Command, CommandKind, KVLayout, RankStep, StepReport, TokenDelta
 from cluster.rendezvous import StoreAddress, StoreServer, connect_store
-from cluster.step_link import StepListener
 from cluster.settings import EngineSettings
+from cluster.step_link import StepListener
 from decode_worker.receiver import HandoverReceiver
 from decode_worker.stock import HandoverStock
 from decode_worker.turns import StepTurns
@@ -96,13 +96,10 @@ class DecodeRank:
         Ray calls. -> the address to connect to, on this node's address (the one hand-overs reach)."""
         if self._link is not None:
             raise RuntimeError("this rank already has a step link")
-        self._link = StepListener(self.server.address.host, token, self._linked_step,
+        # Each request is the (RankStep, wait_s) pair RankGroup.submit sends.
+        self._link = StepListener(self.server.address.host, token, lambda request: self.step(*request),
                                   name=f"step-link-rank{self.tp_rank}")
         return self._link.address
-
-    def _linked_step(self, request: tuple[RankStep, float]) -> StepReport:
-        work, wait_s = request
-        return self.step(work, wait_s)
 
     # ------------------------------------------------------------------ the lockstep step
     def step(self, work: RankStep, wait_s: float = 0.0) -> StepReport:

