@@ -3,8 +3,8 @@ prefill -> hand-over -> decode group) and through the in-process engine, same mo
 prompts, same closed-loop concurrency.
 
 Deployments: `tandem serve`'s embedded default (the zoo target, MTP k=3, direct ingress) with decode tp=2
-and with tp=1, and optionally other values of `steps_in_flight`, `handover_stock` and the ingress (one
-deployment per combination; the defaults are the deployment's own).
+and with tp=1, and optionally other values of `steps_in_flight`, `handover_stock`, the ingress and the
+router's `feed_link` (one deployment per combination; the defaults are the deployment's own).
 The engine runs before and after them, in this process, with one torch thread (as each served actor has;
 the served deployment gets the same cores, spread over its processes), `max_num_seqs` = the concurrency,
 all requests submitted at once (the engine's scheduler then keeps `concurrency` running, as the HTTP
@@ -17,6 +17,7 @@ shared machine one run of a few seconds varies by +-10%, as much as the effects 
 
     python -m bench.served_vs_engine [--levels 1,16,64] [--tps 2,1] [--max-tokens 64] [--repeats 3]
                                      [--steps-in-flight 1,2] [--handover-stock 0,0.125] [--ingress direct,proxy]
+                                     [--feed-link on,off]
 """
 from __future__ import annotations
 
@@ -54,6 +55,12 @@ def _decode_default(name: str):
     return DecodeConfig.model_fields[name].default
 
 
+def _router_default(name: str):
+    from router.config import RouterSettings
+
+    return RouterSettings.model_fields[name].default
+
+
 def _serve_parser():
     from deploy.serve_cmd import parser
 
@@ -76,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="how HTTP reaches the router, one deployment per value: direct (the router replica answers "
                     "on its own port) and/or proxy (Serve's HTTP proxy relays every chunk), e.g. direct,proxy; "
                     "default: tandem serve's")
+    ap.add_argument("--feed-link", default="on" if _router_default("feed_link") else "off",
+                    help="how decode tokens reach the router, one deployment per value: on (feed links, "
+                    "cluster/feed_link.py) and/or off (Serve streams), e.g. on,off; default: the router's")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -126,15 +136,18 @@ def main(argv: list[str] | None = None) -> int:
                 http_options={"host": "127.0.0.1", "port": port})
     served: dict[str, dict[int, dict]] = {}
     in_flights, stocks = args.steps_in_flight.split(","), args.handover_stock.split(",")
-    variants = [(int(tp), int(n), float(st), ing) for tp in args.tps.split(",") for n in in_flights for st in stocks
-                for ing in ingresses]
-    for tp, in_flight, stock, ingress in variants:
+    feeds = args.feed_link.split(",")
+    variants = [(int(tp), int(n), float(st), ing, fl) for tp in args.tps.split(",") for n in in_flights
+                for st in stocks for ing in ingresses for fl in feeds]
+    for tp, in_flight, stock, ingress, feed in variants:
         label = (f"tp={tp}" + (f", {in_flight} in flight" if len(in_flights) > 1 else "")
-                 + (f", stock {stock:g}" if len(stocks) > 1 else "") + (f", {ingress}" if len(ingresses) > 1 else ""))
-        name = f"tp{tp}x{in_flight}s{int(stock * 1000)}{ingress}"
+                 + (f", stock {stock:g}" if len(stocks) > 1 else "") + (f", {ingress}" if len(ingresses) > 1 else "")
+                 + (f", feed link {feed}" if len(feeds) > 1 else ""))
+        name = f"tp{tp}x{in_flight}s{int(stock * 1000)}{ingress}{feed}"
         cfg = TandemConfig(model=model, served_model_name=name, tp=tp, speculative_method="mtp", draft=head,
                            num_speculative_tokens=3, num_kv_blocks=blocks, max_num_seqs=max(64, max(levels)),
-                           max_inflight=4 * max(levels) + 16, steps_in_flight=in_flight, handover_stock=stock)
+                           max_inflight=4 * max(levels) + 16, steps_in_flight=in_flight, handover_stock=stock,
+                           feed_link=feed == "on")
         api = ("127.0.0.1", free_port_on("127.0.0.1")) if ingress == "direct" else None
         serve.run(application(cfg, api), name=name, route_prefix=f"/{name}")
         decode = serve.get_deployment_handle("decode", app_name=name)

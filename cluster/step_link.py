@@ -22,14 +22,12 @@ import hmac
 import logging
 import pickle
 import socket
-import struct
 import threading
 from typing import Any, Callable
 
-log = logging.getLogger(__name__)
+from cluster.framing import HEADER, TOKEN_BYTES, frame, no_delay, read_frame, recv_exact
 
-_LEN = struct.Struct("!Q")
-TOKEN_BYTES = 32
+log = logging.getLogger(__name__)
 
 
 class StepLinkError(ConnectionError):
@@ -38,21 +36,6 @@ class StepLinkError(ConnectionError):
 
 class RemoteStepError(RuntimeError):
     """The rank's step raised; the message is the rank's `Type: message`."""
-
-
-def _frame(obj: Any) -> bytes:
-    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LEN.pack(len(body)) + body
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
 
 
 class StepListener:
@@ -85,10 +68,10 @@ class StepListener:
             if conn is None:
                 return
             while True:
-                head = _recv_exact(conn, _LEN.size)
+                head = recv_exact(conn, HEADER.size)
                 if head is None:
                     return  # the replica closed the link: the group is being dropped
-                body = _recv_exact(conn, _LEN.unpack(head)[0])
+                body = recv_exact(conn, HEADER.unpack(head)[0])
                 if body is None:
                     return
                 try:
@@ -96,7 +79,7 @@ class StepListener:
                 except Exception as e:  # noqa: BLE001 - reported to the replica, which rebuilds the group
                     log.exception("step failed")
                     reply = ("error", f"{type(e).__name__}: {e}")
-                conn.sendall(_frame(reply))
+                conn.sendall(frame(reply))
         except OSError as e:
             if not self._closed:
                 log.warning("step link closed: %s", e)
@@ -109,12 +92,12 @@ class StepListener:
             conn, _ = self._server.accept()
             conn.settimeout(10.0)
             try:
-                token = _recv_exact(conn, TOKEN_BYTES)
+                token = recv_exact(conn, TOKEN_BYTES)
             except OSError:
                 token = None
             if token is not None and hmac.compare_digest(token, self._token):
                 conn.settimeout(None)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                no_delay(conn)
                 self._conn = conn
                 self._server.close()
                 return conn
@@ -139,7 +122,7 @@ class StepLink:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), timeout_s)
         except (OSError, asyncio.TimeoutError) as e:
             raise StepLinkError(f"cannot reach {name} at {address[0]}:{address[1]}: {e}") from e
-        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        no_delay(writer.get_extra_info("socket"))
         writer.write(token)
         return StepLink(reader, writer, name)
 
@@ -149,7 +132,7 @@ class StepLink:
             fut.set_exception(self._broken)
             return fut
         self._waiting.append(fut)
-        self._writer.write(_frame(request))
+        self._writer.write(frame(request))
         return fut
 
     def close(self) -> None:
@@ -160,8 +143,7 @@ class StepLink:
     async def _read(self) -> None:
         try:
             while True:
-                head = await self._reader.readexactly(_LEN.size)
-                kind, value = pickle.loads(await self._reader.readexactly(_LEN.unpack(head)[0]))
+                kind, value = await read_frame(self._reader)
                 if not self._waiting:
                     raise StepLinkError(f"{self.name} answered a step nobody sent")
                 fut = self._waiting.popleft()

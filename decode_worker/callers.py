@@ -42,6 +42,7 @@ class CallerWatch:
         self._streams: dict[str, str] = {}  # request id -> the caller's actor name
         self.subscribers: collections.Counter[str] = collections.Counter()  # caller -> its open feed streams
         self._handles: dict[str, object] = {}
+        self._soon = asyncio.Event()
         self.callers_lost = 0
 
     def opened(self, request_id: str, caller: str | None) -> None:
@@ -61,9 +62,17 @@ class CallerWatch:
             if self.subscribers[caller] <= 0:
                 del self.subscribers[caller]
 
+    def check_now(self) -> None:
+        """Check without waiting out the period (a router closed its feed link: it may have died)."""
+        self._soon.set()
+
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.check_s)
+            try:
+                await asyncio.wait_for(self._soon.wait(), self.check_s)
+            except asyncio.TimeoutError:
+                pass
+            self._soon.clear()
             callers = set(self._streams.values()) | set(self.subscribers)
             for name in [n for n in self._handles if n not in callers]:
                 del self._handles[name]

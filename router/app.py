@@ -50,7 +50,7 @@ class Router:
         self.metrics = RouterMetrics(self.cfg.served_model_name)
         self.inflight = 0
         self.actor_name = ray.get_runtime_context().get_actor_name()  # None outside an actor (tests)
-        self.feeds = DecodeFeeds(decode, self.actor_name)  # the decode side's deltas, one stream per replica
+        self.feeds = DecodeFeeds(decode, self.actor_name, self.cfg.feed_link)  # decode deltas, one feed per replica
         self.waiting_first = 0
         self.created = int(time.time())
         self.metrics_server = None

@@ -23,6 +23,11 @@ class RouterSettings(BaseModel):
                                                                        "router replicas sharing a node take the "
                                                                        "next free ports.")
     metrics_host: str = Field("127.0.0.1", description="Address the metrics port binds (with metrics_port).")
+    feed_link: bool = Field(True, description="Read the decode replicas' per-step token batches over a TCP "
+                                              "connection to each (cluster/feed_link.py); false: as Ray Serve "
+                                              "streams, ~1.5-2 ms more CPU per step on each side, for networks "
+                                              "where the router cannot reach the decode replicas' nodes "
+                                              "directly.")
     api_key: str | None = Field(None, repr=False, description=f"Bearer key every route but /health requires "
                                                               f"(HTTP 401 otherwise); default: ${API_KEY_ENV}, "
                                                               f"else no key.")

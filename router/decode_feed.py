@@ -1,10 +1,11 @@
 """DecodeFeeds: this router replica's end of the decode replicas' feeds (decode_worker/feed.py).
 
-One stream per decode replica carries the token deltas of all this router's requests there, one list per
-decode step; a reader task per stream hands each item to its request's queue. A request is opened with a
-unary call (Serve picks the decode replica by load); its cancel and the feed go to that replica by name
-(router/request_router.py honours a `replica` keyword). If a feed stream fails (its decode replica died),
-every request read from it gets the error; the next request there opens a new stream.
+One feed per decode replica carries the token deltas of all this router's requests there, one list per
+decode step, over a feed link (cluster/feed_link.py: a TCP connection) or, with `link` off, a Serve stream; a
+reader task per feed hands each item to its request's queue. A request is opened with a unary call (Serve
+picks the decode replica by load); its cancel and the feed go to that replica by name
+(router/request_router.py honours a `replica` keyword). If a feed fails (its decode replica died), every
+request read from it gets the error; the next request there opens a new feed.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import asyncio
 import contextvars
 import logging
 
+from cluster.feed_link import read_feed_link
 from cluster.protocol import DecodeOpened, DecodeTarget, StreamError
 from router.errors import APIError
 
@@ -27,11 +29,12 @@ class FeedBroken:
 
 
 class DecodeFeeds:
-    def __init__(self, decode, caller: str | None):
+    def __init__(self, decode, caller: str | None, link: bool = True):
         """decode: the decode deployment's handle; caller: this router's Serve actor name (None in tests
-        that drive the class outside Serve)."""
+        that drive the class outside Serve); link: feeds over feed links, else as Serve streams."""
         self.decode = decode
         self.caller = caller
+        self.link = link
         self._queues: dict[str, asyncio.Queue] = {}  # open request id -> its items
         self._replica_of: dict[str, str] = {}
         self._readers: dict[str, asyncio.Task] = {}  # decode replica id -> the task reading its feed
@@ -81,7 +84,7 @@ class DecodeFeeds:
     async def _read(self, replica: str) -> None:
         error: BaseException | None = None
         try:
-            async for batch in self.decode.options(stream=True).feed.remote(self.caller, replica=replica):
+            async for batch in self._batches(replica):
                 for request_id, item in batch:
                     queue = self._queues.get(request_id)
                     if queue is not None:
@@ -99,6 +102,16 @@ class DecodeFeeds:
         for request_id, owner in list(self._replica_of.items()):
             if owner == replica:
                 self._queues[request_id].put_nowait(FeedBroken(error))
+
+    async def _batches(self, replica: str):
+        if not self.link:
+            async for batch in self.decode.options(stream=True).feed.remote(self.caller, replica=replica):
+                yield batch
+            return
+        address = await self.decode.feed_link.remote(self.caller, replica=replica)
+        async for batch in read_feed_link(address, f"decode replica {replica}"):
+            yield batch
+
 
 def _detached(coro) -> asyncio.Task:
     """A task outside the HTTP request being served: Serve cancels the calls a request made when the request

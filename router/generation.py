@@ -19,6 +19,7 @@ from typing import AsyncIterator
 import ray
 from ray.serve.exceptions import BackPressureError
 
+from cluster.feed_link import FeedLinkError
 from cluster.protocol import PrefillRequest, PrefillResult, StreamError
 from engine.errors import TandemError
 from router.decode_feed import DecodeFeeds, FeedBroken
@@ -46,6 +47,9 @@ def api_error(e: BaseException) -> APIError:
             return api_error(cause)
     if isinstance(e, TandemError):
         return APIError.from_tandem(e)
+    if isinstance(e, FeedLinkError):  # the decode replica's end of the feed closed: it died or was stopped
+        log.warning("%s", e)
+        return APIError(503, "the decode worker went away while serving the request; retry", "unavailable_error")
     if isinstance(e, BackPressureError):
         return APIError(503, "the server is overloaded; retry later", "overloaded_error", code="overloaded")
     if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
@@ -110,7 +114,7 @@ class Generation:
                     self._close(cancel=False)
                     raise APIError(item.status, item.message, item.error_type)
                 if isinstance(item, FeedBroken):
-                    self._close(cancel=False)
+                    self._close(cancel=True)  # the replica is most likely gone; if not, it must not decode on
                     raise api_error(item.error)
                 yield TokenEvent(item.token_ids, item.logprobs, item.finish_reason if item.finished else None)
                 if item.finished:

@@ -85,23 +85,44 @@ def test_killed_decode_rank_gives_errors_not_hangs_and_the_group_recovers(tandem
     wait_for(lambda: not any(tandem_server.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)
 
 
-def test_a_dead_routers_feed_ends_even_with_no_request_open(tandem_server):
+@pytest.mark.parametrize("link", [True, False], ids=["feed-link", "serve-stream"])
+def test_a_dead_routers_feed_ends_even_with_no_request_open(tandem_server, link):
     """A router that dies with no request open leaves its feed stream on the decode replica, which Ray never
     ends: it counted as an ongoing request there for good (in the replica's load, and in every graceful
-    shutdown, which waited out its timeout and force-killed the replica). The replica's caller watch ends it."""
+    shutdown, which waited out its timeout and force-killed the replica). The replica's caller watch ends it.
+    Over a feed link the replica sees the connection close and asks Ray about the router at once."""
     decode = tandem_server.decode_handle()
     before = decode.stats.remote().result()
-    name = f"feed-reader-{os.getpid()}"  # a named actor in Serve's namespace, as a router replica is
+    name = f"feed-reader-{os.getpid()}-{link}"  # a named actor in Serve's namespace, as a router replica is
     reader = FeedReader.options(name=name, namespace="serve").remote(tandem_server.app)
-    reading = reader.read.remote(name)
+    reading = reader.read.remote(name, link)
     wait_for(lambda: decode.stats.remote().result()["feed_subscriptions"] == before["feed_subscriptions"] + 1,
              "the reader's feed subscription open", 60)
+    assert decode.stats.remote().result()["feed_links"] == before["feed_links"] + link
     ray.kill(reader, no_restart=True)
     stats = wait_for(lambda: (s := decode.stats.remote().result())["feed_subscriptions"]
                      == before["feed_subscriptions"] and s, "the dead reader's feed ended", 60)
     assert stats["routers_lost"] == before["routers_lost"] + 1
+    assert stats["feed_links"] == before["feed_links"]
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(reading, timeout=30)
+
+
+def test_a_dead_routers_open_request_ends_when_its_feed_link_closes(tandem_server):
+    """A router that dies with a request open (its hand-over still to come) closes its feed link: the decode
+    replica ends the request, and counts the router lost once."""
+    decode = tandem_server.decode_handle()
+    before = decode.stats.remote().result()
+    name = f"feed-reader-open-{os.getpid()}"
+    reader = FeedReader.options(name=name, namespace="serve").remote(tandem_server.app)
+    ray.get(reader.open.remote(f"orphan-{os.getpid()}", name), timeout=60)
+    reader.read.remote(name, True)
+    wait_for(lambda: decode.stats.remote().result()["feed_links"] == before["feed_links"] + 1, "the link open", 60)
+    assert decode.stats.remote().result()["num_requests"] == before["num_requests"] + 1
+    ray.kill(reader, no_restart=True)
+    stats = wait_for(lambda: (s := decode.stats.remote().result())["num_requests"] == before["num_requests"]
+                     and s["feed_links"] == before["feed_links"] and s, "the orphan request ended", 60)
+    assert stats["routers_lost"] == before["routers_lost"] + 1
 
 
 @ray.remote(num_cpus=0)
@@ -112,6 +133,15 @@ class FeedReader:
         from ray import serve
         self.decode = serve.get_deployment_handle("decode", app)
 
-    async def read(self, name: str) -> None:
+    async def open(self, request_id: str, name: str) -> None:
+        await self.decode.open.remote(request_id, 8, name)
+
+    async def read(self, name: str, link: bool) -> None:
+        if link:
+            from cluster.feed_link import read_feed_link
+
+            async for _ in read_feed_link(await self.decode.feed_link.remote(name), "decode"):
+                pass
+            return
         async for _ in self.decode.options(stream=True).feed.remote(name):
             pass

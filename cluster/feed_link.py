@@ -1,0 +1,143 @@
+"""Feed links: a decode replica's per-step token batches to a router replica over one TCP connection.
+
+A decode replica sends each router replica one list of (request id, item) per step (decode_worker/feed.py).
+As a Ray Serve streaming call each item cost about 1.5-2 ms of CPU on the sending and on the receiving side
+(a py-spy profile of the served benchmark at concurrency 1: Serve's replica machinery and Ray core on both
+ends), paid every step on the same cores the step needs. Over a kept-open connection with length-prefixed
+pickles (cluster/framing.py) an item costs tens of microseconds. It also ends the moment either side dies:
+the router learns that its decode replica is gone from the connection's end, not from a Serve stream error,
+and the decode replica learns that a router closed its end (it died, or its replica is stopping) at once.
+
+The decode replica listens (FeedLinkServer, asyncio, on the node's address) and hands each subscribing
+router a single-use token through a Serve call (`offer`); the router connects and presents it
+(read_feed_link). The router never sends anything after its token, so the decode side unpickles nothing a
+peer sent; the router reads pickles only from the address its decode replica gave it through Serve.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import secrets
+import time
+from typing import Any, AsyncIterator, Callable
+
+from cluster.framing import TOKEN_BYTES, frame, no_delay, read_frame
+
+log = logging.getLogger(__name__)
+
+OFFER_TTL_S = 60.0  # an offer not taken by then is dropped (its router died between asking and connecting)
+TOKEN_WAIT_S = 10.0  # a connection that does not present a token by then is closed
+
+
+class FeedLinkError(ConnectionError):
+    """The feed link could not be opened, or it closed (its decode replica died or was stopped)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FeedLinkAddress:
+    host: str
+    port: int
+    token: bytes = dataclasses.field(repr=False)
+
+
+class FeedLinkServer:
+    """Decode side. `source(key)` gives the async iterable of batches a subscriber of `key` reads (the
+    feed's `batches()`); `on_peer_closed(key)` is called when a subscriber closed its end while its source
+    still ran (the router died or is stopping: the caller decides which, e.g. by asking Ray)."""
+
+    def __init__(self, host: str, source: Callable[[str], AsyncIterator[Any]],
+                 on_peer_closed: Callable[[str], None]):
+        self.host = host
+        self._source = source
+        self._on_peer_closed = on_peer_closed
+        self._server: asyncio.AbstractServer | None = None
+        self._offers: list[tuple[bytes, str, float]] = []  # (token, key, expiry)
+        self._links: set[asyncio.Task] = set()
+        self.port = 0
+
+    async def start(self) -> None:
+        if self._server is None:
+            self._server = await asyncio.start_server(self._on_connection, self.host, 0)
+            self.port = self._server.sockets[0].getsockname()[1]
+
+    def offer(self, key: str) -> FeedLinkAddress:
+        """A single-use address for a subscriber of `key` (start() first)."""
+        if self._server is None:
+            raise RuntimeError("the feed link server is not started")
+        now = time.monotonic()
+        self._offers = [o for o in self._offers if o[2] > now]
+        token = secrets.token_bytes(TOKEN_BYTES)
+        self._offers.append((token, key, now + OFFER_TTL_S))
+        return FeedLinkAddress(self.host, self.port, token)
+
+    @property
+    def open_links(self) -> int:
+        return len(self._links)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._links):
+            task.cancel()
+
+    def _take(self, token: bytes) -> str | None:
+        for i, (known, key, expiry) in enumerate(self._offers):
+            if hmac.compare_digest(known, token):
+                del self._offers[i]
+                return key if expiry > time.monotonic() else None
+        return None
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._links.add(asyncio.current_task())
+        try:
+            try:
+                token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), TOKEN_WAIT_S)
+            except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError):
+                return
+            key = self._take(token)
+            if key is None:
+                return  # a stray or stale client: closed unanswered
+            no_delay(writer.get_extra_info("socket"))
+            pump = asyncio.ensure_future(self._pump(self._source(key), writer))
+            peer_closed = asyncio.ensure_future(reader.read(1))  # the peer sends nothing more: b"" at its end
+            try:
+                done, _ = await asyncio.wait({pump, peer_closed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (pump, peer_closed):
+                    task.cancel()
+            if pump not in done:
+                self._on_peer_closed(key)
+            elif not pump.cancelled() and pump.exception() is not None:
+                log.warning("feed link for %s broke: %s", key or "(unnamed)", pump.exception())
+        finally:
+            self._links.discard(asyncio.current_task())
+            writer.close()
+
+    async def _pump(self, batches: AsyncIterator[Any], writer: asyncio.StreamWriter) -> None:
+        """Until the source ends (a newer subscription took over, or the feed was closed)."""
+        async for batch in batches:
+            writer.write(frame(batch))
+            await writer.drain()  # a slow router holds the next batches in the feed, where they merge
+
+
+async def read_feed_link(address: FeedLinkAddress, name: str, timeout_s: float = 10.0) -> AsyncIterator[Any]:
+    """Router side: the batches the decode replica sends, until it closes the link; then FeedLinkError."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port), timeout_s)
+    except (OSError, asyncio.TimeoutError) as e:
+        raise FeedLinkError(f"cannot reach {name}'s feed at {address.host}:{address.port}: {e}") from e
+    try:
+        no_delay(writer.get_extra_info("socket"))
+        writer.write(address.token)
+        while True:
+            try:
+                batch = await read_frame(reader)
+            except asyncio.IncompleteReadError:
+                raise FeedLinkError(f"{name} closed its feed link (it died or was stopped)") from None
+            except OSError as e:
+                raise FeedLinkError(f"the feed link from {name} broke: {type(e).__name__}: {e}") from e
+            yield batch
+    finally:
+        writer.close()

@@ -1,0 +1,129 @@
+"""Feed links (cluster/feed_link.py): a decode replica's per-step batches to a router over a kept-open socket."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from cluster.feed_link import FeedLinkAddress, FeedLinkError, FeedLinkServer, read_feed_link
+
+
+class Source:
+    """Stands in for the decode replica's feed subscriptions: batches put on a queue, None ends one."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.started: list[str] = []
+        self.finished: list[str] = []  # subscriptions whose generator was closed (ended, or cancelled)
+        self.peer_closed: list[str] = []
+
+    async def batches(self, key: str):
+        self.started.append(key)
+        try:
+            while (batch := await self.queue.get()) is not None:
+                yield batch
+        finally:
+            self.finished.append(key)
+
+
+async def _server(source: Source) -> FeedLinkServer:
+    server = FeedLinkServer("127.0.0.1", source.batches, source.peer_closed.append)
+    await server.start()
+    return server
+
+
+async def _until(condition, what: str, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not seen: {what}")
+
+
+def test_batches_arrive_in_order_and_the_end_of_the_source_closes_the_link():
+    async def main():
+        source = Source()
+        server = await _server(source)
+        got = []
+
+        async def read():
+            async for batch in read_feed_link(server.offer("router-a"), "decode replica r1"):
+                got.append(batch)
+
+        reading = asyncio.ensure_future(read())
+        sent = [[("req-1", i), ("req-2", -i)] for i in range(50)]
+        for batch in sent:
+            source.queue.put_nowait(batch)
+        await _until(lambda: len(got) == len(sent), "every batch")
+        source.queue.put_nowait(None)  # the feed ended here (taken over, or its router known dead)
+        with pytest.raises(FeedLinkError, match="decode replica r1 closed its feed link"):
+            await asyncio.wait_for(reading, 5)
+        await _until(lambda: server.open_links == 0, "the link gone on the server")
+        server.close()
+        return source, got, sent
+
+    source, got, sent = asyncio.run(main())
+    assert got == sent and source.started == ["router-a"] and source.finished == ["router-a"]
+    assert source.peer_closed == []  # the server ended it, not the peer
+
+
+def test_a_peer_that_closes_its_end_is_reported_and_its_subscription_closed():
+    async def main():
+        source = Source()
+        server = await _server(source)
+        address = server.offer("router-b")
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(address.token)
+        source.queue.put_nowait([("r", 1)])
+        await _until(lambda: source.started == ["router-b"], "the subscription")
+        assert server.open_links == 1
+        writer.close()  # the router died: its socket closes with no batch pending
+        await _until(lambda: source.peer_closed == ["router-b"], "the peer's close reported")
+        await _until(lambda: source.finished == ["router-b"], "the subscription closed")
+        await _until(lambda: server.open_links == 0, "the link gone")
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_tokens_are_single_use_and_a_wrong_token_is_closed_unanswered():
+    async def main():
+        source = Source()
+        server = await _server(source)
+        address = server.offer("router-c")
+        # A stray client with a wrong token: closed without a byte, and the offer still stands.
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(b"x" * len(address.token))
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        source.queue.put_nowait([("r", 7)])
+        first = read_feed_link(address, "decode replica")
+        assert await asyncio.wait_for(first.__anext__(), 5) == [("r", 7)]
+        # The same token again: it was taken, so this connection is closed unanswered.
+        with pytest.raises(FeedLinkError, match="closed its feed link"):
+            await asyncio.wait_for(read_feed_link(address, "decode replica").__anext__(), 5)
+        await first.aclose()
+        server.close()
+        return source
+
+    source = asyncio.run(main())
+    assert source.started == ["router-c"]
+
+
+def test_an_address_nobody_listens_on_fails_with_the_reason():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connections are refused
+
+        async def main():
+            await read_feed_link(FeedLinkAddress("127.0.0.1", port, b"t" * 32), "decode replica r9", 2.0).__anext__()
+
+        with pytest.raises(FeedLinkError, match="cannot reach decode replica r9's feed at 127.0.0.1"):
+            asyncio.run(main())
+
+
+def test_offer_needs_a_started_server():
+    server = FeedLinkServer("127.0.0.1", Source().batches, lambda key: None)
+    with pytest.raises(RuntimeError, match="not started"):
+        server.offer("k")
