@@ -3,8 +3,9 @@ prefill -> hand-over -> decode group) and through the in-process engine, same mo
 prompts, same closed-loop concurrency.
 
 Deployments: `tandem serve`'s embedded default (the zoo target, MTP k=3, direct ingress) with decode tp=2
-and with tp=1, and optionally other values of `steps_in_flight`, `handover_stock`, the ingress and the
-router's `feed_link` (one deployment per combination; the defaults are the deployment's own).
+and with tp=1, and optionally other values of `steps_in_flight`, `handover_stock`, the ingress, the
+router's `feed_link` and the ranks' `tp_shm` (one deployment per combination; the defaults are the
+deployment's own).
 The engine runs before and after them, in this process, with one torch thread (as each served actor has;
 the served deployment gets the same cores, spread over its processes), `max_num_seqs` = the concurrency,
 all requests submitted at once (the engine's scheduler then keeps `concurrency` running, as the HTTP
@@ -17,7 +18,7 @@ shared machine one run of a few seconds varies by +-10%, as much as the effects 
 
     python -m bench.served_vs_engine [--levels 1,16,64] [--tps 2,1] [--max-tokens 64] [--repeats 3]
                                      [--steps-in-flight 1,2] [--handover-stock 0,0.125] [--ingress direct,proxy]
-                                     [--feed-link on,off]
+                                     [--feed-link on,off] [--tp-shm on,off]
 """
 from __future__ import annotations
 
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feed-link", default="on" if _router_default("feed_link") else "off",
                     help="how decode tokens reach the router, one deployment per value: on (feed links, "
                     "cluster/feed_link.py) and/or off (Serve streams), e.g. on,off; default: the router's")
+    ap.add_argument("--tp-shm", default="on" if _decode_default("tp_shm") else "off",
+                    help="how tp>1 ranks make their collectives, one deployment per value: on (shared memory, "
+                    "engine/shm_collectives.py) and/or off (gloo), e.g. on,off; default: the deployment's")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -136,18 +140,18 @@ def main(argv: list[str] | None = None) -> int:
                 http_options={"host": "127.0.0.1", "port": port})
     served: dict[str, dict[int, dict]] = {}
     in_flights, stocks = args.steps_in_flight.split(","), args.handover_stock.split(",")
-    feeds = args.feed_link.split(",")
-    variants = [(int(tp), int(n), float(st), ing, fl) for tp in args.tps.split(",") for n in in_flights
-                for st in stocks for ing in ingresses for fl in feeds]
-    for tp, in_flight, stock, ingress, feed in variants:
+    feeds, shms = args.feed_link.split(","), args.tp_shm.split(",")
+    variants = [(int(tp), int(n), float(st), ing, fl, sh) for tp in args.tps.split(",") for n in in_flights
+                for st in stocks for ing in ingresses for fl in feeds for sh in shms]
+    for tp, in_flight, stock, ingress, feed, shm in variants:
         label = (f"tp={tp}" + (f", {in_flight} in flight" if len(in_flights) > 1 else "")
                  + (f", stock {stock:g}" if len(stocks) > 1 else "") + (f", {ingress}" if len(ingresses) > 1 else "")
-                 + (f", feed link {feed}" if len(feeds) > 1 else ""))
-        name = f"tp{tp}x{in_flight}s{int(stock * 1000)}{ingress}{feed}"
+                 + (f", feed link {feed}" if len(feeds) > 1 else "") + (f", tp shm {shm}" if len(shms) > 1 else ""))
+        name = f"tp{tp}x{in_flight}s{int(stock * 1000)}{ingress}{feed}{shm}"
         cfg = TandemConfig(model=model, served_model_name=name, tp=tp, speculative_method="mtp", draft=head,
                            num_speculative_tokens=3, num_kv_blocks=blocks, max_num_seqs=max(64, max(levels)),
                            max_inflight=4 * max(levels) + 16, steps_in_flight=in_flight, handover_stock=stock,
-                           feed_link=feed == "on")
+                           feed_link=feed == "on", tp_shm=shm == "on")
         api = ("127.0.0.1", free_port_on("127.0.0.1")) if ingress == "direct" else None
         serve.run(application(cfg, api), name=name, route_prefix=f"/{name}")
         decode = serve.get_deployment_handle("decode", app_name=name)

@@ -27,7 +27,7 @@ from cluster.step_link import StepListener
 from decode_worker.receiver import HandoverReceiver
 from decode_worker.stock import HandoverStock
 from decode_worker.turns import StepTurns
-from engine import CapacityError, LLMEngine, TandemError
+from engine import CapacityError, LLMEngine, ModelConfig, TandemError, shm_collectives
 from engine.grammar import SerializedGrammar
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class DecodeRank:
         self.receiver: HandoverReceiver | None = None
         self.stock: HandoverStock | None = None
         self.tp_group = None
+        self.tp_shm = None  # shared-memory collectives of a CPU group on one host
         self._sent: dict[str, int] = {}  # request id -> output tokens already reported
         self._turns = StepTurns()  # runs the group's steps in order (several may be queued here)
         self._committed_early: set[str] = set()  # committed on landing, the replica's COMMIT still to come
@@ -74,7 +75,8 @@ class DecodeRank:
                 # ADP's per-step agreement is a host-side all-gather: on GPUs it gets a gloo group of its own.
                 cpu_group = build_group(store, f"adp/{group_id}/", self.tp_rank, self.tp_size, backend_for("cpu"),
                                         timeout_s, idle_timeout=timedelta(seconds=timeout_s))
-        self.engine = LLMEngine(cfg, tp_group=self.tp_group, cpu_group=cpu_group)
+            self.tp_shm = self._shm_collectives(cfg, store, group_id, timeout_s)
+        self.engine = LLMEngine(cfg, tp_group=self.tp_group, cpu_group=cpu_group, tp_shm=self.tp_shm)
         share = getattr(self.settings, "handover_stock", 0.0)
         stocked = self.engine.blocks.set_aside(int(self.engine.blocks.pool.num_blocks * share)) if share else None
         self.stock = HandoverStock(stocked) if stocked else None
@@ -84,6 +86,20 @@ class DecodeRank:
         # Cache layers: the target's, then the draft's when speculation shares the cache.
         return KVLayout(num_layers=self.engine.kv_cache.shape[0], num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                         block_size=cfg.block_size, dtype=str(self.engine.kv_cache.dtype).removeprefix("torch."))
+
+    def _shm_collectives(self, cfg, store, group_id: str, timeout_s: float):
+        """Shared-memory collectives for a CPU group whose ranks share a host (engine/shm_collectives.py), or
+        None (GPU, attention DP, switched off, or the ranks cannot share a segment: gloo carries them)."""
+        if cfg.device != "cpu" or self.attention_dp or not getattr(self.settings, "tp_shm", True):
+            return None
+        m = ModelConfig.from_dir(cfg.model)
+        rows = cfg.max_num_seqs * (1 + (cfg.speculative.k if cfg.speculative else 0))
+        width = max(m.hidden_size, -(-m.vocab_size // self.tp_size))
+        shm = shm_collectives.connect(store, f"tp/{group_id}/", self.tp_rank, self.tp_size,
+                                      shm_collectives.slot_bytes_for(rows, width), timeout_s)
+        if shm is None:
+            log.warning("decode group %s: tp ranks cannot share memory; collectives go through gloo", group_id)
+        return shm
 
     def accept(self, channel_id: str, timeout_s: float = 30.0) -> None:
         """The receiving end of a prefill's channel (the prefill calls `connect` at the same time)."""

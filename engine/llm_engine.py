@@ -42,9 +42,11 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, tp_group=None, logits_masker: LogitsMasker | None = None,
-                 cpu_group=None):
+                 cpu_group=None, tp_shm=None):
         """tp_group: the torch.distributed group of the tp_size ranks; cpu_group: a gloo group of the same
         ranks for the attention-data-parallel lockstep agreement (default tp_group, right for CPU engines);
+        tp_shm: shared-memory collectives of the same ranks (engine/shm_collectives.py: CPU ranks of one
+        host), which carry the tensor-parallel all-reduces and gathers that fit them;
         logits_masker: constrains the tokens of every step (engine/logits_masker.py).
 
         With cfg.attention_dp > 1 every rank of the group must call step() the same number of times,
@@ -56,7 +58,7 @@ class LLMEngine:
             self.dp = DPContext(cfg.tp_rank, cfg.tp_size, tp_group, cpu_group, cfg.adp_exchange)
             self.tp = TPContext()  # attention, embeddings and the draft network are replicated on every rank
         else:
-            self.tp = TPContext(cfg.tp_rank, cfg.tp_size, tp_group)
+            self.tp = TPContext(cfg.tp_rank, cfg.tp_size, tp_group, tp_shm)
         limit = self.model_cfg.max_position_embeddings
         if self.model_cfg.sliding_window:
             limit = min(limit, self.model_cfg.sliding_window)  # no sliding-window attention yet: stay inside it

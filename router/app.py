@@ -58,7 +58,8 @@ class Router:
             self.metrics_server = await start_metrics_server(self.cfg.metrics_host, self.cfg.metrics_port,
                                                              self._render_metrics)
         # Direct ingress (router/ingress.py): this replica answers HTTP on the API address itself.
-        self.api_server = ApiServer(api, self.cfg.api_host, self.cfg.api_port) if self.cfg.api_port else None
+        self.api_server = (ApiServer(api, self.cfg.api_host, self.cfg.api_port, self.cfg.shutdown_grace_s)
+                           if self.cfg.api_port else None)
 
     async def check_health(self) -> None:
         """Serve's periodic probe: a replica whose own API server stopped is replaced."""

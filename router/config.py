@@ -28,6 +28,10 @@ class RouterSettings(BaseModel):
                                               "streams, ~1.5-2 ms more CPU per step on each side, for networks "
                                               "where the router cannot reach the decode replicas' nodes "
                                               "directly.")
+    shutdown_grace_s: float = Field(3.0, ge=0, le=4.0, description="When a router replica stops (deleted, scaled "
+                                                                 "down, replaced), its open responses get this "
+                                                                 "long to end before they are cut; within Serve's "
+                                                                 "5 s graceful shutdown.")
     api_key: str | None = Field(None, repr=False, description=f"Bearer key every route but /health requires "
                                                               f"(HTTP 401 otherwise); default: ${API_KEY_ENV}, "
                                                               f"else no key.")

@@ -46,13 +46,13 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 class ApiServer:
     """`app` served on host:port from the running event loop until `stop()`."""
 
-    def __init__(self, app, host: str, port: int):
+    def __init__(self, app, host: str, port: int, grace_s: float = GRACEFUL_SHUTDOWN_S):
         import uvicorn
 
-        self.host, self.port = host, port
+        self.host, self.port, self.grace_s = host, port, grace_s
         sock = reuse_port_socket(host, port)
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                                timeout_graceful_shutdown=grace_s)
         self._server = uvicorn.Server(config)
         # The replica's signals are Ray's: uvicorn must not take SIGTERM/SIGINT over when this loop happens to
         # run on the main thread.
@@ -69,10 +69,10 @@ class ApiServer:
         return f"the API server on {self.host}:{self.port} stopped: {error or 'it exited'}"
 
     async def stop(self) -> None:
-        """Stop accepting, let open responses end (up to GRACEFUL_SHUTDOWN_S), close the socket."""
+        """Stop accepting, let open responses end (up to grace_s), close the socket."""
         self._server.should_exit = True
         with contextlib.suppress(Exception, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.shield(self._task), GRACEFUL_SHUTDOWN_S + 1.0)
+            await asyncio.wait_for(asyncio.shield(self._task), self.grace_s + 1.0)
         if not self._task.done():
             self._task.cancel()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import time
 
@@ -117,9 +119,10 @@ def test_stopping_a_router_ends_its_open_streams_and_frees_their_blocks(tandem_s
     all come back, and the session's router keeps serving."""
     from deploy.testing import wait_decode_settled
 
-    doomed = start_router(tandem_server, "doomed")
+    doomed = start_router(tandem_server, "doomed", shutdown_grace_s=1.0)
     body = {"model": doomed.model, "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0,
             "ignore_eos": True, "stream": True}
+    ranks = tandem_server.decode_handle().rank_pids.remote().result()
     chunks = 0
     with httpx.Client(base_url=doomed.base_url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as resp:
@@ -129,8 +132,15 @@ def test_stopping_a_router_ends_its_open_streams_and_frees_their_blocks(tandem_s
                 chunks += line.startswith("data: {")
                 if chunks == 4:
                     break
-            stop_router("doomed")  # returns once Serve has stopped the replica
-            # Cut: 1000 tokens take a tp=2 group of the tiny model on CPU far longer than the 3 s grace period.
+            # The decode ranks are paused while the router stops, so that the stream cannot end by itself
+            # within the grace period, however fast the group decodes (a few seconds for 1000 tokens).
+            for pid in ranks:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                stop_router("doomed")  # returns once Serve has stopped the replica
+            finally:
+                for pid in ranks:
+                    os.kill(pid, signal.SIGCONT)
             with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
                 for line in lines:
                     assert line != "data: [DONE]", "the stream ran to its end instead of being cut"
