@@ -33,6 +33,13 @@ async def _server(source: Source) -> FeedLinkServer:
     return server
 
 
+async def _connect(address: FeedLinkAddress, token: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw client of the link that sends `token` (a router would send address.token)."""
+    reader, writer = await asyncio.open_connection(address.host, address.port)
+    writer.write(token)
+    return reader, writer
+
+
 async def _until(condition, what: str, timeout_s: float = 5.0) -> None:
     for _ in range(int(timeout_s / 0.01)):
         if condition():
@@ -73,8 +80,7 @@ def test_a_peer_that_closes_its_end_is_reported_and_its_subscription_closed():
         source = Source()
         server = await _server(source)
         address = server.offer("router-b")
-        reader, writer = await asyncio.open_connection(address.host, address.port)
-        writer.write(address.token)
+        _, writer = await _connect(address, address.token)
         source.queue.put_nowait([("r", 1)])
         await _until(lambda: source.started == ["router-b"], "the subscription")
         assert server.open_links == 1
@@ -93,8 +99,7 @@ def test_tokens_are_single_use_and_a_wrong_token_is_closed_unanswered():
         server = await _server(source)
         address = server.offer("router-c")
         # A stray client with a wrong token: closed without a byte, and the offer still stands.
-        reader, writer = await asyncio.open_connection(address.host, address.port)
-        writer.write(b"x" * len(address.token))
+        reader, writer = await _connect(address, b"x" * len(address.token))
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
         source.queue.put_nowait([("r", 7)])

@@ -32,6 +32,22 @@ def _inputs(rank: int, shape, dtype, round_: int) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(dtype)
 
 
+def _run_ranks(target, world: int, messages: int) -> list:
+    """`world` spawned processes running target(rank, world, port, queue); the first `messages` items they
+    put on the queue."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = [queue.get(timeout=120) for _ in range(messages)]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    return got
+
+
 def _store(rank: int, world: int, port: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, world, rank == 0, use_libuv=False)
 
@@ -58,20 +74,9 @@ def _collectives_main(rank: int, world: int, port: int, queue) -> None:
 
 def test_all_reduce_and_all_gather_match_torch_and_agree_bitwise_across_ranks():
     world = 3
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_collectives_main, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    for _ in range(world):
-        rank, out = queue.get(timeout=120)
-        got[rank] = {k: torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) and len(v) == 2
-                     and isinstance(v[1], torch.dtype) else v for k, v in out.items()}
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    got = {rank: {k: torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) and len(v) == 2
+                  and isinstance(v[1], torch.dtype) else v for k, v in out.items()}
+           for rank, out in _run_ranks(_collectives_main, world, world)}
     for r in range(ROUNDS):
         shape, dtype = SHAPES[r % len(SHAPES)], DTYPES[(r // len(SHAPES)) % len(DTYPES)]
         parts = [_inputs(k, shape, dtype, r) for k in range(world)]
@@ -101,16 +106,7 @@ def _refusing_main(rank: int, world: int, port: int, queue) -> None:
 
 
 def test_one_rank_that_cannot_map_the_segment_leaves_every_rank_on_gloo():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_refusing_main, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(queue.get(timeout=120) for _ in range(2))
-    for p in procs:
-        p.join(timeout=30)
-    assert got == {0: True, 1: True}
+    assert dict(_run_ranks(_refusing_main, 2, 2)) == {0: True, 1: True}
 
 
 def _absent_peer_main(rank: int, world: int, port: int, queue) -> None:
@@ -125,14 +121,6 @@ def _absent_peer_main(rank: int, world: int, port: int, queue) -> None:
 
 
 def test_a_rank_that_never_reaches_the_collective_is_named_in_an_error():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_absent_peer_main, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    messages = [queue.get(timeout=120) for _ in range(3)]
-    for p in procs:
-        p.join(timeout=30)
+    messages = _run_ranks(_absent_peer_main, 2, 3)
     errors = [m for r, m in messages if m != "connected"]
     assert errors and "tp rank(s) [1] did not reach collective 1" in errors[0], messages
