@@ -43,9 +43,11 @@ def _rank(rank: int, tp: int, port: int, calls: int, repeats: int, queue) -> Non
                 if name not in best or wall < best[name][0]:
                     best[name] = (wall, cpu)
         queue.put((rank, shape, best))
-    store.add("done", 1)
-    while store.add("done", 0) < tp:  # rank 0's store serves the others until they are through
-        time.sleep(0.01)
+    if rank:
+        store.add("done", 1)
+    else:  # rank 0's store serves the others: it stays until they are through with it
+        while store.add("done", 0) < tp - 1:
+            time.sleep(0.01)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -143,8 +143,12 @@ def connect(store: dist.Store, prefix: str, rank: int, size: int, slot_bytes: in
     """Set up shared-memory collectives for the ranks meeting under `prefix` in `store`, or None on every
     rank if any rank cannot map the segment (another host or container, no /dev/shm space, not x86): the
     caller then keeps its process group for everything. Collective over the ranks (each must call it)."""
-    store = dist.PrefixStore(f"{prefix}shm/", store)
-    store.set_timeout(timedelta(seconds=timeout_s))
+    store = dist.PrefixStore(f"{prefix}shm/", store)  # the caller's store keeps its own timeout
+
+    def get(key: str) -> bytes:
+        store.wait([key], timedelta(seconds=timeout_s))
+        return store.get(key)
+
     mapping, error = None, None
     if rank == 0:
         name, nonce = f"tandem-tp-{secrets.token_hex(8)}", secrets.token_bytes(NONCE)
@@ -155,14 +159,14 @@ def connect(store: dist.Store, prefix: str, rank: int, size: int, slot_bytes: in
         store.set("name", name if mapping is not None else "")
         store.set("nonce", nonce)
     else:
-        name, nonce = store.get("name").decode(), store.get("nonce")
+        name, nonce = get("name").decode(), get("nonce")
         if name and available():
             try:
                 mapping = _attach(name, nonce, ShmCollectives.nbytes(size, slot_bytes))
             except OSError as e:
                 error = e
     store.set(f"ok/{rank}", b"1" if mapping is not None else f"0 {error}".encode())
-    answers = [store.get(f"ok/{r}") for r in range(size)]  # every rank has tried to attach by now
+    answers = [get(f"ok/{r}") for r in range(size)]  # every rank has tried to attach by now
     if rank == 0 and mapping is not None:  # nobody opens it by name again: unlink (no leak after a crash)
         try:
             os.unlink(f"/dev/shm/{name}")
