@@ -132,3 +132,11 @@ def test_offer_needs_a_started_server():
     server = FeedLinkServer("127.0.0.1", Source().batches, lambda key: None)
     with pytest.raises(RuntimeError, match="not started"):
         server.offer("k")
+
+
+def test_a_closed_feed_link_reaches_the_client_as_a_retryable_503():
+    from router.generation import api_error
+
+    error = api_error(FeedLinkError("decode replica r1 closed its feed link (it died or was stopped)"))
+    assert (error.status, error.error_type) == (503, "unavailable_error")
+    assert "retry" in error.message and "\n" not in error.message
