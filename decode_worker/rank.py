@@ -95,11 +95,8 @@ class DecodeRank:
         m = ModelConfig.from_dir(cfg.model)
         rows = cfg.max_num_seqs * (1 + (cfg.speculative.k if cfg.speculative else 0))
         width = max(m.hidden_size, -(-m.vocab_size // self.tp_size))
-        shm = shm_collectives.connect(store, f"tp/{group_id}/", self.tp_rank, self.tp_size,
-                                      shm_collectives.slot_bytes_for(rows, width), timeout_s)
-        if shm is None:
-            log.warning("decode group %s: tp ranks cannot share memory; collectives go through gloo", group_id)
-        return shm
+        return shm_collectives.connect(store, f"tp/{group_id}/", self.tp_rank, self.tp_size,
+                                       shm_collectives.slot_bytes_for(rows, width), timeout_s)
 
     def accept(self, channel_id: str, timeout_s: float = 30.0) -> None:
         """The receiving end of a prefill's channel (the prefill calls `connect` at the same time)."""

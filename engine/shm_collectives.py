@@ -1,8 +1,8 @@
 """Shared-memory collectives for tensor-parallel ranks of one CPU host.
 
 Gloo's all-reduce of a decode step's small activations costs 0.4-0.7 ms of wall time and 0.25-0.45 ms of CPU
-in each rank on a 2-core x86 host, against 17-46 us here (bench/results/shm_collectives_cpu.md): the call goes through gloo's
-worker and transport threads and the loopback TCP stack. A tp=2 step of the zoo target makes ~26 of them
+in each rank on a 2-core x86 host, against 17-46 us here (bench/results/shm_collectives_cpu.md): the call
+goes through gloo's worker and transport threads and the loopback TCP stack. A tp=2 step of the zoo target makes ~26 of them
 (two per layer, the vocab-parallel logits, and the draft head's), several times the step's own compute. The
 ranks of a CPU decode group normally share a host: then every rank copies its tensor into its slot of one
 shared mapping, publishes the collective's number, waits until every rank has published it, and reads the
@@ -21,6 +21,7 @@ through gloo; all ranks see the same shapes, so they all take the same path.
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import platform
@@ -31,6 +32,8 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 LINE = 128  # bytes per rank's counter: ranks never write the same cache line
 NONCE = 16
@@ -120,13 +123,6 @@ class ShmCollectives:
                                           f"{self.timeout_s:.0f}s (rank died or is stuck)")
             time.sleep(SLEEP_S)
 
-    def close(self) -> None:
-        self._counters = self._buffers = None
-        try:
-            self._map.close()
-        except BufferError:  # a tensor still views it: the mapping goes with the process
-            pass
-
 
 def slot_bytes_for(rows: int, width: int, itemsize: int = 4) -> int:
     """A slot for a step of `rows` rows of `width` values (the widest of the hidden size and a rank's share
@@ -149,13 +145,13 @@ def connect(store: dist.Store, prefix: str, rank: int, size: int, slot_bytes: in
         store.wait([key], timedelta(seconds=timeout_s))
         return store.get(key)
 
-    mapping, error = None, None
+    mapping, error = None, "not x86 Linux with /dev/shm" if not available() else "rank 0 has no segment"
     if rank == 0:
         name, nonce = f"tandem-tp-{secrets.token_hex(8)}", secrets.token_bytes(NONCE)
         try:
             mapping = _create(name, nonce, ShmCollectives.nbytes(size, slot_bytes)) if available() else None
         except OSError as e:
-            error = e
+            error = str(e)
         store.set("name", name if mapping is not None else "")
         store.set("nonce", nonce)
     else:
@@ -164,17 +160,20 @@ def connect(store: dist.Store, prefix: str, rank: int, size: int, slot_bytes: in
             try:
                 mapping = _attach(name, nonce, ShmCollectives.nbytes(size, slot_bytes))
             except OSError as e:
-                error = e
-    store.set(f"ok/{rank}", b"1" if mapping is not None else f"0 {error}".encode())
-    answers = [get(f"ok/{r}") for r in range(size)]  # every rank has tried to attach by now
+                error = str(e)
+    store.set(f"ok/{rank}", b"" if mapping is not None else error.encode())
+    answers = [get(f"ok/{r}").decode() for r in range(size)]  # every rank has tried to attach by now
     if rank == 0 and mapping is not None:  # nobody opens it by name again: unlink (no leak after a crash)
         try:
             os.unlink(f"/dev/shm/{name}")
         except OSError:
             pass
-    if any(a != b"1" for a in answers):
+    refusals = [f"rank {r}: {a}" for r, a in enumerate(answers) if a]
+    if refusals:
         if mapping is not None:
             mapping.close()
+        log.warning("tp ranks under %r cannot share memory (%s); their collectives go through the process "
+                    "group", prefix, "; ".join(refusals))
         return None
     return ShmCollectives(mapping, rank, size, slot_bytes, timeout_s)
 

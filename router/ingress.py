@@ -23,8 +23,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-GRACEFUL_SHUTDOWN_S = 3.0  # open streams get this long to end when the replica stops (within Serve's 5 s)
-
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket at host:port that other processes of this node may bind too (SO_REUSEPORT).
@@ -46,7 +44,8 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 class ApiServer:
     """`app` served on host:port from the running event loop until `stop()`."""
 
-    def __init__(self, app, host: str, port: int, grace_s: float = GRACEFUL_SHUTDOWN_S):
+    def __init__(self, app, host: str, port: int, grace_s: float):
+        """grace_s: how long open responses get to end when the server stops (RouterSettings.shutdown_grace_s)."""
         import uvicorn
 
         self.host, self.port, self.grace_s = host, port, grace_s
