@@ -16,6 +16,7 @@ peer sent; the router reads pickles only from the address its decode replica gav
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import hmac
 import logging
@@ -45,7 +46,8 @@ class FeedLinkAddress:
 class FeedLinkServer:
     """Decode side. `source(key)` gives the async iterable of batches a subscriber of `key` reads (the
     feed's `batches()`); `on_peer_closed(key)` is called when a subscriber closed its end while its source
-    still ran (the router died or is stopping: the caller decides which, e.g. by asking Ray)."""
+    still ran and no other link of `key` is open (the router died, is stopping, or its reader failed: in
+    each case nobody reads that key's feed any more)."""
 
     def __init__(self, host: str, source: Callable[[str], AsyncIterator[Any]],
                  on_peer_closed: Callable[[str], None]):
@@ -55,6 +57,7 @@ class FeedLinkServer:
         self._server: asyncio.AbstractServer | None = None
         self._offers: list[tuple[bytes, str, float]] = []  # (token, key, expiry)
         self._links: set[asyncio.Task] = set()
+        self._open_keys: collections.Counter[str] = collections.Counter()  # key -> its links past the token
         self.port = 0
 
     async def start(self) -> None:
@@ -99,6 +102,7 @@ class FeedLinkServer:
             key = self._take(token)
             if key is None:
                 return  # a stray or stale client: closed unanswered
+            self._open_keys[key] += 1
             no_delay(writer.get_extra_info("socket"))
             pump = asyncio.ensure_future(self._pump(self._source(key), writer))
             peer_closed = asyncio.ensure_future(reader.read(1))  # the peer sends nothing more: b"" at its end
@@ -107,7 +111,12 @@ class FeedLinkServer:
             finally:
                 for task in (pump, peer_closed):
                     task.cancel()
-            if pump not in done:
+                self._open_keys[key] -= 1
+                if self._open_keys[key] <= 0:
+                    del self._open_keys[key]
+            # A newer link of the key (the router re-subscribed) is its reader now; its old one may still be
+            # waiting out the feed's takeover check when the router closes it.
+            if pump not in done and key not in self._open_keys:
                 self._on_peer_closed(key)
             elif not pump.cancelled() and pump.exception() is not None:
                 log.warning("feed link for %s broke: %s", key or "(unnamed)", pump.exception())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from typing import Callable
 
 import ray
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 # One ping per router per second is nothing next to a step; every second a dead router goes unnoticed its
 # requests decode for nobody (at the zoo's CPU speed, ~100 steps a second).
 CHECK_S = 1.0
+# A router whose feed link closed is pinged this long even with nothing open here (its requests ended at the
+# close): Ray learns of a killed process a few seconds after its sockets close, and its death is counted.
+SUSPECT_S = 30.0
 SERVE_NAMESPACE = "serve"  # where Ray Serve creates its replica actors (ray.serve._private.constants)
 
 
@@ -41,6 +45,7 @@ class CallerWatch:
         self.check_s = check_s
         self._streams: dict[str, str] = {}  # request id -> the caller's actor name
         self.subscribers: collections.Counter[str] = collections.Counter()  # caller -> its open feed streams
+        self._suspects: dict[str, float] = {}  # caller -> until when it is pinged for its link's close
         self._handles: dict[str, object] = {}
         self._soon = asyncio.Event()
         self.callers_lost = 0
@@ -62,8 +67,11 @@ class CallerWatch:
             if self.subscribers[caller] <= 0:
                 del self.subscribers[caller]
 
-    def check_now(self) -> None:
-        """Check without waiting out the period (a router closed its feed link: it may have died)."""
+    def check_now(self, caller: str | None = None) -> None:
+        """Check without waiting out the period; `caller` (it closed its feed link: it may have died, and Ray
+        may not know yet) is pinged for SUSPECT_S more even with nothing open here."""
+        if caller:
+            self._suspects[caller] = time.monotonic() + SUSPECT_S
         self._soon.set()
 
     async def run(self) -> None:
@@ -73,7 +81,9 @@ class CallerWatch:
             except asyncio.TimeoutError:
                 pass
             self._soon.clear()
-            callers = set(self._streams.values()) | set(self.subscribers)
+            now = time.monotonic()
+            self._suspects = {n: until for n, until in self._suspects.items() if until > now}
+            callers = set(self._streams.values()) | set(self.subscribers) | set(self._suspects)
             for name in [n for n in self._handles if n not in callers]:
                 del self._handles[name]
             for name in callers:
@@ -87,6 +97,7 @@ class CallerWatch:
                     self.closed(rid)
                     self.on_dead(rid, name)
                 self.subscribers.pop(name, None)  # its feed stream ends (on_gone); it is not pinged again
+                self._suspects.pop(name, None)
                 if self.on_gone is not None:
                     self.on_gone(name)
 

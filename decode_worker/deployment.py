@@ -58,6 +58,7 @@ class DecodeServer:
         self._feeds: dict[str, Feed] = {}  # router actor name ("" when unnamed) -> its feed
         self._callers_of: dict[str, str] = {}  # open request id -> its router's feed key
         self._feed_batches = self._feed_items = 0  # stream items sent on feeds, and the request items in them
+        self._orphans_ended = 0  # requests ended because their router's feed link closed
         self.callers = CallerWatch(self._caller_died, on_gone=self._router_gone)
         self._watch = asyncio.create_task(self.callers.run())
         self.links = FeedLinkServer(node_ip(), self._subscription, self._link_closed)
@@ -111,10 +112,26 @@ class DecodeServer:
             self.callers.unsubscribed(caller)
 
     def _link_closed(self, key: str) -> None:
-        """A router closed its feed link: it died, or its replica is stopping. Its requests end once Ray says
-        it is gone (asked now, not at the next periodic check); an idle feed goes at once."""
-        self.callers.check_now()
+        """The router reading `key`'s feed closed its link and no other is open: it died, is stopping, or its
+        reader failed (and it answered those requests with a 503 already). Nobody will read their tokens, so
+        they end now, not when Ray confirms a death, which takes seconds: hundreds of steps decoded for
+        nobody. Each gets an error in the feed, in case the router is alive and a request of its opened just
+        as the link broke (a new link delivers it). Ray is asked about the router at once."""
         feed = self._feeds.get(key)
+        orphans = [rid for rid, caller in self._callers_of.items() if caller == key]
+        for rid in orphans:
+            self.ctrl.cancel(rid)
+            error = StreamError("the router's feed link closed while the request was decoding; retry")
+            if feed is not None:
+                feed.put(rid, error)  # its end (_ended) forgets the request
+            else:
+                self._ended(rid)
+        if orphans:
+            self._orphans_ended += len(orphans)
+            log.warning("the feed link of router %s closed with %d request(s) open here: ended them",
+                        key or "(unnamed)", len(orphans))
+            self._wake.set()
+        self.callers.check_now(key or None)
         if feed is not None and feed.idle:
             del self._feeds[key]
 
@@ -231,6 +248,7 @@ class DecodeServer:
             "max_num_seqs": self.config.max_num_seqs,
             "groups_started": self.groups_started,
             "routers_lost": self.callers.callers_lost,
+            "requests_ended_link_closed": self._orphans_ended,
             "feed_subscriptions": sum(self.callers.subscribers.values()),  # routers' feeds open (named)
             "feed_links": self.links.open_links,
             "tp_size": self.config.tp,

@@ -93,6 +93,27 @@ def test_a_peer_that_closes_its_end_is_reported_and_its_subscription_closed():
     asyncio.run(main())
 
 
+def test_an_older_link_closing_while_a_newer_one_of_its_key_is_open_is_not_reported():
+    """A router that re-subscribed reads the newer link: the older one's close says nothing of its requests
+    (the decode replica ends a key's requests when its last link closes)."""
+    async def main():
+        source = Source()
+        server = await _server(source)
+        old_address, new_address = server.offer("router-c"), server.offer("router-c")
+        _, old = await _connect(old_address, old_address.token)
+        await _until(lambda: source.started == ["router-c"], "the first subscription")
+        _, new = await _connect(new_address, new_address.token)
+        await _until(lambda: source.started == ["router-c"] * 2, "the second subscription")
+        old.close()
+        await _until(lambda: server.open_links == 1, "the older link gone")
+        assert source.peer_closed == []
+        new.close()
+        await _until(lambda: source.peer_closed == ["router-c"], "the last link's close reported")
+        server.close()
+
+    asyncio.run(main())
+
+
 def test_tokens_are_single_use_and_a_wrong_token_is_closed_unanswered():
     async def main():
         source = Source()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import openai
 import pytest
@@ -102,15 +103,18 @@ def test_a_dead_routers_feed_ends_even_with_no_request_open(tandem_server, link)
     ray.kill(reader, no_restart=True)
     stats = wait_for(lambda: (s := decode.stats.remote().result())["feed_subscriptions"]
                      == before["feed_subscriptions"] and s, "the dead reader's feed ended", 60)
-    assert stats["routers_lost"] == before["routers_lost"] + 1
     assert stats["feed_links"] == before["feed_links"]
+    stats = wait_for(lambda: (s := decode.stats.remote().result())["routers_lost"] == before["routers_lost"] + 1
+                     and s, "the dead reader counted lost", 60)
+    assert stats["requests_ended_link_closed"] == before["requests_ended_link_closed"]
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(reading, timeout=30)
 
 
 def test_a_dead_routers_open_request_ends_when_its_feed_link_closes(tandem_server):
     """A router that dies with a request open (its hand-over still to come) closes its feed link: the decode
-    replica ends the request, and counts the router lost once."""
+    replica ends the request (as the link closes, or as Ray reports the death, whichever it learns first) and
+    counts the router lost once."""
     decode = tandem_server.decode_handle()
     before = decode.stats.remote().result()
     name = f"feed-reader-open-{os.getpid()}"
@@ -122,7 +126,35 @@ def test_a_dead_routers_open_request_ends_when_its_feed_link_closes(tandem_serve
     ray.kill(reader, no_restart=True)
     stats = wait_for(lambda: (s := decode.stats.remote().result())["num_requests"] == before["num_requests"]
                      and s["feed_links"] == before["feed_links"] and s, "the orphan request ended", 60)
-    assert stats["routers_lost"] == before["routers_lost"] + 1
+    wait_for(lambda: decode.stats.remote().result()["routers_lost"] == before["routers_lost"] + 1,
+             "the dead reader counted lost", 60)
+    time.sleep(1.5)  # another check of the watch: counted once
+    assert decode.stats.remote().result()["routers_lost"] == before["routers_lost"] + 1
+
+
+def test_a_live_routers_requests_end_when_its_feed_link_closes_and_it_learns_why_on_the_next(tandem_server):
+    """A router whose feed reader failed (it answered its requests there with a 503) closes its link alive:
+    nobody reads those requests' tokens, so the decode replica ends them at once (Ray's watch cannot: the router
+    is alive), queueing an error for each that a new link of the router receives."""
+    decode = tandem_server.decode_handle()
+    before = decode.stats.remote().result()
+    name = f"feed-reader-alive-{os.getpid()}"
+    orphan = f"orphan-alive-{os.getpid()}"
+    reader = FeedReader.options(name=name, namespace="serve").remote(tandem_server.app)
+    try:
+        ray.get(reader.open.remote(orphan, name), timeout=60)
+        reading = reader.read_for.remote(name, 3.0)  # then the link closes; the actor lives on
+        wait_for(lambda: decode.stats.remote().result()["feed_links"] == before["feed_links"] + 1, "the link open", 60)
+        ray.get(reading, timeout=60)
+        stats = wait_for(lambda: (s := decode.stats.remote().result())["num_requests"] == before["num_requests"]
+                         and s, "the request ended", 30)
+        assert stats["requests_ended_link_closed"] == before["requests_ended_link_closed"] + 1
+        batch = ray.get(reader.first_batch.remote(name), timeout=60)
+        assert [(rid, type(item).__name__) for rid, item in batch] == [(orphan, "StreamError")], batch
+        assert "feed link closed" in batch[0][1].message
+        assert decode.stats.remote().result()["routers_lost"] == before["routers_lost"]
+    finally:
+        ray.kill(reader, no_restart=True)
 
 
 @ray.remote(num_cpus=0)
@@ -135,6 +167,19 @@ class FeedReader:
 
     async def open(self, request_id: str, name: str) -> None:
         await self.decode.open.remote(request_id, 8, name)
+
+    async def read_for(self, name: str, seconds: float) -> None:
+        """Reads over a feed link for `seconds`, then closes it (as a router whose reader failed)."""
+        try:
+            await asyncio.wait_for(self.read(name, True), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def first_batch(self, name: str) -> list:
+        from cluster.feed_link import read_feed_link
+
+        async for batch in read_feed_link(await self.decode.feed_link.remote(name), "decode"):
+            return batch
 
     async def read(self, name: str, link: bool) -> None:
         if link:
