@@ -15,6 +15,8 @@ Measured in one run, with the same KV memory per rank for both layouts:
   16, 64 (the group's batch decides k).
 
     python -m bench.adp [--quick] [--zoo DIR]
+    python -m bench.adp --shm-ab   # only: gloo against shared-memory collectives (engine/shm_collectives.py)
+                                   # for dp=2 and tp=2, concurrency 1/16/64 -> bench/results/adp_shm_ab_cpu.*
 
 Writes bench/results/adp_cpu.{json,md}. Random-weight models (seeded), random prompts of 48 tokens,
 32 output tokens each (ignore_eos), greedy; torch threads 1 per rank.
@@ -52,6 +54,7 @@ class Job:
     spec: dict | None = None
     all_on_rank0: bool = False  # dp: place every request on rank 0 (rank 1 idles)
     vocab: int = 2048
+    shm: bool = False  # the group's collectives through shared memory instead of gloo
 
 
 @dataclass
@@ -97,12 +100,12 @@ def _mine(job: Job, rank: int | None) -> list[int]:
     return [i for i in range(job.num_requests) if i % 2 == rank]
 
 
-def run_job(job: Job, rank: int | None, group) -> Outcome:
+def run_job(job: Job, rank: int | None, group, shm=None) -> Outcome:
     import torch.distributed as dist
 
     from engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine(_config(job, rank), tp_group=group)
+    engine = LLMEngine(_config(job, rank), tp_group=group, tp_shm=shm if job.shm else None)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     prompts = _prompts(job.num_requests, job.vocab)
     for i in _mine(job, rank):
@@ -135,9 +138,16 @@ def _rank_main(rank: int, port: int, jobs: list[Job], queue) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    shm = None
+    if any(job.shm for job in jobs):
+        from engine import shm_collectives
+
+        shm = shm_collectives.connect(dist.distributed_c10d._get_default_store(), "bench/", rank, 2)
+        if shm is None:
+            raise RuntimeError("shared-memory collectives are not available here (x86 Linux with /dev/shm)")
     try:
         for job in jobs:
-            out = run_job(job, rank, dist.group.WORLD)
+            out = run_job(job, rank, dist.group.WORLD, shm)
             if job.layout == "dp":
                 total = torch.tensor([out.output_tokens])
                 dist.all_reduce(total)
@@ -211,12 +221,45 @@ def layout_jobs(models: dict[int, str], concurrencies: list[int]) -> list[Job]:
     return jobs
 
 
+def shm_ab(repeats: int) -> None:
+    """gloo against shared-memory collectives, dp=2 and tp=2, on the MQA model with KV not limiting; one
+    process running the same requests beside them. Jobs alternate within each round."""
+    concurrencies, free = (1, 16, 64), 4096
+    with tempfile.TemporaryDirectory() as tmp:
+        mqa = build_models(Path(tmp))[1]
+        jobs = [Job(f"{layout}-c{c}-{'shm' if shm else 'gloo'}", mqa, layout, c, max(4, 2 * c), free, shm=shm)
+                for c in concurrencies for layout in ("dp", "tp") for shm in (False, True)]
+        outs = best_of([run_group(jobs) for _ in range(repeats)])
+        torch.set_num_threads(1)
+        single = best_of([[run_job(Job(f"tp1-c{c}", mqa, "tp1", c, max(4, 2 * c), free), None, None)
+                           for c in concurrencies] for _ in range(repeats)])
+    payload = {"device": device_name("cpu"), "prompt_len": PROMPT_LEN, "max_tokens": MAX_TOKENS, "repeats": repeats,
+               "results": {n: {**asdict(o), "tokens_per_s": o.tokens_per_s} for n, o in {**outs, **single}.items()}}
+    lines = ["# Attention data parallelism and tensor parallelism over gloo vs shared memory (2 ranks, CPU)", "",
+             f"{device_name('cpu')}; 2 processes x 1 torch thread. Random-weight Llama with one KV head (hidden 256, "
+             f"4 layers, 8 heads, head dim 32), prompts {PROMPT_LEN} tokens, {MAX_TOKENS} output tokens, greedy, 2x "
+             f"concurrency requests (4 at concurrency 1), KV not limiting. Best of {repeats} rounds; gloo and shm "
+             "jobs alternate in each round. `python -m bench.adp --shm-ab`.", "",
+             "| concurrency | layout | gloo tok/s | shm tok/s | shm / gloo | one process tok/s | shm / one process |",
+             "|---|---|---|---|---|---|---|"]
+    for c in concurrencies:
+        one = single[f"tp1-c{c}"].tokens_per_s
+        for layout in ("dp", "tp"):
+            g, m = outs[f"{layout}-c{c}-gloo"].tokens_per_s, outs[f"{layout}-c{c}-shm"].tokens_per_s
+            lines.append(f"| {c} | {layout}=2 | {g:.0f} | {m:.0f} | {m / g:.2f}x | {one:.0f} | {m / one:.2f}x |")
+    path = write_results("adp_shm_ab_cpu", payload, "\n".join(lines))
+    print(path.read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="concurrency 16 only, fewer dynamic-k points")
+    ap.add_argument("--shm-ab", action="store_true", help="only gloo against shared-memory collectives")
     ap.add_argument("--zoo", default=None, help="zoo directory (default: the prebuilt default zoo)")
     ap.add_argument("--repeats", type=int, default=2, help="rounds over every job; the fastest of each is kept")
     args = ap.parse_args()
+    if args.shm_ab:
+        return shm_ab(args.repeats)
     import zoo
     from engine.parallel import kv_head_slice
 

@@ -89,12 +89,15 @@ class DecodeRank:
 
     def _shm_collectives(self, cfg, store, group_id: str, timeout_s: float):
         """Shared-memory collectives for a CPU group whose ranks share a host (engine/shm_collectives.py), or
-        None (GPU, attention DP, switched off, or the ranks cannot share a segment: gloo carries them)."""
-        if cfg.device != "cpu" or self.attention_dp or not getattr(self.settings, "tp_shm", True):
+        None (GPU, switched off, or the ranks cannot share a segment: gloo carries them)."""
+        if cfg.device != "cpu" or not getattr(self.settings, "tp_shm", True):
             return None
         m = ModelConfig.from_dir(cfg.model)
         rows = cfg.max_num_seqs * (1 + (cfg.speculative.k if cfg.speculative else 0))
-        width = max(m.hidden_size, -(-m.vocab_size // self.tp_size))
+        if self.attention_dp:  # the MLP's row exchanges: every rank's rows, hidden wide (reduce-scatter input)
+            rows, width = rows * self.tp_size, m.hidden_size
+        else:  # all-reduces of hidden-wide rows and the vocab-parallel logits' gather
+            width = max(m.hidden_size, -(-m.vocab_size // self.tp_size))
         return shm_collectives.connect(store, f"tp/{group_id}/", self.tp_rank, self.tp_size,
                                        shm_collectives.slot_bytes_for(rows, width), timeout_s)
 

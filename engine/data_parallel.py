@@ -40,6 +40,10 @@ class DPContext:
     group: object | None  # the device-side group of the MLP collectives (NCCL on GPUs, gloo on CPUs)
     cpu_group: object | None = None  # the lockstep agreement's group (gloo); None: `group` (a CPU engine)
     exchange: str = "reduce_scatter"
+    # ShmCollectives of the same ranks (CPU ranks of one host, engine/shm_collectives.py): the row exchanges
+    # and the agreement that fit its slots go through shared memory instead of gloo (all ranks alike: they
+    # see the same shapes)
+    shm: object | None = None
 
     def __post_init__(self) -> None:
         if self.size < 2:
@@ -65,13 +69,23 @@ class DPContext:
         assert T <= P, (T, P)
         padded = x if T == P else torch.cat([x, x.new_zeros(P - T, H)])
         gathered = x.new_empty(self.size * P, H)  # rank r's rows at [r * P, (r + 1) * P)
-        _all_gather(gathered, padded.contiguous(), self.group)
+        shm = self.shm if self.shm is not None and self.shm.fits(gathered) else None
+        if shm is not None:
+            shm.all_gather_rows(gathered, padded)
+        else:
+            _all_gather(gathered, padded.contiguous(), self.group)
         partial = shard_fn(gathered)
         if self.exchange == "reduce_scatter":
             mine = partial.new_empty(P, H)
-            _reduce_scatter(mine, partial.contiguous(), self.group)
+            if shm is not None:  # partial has gathered's shape and dtype: it fits too
+                shm.reduce_scatter_rows(mine, partial)
+            else:
+                _reduce_scatter(mine, partial.contiguous(), self.group)
         else:
-            dist.all_reduce(partial, group=self.group)
+            if shm is not None:
+                shm.all_reduce(partial)
+            else:
+                dist.all_reduce(partial, group=self.group)
             mine = partial[self.rank * P:(self.rank + 1) * P]
         return mine[:T]
 
@@ -80,7 +94,10 @@ class DPContext:
         """One all-gather of every rank's RankPlan; the same GroupPlan on every rank."""
         row = torch.tensor([mine.as_row()], dtype=torch.int64)  # [1, 4]
         table = torch.empty(self.size, row.shape[1], dtype=torch.int64)
-        _all_gather(table, row, self.cpu_group or self.group)
+        if self.shm is not None:  # CPU ranks of one host (then cpu_group is the MLP's group too)
+            self.shm.all_gather_rows(table, row)
+        else:
+            _all_gather(table, row, self.cpu_group or self.group)
         return GroupPlan.from_table(table.tolist())
 
 

@@ -46,7 +46,8 @@ class LLMEngine:
         """tp_group: the torch.distributed group of the tp_size ranks; cpu_group: a gloo group of the same
         ranks for the attention-data-parallel lockstep agreement (default tp_group, right for CPU engines);
         tp_shm: shared-memory collectives of the same ranks (engine/shm_collectives.py: CPU ranks of one
-        host), which carry the tensor-parallel all-reduces and gathers that fit them;
+        host), which carry the tensor-parallel all-reduces and gathers that fit them (under attention data
+        parallelism: the MLP row exchanges and the step agreement);
         logits_masker: constrains the tokens of every step (engine/logits_masker.py).
 
         With cfg.attention_dp > 1 every rank of the group must call step() the same number of times,
@@ -55,7 +56,7 @@ class LLMEngine:
         self.model_cfg = ModelConfig.from_dir(cfg.model)
         self.dp: DPContext | None = None
         if cfg.attention_dp > 1:
-            self.dp = DPContext(cfg.tp_rank, cfg.tp_size, tp_group, cpu_group, cfg.adp_exchange)
+            self.dp = DPContext(cfg.tp_rank, cfg.tp_size, tp_group, cpu_group, cfg.adp_exchange, tp_shm)
             self.tp = TPContext()  # attention, embeddings and the draft network are replicated on every rank
         else:
             self.tp = TPContext(cfg.tp_rank, cfg.tp_size, tp_group, tp_shm)

@@ -93,6 +93,18 @@ class ShmCollectives:
         out.view(*x.shape[:-1], self.size, x.shape[-1]).copy_(parts.movedim(0, -2))
         return out
 
+    def all_gather_rows(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Attention data parallelism's row exchange: rank r's x [P, ...] into out[r * P:(r + 1) * P]
+        (out [size * P, ...]; fits(x))."""
+        parts = self._exchange(x)  # [size, P, ...]
+        out.view(self.size, *x.shape).copy_(parts)
+
+    def reduce_scatter_rows(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """out [P, ...] = the sum over ranks of their x[rank * P:(rank + 1) * P] (x [size * P, ...]; fits(x)).
+        Each rank sums only its own rows, in rank order."""
+        parts = self._exchange(x).view(self.size, self.size, *out.shape)  # [from rank, to rank, P, ...]
+        torch.sum(parts[:, self.rank], dim=0, out=out)
+
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
         """Publish x and wait for every rank's; a view [size, *x.shape] of all of them (valid until the
         collective after next)."""

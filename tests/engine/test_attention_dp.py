@@ -1,5 +1,6 @@
-"""Attention data parallelism (engine/data_parallel.py): two ranks over gloo, each with its own requests,
-give the same tokens and the same draft acceptance as one process running all of them; blocks all free.
+"""Attention data parallelism (engine/data_parallel.py): two ranks over gloo (or shared memory), each with its
+own requests, give the same tokens and the same draft acceptance as one process running all of them; blocks all
+free.
 
 Cases cover what broke elsewhere: a rank idle for the whole run and for many steps before its request
 arrives (an idle rank must still match the MLP collectives, and must not enter draft work: sglang#29144,
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig, shm_collectives
 from engine.data_parallel import GroupPlan
 from engine.grammar import StructuredOutput
 
@@ -51,6 +52,7 @@ class Case:
     engine: dict = field(default_factory=dict)
     dynamic_k: tuple[int, ...] = ()  # with it, only tokens must match one process (k follows different batches)
     padded: bool = False  # decode steps in the CUDA-graph layout (run eagerly here): group-agreed padded sizes
+    shm: bool = False  # the exchanges and the agreement through shared memory (engine/shm_collectives.py)
 
 
 def _prompts():
@@ -81,6 +83,11 @@ def _cases() -> list[Case]:
              method="mtp", padded=True),
         Case("dynamic_k", (Req(0, p[0], 30), Req(1, p[1], 30), Req(1, p[2], 10), Req(0, p[3], 20, start_step=4)),
              method="mtp", dynamic_k=(2, 4)),
+        Case("mtp_shm", (Req(0, p[0]), Req(1, p[1]), Req(0, p[2])), method="mtp", shm=True),
+        Case("unequal_and_late_shm", (Req(0, p[0], 40), Req(0, p[1], 40), Req(1, p[4], 3),
+                                      Req(1, p[5], 8, start_step=12)), method="eagle3", shm=True),
+        Case("all_reduce_exchange_shm", (Req(0, p[0]), Req(1, p[1], temperature=0.8)), exchange="all_reduce",
+             shm=True),
     ]
 
 
@@ -115,10 +122,12 @@ def _drive(engine: LLMEngine, reqs: list[tuple[str, Req]], group) -> dict:
 def _rank_main(rank: int, port: int, root: str, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    shm = shm_collectives.connect(dist.distributed_c10d._get_default_store(), "adp/", rank, 2)
     try:
         for case in _cases():
             cfg = _config(root, case, tp_size=2, tp_rank=rank, attention_dp=2, adp_exchange=case.exchange)
-            engine = LLMEngine(cfg, tp_group=dist.group.WORLD)
+            calls = shm.calls if shm is not None else 0
+            engine = LLMEngine(cfg, tp_group=dist.group.WORLD, tp_shm=shm if case.shm else None)
             if case.padded:
                 from engine.graphs import StepGraphs
 
@@ -131,7 +140,8 @@ def _rank_main(rank: int, port: int, root: str, queue) -> None:
             k_steps = stats["spec"]["dynamic_k_steps"] if "spec" in stats else None
             if case.padded:  # rank 1 idles through padded steps: both ranks ran the same padded steps
                 k_steps = (k_steps, engine.runner.graphs.num_runs)
-            queue.put((rank, case.name, done, stats["kv_blocks_used"], (engine.kv_cache.shape[4], k_steps)))
+            shm_calls = (shm.calls - calls) if shm is not None else None
+            queue.put((rank, case.name, done, stats["kv_blocks_used"], (engine.kv_cache.shape[4], k_steps, shm_calls)))
     except BaseException as e:  # noqa: BLE001 - reported to the test, which would otherwise wait
         queue.put((rank, "error", repr(e), None, None))
         raise
@@ -187,8 +197,10 @@ def test_adp_equals_one_process(adp_results, zoo_dir, case):
     if case.padded:
         assert k_steps[0][1] > 10, k_steps  # decode steps ran in the padded layout, on both ranks alike
     for rank in range(2):
-        done, used, (heads, _) = adp_results[(rank, case.name)]
+        done, used, (heads, _, shm_calls) = adp_results[(rank, case.name)]
         assert used == 0, f"rank {rank} still holds {used} KV blocks"
+        if shm_calls is not None:  # an x86 Linux host: the shared mapping carried the shm cases' collectives
+            assert (shm_calls > 0) == case.shm, (rank, shm_calls)
         assert heads == single.model_cfg.num_kv_heads
         owned = {f"{case.name}-{i}" for i, r in enumerate(case.requests) if r.rank == rank}
         assert set(done) == owned, (rank, sorted(done), sorted(owned))

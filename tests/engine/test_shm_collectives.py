@@ -71,12 +71,21 @@ def _collectives_main(rank: int, world: int, port: int, queue) -> None:
     strided = _inputs(rank, (8, 6), torch.float32, 999).t()  # not contiguous: reduced in place all the same
     out["strided"] = shm.all_reduce(strided).clone()
     out["fits"] = (shm.fits(torch.empty(2**14)), shm.fits(torch.empty(2**14 + 1)))
+    # Attention data parallelism's exchanges (engine/data_parallel.py): rows in, rows out.
+    gathered = torch.empty(world * 4, 6)
+    shm.all_gather_rows(gathered, _inputs(rank, (4, 6), torch.float32, 500))
+    out["gather_rows"] = gathered
+    out["reduce_scatter_rows"] = torch.empty(4, 6)
+    shm.reduce_scatter_rows(out["reduce_scatter_rows"], _inputs(rank, (world * 4, 6), torch.float32, 501))
+    table = torch.empty(world, 4, dtype=torch.int64)
+    shm.all_gather_rows(table, torch.tensor([[rank, 10 + rank, 1, 2]]))
+    out["agreement"] = table
     # Tensors travel as lists (exact for fp32 and bf16): a tensor put on a queue is passed as a shared file
     # descriptor, which dies with the process that put it.
     queue.put((rank, {k: (v.tolist(), v.dtype) if isinstance(v, torch.Tensor) else v for k, v in out.items()}))
 
 
-def test_all_reduce_and_all_gather_match_torch_and_agree_bitwise_across_ranks():
+def test_collectives_match_torch_and_agree_bitwise_across_ranks():
     world = 3
     before = _segments()
     got = {rank: {k: torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) and len(v) == 2
@@ -95,6 +104,12 @@ def test_all_reduce_and_all_gather_match_torch_and_agree_bitwise_across_ranks():
     strided = [_inputs(k, (8, 6), torch.float32, 999).t() for k in range(world)]
     torch.testing.assert_close(got[0]["strided"], sum(strided))
     assert got[0]["fits"] == (True, False)  # 64 KiB slots: 16384 floats fit, one more does not
+    rows = [_inputs(k, (4, 6), torch.float32, 500) for k in range(world)]
+    to_scatter = [_inputs(k, (world * 4, 6), torch.float32, 501) for k in range(world)]
+    for k in range(world):
+        assert torch.equal(got[k]["gather_rows"], torch.cat(rows))
+        torch.testing.assert_close(got[k]["reduce_scatter_rows"], sum(y[k * 4:(k + 1) * 4] for y in to_scatter))
+        assert got[k]["agreement"].tolist() == [[r, 10 + r, 1, 2] for r in range(world)]
     # The segment is unlinked once every rank has it mapped: nothing is left behind in /dev/shm.
     assert _segments() <= before
 
