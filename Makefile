@@ -51,11 +51,13 @@ test-gpu: $(STAMP)
 # One call on a GPU machine: every GPU test (test-gpu), then the GPU benchmarks, whose results land in
 # bench/results/*_cuda.{md,json} naming the GPU (kernels against their torch references and the
 # bandwidth limit; engine decode against transformers and, on a 1B bf16 Llama, the HBM roofline; the host
-# time async scheduling hides per step).
+# time async scheduling hides per step; speculation on the zoo at batch 1, k=3, every method, against no
+# speculation and transformers).
 gpu-check: test-gpu
 	$(PY) -m bench.kernels --device cuda
 	$(PY) -m bench.engine --device cuda
 	$(PY) -m bench.overlap --device cuda
+	$(PY) -m bench.spec --device cuda --quick
 
 bench: $(STAMP)
 	$(PY) -m bench.engine $(ARGS)
