@@ -102,10 +102,10 @@ class FeedLinkServer:
             key = self._take(token)
             if key is None:
                 return  # a stray or stale client: closed unanswered
-            self._open_keys[key] += 1
             no_delay(writer.get_extra_info("socket"))
             pump = asyncio.ensure_future(self._pump(self._source(key), writer))
             peer_closed = asyncio.ensure_future(reader.read(1))  # the peer sends nothing more: b"" at its end
+            self._open_keys[key] += 1
             try:
                 done, _ = await asyncio.wait({pump, peer_closed}, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -114,10 +114,11 @@ class FeedLinkServer:
                 self._open_keys[key] -= 1
                 if self._open_keys[key] <= 0:
                     del self._open_keys[key]
-            # A newer link of the key (the router re-subscribed) is its reader now; its old one may still be
-            # waiting out the feed's takeover check when the router closes it.
-            if pump not in done and key not in self._open_keys:
-                self._on_peer_closed(key)
+            if pump not in done:
+                # A newer link of the key (the router re-subscribed) is its reader now; its old one may still
+                # be waiting out the feed's takeover check when the router closes it.
+                if key not in self._open_keys:
+                    self._on_peer_closed(key)
             elif not pump.cancelled() and pump.exception() is not None:
                 log.warning("feed link for %s broke: %s", key or "(unnamed)", pump.exception())
         finally:

@@ -97,6 +97,8 @@ def test_an_older_link_closing_while_a_newer_one_of_its_key_is_open_is_not_repor
     """A router that re-subscribed reads the newer link: the older one's close says nothing of its requests
     (the decode replica ends a key's requests when its last link closes)."""
     async def main():
+        errors = []  # what the link handlers raised (asyncio reports it to the loop's handler)
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
         source = Source()
         server = await _server(source)
         old_address, new_address = server.offer("router-c"), server.offer("router-c")
@@ -109,7 +111,9 @@ def test_an_older_link_closing_while_a_newer_one_of_its_key_is_open_is_not_repor
         assert source.peer_closed == []
         new.close()
         await _until(lambda: source.peer_closed == ["router-c"], "the last link's close reported")
+        await _until(lambda: server.open_links == 0, "both links gone")
         server.close()
+        assert not errors, errors
 
     asyncio.run(main())
 
