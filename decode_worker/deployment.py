@@ -118,14 +118,11 @@ class DecodeServer:
         nobody. Each gets an error in the feed, in case the router is alive and a request of its opened just
         as the link broke (a new link delivers it). Ray is asked about the router at once."""
         feed = self._feeds.get(key)
-        orphans = [rid for rid, caller in self._callers_of.items() if caller == key]
+        orphans = [rid for rid, caller in self._callers_of.items() if caller == key]  # all on `feed` (open())
         for rid in orphans:
             self.ctrl.cancel(rid)
-            error = StreamError("the router's feed link closed while the request was decoding; retry")
-            if feed is not None:
-                feed.put(rid, error)  # its end (_ended) forgets the request
-            else:
-                self._ended(rid)
+            feed.put(rid, StreamError("the router's feed link closed while the request was decoding; retry"))
+            # (its end, _ended, forgets the request)
         if orphans:
             self._orphans_ended += len(orphans)
             log.warning("the feed link of router %s closed with %d request(s) open here: ended them",

@@ -69,24 +69,24 @@ class DPContext:
         assert T <= P, (T, P)
         padded = x if T == P else torch.cat([x, x.new_zeros(P - T, H)])
         gathered = x.new_empty(self.size * P, H)  # rank r's rows at [r * P, (r + 1) * P)
+        # partial below has gathered's shape and dtype: one fits() decides all three collectives
         shm = self.shm if self.shm is not None and self.shm.fits(gathered) else None
         if shm is not None:
             shm.all_gather_rows(gathered, padded)
         else:
             _all_gather(gathered, padded.contiguous(), self.group)
         partial = shard_fn(gathered)
-        if self.exchange == "reduce_scatter":
-            mine = partial.new_empty(P, H)
-            if shm is not None:  # partial has gathered's shape and dtype: it fits too
-                shm.reduce_scatter_rows(mine, partial)
-            else:
-                _reduce_scatter(mine, partial.contiguous(), self.group)
-        else:
+        if self.exchange != "reduce_scatter":
             if shm is not None:
                 shm.all_reduce(partial)
             else:
                 dist.all_reduce(partial, group=self.group)
-            mine = partial[self.rank * P:(self.rank + 1) * P]
+            return partial[self.rank * P:self.rank * P + T]
+        mine = partial.new_empty(P, H)
+        if shm is not None:
+            shm.reduce_scatter_rows(mine, partial)
+        else:
+            _reduce_scatter(mine, partial.contiguous(), self.group)
         return mine[:T]
 
     # ------------------------------------------------------------------ the lockstep agreement
