@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.drafter = (Drafter(cfg, spec, model_cfg, self.model, tp, self.dtype, self.device, max_pos,
                                 self.num_kv_heads, lambda: self.kv_cache) if spec is not None else None)
+        if cfg.cpu_packed_gemm and self.device.type == "cpu":
+            self._pack_gemms()
         self.masker: LogitsMasker | None = None
         self.graphs = None
         if self.device.type == "cuda" and cfg.cuda_graphs:
@@ -101,6 +104,20 @@ class ModelRunner:
                                      capture_on_demand=dp is None, masks=cfg.graph_masks)
             if self.drafter is not None:
                 self.drafter.on_slots_grown = self.graphs.reset
+
+    def _pack_gemms(self) -> None:
+        """Prepacked GEMMs for the target's and the draft network's few-row matmuls, compiled now for
+        the row counts of batch-1 decode (1, and k+1 verification rows); others compile on first use."""
+        from engine.layers.packed_gemm import pack_cpu_gemms, warm_up
+
+        proposer = self.proposer
+        nets = [self.model] + [n for n in (getattr(proposer, "head", None), getattr(proposer, "model", None))
+                               if n is not None]
+        start = time.perf_counter()
+        for net in nets:
+            pack_cpu_gemms(net)
+            warm_up(net, (1, self.k + 1))
+        log.info("packed CPU GEMMs compiled in %.1f s", time.perf_counter() - start)
 
     # ------------------------------------------------------------------ KV layout
     @property

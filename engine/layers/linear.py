@@ -16,6 +16,7 @@ from engine.parallel import TPContext, kv_head_slice
 
 class _ParallelLinear(nn.Module):
     weight_rows: torch.Tensor | None = None  # a row-major copy of a column-major weight (matvec_layout)
+    packed = None  # PackedGemm (engine/layers/packed_gemm.py) when EngineConfig.cpu_packed_gemm is on
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext):
         super().__init__()
@@ -39,7 +40,7 @@ class ColumnParallelLinear(_ParallelLinear):
         copy_checked(param, tensor.narrow(0, start, per), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_rows)
+        return linear(x, self.weight, self.bias, self.weight_rows, self.packed)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -64,7 +65,7 @@ class RowParallelLinear(_ParallelLinear):
         copy_checked(self.weight, tensor.narrow(1, start, per), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, rows=self.weight_rows)
+        y = linear(x, self.weight, rows=self.weight_rows, packed=self.packed)
         if not self.reduce:
             return y + self.bias if self.bias is not None and self.tp.rank == 0 else y
         y = self.tp.all_reduce(y)
@@ -149,12 +150,17 @@ VERIFY_ROWS_BUDGET = 256 << 20
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           rows: torch.Tensor | None = None) -> torch.Tensor:
+           rows: torch.Tensor | None = None, packed=None) -> torch.Tensor:
     """F.linear, except for 2-8 rows of x on CPU (a speculative step's verification rows at batch 1-2)
     against a weight with a row-major form (the weight itself, or `rows`, the copy matvec_layout keeps
     of a column-major one): W @ x^T there, which MKL runs 1.2-1.6x faster than x @ W^T at those sizes
     (cold, one thread, 4 rows: LM head 4096x192 463 -> 311 us, gate/up 1024x192 117 -> 82 us, down
-    192x512 52 -> 36 us); from 16 rows on it is no faster, and one row is fastest column-major."""
+    192x512 52 -> 36 us); from 16 rows on it is no faster, and one row is fastest column-major.
+    packed: the weight's PackedGemm (it adds `bias` itself), used for the row counts it has a kernel for."""
+    if packed is not None:
+        y = packed(x)
+        if y is not None:
+            return y
     if 2 <= x.shape[0] <= 8 and x.dim() == 2 and x.device.type == "cpu":
         w = weight if weight.is_contiguous() else rows
         if w is not None:

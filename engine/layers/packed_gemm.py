@@ -1,0 +1,159 @@
+"""Prepacked CPU GEMMs for decode's few-row matmuls (EngineConfig.cpu_packed_gemm).
+
+At 1-16 rows a decode step's matmuls are bound by reading the weights, and MKL reads them slowly
+there: one row against a 2048x2048 fp32 weight ran at 23-25 GB/s from memory on the 2-core EPYC
+this was built on, against 41 GB/s of copy bandwidth; four rows (a batch-1 verification chain) cost
+3x one row. Inductor's CPU GEMM template, given the weight as a constant (`freezing`), repacks it
+once into blocks its micro-kernel streams: 42 GB/s at one row, and four rows at 1.1-1.4x the cost of
+one (bench/results/packed_gemm_cpu.md).
+
+Each weight gets one compiled kernel per row bucket (1, 2, 4, 8, 16), compiled on first use or by
+`warm_up`; a bucket holds its own packed copy of the weight, so a model pays one extra copy of its
+weights per bucket it uses (typically two: plain decode at 1 row, verification at k+1). Rows between
+buckets are zero-padded to the next one. Compilation goes straight to inductor (no dynamo: nothing is
+guarded per call; the call costs 1-2 us over the kernel). A kernel that fails to compile or whose
+output disagrees with F.linear on a probe is never used (logged once; the matmul stays eager), so
+a machine without a C++ compiler runs as before.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16)
+
+
+class _Linear(nn.Module):
+    """What inductor compiles: the module's own parameters, seen as constants under freezing."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Disabled:
+    """Set once any compile fails for a reason that is not the weight's own (no compiler, an inductor
+    error): every later weight skips the attempt instead of failing the same way again."""
+
+    reason: str | None = None
+
+
+class PackedGemm:
+    """y = x W^T + b through a compiled kernel per row bucket; None where none applies."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str = ""):
+        self.weight = weight
+        self.bias = bias
+        self.name = name
+        self._kernels: dict[int, object | None] = {}  # bucket -> compiled callable (None: stay eager)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def bucket(rows: int) -> int | None:
+        return next((b for b in BUCKETS if b >= rows), None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [rows, in] -> [rows, out], or None: too many rows, or no kernel for them (use F.linear)."""
+        rows = x.shape[0]
+        b = self.bucket(rows) if rows else None
+        if b is None or x.dim() != 2 or x.dtype != self.weight.dtype:
+            return None
+        kernel = self._kernels.get(b, False)
+        if kernel is False:
+            kernel = self.compile(b)
+        if kernel is None:
+            return None
+        if rows == b:
+            return kernel(x.contiguous())
+        return kernel(torch.cat([x, x.new_zeros(b - rows, x.shape[1])]))[:rows]
+
+    def compile(self, rows: int):
+        """The kernel for `rows` rows (a bucket), compiled now if it was not; None: stay eager."""
+        with self._lock:
+            if rows in self._kernels:
+                return self._kernels[rows]
+            kernel = None
+            if _Disabled.reason is None:
+                try:
+                    kernel = self._build(rows)
+                except Exception as e:  # no compiler, an inductor limitation: every weight would fail alike
+                    _Disabled.reason = f"{type(e).__name__}: {e}"
+                    log.warning("packed CPU GEMMs are off (%s); matmuls stay eager", _Disabled.reason)
+            self._kernels[rows] = kernel
+            return kernel
+
+    def _build(self, rows: int):
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx
+
+        gm = torch.fx.symbolic_trace(_Linear(self.weight, self.bias))
+        probe = torch.randn(rows, self.weight.shape[1], generator=torch.Generator().manual_seed(rows),
+                            dtype=self.weight.dtype)
+        # CPP alone: with ATen beside it inductor would time both and pick per run, which makes a
+        # model's numerics depend on a benchmark's noise.
+        with torch.no_grad(), config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP"):
+            compiled = compile_fx(gm, [probe])
+
+        def kernel(x: torch.Tensor) -> torch.Tensor:
+            out = compiled(x)
+            return out[0] if isinstance(out, (tuple, list)) else out
+
+        with torch.no_grad():
+            got, want = kernel(probe), F.linear(probe, self.weight, self.bias)
+        tol = 1e-2 if self.weight.dtype in (torch.bfloat16, torch.float16) else 1e-4
+        if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max().clamp(min=1))):
+            log.error("packed GEMM %s (%d rows) disagrees with F.linear (max error %.3g); it stays eager",
+                      self.name, rows, float((got.float() - want.float()).abs().max()))
+            return None
+        return kernel
+
+    @property
+    def kernels(self) -> dict[int, bool]:
+        """bucket -> whether a compiled kernel serves it (for tests and logs)."""
+        return {b: k is not None for b, k in self._kernels.items()}
+
+
+def pack_cpu_gemms(model: nn.Module) -> int:
+    """Give every CPU linear of `model` (projections and the LM head) a PackedGemm; its kernels compile
+    on first use (or `warm_up`). Idempotent; a weight shared by two modules (a tied or shared head)
+    gets one. -> number of weights packed."""
+    from engine.layers.linear import RowParallelLinear, _ParallelLinear
+    from engine.layers.vocab import LMHead
+
+    seen: dict[int, PackedGemm] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, (_ParallelLinear, LMHead)) or module.weight.device.type != "cpu":
+            continue
+        if getattr(module, "packed", None) is not None:
+            seen.setdefault(id(module.weight), module.packed)
+            continue
+        key = id(module.weight)
+        if key not in seen:
+            # a row-parallel layer adds its bias after the cross-rank sum (or on rank 0 alone): not here
+            bias = None if isinstance(module, RowParallelLinear) else getattr(module, "bias", None)
+            seen[key] = PackedGemm(module.weight, bias, name)
+        module.packed = seen[key]
+    return len(seen)
+
+
+def warm_up(model: nn.Module, rows: tuple[int, ...]) -> None:
+    """Compile every packed weight's kernels for these row counts now (start-up, not the first steps)."""
+    buckets = sorted({b for r in rows if (b := PackedGemm.bucket(r)) is not None})
+    done: set[int] = set()
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if packed is None or id(packed) in done:
+            continue
+        done.add(id(packed))
+        for b in buckets:
+            packed.compile(b)
