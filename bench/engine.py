@@ -4,7 +4,7 @@ Greedy, ignore EOS, fixed prompts and lengths; batch 1 and batch 16 (transformer
 Reports generated tokens per second of both and their ratio, measured in the same run, and on CUDA
 the batch-1 decode step's achieved weight bandwidth against the device's peak.
 
-    python -m bench.engine [--device cpu|cuda] [--new-tokens 128] [--model DIR]
+    python -m bench.engine [--device cpu|cuda] [--new-tokens 128] [--threads N] [--repeats N] [--packed]
 """
 from __future__ import annotations
 
@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="alternating runs of each engine; the fastest is kept")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads for both engines (0: torch's default, one per core)")
+    ap.add_argument("--packed", action="store_true",
+                    help="CPU: also run tandem with cpu_packed_gemm (prepacked compiled GEMMs), alternating")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,18 +120,29 @@ def main(argv=None) -> int:
         hf = make_model(tmp, BENCH_CONFIG, dtype).to(args.device)
         n_params = sum(p.numel() for p in hf.parameters())
         llm = LLM(tmp, device=args.device, max_num_seqs=64, num_kv_blocks=2048, block_size=16)
+        packed = (LLM(tmp, device=args.device, max_num_seqs=64, num_kv_blocks=2048, block_size=16, cpu_packed_gemm=True)
+                  if args.packed and args.device == "cpu" else None)
         for bs in [int(b) for b in args.batches.split(",")]:
             batch = prompts(bs, args.prompt_len, BENCH_CONFIG["vocab_size"])
-            run_tandem(llm, batch, 8)  # warm-up both
+            run_tandem(llm, batch, 8)  # warm-up all
             run_hf(hf, batch, 8, args.device)
-            t_best = h_best = 0.0
+            if packed is not None:
+                run_tandem(packed, batch, 8)
+            t_best = h_best = p_best = 0.0
             for _ in range(args.repeats):  # alternate, keep each one's fastest run (a shared CPU)
                 t_time, t_tok = run_tandem(llm, batch, args.new_tokens)
                 h_time, h_tok = run_hf(hf, batch, args.new_tokens, args.device)
                 t_best, h_best = max(t_best, t_tok / t_time), max(h_best, h_tok / h_time)
+                if packed is not None:
+                    p_time, p_tok = run_tandem(packed, batch, args.new_tokens)
+                    p_best = max(p_best, p_tok / p_time)
             run = {"batch": bs, "tandem_tok_s": t_best, "transformers_tok_s": h_best, "speedup": t_best / h_best}
+            row = f"| {bs} | {run['tandem_tok_s']:.1f} | {run['transformers_tok_s']:.1f} | {run['speedup']:.2f}x |"
+            if packed is not None:
+                run.update(packed_tok_s=p_best, packed_speedup=p_best / h_best)
+                row += f" {p_best:.1f} | {p_best / h_best:.2f}x | {p_best / t_best:.2f}x |"
             results["runs"].append(run)
-            rows.append(f"| {bs} | {run['tandem_tok_s']:.1f} | {run['transformers_tok_s']:.1f} | {run['speedup']:.2f}x |")
+            rows.append(row)
             print(rows[-1], flush=True)
         results["params"] = n_params
         if args.device == "cpu":
@@ -146,7 +159,10 @@ def main(argv=None) -> int:
             results["host_copy_GBs_engine_threads"] = host_memory_bandwidth_gbs()
             if t1:
                 results["batch1_weight_GBs"] = weight_bytes * t1 / 1e9
-        del hf, llm
+            p1 = next((r.get("packed_tok_s") for r in results["runs"] if r["batch"] == 1), None)
+            if p1:
+                results["batch1_weight_GBs_packed"] = weight_bytes * p1 / 1e9
+        del hf, llm, packed
         if args.device.startswith("cuda"):
             hf = make_model(tmp + "/1b", GPU_CONFIG, torch.bfloat16)
             weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
@@ -159,13 +175,19 @@ def main(argv=None) -> int:
         f"prompts ~{args.prompt_len} tokens, best of {args.repeats} alternating runs. Tokens/s = generated "
         f"tokens / wall time (prefill included). "
         f"Load average before {results['load_before'][0]:.2f}, after {os.getloadavg()[0]:.2f}.",
-        "", "| batch | tandem tok/s | transformers tok/s | ratio |", "|---|---|---|---|", *rows])
+        "", "| batch | tandem tok/s | transformers tok/s | ratio |" + (
+            " tandem packed tok/s | packed vs transformers | packed vs tandem |" if args.packed else ""),
+        "|---|---|---|---|" + ("---|---|---|" if args.packed else ""), *rows])
     if "batch1_weight_GBs" in results:
         table += (f"\n\nBatch 1 reads all {n_params * 4 / 1e6:.0f} MB of fp32 weights per token: "
                   f"{results['batch1_weight_GBs']:.1f} GB/s achieved against {results['host_copy_GBs']:.1f} GB/s "
                   f"measured copy bandwidth of this machine (the roofline for batch-1 decode; "
                   f"{results['host_copy_GBs_engine_threads']:.1f} GB/s copying with the engine's "
                   f"{results['threads']} thread(s)).")
+        if "batch1_weight_GBs_packed" in results:
+            gbs = results["batch1_weight_GBs_packed"]
+            table += (f" With packed GEMMs (`cpu_packed_gemm`): {gbs:.1f} GB/s, "
+                      f"{gbs / results['host_copy_GBs']:.0%} of the copy bandwidth.")
     if "decode_bandwidth_1b" in results:
         bw = results["decode_bandwidth_1b"]
         table += (f"\n\nBatch-1 decode, 1B random Llama bf16: {bw['step_ms']:.2f} ms/step, "

@@ -1,16 +1,21 @@
 """Prepacked CPU GEMMs for decode's few-row matmuls (EngineConfig.cpu_packed_gemm).
 
 At 1-16 rows a decode step's matmuls are bound by reading the weights, and MKL reads them slowly
-there: one row against a 2048x2048 fp32 weight ran at 23-25 GB/s from memory on the 2-core EPYC
-this was built on, against 41 GB/s of copy bandwidth; four rows (a batch-1 verification chain) cost
-3x one row. Inductor's CPU GEMM template, given the weight as a constant (`freezing`), repacks it
-once into blocks its micro-kernel streams: 42 GB/s at one row, and four rows at 1.1-1.4x the cost of
-one (bench/results/packed_gemm_cpu.md).
+there: one row against a weight in DRAM ran at 22-29 GB/s on the 2-core EPYC this was built on
+(one thread; 42 GB/s read + write copy bandwidth), and four rows (a batch-1 verification chain) cost
+2-3x one row. Inductor's CPU GEMM template, given the weight as a constant (`freezing`), repacks it
+once into blocks its micro-kernel streams: 40-56 GB/s at one row (1.4-1.9x MKL), four rows at
+1.1-1.3x the cost of one (2.3-3.2x MKL), eight 1.0-1.6x MKL; with two threads it splits the
+weight between them and gains 1.1-3.9x / 3.2-6x / 1.7-2.9x / 1.2-1.8x at 1 / 4 / 8 / 16 rows, where
+MKL's one-row matmul gains nothing from a second thread (bench/results/packed_gemm_cpu.md,
+packed_gemm_2threads_cpu.md).
 
-Each weight gets one compiled kernel per row bucket (1, 2, 4, 8, 16), compiled on first use or by
-`warm_up`; a bucket holds its own packed copy of the weight, so a model pays one extra copy of its
-weights per bucket it uses (typically two: plain decode at 1 row, verification at k+1). Rows between
-buckets are zero-padded to the next one. Compilation goes straight to inductor (no dynamo: nothing is
+Each weight gets one compiled kernel per row bucket (1, 4, 8, and 16 with more than one thread: on one
+thread 16 rows are compute-bound and MKL is as fast), compiled on first use or by `warm_up`; a bucket
+holds its own packed copy of the weight, so a model pays one extra copy of its weights per bucket it
+uses (two at batch 1 with speculation: 1 row in the draft chain, k+1 rows to verify). Rows between
+buckets are zero-padded to the next one: the kernels are bound by reading the weight, so padded rows
+cost little, and fewer buckets keep fewer copies. Compilation goes straight to inductor (no dynamo: nothing is
 guarded per call; the call costs 1-2 us over the kernel). A kernel that fails to compile or whose
 output disagrees with F.linear on a probe is never used (logged once; the matmul stays eager), so
 a machine without a C++ compiler runs as before.
@@ -26,7 +31,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16)
+BUCKETS = (1, 4, 8, 16)
 
 
 class _Linear(nn.Module):
@@ -60,7 +65,8 @@ class PackedGemm:
 
     @staticmethod
     def bucket(rows: int) -> int | None:
-        return next((b for b in BUCKETS if b >= rows), None)
+        largest = BUCKETS[-1] if torch.get_num_threads() > 1 else BUCKETS[-2]
+        return next((b for b in BUCKETS if rows <= b <= largest), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [rows, in] -> [rows, out], or None: too many rows, or no kernel for them (use F.linear)."""
