@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads for both engines (0: torch's default, one per core)")
     ap.add_argument("--packed", action="store_true",
-                    help="CPU: also run tandem with cpu_packed_gemm (prepacked compiled GEMMs), alternating")
+                    help="CPU: also run tandem with cpu_compile (--cpu-compile mode), alternating")
+    ap.add_argument("--cpu-compile", default="gemm", choices=["gemm", "layers"])
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
         hf = make_model(tmp, BENCH_CONFIG, dtype).to(args.device)
         n_params = sum(p.numel() for p in hf.parameters())
         llm = LLM(tmp, device=args.device, max_num_seqs=64, num_kv_blocks=2048, block_size=16)
-        packed = (LLM(tmp, device=args.device, max_num_seqs=64, num_kv_blocks=2048, block_size=16, cpu_packed_gemm=True)
+        packed = (LLM(tmp, device=args.device, max_num_seqs=64, num_kv_blocks=2048, block_size=16,
+                      cpu_compile=args.cpu_compile)
                   if args.packed and args.device == "cpu" else None)
         for bs in [int(b) for b in args.batches.split(",")]:
             batch = prompts(bs, args.prompt_len, BENCH_CONFIG["vocab_size"])
@@ -186,7 +188,7 @@ def main(argv=None) -> int:
                   f"{results['threads']} thread(s)).")
         if "batch1_weight_GBs_packed" in results:
             gbs = results["batch1_weight_GBs_packed"]
-            table += (f" With packed GEMMs (`cpu_packed_gemm`): {gbs:.1f} GB/s, "
+            table += (f" With `cpu_compile={args.cpu_compile}`: {gbs:.1f} GB/s, "
                       f"{gbs / results['host_copy_GBs']:.0%} of the copy bandwidth.")
     if "decode_bandwidth_1b" in results:
         bw = results["decode_bandwidth_1b"]

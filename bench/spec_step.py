@@ -16,7 +16,7 @@ cost. The parts are timed in this thread's CPU time (time.thread_time): the mach
 CPU time leaves out the time the thread waited to be scheduled (wall-clock ms per step is reported
 beside it). Also reports tokens/s (wall-clock) of each mode and the mean accepted length. Writes bench/results/spec_step_cpu.{json,md}.
 
-    python -m bench.spec_step [--batches 1,64] [--repeats 3] [--threads 1]
+    python -m bench.spec_step [--batches 1,64] [--repeats 3] [--threads 1] [--cpu-compile layers]
 """
 from __future__ import annotations
 
@@ -135,14 +135,18 @@ def bench(args) -> dict:
     from engine import LLM, SamplingParams, SpecConfig
 
     paths = zoo.layout(zoo.ensure_built() if args.zoo is None else args.zoo)
-    modes = {"none": None, "mtp k=3": SpecConfig(method="mtp", k=3, draft=str(paths.mtp))}
+    mtp = SpecConfig(method="mtp", k=3, draft=str(paths.mtp))
+    modes = {"none": (None, "off"), "mtp k=3": (mtp, "off")}
+    if args.cpu_compile != "off":  # the same two engines compiled (engine/cpu_compile.py), in the same run
+        modes.update({f"none [{args.cpu_compile}]": (None, args.cpu_compile),
+                      f"mtp k=3 [{args.cpu_compile}]": (mtp, args.cpu_compile)})
     all_prompts = load_prompts(max(args.batches) * 2)["json"]
     results = {"zoo": str(paths.root), "device": device_name("cpu"), "threads": torch.get_num_threads(),
                "max_tokens": args.max_tokens, "repeats": args.repeats, "load_before": os.getloadavg(), "runs": []}
     for batch in args.batches:
         prompts = all_prompts[: max(2 * batch, args.prompts)]
         llms = {m: LLM(str(paths.target), max_num_seqs=batch, num_kv_blocks=max(256, batch * 96), block_size=16,
-                       speculative=s) for m, s in modes.items()}
+                       speculative=s, cpu_compile=c) for m, (s, c) in modes.items()}
         for llm in llms.values():
             llm.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0))  # warm-up
         best: dict[str, dict] = {}
@@ -151,8 +155,8 @@ def bench(args) -> dict:
                 r = run_once(llm, prompts, args.max_tokens)
                 if mode not in best or r["tok_s"] > best[mode]["tok_s"]:
                     best[mode] = r
-        base = best["none"]
         for mode, r in best.items():
+            base = best[_base(mode)]
             row = {"batch": batch, "mode": mode, "lossless": r["outputs"] == base["outputs"],
                    **{k: v for k, v in r.items() if k != "outputs"}}
             results["runs"].append(row)
@@ -162,6 +166,11 @@ def bench(args) -> dict:
         del llms
     results["load_after"] = os.getloadavg()
     return results
+
+
+def _base(mode: str) -> str:
+    """The mode a row is compared with: no speculation, compiled alike."""
+    return "none" + (mode[mode.index(" ["):] if " [" in mode else "")
 
 
 def summarize(results: dict) -> str:
@@ -176,7 +185,7 @@ def summarize(results: dict) -> str:
              "|---|---|---|---|---|---|---|---|" + "---|" * len(PARTS) + "---|"]
     runs = results["runs"]
     for r in runs:
-        base = next(b for b in runs if b["batch"] == r["batch"] and b["mode"] == "none")
+        base = next(b for b in runs if b["batch"] == r["batch"] and b["mode"] == _base(r["mode"]))
         ms, acc = r["per_step_ms"], r["mean_accepted_length"]
         lines.append(f"| {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
                      f"{'' if acc is None else f'{acc:.2f}'} | {ms['wall']:.2f} | {ms['step']:.2f} | "
@@ -194,6 +203,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--name", default="spec_step_cpu")
+    p.add_argument("--cpu-compile", default="off", choices=["off", "gemm", "layers"],
+                   help="also run both modes with this EngineConfig.cpu_compile (rows compare within a compile mode)")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)

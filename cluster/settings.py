@@ -64,9 +64,10 @@ class EngineSettings(BaseModel):
                                                            "unset).")
     async_scheduling: bool = Field(False, description="Engines launch step N+1 before reading step N "
                                    "(engine/overlap.py): hides host time on GPUs; on CPUs it only reorders it.")
-    cpu_packed_gemm: bool = Field(False, description="CPU engines run matmuls of 1-16 rows through compiled GEMMs "
-                                  "on prepacked weights (engine/layers/packed_gemm.py): faster decode of models "
-                                  "whose weights stream from memory; a C++ compile per weight shape at start-up.")
+    cpu_compile: Literal["off", "gemm", "layers"] = Field(
+        "off", description="CPU engines compile with inductor (engine/cpu_compile.py): gemm = matmuls of 1-16 rows "
+                           "through GEMMs on prepacked weights; layers = also each stretch between two attentions "
+                           "compiled whole (tp 1, no ADP). Faster decode; a compile per shape at start-up.")
 
     @model_validator(mode="after")
     def _check(self):

@@ -160,13 +160,17 @@ class EngineConfig:
     # behind the device's on a GPU; on a CPU it only reorders it. Steps with grammars, penalties, prompt
     # lookup, ADP or prefill-only requests run synchronously all the same.
     async_scheduling: bool = False
-    # On CPU, run matmuls of 1-16 rows (decode, verification chains, draft passes) through inductor-compiled
-    # GEMMs on prepacked weights (engine/layers/packed_gemm.py): 1.1-3x faster than MKL there, at the cost of
-    # a C++ compile per weight shape at start-up and one packed copy of the weights per row bucket used.
-    cpu_packed_gemm: bool = False
+    # CPU only (engine/cpu_compile.py): "gemm" runs matmuls of 1-16 rows (decode, verification chains, draft
+    # passes) through inductor-compiled GEMMs on prepacked weights (engine/layers/packed_gemm.py); "layers" also
+    # compiles each stretch between two attentions of the target (and an MTP head or draft model) into one
+    # kernel set per row bucket (engine/models/piecewise.py), with tp_size 1 and no ADP (else as "gemm").
+    # Costs a compile per shape at start-up and a packed copy of the weights per row bucket used.
+    cpu_compile: str = "off"  # off | gemm | layers
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpecConfig.coerce(self.speculative))
+        if self.cpu_compile not in ("off", "gemm", "layers"):
+            raise ValueError(f"cpu_compile must be 'off', 'gemm' or 'layers', got {self.cpu_compile!r}")
         if self.attention_dp not in (1, self.tp_size):
             raise ValueError(f"attention_dp must be 1 (off) or tp_size ({self.tp_size}), got {self.attention_dp}: "
                              f"attention tensor parallelism inside data-parallel groups is not supported")

@@ -93,8 +93,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.drafter = (Drafter(cfg, spec, model_cfg, self.model, tp, self.dtype, self.device, max_pos,
                                 self.num_kv_heads, lambda: self.kv_cache) if spec is not None else None)
-        if cfg.cpu_packed_gemm and self.device.type == "cpu":
-            self._pack_gemms()
+        if cfg.cpu_compile != "off" and self.device.type == "cpu":
+            self._compile_cpu(layers=cfg.cpu_compile == "layers" and tp.size == 1 and dp is None)
         self.masker: LogitsMasker | None = None
         self.graphs = None
         if self.device.type == "cuda" and cfg.cuda_graphs:
@@ -105,19 +105,40 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.on_slots_grown = self.graphs.reset
 
-    def _pack_gemms(self) -> None:
-        """Prepacked GEMMs for the target's and the draft network's few-row matmuls, compiled now for
-        the row counts of batch-1 decode (1, and k+1 verification rows); others compile on first use."""
-        from engine.layers.packed_gemm import pack_cpu_gemms, warm_up
+    def _compile_cpu(self, layers: bool) -> None:
+        """EngineConfig.cpu_compile: piecewise-compiled layers for the target and its draft network (`layers`:
+        only without collectives inside a piece, i.e. tp_size 1 and no ADP), packed GEMMs for the matmuls
+        no piece holds (LM heads; everything without `layers`). Compiled now for batch-1 decode's row
+        counts (1, and k+1 verification rows); other counts compile on first use."""
+        from engine.layers.packed_gemm import PackedGemm, pack_cpu_gemms, warm_up
+        from engine.models.mtp import MTPHead
+        from engine.models.piecewise import mtp_pieces, target_pieces
+        from kernels._dispatch import use_triton
 
+        layers = layers and not use_triton(torch.empty(0))  # pieces trace the torch references
         proposer = self.proposer
         nets = [self.model] + [n for n in (getattr(proposer, "head", None), getattr(proposer, "model", None))
                                if n is not None]
+        rows = (1, self.k + 1)
         start = time.perf_counter()
         for net in nets:
-            pack_cpu_gemms(net)
-            warm_up(net, (1, self.k + 1))
-        log.info("packed CPU GEMMs compiled in %.1f s", time.perf_counter() - start)
+            pieces = None
+            if layers and isinstance(net, LlamaForCausalLM):
+                pieces = net.piecewise = target_pieces(net)
+            elif layers and isinstance(net, MTPHead):
+                pieces = net.piecewise = mtp_pieces(net)
+            if pieces is not None:  # the LM head is the one matmul outside the pieces
+                head = net.lm_head if isinstance(net, LlamaForCausalLM) else net.shared_head.head
+                pack_cpu_gemms(head)
+                warm_up(head, rows)
+                like = (torch.zeros(1, dtype=torch.int64),) if isinstance(net, LlamaForCausalLM) else (
+                    torch.zeros(1, net.cfg.hidden_size, dtype=self.dtype), torch.zeros(1, dtype=torch.int64))
+                for b in sorted({PackedGemm.bucket(r) for r in rows} - {None}):
+                    pieces.compile(b, like)
+            else:
+                pack_cpu_gemms(net)
+                warm_up(net, rows)
+        log.info("CPU compilation (%s) done in %.1f s", "layers" if layers else "gemm", time.perf_counter() - start)
 
     # ------------------------------------------------------------------ KV layout
     @property

@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_compile
 from engine.parallel import TPContext, kv_head_slice
 
 
 class _ParallelLinear(nn.Module):
     weight_rows: torch.Tensor | None = None  # a row-major copy of a column-major weight (matvec_layout)
-    packed = None  # PackedGemm (engine/layers/packed_gemm.py) when EngineConfig.cpu_packed_gemm is on
+    packed = None  # PackedGemm (engine/layers/packed_gemm.py) when EngineConfig.cpu_compile is on
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext):
         super().__init__()
@@ -156,7 +157,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     of a column-major one): W @ x^T there, which MKL runs 1.2-1.6x faster than x @ W^T at those sizes
     (cold, one thread, 4 rows: LM head 4096x192 463 -> 311 us, gate/up 1024x192 117 -> 82 us, down
     192x512 52 -> 36 us); from 16 rows on it is no faster, and one row is fastest column-major.
-    packed: the weight's PackedGemm (it adds `bias` itself), used for the row counts it has a kernel for."""
+    packed: the weight's PackedGemm (it adds `bias` itself), used for the row counts it has a kernel for.
+    While engine/cpu_compile.py traces a function: F.linear, the form inductor packs."""
+    if cpu_compile.tracing():
+        return F.linear(x, weight, bias)
     if packed is not None:
         y = packed(x)
         if y is not None:

@@ -1,4 +1,4 @@
-"""Prepacked CPU GEMMs for decode's few-row matmuls (EngineConfig.cpu_packed_gemm).
+"""Prepacked CPU GEMMs for decode's few-row matmuls (EngineConfig.cpu_compile = "gemm", and the LM heads under "layers").
 
 At 1-16 rows a decode step's matmuls are bound by reading the weights, and MKL reads them slowly
 there: one row against a weight in DRAM ran at 22-29 GB/s on the 2-core EPYC this was built on
@@ -15,42 +15,21 @@ thread 16 rows are compute-bound and MKL is as fast), compiled on first use or b
 holds its own packed copy of the weight, so a model pays one extra copy of its weights per bucket it
 uses (two at batch 1 with speculation: 1 row in the draft chain, k+1 rows to verify). Rows between
 buckets are zero-padded to the next one: the kernels are bound by reading the weight, so padded rows
-cost little, and fewer buckets keep fewer copies. Compilation goes straight to inductor (no dynamo: nothing is
-guarded per call; the call costs 1-2 us over the kernel). A kernel that fails to compile or whose
-output disagrees with F.linear on a probe is never used (logged once; the matmul stays eager), so
-a machine without a C++ compiler runs as before.
+cost little, and fewer buckets keep fewer copies. Compiled by engine/cpu_compile.py: a kernel that fails to compile or disagrees
+with F.linear on a probe is never used, and the matmul stays eager, as on a machine without a C++
+compiler.
 """
 from __future__ import annotations
 
-import logging
 import threading
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-log = logging.getLogger(__name__)
+from engine.cpu_compile import compile_frozen
 
 BUCKETS = (1, 4, 8, 16)
-
-
-class _Linear(nn.Module):
-    """What inductor compiles: the module's own parameters, seen as constants under freezing."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class _Disabled:
-    """Set once any compile fails for a reason that is not the weight's own (no compiler, an inductor
-    error): every later weight skips the attempt instead of failing the same way again."""
-
-    reason: str | None = None
 
 
 class PackedGemm:
@@ -86,42 +65,13 @@ class PackedGemm:
     def compile(self, rows: int):
         """The kernel for `rows` rows (a bucket), compiled now if it was not; None: stay eager."""
         with self._lock:
-            if rows in self._kernels:
-                return self._kernels[rows]
-            kernel = None
-            if _Disabled.reason is None:
-                try:
-                    kernel = self._build(rows)
-                except Exception as e:  # no compiler, an inductor limitation: every weight would fail alike
-                    _Disabled.reason = f"{type(e).__name__}: {e}"
-                    log.warning("packed CPU GEMMs are off (%s); matmuls stay eager", _Disabled.reason)
-            self._kernels[rows] = kernel
-            return kernel
-
-    def _build(self, rows: int):
-        from torch._inductor import config
-        from torch._inductor.compile_fx import compile_fx
-
-        gm = torch.fx.symbolic_trace(_Linear(self.weight, self.bias))
-        probe = torch.randn(rows, self.weight.shape[1], generator=torch.Generator().manual_seed(rows),
-                            dtype=self.weight.dtype)
-        # CPP alone: with ATen beside it inductor would time both and pick per run, which makes a
-        # model's numerics depend on a benchmark's noise.
-        with torch.no_grad(), config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP"):
-            compiled = compile_fx(gm, [probe])
-
-        def kernel(x: torch.Tensor) -> torch.Tensor:
-            out = compiled(x)
-            return out[0] if isinstance(out, (tuple, list)) else out
-
-        with torch.no_grad():
-            got, want = kernel(probe), F.linear(probe, self.weight, self.bias)
-        tol = 1e-2 if self.weight.dtype in (torch.bfloat16, torch.float16) else 1e-4
-        if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max().clamp(min=1))):
-            log.error("packed GEMM %s (%d rows) disagrees with F.linear (max error %.3g); it stays eager",
-                      self.name, rows, float((got.float() - want.float()).abs().max()))
-            return None
-        return kernel
+            if rows not in self._kernels:
+                probe = torch.randn(rows, self.weight.shape[1], generator=torch.Generator().manual_seed(rows),
+                                    dtype=self.weight.dtype)
+                w, b = self.weight, self.bias
+                self._kernels[rows] = compile_frozen(f"GEMM {self.name} ({rows} rows)",
+                                                     lambda x: F.linear(x, w, b), (probe,))
+            return self._kernels[rows]
 
     @property
     def kernels(self) -> dict[int, bool]:

@@ -24,7 +24,7 @@ class Embedding(nn.Module):
 
 class LMHead(Embedding):
     weight_rows: torch.Tensor | None = None  # a row-major copy of a column-major weight (matvec_layout)
-    packed = None  # PackedGemm when EngineConfig.cpu_packed_gemm is on
+    packed = None  # PackedGemm when EngineConfig.cpu_compile is on
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.weight, rows=self.weight_rows, packed=self.packed)

@@ -35,6 +35,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: RopeAt, x: torch.Tensor) -> torch.Tensor:
         """rope: the forward's positions (RotaryEmbedding.at); x [T, H] -> [T, H]."""
+        return self.o_proj(self.attn(*self.project(rope, x)))
+
+    def project(self, rope: RopeAt, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything before the paged attention: x [T, H] -> rotated q [T, Hq, D], k and v [T, Hkv, D]."""
         T = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(T, -1, self.head_dim)
@@ -43,7 +47,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(rope, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -82,12 +86,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, rope: RopeAt, hidden, residual):
         """Pre-norm block on the residual stream; returns (block output, residual) unsummed."""
+        q, k, v, residual = self.attention_inputs(rope, hidden, residual)
+        return self.finish(self.self_attn.attn(q, k, v), residual)
+
+    # The block around its paged attention, in two halves: a piecewise-compiled forward
+    # (engine/models/piecewise.py) compiles each half with its neighbour and runs the attention between.
+    def attention_inputs(self, rope: RopeAt, hidden, residual):
+        """-> (q, k, v, residual): the input norm (adding the previous block's output to the residual
+        stream, which the result carries) and the attention's projections."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return (*self.self_attn.project(rope, hidden), residual)
+
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor):
+        """attn [T, Hq * D], the attention's output -> (block output, residual), unsummed."""
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
         return self.mlp(hidden), residual
 
 
@@ -97,6 +112,8 @@ class LlamaForCausalLM(nn.Module):
         ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
         ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
     }
+
+    piecewise = None  # PiecewiseForward (engine/models/piecewise.py) when EngineConfig.cpu_compile is "layers"
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, max_pos: int,
                  dp: DPContext | None = None):
@@ -117,6 +134,12 @@ class LlamaForCausalLM(nn.Module):
                 capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions [T] -> (final normed hidden [T, H], hidden states after each layer in
         `capture_layers` (what draft heads read), in that order)."""
+        if self.piecewise is not None:
+            done = self.piecewise.run((input_ids,), positions)
+            if done is not None:
+                (final, last), residuals = done
+                residuals.append(last)
+                return final, [r for i, r in enumerate(residuals) if i in capture_layers]
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.at(positions)
         captured: list[torch.Tensor] = []

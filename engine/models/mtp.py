@@ -59,7 +59,13 @@ class MTPHead(DraftHead):
     def first_hidden(self, final_hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
         return final_hidden
 
+    piecewise = None  # PiecewiseForward (engine/models/piecewise.py) when EngineConfig.cpu_compile is "layers"
+
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.piecewise is not None:
+            done = self.piecewise.run((hidden, token_ids), positions)
+            if done is not None:
+                return done[0][0]
         x = torch.cat([self.enorm(self.embed_tokens(token_ids)), self.hnorm(hidden)], dim=-1)
         x = self.eh_proj(x)
         out, residual = self.block(self.rotary.at(positions), x, None)

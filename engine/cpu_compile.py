@@ -1,0 +1,90 @@
+"""Inductor compilation for the CPU engine (EngineConfig.cpu_compile): one traced function with its
+weights frozen in as constants, so inductor repacks every matmul's weight once for its CPU GEMM
+micro-kernel and fuses the small ops around it.
+
+Straight to inductor, without dynamo: the function is traced once with make_fx on example inputs
+(Python control flow is resolved for those shapes, which the caller fixes), so a call checks no guards
+and costs 1-2 us over the kernels. Users: packed GEMMs (engine/layers/packed_gemm.py) and piecewise
+layers (engine/models/piecewise.py).
+
+A compile that fails (no C++ compiler, an inductor limitation) turns compilation off for the process,
+logged once; one whose outputs disagree with the eager function's on the example inputs is dropped
+(logged). Either way the caller runs eagerly, as without cpu_compile.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class _State:
+    disabled: str | None = None  # why compilation is off for this process
+    tracing: bool = False  # a function is being traced: matmuls as plain F.linear (engine/layers/linear.py)
+
+
+def disabled_reason() -> str | None:
+    return _State.disabled
+
+
+def tracing() -> bool:
+    return _State.tracing
+
+
+@contextlib.contextmanager
+def _tracing():
+    _State.tracing = True
+    try:
+        yield
+    finally:
+        _State.tracing = False
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def compile_frozen(name: str, fn: Callable, examples: tuple[torch.Tensor, ...]) -> Callable | None:
+    """fn(*examples) -> tensor or tuple of tensors, compiled for exactly these input shapes and dtypes with
+    every tensor it reads besides its inputs (weights) frozen; None: run fn eagerly."""
+    if _State.disabled is not None:
+        return None
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        with torch.no_grad():
+            with _tracing():
+                gm = make_fx(fn)(*examples)
+            # CPP alone: with ATen beside it inductor would time both and pick per run, which would make
+            # a model's numerics depend on a benchmark's noise.
+            with config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP"):
+                compiled = compile_fx(gm, list(examples))
+            raw = fn(*examples)
+            got, want = _outputs(compiled(*examples)), _outputs(raw)
+    except Exception as e:  # no compiler, an inductor limitation: every later compile would fail alike
+        _State.disabled = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        log.warning("CPU compilation is off (%s, compiling %s); the engine runs eagerly", _State.disabled, name)
+        return None
+    for g, w in zip(got, want, strict=True):
+        tol = 1e-2 if w.dtype in (torch.bfloat16, torch.float16) else 1e-4
+        if w.is_floating_point():
+            scale = float(w.float().abs().max().clamp(min=1)) if w.numel() else 1.0
+            ok = g.shape == w.shape and torch.allclose(g.float(), w.float(), rtol=tol, atol=tol * scale)
+        else:
+            ok = torch.equal(g, w)
+        if not ok:
+            log.error("compiled %s disagrees with its eager form on a probe; it stays eager", name)
+            return None
+    single = not isinstance(raw, (tuple, list))
+
+    def run(*args):
+        out = compiled(*args)
+        return out[0] if single and isinstance(out, (tuple, list)) else out
+
+    return run

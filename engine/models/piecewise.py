@@ -1,0 +1,157 @@
+"""Piecewise-compiled CPU forwards (EngineConfig.cpu_compile = "layers").
+
+A decode step on CPU spends most of its time outside the matmuls' arithmetic: ~20 small ops per layer
+at a few us each, and MKL reading few-row weights slowly. As in vLLM's piecewise compilation, the
+forward is cut at its paged attentions (which read the step's metadata and write the KV cache) and
+every piece between two attentions (one layer's output projection, norm and MLP, then the next
+layer's norm, QKV projection and rotary embedding) is compiled by engine/cpu_compile.py with its
+weights frozen: fused small ops and packed GEMMs. The attentions run eagerly in between, on the
+real rows. The zoo target's piece: 93 -> 30 us at 1 row, 180 -> 35 us at 4 (bench/results/
+piecewise_cpu.md).
+
+Pieces are compiled per row bucket (1, 4, 8, 16 as packed GEMMs: engine/layers/packed_gemm.py), the
+rows of a forward zero-padded up to it (padded rows never reach an attention); forwards with more rows
+(prefill chunks, large batches) run eagerly. A bucket compiles on first use or at start-up for the
+batch-1 row counts (engine/model_runner.py); each bucket keeps its own packed copy of the weights.
+Only where a piece holds no collective: tensor parallelism and attention data parallelism keep the
+eager forward (and packed GEMMs).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.cpu_compile import compile_frozen
+from engine.layers.packed_gemm import PackedGemm
+from engine.layers.rotary import RopeAt
+from kernels.norm_rope import rope_rows
+
+
+
+class PiecewiseForward:
+    """A forward of the form  first -> attention -> middle -> attention -> ... -> attention -> last.
+
+    first(*inputs, cos2, sin2) -> (q, k, v, residual); middle(attn, residual, cos2, sin2) -> the same for
+    the next attention; last(attn, residual) -> outputs. `inputs` are row-aligned ([T] or [T, ...]); the
+    residual each middle returns is the residual stream after the block before it (what draft heads
+    capture)."""
+
+    def __init__(self, name: str, first: Callable, middles: list[Callable], last: Callable, attentions: list,
+                 cos_sin: torch.Tensor, hidden_size: int, dtype: torch.dtype):
+        assert len(attentions) == len(middles) + 1
+        self.name = name
+        self.stages = [first, *middles, last]
+        self.attentions = attentions
+        self.cos_sin = cos_sin
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self._compiled: dict[int, list[Callable] | None] = {}
+        self._lock = threading.Lock()
+        self.runs = 0  # forwards that ran compiled (tests, logs)
+
+    def run(self, inputs: tuple[torch.Tensor, ...], positions: torch.Tensor):
+        """-> (last's outputs cut to the real rows, residuals after each middle's block), or None: no
+        compiled pieces for this many rows (run the eager forward)."""
+        T = positions.shape[0]
+        b = PackedGemm.bucket(T) if T else None
+        if b is None:
+            return None
+        stages = self._compiled.get(b, False)
+        if stages is False:
+            stages = self.compile(b, inputs)
+        if stages is None:
+            return None
+        pad = b - T
+        if pad:
+            inputs = tuple(F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) for x in inputs)
+            positions = F.pad(positions, (0, pad))
+        cos2, sin2 = rope_rows(positions, self.cos_sin)
+        q, k, v, residual = stages[0](*inputs, cos2, sin2)
+        residuals = []
+        for i, attention in enumerate(self.attentions):
+            attn = attention(q[:T], k[:T], v[:T])
+            if pad:
+                attn = F.pad(attn, (0, 0, 0, pad))
+            if i + 1 < len(self.attentions):
+                q, k, v, residual = stages[i + 1](attn, residual, cos2, sin2)
+                residuals.append(residual[:T])
+            else:
+                out = stages[-1](attn, residual)
+        self.runs += 1
+        return tuple(o[:T] for o in out), residuals
+
+    def compile(self, rows: int, like: tuple[torch.Tensor, ...]) -> list[Callable] | None:
+        """Every piece for `rows` rows (a bucket); `like`: inputs of the forward (their dtypes and
+        trailing shapes). None where any piece does not compile."""
+        with self._lock:
+            if rows in self._compiled:
+                return self._compiled[rows]
+            gen = torch.Generator().manual_seed(rows)
+            inputs = tuple(torch.randint(0, 2, (rows, *x.shape[1:]), dtype=x.dtype) if not x.is_floating_point()
+                           else torch.randn((rows, *x.shape[1:]), generator=gen, dtype=x.dtype) for x in like)
+            cos2, sin2 = rope_rows(torch.arange(rows), self.cos_sin)
+            compiled = []
+            args = (*inputs, cos2, sin2)
+            for i, stage in enumerate(self.stages):
+                fn = compile_frozen(f"{self.name} piece {i} ({rows} rows)", stage, args)
+                if fn is None:
+                    compiled = None
+                    break
+                compiled.append(fn)
+                if i + 1 < len(self.stages):
+                    q = stage(*args)[0]
+                    attn = torch.randn(rows, q.shape[1] * q.shape[2], generator=gen, dtype=self.dtype)
+                    residual = torch.randn(rows, self.hidden_size, generator=gen, dtype=self.dtype)
+                    args = (attn, residual, cos2, sin2) if i + 2 < len(self.stages) else (attn, residual)
+            self._compiled[rows] = compiled
+            return compiled
+
+    @property
+    def buckets(self) -> dict[int, bool]:
+        """bucket -> whether compiled pieces serve it."""
+        return {b: c is not None for b, c in self._compiled.items()}
+
+
+def _rope(cos2: torch.Tensor, sin2: torch.Tensor) -> RopeAt:
+    return RopeAt(None, (cos2, sin2))  # the reference path reads only the gathered tables
+
+
+def target_pieces(model) -> PiecewiseForward:
+    """LlamaForCausalLM.forward in pieces: inputs (input_ids,), outputs (final normed hidden, the residual
+    stream after the last block)."""
+    layers = model.layers
+
+    def first(input_ids, cos2, sin2):
+        return layers[0].attention_inputs(_rope(cos2, sin2), model.embed_tokens(input_ids), None)
+
+    def middle(i):
+        def piece(attn, residual, cos2, sin2):
+            hidden, residual = layers[i].finish(attn, residual)
+            return layers[i + 1].attention_inputs(_rope(cos2, sin2), hidden, residual)
+        return piece
+
+    def last(attn, residual):
+        return model.norm(*layers[-1].finish(attn, residual))
+
+    return PiecewiseForward("target", first, [middle(i) for i in range(len(layers) - 1)], last,
+                            [layer.self_attn.attn for layer in layers], model.rotary.cos_sin, model.cfg.hidden_size,
+                            model.embed_tokens.weight.dtype)
+
+
+def mtp_pieces(head) -> PiecewiseForward:
+    """MTPHead.forward in pieces: inputs (hidden, token_ids), output (the head's normed state,)."""
+    block = head.block
+
+    def first(hidden, token_ids, cos2, sin2):
+        x = torch.cat([head.enorm(head.embed_tokens(token_ids)), head.hnorm(hidden)], dim=-1)
+        return block.attention_inputs(_rope(cos2, sin2), head.eh_proj(x), None)
+
+    def last(attn, residual):
+        out, residual = block.finish(attn, residual)
+        return (head.shared_head.norm(out + residual),)
+
+    return PiecewiseForward("mtp head", first, [], last, [block.self_attn.attn], head.rotary.cos_sin,
+                            head.cfg.hidden_size, head.eh_proj.weight.dtype)

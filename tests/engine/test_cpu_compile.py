@@ -1,0 +1,80 @@
+"""engine/cpu_compile.py: compiled CPU engines (packed GEMMs, piecewise layers) against the eager one."""
+import pytest
+import torch
+
+from engine import cpu_compile
+from engine.layers.packed_gemm import PackedGemm, pack_cpu_gemms
+from tests.engine.test_packed_gemm import Tiny
+
+
+def test_a_failed_compile_leaves_every_matmul_eager(monkeypatch, caplog):
+    """No C++ compiler (or any inductor error): logged once, the model keeps its eager outputs, and later
+    weights do not try again."""
+    from torch._inductor import compile_fx
+
+    calls = []
+
+    def fail(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compile_fx, "compile_fx", fail)
+    monkeypatch.setattr(cpu_compile._State, "disabled", None)
+    model = Tiny()
+    pack_cpu_gemms(model)
+    ids = torch.tensor([1, 2, 3])
+    with caplog.at_level("WARNING"):
+        torch.testing.assert_close(model(ids), model.reference(ids), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1 and "no C++ compiler" in caplog.text
+    assert model.head.packed.kernels == {4: False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,method", [("gemm", "mtp"), ("layers", "mtp"), ("layers", "eagle3")])
+def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
+    """The zoo target with a k=3 head, greedy: the same tokens as the eager engine and the same accepted
+    lengths (so the same drafts: the hidden states the heads read, the last layer's for MTP and three
+    captured ones for EAGLE-3, came out of the pieces right), and the compiled code carried the decode
+    steps (gemm: packed GEMMs at 1 row in the draft chain and 4 rows to verify; layers: the target's
+    pieces and the MTP head's, the LM head packed)."""
+    import zoo
+    from engine import LLM, SamplingParams, SpecConfig
+
+    zoo_paths = zoo.layout(zoo_dir)
+    spec = SpecConfig(method=method, k=3, draft=str(getattr(zoo_paths, method)))
+    prompts = ["{\"name\": ", "def add(a, b):", "The capital of"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    eager = LLM(str(zoo_paths.target), max_num_seqs=1, num_kv_blocks=64, block_size=16, speculative=spec)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    compiled = LLM(str(zoo_paths.target), max_num_seqs=1, num_kv_blocks=64, block_size=16, speculative=spec,
+                   cpu_compile=mode)
+    runner = compiled.engine.runner
+    head = runner.model.lm_head.packed
+    assert head is not None and head.kernels == {1: True, 4: True}  # compiled at start-up
+    served = []
+    original = PackedGemm.__call__
+
+    def counting(self, x):
+        out = original(self, x)
+        served.append(out is not None)
+        return out
+
+    PackedGemm.__call__ = counting
+    try:
+        got = [o.token_ids for o in compiled.generate(prompts, params)]
+    finally:
+        PackedGemm.__call__ = original
+    assert got == want
+    assert compiled.engine.accepted_length_hist == eager.engine.accepted_length_hist
+    assert sum(served) > 30
+    if mode == "layers":
+        target = runner.model.piecewise
+        # 1 and 4 rows from start-up; the prompts (up to 8 tokens) added 8
+        assert target.buckets == {1: True, 4: True, 8: True} and target.runs > 10
+        if method == "mtp":
+            draft = runner.proposer.head.piecewise
+            assert draft.buckets == {1: True, 4: True, 8: True} and draft.runs > 30
+        assert runner.model.layers[0].self_attn.qkv_proj.packed is None  # inside a piece
+    else:
+        assert runner.model.piecewise is None
+        assert runner.model.layers[0].self_attn.qkv_proj.packed.kernels == {1: True, 4: True, 8: True}
