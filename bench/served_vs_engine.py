@@ -18,7 +18,9 @@ shared machine one run of a few seconds varies by +-10%, as much as the effects 
 
     python -m bench.served_vs_engine [--levels 1,16,64] [--tps 2,1] [--max-tokens 64] [--repeats 3]
                                      [--steps-in-flight 1,2] [--handover-stock 0,0.125] [--ingress direct,proxy]
-                                     [--feed-link on,off] [--tp-shm on,off]
+                                     [--feed-link on,off] [--tp-shm on,off] [--cpu-compile off,layers]
+
+The in-process engine runs eagerly; `--cpu-compile` compiles the served decode ranks (EngineConfig.cpu_compile).
 """
 from __future__ import annotations
 
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp-shm", default="on" if _decode_default("tp_shm") else "off",
                     help="how tp>1 ranks make their collectives, one deployment per value: on (shared memory, "
                     "engine/shm_collectives.py) and/or off (gloo), e.g. on,off; default: the deployment's")
+    ap.add_argument("--cpu-compile", default="off", help="the decode ranks' cpu_compile: off, gemm, layers "
+                                                          "(comma-separated: one deployment each)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -140,18 +144,19 @@ def main(argv: list[str] | None = None) -> int:
                 http_options={"host": "127.0.0.1", "port": port})
     served: dict[str, dict[int, dict]] = {}
     in_flights, stocks = args.steps_in_flight.split(","), args.handover_stock.split(",")
-    feeds, shms = args.feed_link.split(","), args.tp_shm.split(",")
-    variants = [(int(tp), int(n), float(st), ing, fl, sh) for tp in args.tps.split(",") for n in in_flights
-                for st in stocks for ing in ingresses for fl in feeds for sh in shms]
-    for tp, in_flight, stock, ingress, feed, shm in variants:
+    feeds, shms, compiles = args.feed_link.split(","), args.tp_shm.split(","), args.cpu_compile.split(",")
+    variants = [(int(tp), int(n), float(st), ing, fl, sh, cc) for tp in args.tps.split(",") for n in in_flights
+                for st in stocks for ing in ingresses for fl in feeds for sh in shms for cc in compiles]
+    for tp, in_flight, stock, ingress, feed, shm, compile_mode in variants:
         label = (f"tp={tp}" + (f", {in_flight} in flight" if len(in_flights) > 1 else "")
                  + (f", stock {stock:g}" if len(stocks) > 1 else "") + (f", {ingress}" if len(ingresses) > 1 else "")
-                 + (f", feed link {feed}" if len(feeds) > 1 else "") + (f", tp shm {shm}" if len(shms) > 1 else ""))
-        name = f"tp{tp}x{in_flight}s{int(stock * 1000)}{ingress}{feed}{shm}"
+                 + (f", feed link {feed}" if len(feeds) > 1 else "") + (f", tp shm {shm}" if len(shms) > 1 else "")
+                 + (f", cpu_compile {compile_mode}" if len(compiles) > 1 or compile_mode != "off" else ""))
+        name = f"tp{tp}x{in_flight}s{int(stock * 1000)}{ingress}{feed}{shm}{compile_mode}"
         cfg = TandemConfig(model=model, served_model_name=name, tp=tp, speculative_method="mtp", draft=head,
                            num_speculative_tokens=3, num_kv_blocks=blocks, max_num_seqs=max(64, max(levels)),
                            max_inflight=4 * max(levels) + 16, steps_in_flight=in_flight, handover_stock=stock,
-                           feed_link=feed == "on", tp_shm=shm == "on")
+                           feed_link=feed == "on", tp_shm=shm == "on", cpu_compile=compile_mode)
         api = ("127.0.0.1", free_port_on("127.0.0.1")) if ingress == "direct" else None
         serve.run(application(cfg, api), name=name, route_prefix=f"/{name}")
         decode = serve.get_deployment_handle("decode", app_name=name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Callable
 
 import torch
@@ -24,24 +25,24 @@ log = logging.getLogger(__name__)
 
 class _State:
     disabled: str | None = None  # why compilation is off for this process
-    tracing: bool = False  # a function is being traced: matmuls as plain F.linear (engine/layers/linear.py)
 
 
-def disabled_reason() -> str | None:
-    return _State.disabled
+# A function is being traced on this thread: matmuls as plain F.linear (engine/layers/linear.py). Per thread,
+# so that a compile on one thread never changes what another's eager forward runs.
+_local = threading.local()
 
 
 def tracing() -> bool:
-    return _State.tracing
+    return getattr(_local, "tracing", False)
 
 
 @contextlib.contextmanager
 def _tracing():
-    _State.tracing = True
+    _local.tracing = True
     try:
         yield
     finally:
-        _State.tracing = False
+        _local.tracing = False
 
 
 def _outputs(out) -> list[torch.Tensor]:

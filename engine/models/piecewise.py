@@ -30,7 +30,6 @@ from engine.layers.rotary import RopeAt
 from kernels.norm_rope import rope_rows
 
 
-
 class PiecewiseForward:
     """A forward of the form  first -> attention -> middle -> attention -> ... -> attention -> last.
 
