@@ -16,11 +16,14 @@ cost. The parts are timed in this thread's CPU time (time.thread_time): the mach
 CPU time leaves out the time the thread waited to be scheduled (wall-clock ms per step is reported
 beside it). Also reports tokens/s (wall-clock) of each mode and the mean accepted length. Writes bench/results/spec_step_cpu.{json,md}.
 
-    python -m bench.spec_step [--batches 1,64] [--repeats 3] [--threads 1] [--cpu-compile layers]
+    python -m bench.spec_step [--batches 1,64] [--repeats 3] [--threads 1] [--cpu-compile layers] [--token-map F]
+
+--token-map adds MTP k=3 drafting from a hot vocabulary (SpecConfig.token_map), in the same run.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from collections import defaultdict
@@ -133,10 +136,14 @@ def bench(args) -> dict:
     import zoo
     from bench.spec import load_prompts
     from engine import LLM, SamplingParams, SpecConfig
+    from engine.speculative.token_map import read_token_map
 
     paths = zoo.layout(zoo.ensure_built() if args.zoo is None else args.zoo)
     mtp = SpecConfig(method="mtp", k=3, draft=str(paths.mtp))
     modes = {"none": (None, "off"), "mtp k=3": (mtp, "off")}
+    if args.token_map:
+        size = len(read_token_map(args.token_map, 1 << 62))
+        modes[f"mtp k=3 map {size}"] = (dataclasses.replace(mtp, token_map=args.token_map), "off")
     if args.cpu_compile != "off":  # the same two engines compiled (engine/cpu_compile.py), in the same run
         modes.update({f"none [{args.cpu_compile}]": (None, args.cpu_compile),
                       f"mtp k=3 [{args.cpu_compile}]": (mtp, args.cpu_compile)})
@@ -205,6 +212,7 @@ def main(argv=None) -> None:
     p.add_argument("--name", default="spec_step_cpu")
     p.add_argument("--cpu-compile", default="off", choices=["off", "gemm", "layers"],
                    help="also run both modes with this EngineConfig.cpu_compile (rows compare within a compile mode)")
+    p.add_argument("--token-map", default=None, help="also run MTP k=3 with this token map (a hot draft vocabulary)")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)

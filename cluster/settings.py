@@ -3,7 +3,7 @@
 The `tandem serve` flags (deploy/flags.py generates them from the fields), the Serve YAML's `args`, the
 prefill and decode deployment configs (which extend this model with their own fields) and, last, the
 engine's frozen `EngineConfig` are all made from these fields. A field that EngineConfig has under the
-same name is passed on as is; the three speculation fields become EngineConfig's `speculative`.
+same name is passed on as is; the speculation fields become EngineConfig's `speculative`.
 """
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ class EngineSettings(BaseModel):
                                                     "which the drafts verified per request drop by one (e.g. "
                                                     "'16,32,64' with k=3); the decode group's batch decides, the "
                                                     "same k on every rank.")
+    speculative_token_map: str | None = Field(
+        None, description="mtp, eagle3: a file of the target token ids the head may draft (JSON list, or a torch file "
+                          "of a 1-d tensor as SGLang's --speculative-token-map): its LM head multiplies those rows "
+                          "only. Pays where the vocabulary is large (100k+); outputs are unchanged.")
     handover_transport: Literal["auto", "ipc", "network"] = Field(
         "auto", description="How KV payloads travel from prefill to decode: auto = CUDA IPC where both ends share "
                             "one GPU, NCCL between GPUs, gloo on CPU; ipc = also shared memory between processes "
@@ -73,6 +77,9 @@ class EngineSettings(BaseModel):
     def _check(self):
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model {self.model!r} is not a model directory (no config.json)")
+        if self.speculative_token_map and self.speculative_method == "none":
+            raise ValueError("speculative_token_map restricts a draft head's vocabulary: choose a speculative_method "
+                             "(mtp, eagle3)")
         if self.speculative is not None:
             from engine import SpecConfig
 
@@ -86,6 +93,8 @@ class EngineSettings(BaseModel):
             return None
         spec = {"method": self.speculative_method, "k": self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
                 "draft": self.draft}
+        if self.speculative_token_map:
+            spec["token_map"] = self.speculative_token_map
         if self.dynamic_k:
             try:
                 spec["dynamic_k"] = tuple(int(t) for t in self.dynamic_k.split(","))

@@ -32,6 +32,7 @@ from zoo.heads.mtp import MTPHead
 from zoo.packing import pack
 from zoo.prompts import BOS, END, PAD, json_schema_prompt
 from zoo.recipe import Recipe
+from zoo.token_map import token_counts
 from zoo.tokenizer import TOKENIZER_FILES, load_tokenizer, save_tokenizer, train_tokenizer
 from zoo.training import new_llama, train_lm
 
@@ -87,6 +88,13 @@ def _encode(tokenizer, docs) -> list[list[int]]:
     return _encode_texts(tokenizer, [d.text for d in docs])
 
 
+def training_docs(recipe: Recipe) -> list:
+    """The documents every model of the zoo trains on (and the tokenizer samples from), in order."""
+    corpus = build_corpus(recipe.stdlib_modules)
+    train = corpus.train + tuple(generated_json_docs(recipe.generated_per_schema, recipe.seed))
+    return _limit(_short_schemas(train, recipe.max_schema_chars), recipe.max_docs_per_domain)
+
+
 def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
     """Build every part into `out_dir` (created); -> the manifest (also written to zoo.json)."""
     started = time.perf_counter()
@@ -95,10 +103,8 @@ def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
     stages = tqdm(total=5, desc=f"zoo[{recipe.name}]", unit="stage")
     with torch_threads(recipe.threads):
         stages.set_postfix_str("corpus + tokenizer")
-        corpus = build_corpus(recipe.stdlib_modules)
+        train_docs = training_docs(recipe)
         rng = random.Random(recipe.seed)
-        train = corpus.train + tuple(generated_json_docs(recipe.generated_per_schema, recipe.seed))
-        train_docs = _limit(_short_schemas(train, recipe.max_schema_chars), recipe.max_docs_per_domain)
         sample = rng.sample(train_docs, min(recipe.tokenizer_docs, len(train_docs)))
         tokenizer = train_tokenizer((d.text for d in sample), recipe.vocab_size)
         save_tokenizer(tokenizer, out_dir / "tokenizer", model_max_length=2048)
@@ -121,9 +127,8 @@ def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
         stages.update()
 
         stages.set_postfix_str("heads + draft")
-        counts = Counter(t for doc in json_docs + filler_docs for t in doc)
-        token_counts = torch.tensor([counts.get(i, 0) for i in range(tokenizer.get_vocab_size())])
-        d2t, t2d = draft_vocab(token_counts, recipe.draft_vocab_size, always=(special["eos"],))
+        counts = token_counts(json_docs + filler_docs, tokenizer.get_vocab_size())
+        d2t, t2d = draft_vocab(counts, recipe.draft_vocab_size, always=(special["eos"],))
         aux_ids = default_aux_layer_ids(recipe.target.num_layers)
         generator = torch.Generator().manual_seed(recipe.seed + 2)
         mtp = MTPHead.from_target(target, generator)

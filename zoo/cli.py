@@ -5,6 +5,7 @@
     tandem zoo publish --recipe NAME --command "..." [--zoo DIR]   # commit a build as zoo/prebuilt/NAME
     tandem zoo train-draft --target DIR --kind mtp|eagle3 --data FILE [--out DIR] [--steps N] ...
     tandem zoo eval [--size tiny] [--zoo DIR] [--results DIR]
+    tandem zoo token-map --size N --out FILE [--recipe NAME]   # a hot draft vocabulary (SpecConfig.token_map)
 """
 from __future__ import annotations
 
@@ -71,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="held-out GSM8K questions whose greedy answers measure acceptance on natural text")
     ev.add_argument("--k", type=int, default=3, help="drafts per step for the acceptance comparison")
     ev.add_argument("--baseline", type=Path, default=None, help="an earlier zoo_eval.json to report beside")
+    tm = sub.add_parser("token-map", help="write the N most frequent token ids of the zoo's training corpus: a hot "
+                                          "vocabulary for its MTP head (--speculative-token-map)")
+    tm.add_argument("--recipe", dest="recipe_name", choices=sizes, default=DEFAULT_SIZE)
+    tm.add_argument("--size", type=int, required=True, help="token ids in the map")
+    tm.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     return parser
 
 
@@ -173,11 +179,32 @@ def _eval(args) -> int:
     return 0
 
 
+def _token_map(args) -> int:
+    import zoo
+    from zoo.prompts import END
+    from zoo.token_map import corpus_token_counts, hot_token_ids, write_token_map
+    from zoo.tokenizer import load_tokenizer
+
+    paths = zoo.layout(zoo.build(args.recipe_name))
+    tokenizer = load_tokenizer(paths.tokenizer)
+    if not 0 < args.size <= tokenizer.get_vocab_size():
+        print(f"tandem zoo token-map: --size must be in [1, {tokenizer.get_vocab_size()}] (the vocabulary), "
+              f"got {args.size}", file=sys.stderr)
+        return 2
+    counts = corpus_token_counts(zoo.RECIPES[args.recipe_name], paths.tokenizer)
+    ids = hot_token_ids(counts, args.size, always=(tokenizer.token_to_id(END),))
+    doc = write_token_map(args.out, ids, counts)
+    print(f"{args.out}: {args.size} of {doc['vocab_size']} ids, {doc['corpus_coverage']:.1%} of the corpus' tokens",
+          file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     args.argv = argv
-    handlers = {"build": _build, "path": _path, "publish": _publish, "train-draft": _train_draft, "eval": _eval}
+    handlers = {"build": _build, "path": _path, "publish": _publish, "train-draft": _train_draft, "eval": _eval,
+                "token-map": _token_map}
     return handlers[args.command](args)
 
 

@@ -108,8 +108,13 @@ class Eagle3Head(DraftHead):
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def compute_logits(self, state: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head if self.lm_head is not None else self._target_head
-        return head(self.norm(state)).float()
+        return self.vocab_head()(self.norm(state)).float()
+
+    def vocab_head(self) -> nn.Module:
+        return self.lm_head if self.lm_head is not None else self._target_head
+
+    def use_vocab_head(self, head: nn.Module) -> None:
+        self.lm_head = head
 
     # loader protocol (engine/loader.py)
     def param_for(self, ckpt_name: str):

@@ -74,6 +74,12 @@ class MTPHead(DraftHead):
     def compute_logits(self, state: torch.Tensor) -> torch.Tensor:
         return self.shared_head.head(state).float()
 
+    def vocab_head(self) -> nn.Module:
+        return self.shared_head.head
+
+    def use_vocab_head(self, head: nn.Module) -> None:
+        self.shared_head.head = head  # SharedHead is the MTP's own module, even when its head is the target's
+
     # loader protocol (engine/loader.py)
     def param_for(self, ckpt_name: str):
         if not ckpt_name.startswith(self.prefix):

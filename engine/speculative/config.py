@@ -44,6 +44,9 @@ class SpecConfig:
     # decode group's (under attention data parallelism every rank decides the same k from the group's
     # last agreement). Empty: always k.
     dynamic_k: tuple[int, ...] = ()
+    # mtp, eagle3: a file of the target token ids the head may draft (engine/speculative/token_map.py):
+    # its LM head multiplies those rows only. None: the head's whole vocabulary.
+    token_map: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -56,6 +59,9 @@ class SpecConfig:
         if any(not isinstance(t, int) or t < 1 for t in self.dynamic_k) or list(self.dynamic_k) != sorted(
                 set(self.dynamic_k)) or len(self.dynamic_k) > self.k:
             raise ValueError(f"dynamic_k must be at most k={self.k} increasing batch sizes >= 1, got {self.dynamic_k!r}")
+        if self.token_map is not None and self.method not in ("mtp", "eagle3"):
+            raise ValueError(f"a speculative token map restricts a draft head's vocabulary (mtp, eagle3), "
+                             f"not {self.method!r}")
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.config import ModelConfig, SUPPORTED_ARCHITECTURES
 from engine.errors import ModelLoadError
+from engine.layers.vocab import LMHead
 from engine.loader import safetensors_files
 from engine.models.llama import LlamaForCausalLM
 
@@ -40,6 +41,30 @@ class DraftHead(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, state: torch.Tensor) -> torch.Tensor:
         """state [N, H] -> draft logits [N, draft_vocab] fp32."""
+
+    @abstractmethod
+    def vocab_head(self) -> nn.Module:
+        """The LM head compute_logits multiplies by ([draft_vocab, H])."""
+
+    @abstractmethod
+    def use_vocab_head(self, head: nn.Module) -> None:
+        """compute_logits multiplies by `head` from now on (the target's own LM head is never changed)."""
+
+    def restrict_vocab(self, ids: torch.Tensor, target_vocab: int, source: str) -> None:
+        """Draft only among the target ids `ids` [N] (sorted; engine/speculative/token_map.py): the head's
+        logits come from a copy of those rows of its LM head, so each draft step multiplies N rows, not V.
+        A head that already drafts from a vocabulary of its own (an EAGLE-3 d2t) keeps it: an error."""
+        if self.draft_vocab_size not in (None, target_vocab):
+            raise ModelLoadError(f"speculative token map {source}: this head already drafts from a vocabulary of "
+                                 f"its own ({self.draft_vocab_size} ids, its checkpoint's d2t); use one or the other")
+        full = self.vocab_head()
+        sub = LMHead(ids.numel(), full.weight.shape[1]).to(full.weight)
+        sub.weight.data.copy_(full.weight.data.index_select(0, ids.to(full.weight.device)))
+        self.use_vocab_head(sub)
+        self.draft_vocab_size = ids.numel()
+        if "draft_to_target" in self._buffers:
+            del self._buffers["draft_to_target"]
+        self.register_buffer("draft_to_target", ids.to(full.weight.device), persistent=False)
 
     # --------------------------------------------------------------------- loading
     def _resolve(self, name: str) -> tuple[nn.Module, str, int | None] | None:

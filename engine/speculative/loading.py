@@ -20,6 +20,7 @@ from engine.parallel import TPContext
 from engine.speculative.config import SpecConfig
 from engine.speculative.head import check_dims, checkpoint_names, head_model_config, read_config, read_tensor
 from engine.speculative.proposer import DraftModelProposer, HeadProposer, Proposer
+from engine.speculative.token_map import read_token_map
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,14 @@ def load_proposer(spec: SpecConfig, cfg: EngineConfig, model_cfg: ModelConfig, t
                                      f"target's {model_cfg.num_layers} layers)")
             net = MTPHead(dcfg, target, first_layer, tp, max_pos, present).to(dtype)
             load_weights(net, draft_dir, dtype, name_map=lambda n: n if n.startswith(prefix) else None)
-            proposer = HeadProposer(net.eval(), spec.k, model_cfg.vocab_size, kv_cache_ref)
+            proposer = _head_proposer(net, spec, model_cfg.vocab_size, kv_cache_ref)
         elif spec.method == "eagle3":
             if "LlamaForCausalLMEagle3" not in (raw.get("architectures") or []):
                 log.warning("%s does not declare LlamaForCausalLMEagle3; reading it as an EAGLE-3 head", draft_dir)
             net = Eagle3Head(dcfg, raw, target, first_layer, tp, max_pos, checkpoint_names(draft_dir)).to(dtype)
             load_weights(net, draft_dir, dtype, name_map=lambda n: None if n in ("d2t", "t2d") else n)
             net.set_vocab_map(read_tensor(draft_dir, "d2t"), model_cfg.vocab_size)
-            proposer = HeadProposer(net.eval(), spec.k, model_cfg.vocab_size, kv_cache_ref)
+            proposer = _head_proposer(net, spec, model_cfg.vocab_size, kv_cache_ref)
         else:
             if dcfg.vocab_size != model_cfg.vocab_size:
                 log.warning("draft model vocabulary %d differs from the target's %d; ids past the smaller one "
@@ -68,3 +69,13 @@ def load_proposer(spec: SpecConfig, cfg: EngineConfig, model_cfg: ModelConfig, t
             proposer = DraftModelProposer(net.eval(), spec.k, model_cfg.vocab_size, kv_cache_ref)
     matvec_layout(net, VERIFY_ROWS_BUDGET)  # its first pass verifies k+1 rows per request
     return proposer, kv_shape, shares
+
+
+def _head_proposer(head, spec: SpecConfig, vocab_size: int, kv_cache_ref) -> HeadProposer:
+    """The head drafting from its token map when the config names one (before the proposer reads its vocabulary)."""
+    if spec.token_map is not None:
+        ids = read_token_map(spec.token_map, vocab_size)
+        head.restrict_vocab(ids, vocab_size, spec.token_map)
+        log.info("%s head drafts from %d of %d token ids (token map %s)", spec.method, ids.numel(), vocab_size,
+                 spec.token_map)
+    return HeadProposer(head.eval(), spec.k, vocab_size, kv_cache_ref)

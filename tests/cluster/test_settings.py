@@ -43,3 +43,13 @@ def test_bad_settings_are_refused_early(model_dir):
         EngineSettings(model=model_dir, block_sise=8)  # a misspelt YAML key is an error, not ignored
     with pytest.raises(ValueError, match="draft"):
         EngineSettings(model=model_dir, speculative_method="eagle3")
+    with pytest.raises(ValueError, match="choose a speculative_method"):
+        EngineSettings(model=model_dir, speculative_token_map="map.json")
+    with pytest.raises(ValueError, match="token map"):
+        EngineSettings(model=model_dir, speculative_method="ngram", speculative_token_map="map.json")
+
+
+def test_a_token_map_reaches_the_engines_spec_config(model_dir):
+    settings = EngineSettings(model=model_dir, speculative_method="mtp", speculative_token_map="/maps/hot.json")
+    assert settings.engine_config().speculative.token_map == "/maps/hot.json"
+    assert EngineSettings(model=model_dir, speculative_method="mtp").engine_config().speculative.token_map is None

@@ -3,6 +3,8 @@ tokens of many seeded requests, with and without speculation, against the exact 
 computed from transformers (chi-square goodness of fit at fixed seeds)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -87,12 +89,19 @@ def _sample(llm: LLM, temperature: float, top_k: int):
 
 @pytest.mark.parametrize("method,temperature,top_k", [
     (None, 1.0, 0), ("eagle3", 1.0, 0), ("draft_model", 1.0, 0), ("mtp", 1.0, 0), ("ngram", 1.0, 0),
-    ("draft_model", 0.8, 20),
+    ("draft_model", 0.8, 20), ("mtp_token_map", 1.0, 0),
 ])
 def test_first_and_second_tokens_follow_the_target(llama_dir, spec_drafts, near_draft, exact, method, temperature,
-                                                   top_k):
-    drafts = {**spec_drafts, "draft_model": near_draft}
-    spec = None if method is None else SpecConfig(method=method, k=3, draft=drafts[method])
+                                                   top_k, tmp_path):
+    """mtp_token_map: the head drafts from half the vocabulary (engine/speculative/token_map.py), so its
+    draft distribution is zero on the other half: rejection sampling must still give the target's."""
+    drafts = {**spec_drafts, "draft_model": near_draft, "mtp_token_map": spec_drafts["mtp"]}
+    token_map = None
+    if method == "mtp_token_map":
+        token_map = tmp_path / "map.json"
+        token_map.write_text(json.dumps(list(range(0, exact(temperature, top_k)[0].numel(), 2))))
+    spec = None if method is None else SpecConfig(method=method.removesuffix("_token_map"), k=3, draft=drafts[method],
+                                                  token_map=None if token_map is None else str(token_map))
     llm = LLM(llama_dir, num_kv_blocks=N * 5, block_size=4, max_num_seqs=512, max_num_batched_tokens=4096,
               speculative=spec)
     first, second, metrics = _sample(llm, temperature, top_k)
@@ -100,7 +109,7 @@ def test_first_and_second_tokens_follow_the_target(llama_dir, spec_drafts, near_
     assert _fits(first, p1) > 1e-3
     assert _fits(second, p2) > 1e-3
     verified = [m for m in metrics if m.num_draft_tokens]  # second token verified against a draft
-    if method in ("eagle3", "mtp", "draft_model"):
+    if method in ("eagle3", "mtp", "draft_model", "mtp_token_map"):
         assert len(verified) == N
     elif method == "ngram":
         assert verified  # (prompt lookup finds the first token in the prompt only sometimes)

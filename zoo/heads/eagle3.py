@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from zoo.heads.layers import MLP, Attention, RMSNorm, init_linear_, rope_theta_of
+from zoo.token_map import hot_token_ids
 
 EAGLE3_WEIGHT_NAMES = (
     "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
@@ -73,9 +74,7 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 def draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int, always: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) for the `draft_vocab_size` most frequent target ids (ties -> lower id) plus `always`."""
-    order = sorted(range(len(token_counts)), key=lambda t: (-int(token_counts[t]), t))
-    chosen = list(dict.fromkeys(list(always) + order))[:draft_vocab_size]
-    used = torch.tensor(sorted(chosen), dtype=torch.int64)
+    used = torch.tensor(hot_token_ids(token_counts, draft_vocab_size, always), dtype=torch.int64)
     d2t = used - torch.arange(draft_vocab_size, dtype=torch.int64)
     t2d = torch.zeros(len(token_counts), dtype=torch.bool)
     t2d[used] = True

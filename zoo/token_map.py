@@ -1,0 +1,50 @@
+"""Hot vocabularies from the zoo's training corpus: the token ids a draft head drafts from.
+
+EAGLE-3's draft vocabulary (its `d2t`) and the token maps an MTP head can draft from
+(SpecConfig.token_map, engine/speculative/token_map.py) are both the N most frequent target ids of the
+corpus the zoo trains on, counted with its tokenizer; one ranking serves both.
+
+    tandem zoo token-map --size 2048 --out map.json   # for the default zoo's target and heads
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+
+def token_counts(docs: Iterable[list[int]], vocab_size: int) -> torch.Tensor:
+    """How often each id occurs in the tokenized `docs`: [vocab_size] int64."""
+    counts = Counter(t for doc in docs for t in doc)
+    return torch.tensor([counts.get(i, 0) for i in range(vocab_size)], dtype=torch.int64)
+
+
+def hot_token_ids(counts: torch.Tensor, size: int, always: tuple[int, ...] = ()) -> list[int]:
+    """The `size` most frequent ids (ties: the lower id first), with `always` (e.g. eos) among them
+    whatever their counts; sorted."""
+    if not 0 < size <= counts.numel():
+        raise ValueError(f"a hot vocabulary of {size} ids does not fit a vocabulary of {counts.numel()}")
+    order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))
+    return sorted(list(dict.fromkeys(list(always) + order))[:size])
+
+
+def corpus_token_counts(recipe, tokenizer_dir: Path) -> torch.Tensor:
+    """The counts the builder takes for `recipe` (its training documents, tokenized by the zoo's own
+    tokenizer); about 40 s for the default recipe on two cores."""
+    from zoo.builder import training_docs
+    from zoo.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    docs = [e.ids for e in tokenizer.encode_batch([d.text for d in training_docs(recipe)])]
+    return token_counts(docs, tokenizer.get_vocab_size())
+
+
+def write_token_map(path: Path, ids: list[int], counts: torch.Tensor) -> dict:
+    """A map file read by engine/speculative/token_map.py, with what share of the corpus' tokens it covers."""
+    covered = int(counts[torch.tensor(ids)].sum()) / max(1, int(counts.sum()))
+    doc = {"token_ids": ids, "vocab_size": counts.numel(), "corpus_coverage": round(covered, 4)}
+    Path(path).write_text(json.dumps(doc) + "\n")
+    return doc
