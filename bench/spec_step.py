@@ -156,23 +156,34 @@ def bench(args) -> dict:
                        speculative=s, cpu_compile=c) for m, (s, c) in modes.items()}
         for llm in llms.values():
             llm.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0))  # warm-up
-        best: dict[str, dict] = {}
-        for _ in range(args.repeats):  # the modes alternate, so a burst of load hits both alike
-            for mode, llm in llms.items():
-                r = run_once(llm, prompts, args.max_tokens)
-                if mode not in best or r["tok_s"] > best[mode]["tok_s"]:
-                    best[mode] = r
-        for mode, r in best.items():
-            base = best[_base(mode)]
-            row = {"batch": batch, "mode": mode, "lossless": r["outputs"] == base["outputs"],
-                   **{k: v for k, v in r.items() if k != "outputs"}}
-            results["runs"].append(row)
-            ms = r["per_step_ms"]
-            print(f"B={batch:<3} {mode:<8} {r['tok_s']:8.1f} tok/s  step {ms['step']:.2f} ms  "
-                  + "  ".join(f"{p} {ms[p]:.2f}" for p in PARTS), flush=True)
+        best = run_alternating(llms, prompts, args.max_tokens, args.repeats, lambda r: r["tok_s"])
+        add_rows(results, batch, best, _base)
         del llms
     results["load_after"] = os.getloadavg()
     return results
+
+
+def run_alternating(llms: dict, prompts: list, max_tokens: int, repeats: int, score) -> dict[str, dict]:
+    """mode -> its best run_once of `repeats` (highest score(run)); the modes alternate, so that a burst of
+    load on the shared machine hits them alike."""
+    best: dict[str, dict] = {}
+    for _ in range(repeats):
+        for mode, llm in llms.items():
+            r = run_once(llm, prompts, max_tokens)
+            if mode not in best or score(r) > score(best[mode]):
+                best[mode] = r
+    return best
+
+
+def add_rows(results: dict, batch: int, best: dict[str, dict], base_of) -> None:
+    """One row per mode in results["runs"], with whether its tokens equal those of base_of(mode); printed too."""
+    for mode, r in best.items():
+        row = {"batch": batch, "mode": mode, "lossless": r["outputs"] == best[base_of(mode)]["outputs"],
+               **{k: v for k, v in r.items() if k != "outputs"}}
+        results["runs"].append(row)
+        ms = r["per_step_ms"]
+        print(f"B={batch:<3} {mode:<18} {r['tok_s']:8.1f} tok/s  step {ms['step']:.2f} ms  "
+              + "  ".join(f"{p} {ms[p]:.2f}" for p in PARTS), flush=True)
 
 
 def _base(mode: str) -> str:

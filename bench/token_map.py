@@ -23,7 +23,7 @@ import torch
 
 from bench.common import device_name, write_results
 from bench.engine import prompts as random_prompts
-from bench.spec_step import PARTS, run_once
+from bench.spec_step import PARTS, add_rows, run_alternating
 
 
 def make_checkpoints(root: Path, vocab: int) -> tuple[Path, Path]:
@@ -62,19 +62,9 @@ def bench(args) -> dict:
                            speculative=s) for m, s in modes.items()}
             for llm in llms.values():
                 llm.generate(batch_prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
-            best: dict[str, dict] = {}
-            for _ in range(args.repeats):
-                for mode, llm in llms.items():
-                    r = run_once(llm, batch_prompts, args.max_tokens)
-                    if mode not in best or r["per_step_ms"]["step"] < best[mode]["per_step_ms"]["step"]:
-                        best[mode] = r
-            for mode, r in best.items():
-                row = {"batch": batch, "mode": mode, "lossless": r["outputs"] == best["none"]["outputs"],
-                       **{k: v for k, v in r.items() if k != "outputs"}}
-                results["runs"].append(row)
-                ms = r["per_step_ms"]
-                print(f"B={batch:<3} {mode:<18} step {ms['step']:.2f} ms  "
-                      + "  ".join(f"{p} {ms[p]:.2f}" for p in PARTS), flush=True)
+            best = run_alternating(llms, batch_prompts, args.max_tokens, args.repeats,
+                                   lambda r: -r["per_step_ms"]["step"])
+            add_rows(results, batch, best, lambda mode: "none")
             del llms
     results["load_after"] = os.getloadavg()
     return results
