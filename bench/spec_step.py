@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import time
 from collections import defaultdict
@@ -142,7 +143,8 @@ def bench(args) -> dict:
     mtp = SpecConfig(method="mtp", k=3, draft=str(paths.mtp))
     modes = {"none": (None, "off"), "mtp k=3": (mtp, "off")}
     if args.token_map:
-        size = len(read_token_map(args.token_map, 1 << 62))
+        vocab = json.loads((paths.target / "config.json").read_text())["vocab_size"]
+        size = len(read_token_map(args.token_map, vocab))
         modes[f"mtp k=3 map {size}"] = (dataclasses.replace(mtp, token_map=args.token_map), "off")
     if args.cpu_compile != "off":  # the same two engines compiled (engine/cpu_compile.py), in the same run
         modes.update({f"none [{args.cpu_compile}]": (None, args.cpu_compile),
