@@ -27,6 +27,10 @@ from router.errors import APIError
 
 log = logging.getLogger(__name__)
 
+# How long a hand-over failure reported by the decode side waits for the prefill's own outcome, which names
+# the cause when the prefill died (Ray reports a killed actor within about a second).
+PREFILL_FAILURE_GRACE_S = 3.0
+
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
@@ -136,6 +140,11 @@ class Generation:
             return await self._queue.get()
         item = asyncio.ensure_future(self._queue.get())
         await asyncio.wait({item, self._handover}, return_when=asyncio.FIRST_COMPLETED)
+        if item.done() and not self._handover.done() and isinstance(item.result(), StreamError):
+            # The decode side saw the hand-over fail while the prefill's call is still open: most often the
+            # prefill died mid-send, and Ray's report of that, the cause a client can act on, is a moment
+            # behind the decode side's (its channel broke first). Wait that moment for it.
+            await asyncio.wait({self._handover}, timeout=PREFILL_FAILURE_GRACE_S)
         if self._handover.done():
             handover, self._handover, self._prefill_call = self._handover, None, None
             if handover.exception() is not None:
