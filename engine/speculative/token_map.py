@@ -8,8 +8,8 @@ lossless: verification runs on the target's full vocabulary, and a draft distrib
 outside the map is as valid as any other.
 
 The map is a file listing the ids: JSON (a list of integers, or {"token_ids": [...]}) or a torch file
-holding a 1-D integer tensor (SGLang's format; read with weights_only). The zoo builds one from its
-training corpus' token counts (`mtp/token_map.json`).
+holding a 1-D integer tensor (SGLang's format; read with weights_only). `tandem zoo token-map` writes
+one for the zoo from its training corpus' token counts (zoo/token_map.py).
 """
 from __future__ import annotations
 
