@@ -216,6 +216,36 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, que
     return AttentionPlan(T, B, group, tuple(groups), in_batch[:, None, None])
 
 
+def plan_chain(
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [P, B] int32: pass p's KV length of each request (one new query row each)
+    slot_mapping: torch.Tensor,  # [P, B] int64: pass p's slots, -1 = not written
+    page_size: int,
+    group: int,
+    max_seq_len: int,  # host bound on seq_lens
+) -> list[tuple[StorePlan, AttentionPlan]]:
+    """The reference path's plans (plan_store_kv, plan_paged_attention) of P passes that each run one query
+    row per request over the same block tables: a draft chain's passes. Made together, one set of index
+    ops and one host read for all P instead of per pass (~110 us a pass on a CPU); the same plans."""
+    P, B = seq_lens.shape
+    M, dev = block_tables.shape[1], block_tables.device
+    L = max(1, min(max_seq_len, M * page_size))
+    kpos = torch.arange(L, device=dev)
+    pos = torch.where(kpos < seq_lens.long()[..., None], kpos, 0)  # [P, B, L]: past seq_len, position 0
+    pages = (pos // page_size).clamp_(max=M - 1).permute(1, 0, 2).reshape(B, P * L)
+    page = block_tables.gather(1, pages).long().view(B, P, L).permute(1, 0, 2)  # [P, B, L]
+    slots = (page * page_size + pos % page_size).reshape(P, B * L)
+    mask = (pos > 0)[:, :, None, None] | (kpos == 0)  # [P, B, 1, 1, L]
+    every_row = (slot_mapping >= 0).all(1).tolist()  # the one host read
+    plans = []
+    for p in range(P):
+        sm = slot_mapping[p]
+        store = StorePlan(sm, sm, sm.new_zeros((), dtype=torch.bool), True) if every_row[p] else plan_store_kv(sm)
+        attend = AttentionPlan(B, B, group, (_PlanGroup(B, L, 1, slots[p], None, mask[p], None, None),), None, True)
+        plans.append((store, attend))
+    return plans
+
+
 def paged_attention_ref(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [N, S, Hkv, D]

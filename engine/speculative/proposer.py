@@ -13,11 +13,13 @@ from typing import Callable
 
 import torch
 
-from engine.attention import AttentionMetadata, attention_context
+from engine.attention import AttentionMetadata, PagedAttention, attention_context
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SamplingBatch, processed_logits
 from engine.speculative.head import DraftHead
 from kernels import rng
+from kernels._dispatch import use_triton
+from kernels.attention import plan_chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,23 +39,36 @@ class ProposeInputs:
     mask: Callable[[int, list[torch.Tensor], torch.Tensor, torch.Tensor | None], None] | None = None
 
 
-def chain_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, pos: torch.Tensor, slot_limit: torch.Tensor,
-                   max_seq_len: int) -> AttentionMetadata:
-    """One query row per request at positions `pos` [B], over the requests' block tables."""
+def chain_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, first: torch.Tensor, passes: int,
+                   slot_limit: torch.Tensor, max_seq_len: int, group: int) -> list[AttentionMetadata]:
+    """The metadata of a draft chain's `passes` passes: pass p runs one query row per request at position
+    first + p ([B]) over the requests' block tables. Made together for all passes, one set of index ops
+    (and on a CPU the attention reference's plans, for heads of `group` query heads per KV head), rather than
+    pass by pass: the chain's host cost is per step, not per draft."""
+    if passes == 0:
+        return []
     tables = base.block_tables  # [B, M] int32
+    B, M = tables.shape
     block_size = kv_cache.shape[3]
-    idx = (pos // block_size).clamp(max=tables.shape[1] - 1)
-    slot = tables.gather(1, idx[:, None].to(torch.int64))[:, 0].to(torch.int64) * block_size + pos % block_size
-    B = pos.shape[0]
-    return AttentionMetadata(
-        kv_cache=kv_cache,
-        slot_mapping=torch.where(pos < slot_limit, slot, -1),
-        block_tables=tables,
-        seq_lens=(pos + 1).to(torch.int32),
-        query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=pos.device),
-        max_q_len=1,
-        max_seq_len=max_seq_len,
-    )
+    pos = first[None, :] + torch.arange(passes, device=first.device)[:, None]  # [P, B]
+    idx = (pos // block_size).clamp(max=M - 1).t().to(torch.int64)  # [B, P]
+    slot = tables.gather(1, idx).t().to(torch.int64) * block_size + pos % block_size
+    slot_mapping = torch.where(pos < slot_limit, slot, -1)  # [P, B]: writes at or past slot_limit are dropped
+    seq_lens = (pos + 1).to(torch.int32)  # [P, B]
+    query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=first.device)
+    plans = [{} for _ in range(passes)]
+    if not use_triton(kv_cache):  # the reference path reads plans; Triton kernels read the tensors alone
+        key = (B, block_size, group)
+        plans = [{"store": store, key: attend}
+                 for store, attend in plan_chain(tables, seq_lens, slot_mapping, block_size, group, max_seq_len)]
+    return [AttentionMetadata(kv_cache=kv_cache, slot_mapping=slot_mapping[p], block_tables=tables,
+                              seq_lens=seq_lens[p], query_start_loc=query_start_loc, max_q_len=1,
+                              max_seq_len=max_seq_len, plans=plans[p]) for p in range(passes)]
+
+
+def attention_group(net: torch.nn.Module) -> int:
+    """Query heads per KV head of a draft network's attention (every layer of it alike)."""
+    return next(m.group for m in net.modules() if isinstance(m, PagedAttention))
 
 
 def sample_drafts(logits: torch.Tensor, positions: torch.Tensor, s: SamplingBatch,
@@ -121,6 +136,7 @@ class HeadProposer(Proposer):
     def __init__(self, head: DraftHead, k: int, vocab_size: int, kv_cache_ref):
         super().__init__(k, vocab_size, kv_cache_ref)
         self.head = head
+        self.group = attention_group(head)
         self.capture_layers = head.capture_layers
         self.num_cache_layers = 1
         self.needs_hidden = True
@@ -139,13 +155,13 @@ class HeadProposer(Proposer):
             return None, None
         state = state.index_select(0, inp.out_rows)  # [B, H]: the first step's output
         start = inp.positions.index_select(0, inp.out_rows)  # position of each request's last verified row
+        metas = chain_metadata(inp.attn, cache, start + 1, self.k - 1, inp.slot_limit, inp.max_seq_len, self.group)
 
         def step(s: int, previous: torch.Tensor | None) -> torch.Tensor:
             nonlocal state
             if s > 0:
-                pos = start + s
-                with attention_context(chain_metadata(inp.attn, cache, pos, inp.slot_limit, inp.max_seq_len)):
-                    state = self.head(state, previous, pos)
+                with attention_context(metas[s - 1]):
+                    state = self.head(state, previous, start + s)
             return self.head.compute_logits(state)
 
         return self._chain(inp, step)
@@ -158,6 +174,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, model: LlamaForCausalLM, k: int, vocab_size: int, kv_cache_ref):
         super().__init__(k, vocab_size, kv_cache_ref)
         self.model = model
+        self.group = attention_group(model)
         self.num_cache_layers = model.cfg.num_layers
         self.needs_hidden = False
         n = min(model.cfg.vocab_size, vocab_size)
@@ -173,12 +190,12 @@ class DraftModelProposer(Proposer):
             return None, None
         start = inp.positions.index_select(0, inp.out_rows) + 1  # the verified token after the last row
         first = inp.next_tokens.index_select(0, inp.out_rows)
+        metas = chain_metadata(inp.attn, cache, start, self.k, inp.slot_limit, inp.max_seq_len, self.group)
 
         def step(s: int, previous: torch.Tensor | None) -> torch.Tensor:
             token = (first if previous is None else previous).clamp(max=top)
-            pos = start + s
-            with attention_context(chain_metadata(inp.attn, cache, pos, inp.slot_limit, inp.max_seq_len)):
-                hidden, _ = self.model(token, pos)
+            with attention_context(metas[s]):
+                hidden, _ = self.model(token, start + s)
             return self.model.compute_logits(hidden)[:, : self.width]
 
         return self._chain(inp, step)

@@ -9,7 +9,9 @@ from kernels.attention import (
     paged_attention,
     paged_attention_ref,
     paged_attention_triton,
+    plan_chain,
     plan_paged_attention,
+    plan_store_kv,
     store_kv,
     store_kv_ref,
     store_kv_triton,
@@ -125,6 +127,36 @@ def test_paged_attention_ref_uniform(q_lens, seq_lens, Hq, Hkv):
     assert plan.uniform
     out = paged_attention_ref(**batch, scale=0.125, **bounds, plan=plan)
     torch.testing.assert_close(out.double(), expected(batch, dk, dv, q_lens, seq_lens, 0.125), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("B,passes,page,G", [(1, 1, 16, 3), (1, 2, 16, 3), (5, 3, 4, 1), (3, 7, 5, 2)])
+def test_plan_chain_equals_one_plan_per_pass(B, passes, page, G):
+    """A draft chain's plans made together (plan_chain) equal the plans made pass by pass, field by field,
+    including passes whose last positions are past a request's slots (slot_mapping -1: the store plan
+    that redirects padding rows) and lengths that cross a block boundary."""
+    g = torch.Generator().manual_seed(B * 100 + passes)
+    M = 6
+    tables = torch.randint(0, 50, (B, M), generator=g, dtype=torch.int32)
+    first = torch.randint(1, M * page - passes, (B,), generator=g)
+    pos = first[None, :] + torch.arange(passes)[:, None]  # [P, B]
+    limit = first + torch.randint(0, passes + 1, (B,), generator=g)  # some passes write past the held slots
+    slot = tables.gather(1, (pos // page).t().long()).t().long() * page + pos % page
+    slot_mapping = torch.where(pos < limit, slot, -1)
+    seq_lens = (pos + 1).to(torch.int32)
+    max_seq = int(seq_lens.max()) + 2
+    together = plan_chain(tables, seq_lens, slot_mapping, page, G, max_seq)
+    qsl = torch.arange(B + 1, dtype=torch.int32)
+    for p, (store, attend) in enumerate(together):
+        want_store = plan_store_kv(slot_mapping[p])
+        for field in ("src", "dst", "keep"):
+            assert torch.equal(getattr(store, field), getattr(want_store, field)), (p, field)
+        assert store.direct == want_store.direct
+        want = plan_paged_attention(tables, seq_lens[p], qsl, B, page, G, 1, max_seq)
+        assert (attend.T, attend.B, attend.G, attend.uniform, attend.in_batch) == (B, B, G, True, None)
+        assert want.uniform and len(attend.groups) == len(want.groups) == 1
+        got, ref = attend.groups[0], want.groups[0]
+        assert (got.B, got.L, got.mq) == (ref.B, ref.L, ref.mq)
+        assert torch.equal(got.slots, ref.slots) and torch.equal(got.mask, ref.mask)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
