@@ -167,16 +167,27 @@ def _plan_group(block_tables, seq, q_start, q_len, T: int, S: int, G: int, max_q
     return _PlanGroup(B, L, mq, slots, rows.clamp(max=max(T - 1, 0)).view(-1), mask, rows[valid], padded[valid])
 
 
+def _one_row_slots(block_tables, seq, S: int, max_seq: int):
+    """The KV index math of uniform plans, for P sets of KV lengths seq [P, B] over the same block tables
+    (P = 1 for one step; a draft chain's passes at once): -> (L, kpos [L], pos [P, B, L], slots [P, B * L]).
+    Past seq_len a position reads position 0 instead (as _plan_group)."""
+    P, B = seq.shape
+    M = block_tables.shape[1]
+    L = max(1, min(max_seq, M * S))
+    kpos = torch.arange(L, device=block_tables.device)
+    pos = torch.where(kpos < seq[..., None], kpos, 0)
+    pages = (pos // S).clamp_(max=M - 1).permute(1, 0, 2).reshape(B, P * L)
+    page = block_tables.gather(1, pages).long().view(B, P, L).permute(1, 0, 2)
+    return L, kpos, pos, (page * S + pos % S).reshape(P, B * L)
+
+
 def _plan_uniform(block_tables, seq, S: int, G: int, mq: int, max_seq: int) -> _PlanGroup:
     """_plan_group for a uniform layout (request b owns query rows b*mq + i): the same slots and mask,
     without the query rows' gather and scatter indices. With mq = 1 (decode, draft chains) the mask is
     only the length mask, [B, 1, 1, L], and SDPA broadcasts it over the G query heads."""
     B, dev = block_tables.shape[0], block_tables.device
-    L = max(1, min(max_seq, block_tables.shape[1] * S))
-    kpos = torch.arange(L, device=dev)
-    pos = torch.where(kpos < seq[:, None], kpos, 0)  # [B, L]: past seq_len, position 0 (as _plan_group)
-    page = block_tables.gather(1, (pos // S).clamp_(max=block_tables.shape[1] - 1)).long()
-    slots = (page * S + pos % S).view(-1)
+    L, kpos, pos, slots = _one_row_slots(block_tables, seq[None], S, max_seq)
+    pos, slots = pos[0], slots[0]  # [B, L], [B * L]
     if mq == 1:
         return _PlanGroup(B, L, 1, slots, None, (pos > 0)[:, None, None] | (kpos == 0), None, None)
     qpos = (seq - mq)[:, None] + torch.arange(mq, device=dev)  # [B, mq]
@@ -228,13 +239,7 @@ def plan_chain(
     row per request over the same block tables: a draft chain's passes. Made together, one set of index
     ops and one host read for all P instead of per pass (~110 us a pass on a CPU); the same plans."""
     P, B = seq_lens.shape
-    M, dev = block_tables.shape[1], block_tables.device
-    L = max(1, min(max_seq_len, M * page_size))
-    kpos = torch.arange(L, device=dev)
-    pos = torch.where(kpos < seq_lens.long()[..., None], kpos, 0)  # [P, B, L]: past seq_len, position 0
-    pages = (pos // page_size).clamp_(max=M - 1).permute(1, 0, 2).reshape(B, P * L)
-    page = block_tables.gather(1, pages).long().view(B, P, L).permute(1, 0, 2)  # [P, B, L]
-    slots = (page * page_size + pos % page_size).reshape(P, B * L)
+    L, kpos, pos, slots = _one_row_slots(block_tables, seq_lens.long(), page_size, max_seq_len)
     mask = (pos > 0)[:, :, None, None] | (kpos == 0)  # [P, B, 1, 1, L]
     every_row = (slot_mapping >= 0).all(1).tolist()  # the one host read
     plans = []

@@ -62,9 +62,7 @@ class DraftHead(nn.Module, ABC):
         sub.weight.data.copy_(full.weight.data.index_select(0, ids.to(full.weight.device)))
         self.use_vocab_head(sub)
         self.draft_vocab_size = ids.numel()
-        if "draft_to_target" in self._buffers:
-            del self._buffers["draft_to_target"]
-        self.register_buffer("draft_to_target", ids.to(full.weight.device), persistent=False)
+        self.register_buffer("draft_to_target", ids.to(full.weight.device), persistent=False)  # replaces EAGLE-3's
 
     # --------------------------------------------------------------------- loading
     def _resolve(self, name: str) -> tuple[nn.Module, str, int | None] | None:

@@ -56,10 +56,10 @@ def chain_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, first: torch
     slot_mapping = torch.where(pos < slot_limit, slot, -1)  # [P, B]: writes at or past slot_limit are dropped
     seq_lens = (pos + 1).to(torch.int32)  # [P, B]
     query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=first.device)
-    plans = [{} for _ in range(passes)]
-    if not use_triton(kv_cache):  # the reference path reads plans; Triton kernels read the tensors alone
-        key = (B, block_size, group)
-        plans = [{"store": store, key: attend}
+    if use_triton(kv_cache):  # Triton kernels read the tensors alone
+        plans = [{} for _ in range(passes)]
+    else:  # the reference path's plans, under the keys AttentionMetadata looks them up by
+        plans = [{"store": store, (B, block_size, group): attend}
                  for store, attend in plan_chain(tables, seq_lens, slot_mapping, block_size, group, max_seq_len)]
     return [AttentionMetadata(kv_cache=kv_cache, slot_mapping=slot_mapping[p], block_tables=tables,
                               seq_lens=seq_lens[p], query_start_loc=query_start_loc, max_q_len=1,
