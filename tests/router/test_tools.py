@@ -172,6 +172,9 @@ CALL_W = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</too
 CALL_T = '<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>'
 
 
+CUT_T = '<tool_call>\n{"name": "time", "arguments": {"utc": tr'
+
+
 @pytest.mark.parametrize("text,content,calls", [
     (CALL_W, None, [("weather", '{"city": "Oslo"}')]),
     (CALL_W + "\n" + CALL_T, None, [("weather", '{"city": "Oslo"}'), ("time", "{}")]),
@@ -182,20 +185,53 @@ CALL_T = '<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>'
      [("weather", '{"q": "tab\\there"}')]),  # a raw control character in a string is escaped
     ("no call at all", "no call at all", []),
     ("", None, []),
-    # malformed or cut short: the whole text is content, no call is invented
-    ('<tool_call>\n{"name": "weather", "arguments": {"city": "Os', None, []),
-    ('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', None, []),
-    ('<tool_call>\n{"name": "weather", "arguments": [1]}\n</tool_call>', None, []),
-    ('<tool_call>\n{"name": "weather", "arguments": {"a": }}\n</tool_call>', None, []),
-    ("<tool_call>\nnot json\n</tool_call>", None, []),
-    (CALL_W + "\n<tool_call>\n{\"name\": \"ti", None, []),
+    # malformed: the whole text is content, no call is invented
+    ('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', '<tool_call>\n{"name": "nope", "arguments": '
+                                                                      '{}}\n</tool_call>', []),
+    ('<tool_call>\n{"name": "weather", "arguments": [1]}\n</tool_call>',
+     '<tool_call>\n{"name": "weather", "arguments": [1]}\n</tool_call>', []),
+    ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+    # a malformed call after a complete one ends the calls
+    (CALL_W + '\n<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', None,
+     [("weather", '{"city": "Oslo"}')]),
 ])
 def test_parse_tool_calls(text, content, calls):
     got = parse_tool_calls(text, NAMES)
     assert [(c.name, c.arguments) for c in got.tool_calls] == calls
-    assert got.content == (content if calls or not text else text)
+    assert got.content == content
     for call in got.tool_calls:
         assert call.id.startswith("call_") and len(call.id) == 29 and isinstance(json.loads(call.arguments), dict)
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    # cut inside the arguments: the call is dropped, its markup is not content
+    ('<tool_call>\n{"name": "weather", "arguments": {"city": "Os', None, []),
+    ("Let me check. <tool_call>\n{\"na", "Let me check. ", []),
+    ("<tool_call>", None, []),
+    ("<", None, []),
+    ("Let me check. <tool_c", "Let me check. ", []),
+    # complete calls before the cut one are kept
+    (CALL_W + "\n" + CUT_T, None, [("weather", '{"city": "Oslo"}')]),
+    (CALL_W + "\n<tool_call>\n{\"name\": \"ti", None, [("weather", '{"city": "Oslo"}')]),
+    (CALL_W + "\n<tool_", None, [("weather", '{"city": "Oslo"}')]),
+    # cut after the arguments were whole (in the outer brace or `</tool_call>`): the call is complete
+    ('<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}', None, [("weather", '{"city": "Oslo"}')]),
+    ('<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}', None, [("weather", '{"city": "Oslo"}')]),
+    ('<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_', None,
+     [("weather", '{"city": "Oslo"}')]),
+    (CALL_W + "\n" + CALL_T[:-3], None, [("weather", '{"city": "Oslo"}'), ("time", "{}")]),
+    # the arguments' own closing brace inside a string does not complete them
+    ('<tool_call>\n{"name": "weather", "arguments": {"q": "}', None, []),
+])
+def test_a_call_cut_by_the_end_of_the_output_is_dropped_and_complete_ones_are_kept(text, content, calls):
+    """Pins issue 32 (1): a call cut by max_tokens made the whole response raw markup with tool_calls null,
+    although earlier calls were complete; the stream, which had sent them, disagreed."""
+    got = parse_tool_calls(text, NAMES)
+    assert (got.content, [(c.name, c.arguments) for c in got.tool_calls]) == (content, calls)
+    for piece in (1, 4, 1000):
+        stream = ToolCallStream(NAMES)
+        deltas = [d for i in range(0, len(text), piece) for d in stream.push(text[i:i + piece])] + stream.finish()
+        assert _reassemble(deltas) == (content, calls)
 
 
 def _reassemble(deltas: list[dict]) -> tuple[str | None, list[tuple[str, str]]]:
@@ -230,11 +266,12 @@ def test_streamed_deltas_reassemble_to_the_whole_parse(text, piece):
     assert not stream.open_call
 
 
-def test_a_stream_cut_inside_a_call_keeps_the_partial_call_open():
-    """What was sent cannot be taken back: the stream shows the partial call and knows it is open (the
-    writer ends it with finish_reason "length"); the whole parse returns the raw text instead."""
+def test_a_stream_sends_a_call_only_once_it_is_complete():
+    """A partial call cannot be taken back once sent, so none is: the call arrives whole, in one delta."""
     stream = ToolCallStream(NAMES)
-    text = '<tool_call>\n{"name": "weather", "arguments": {"city": "Os'
-    deltas = stream.push(text) + stream.finish()
-    assert _reassemble(deltas) == (None, [("weather", '{"city": "Os')]) and stream.open_call
-    assert parse_tool_calls(text, NAMES).content == text
+    assert stream.push(CALL_W[:-4]) == [] and stream.open_call
+    (delta,) = stream.push(CALL_W[-4:])
+    call = delta["tool_calls"][0]
+    assert (call["index"], call["type"], call["function"]) == (0, "function", {"name": "weather",
+                                                                              "arguments": '{"city": "Oslo"}'})
+    assert not stream.open_call

@@ -124,3 +124,24 @@ def test_completions_refuse_tools(tandem_server):
         tandem_server.openai().completions.create(model=tandem_server.model, prompt="hi", max_tokens=4,
                                                   extra_body={"tools": TOOLS})
     assert e.value.body["param"] == "tools"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "weather"}}])
+def test_calls_cut_by_max_tokens_keep_the_complete_ones_stream_and_whole_alike(tandem_server, choice):
+    """Pins issue 32 (1): a later call (or only the closing `</tool_call>`) cut by max_tokens made the whole
+    response `tool_calls: null` with the raw markup as content, while the stream delivered the calls."""
+    full = _ask(tandem_server, tool_choice=choice).choices[0]
+    spent = _ask(tandem_server, tool_choice=choice).usage.completion_tokens
+    full_calls = _calls(full.message)
+    assert full_calls
+    for max_tokens in sorted({1, 3, spent // 3, spent // 2, spent - 2, spent - 1}):
+        whole = _ask(tandem_server, tool_choice=choice, max_tokens=max_tokens).choices[0]
+        calls = _calls(whole.message)
+        assert whole.finish_reason == "length", max_tokens
+        assert whole.message.content is None, (max_tokens, whole.message.content)  # no markup as content
+        assert calls == full_calls[:len(calls)], max_tokens  # complete calls only, as generated
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+        assert _streamed(tandem_server, tool_choice=choice, max_tokens=max_tokens) == (None, calls, "length")
+    if isinstance(choice, dict):  # one call: the last token cut is in `</tool_call>`, after the arguments
+        assert _calls(_ask(tandem_server, tool_choice=choice, max_tokens=spent - 1).choices[0].message) == full_calls
