@@ -28,6 +28,7 @@ from router.metrics import RouterMetrics
 from router.metrics_server import start_metrics_server
 from router.policy import decode_unavailable, latest_stats
 from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.token_text import TokenText
 from router.tools import chat_messages, template_tools
 
 HEALTH_PROBE_S = 2.0  # /health stays fast even when the decode replica is slow to answer
@@ -46,6 +47,7 @@ class Router:
         install_limits(api, self.cfg)
         self.prefill, self.decode = prefill, decode
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
+        self.token_text = TokenText(self.tokenizer)  # logprobs' token text and bytes
         self.info = await prefill.model_info.remote()
         self.metrics = RouterMetrics(self.cfg.served_model_name)
         self.inflight = 0
@@ -93,9 +95,23 @@ class Router:
 
     @api.get("/v1/models")
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.cfg.served_model_name, "object": "model",
-                                            "created": self.created, "owned_by": "tandem",
-                                            "max_model_len": self.info.max_model_len}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @api.get("/v1/models/{model:path}")
+    async def model(self, model: str) -> dict:
+        self._check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.cfg.served_model_name, "object": "model", "created": self.created, "owned_by": "tandem",
+                "max_model_len": self.info.max_model_len}
+
+    def _check_model(self, model: str) -> None:
+        """A model this server does not serve is a 404 `model_not_found`, as OpenAI and vLLM answer it."""
+        if model != self.cfg.served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist here; available: "
+                                f"[{self.cfg.served_model_name!r}]", "invalid_request_error", "model",
+                           "model_not_found")
 
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
@@ -135,6 +151,7 @@ class Router:
     # ------------------------------------------------------------------ generation endpoints
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body.model)
         check_request(body, self.cfg, self.info.vocab_size, chat=False)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -152,6 +169,10 @@ class Router:
                 raise invalid(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.info.vocab_size})", "prompt")
         if body.logprobs is not None and not 0 <= body.logprobs <= self.cfg.max_logprobs:
             raise invalid(f"logprobs must be between 0 and {self.cfg.max_logprobs}, got {body.logprobs}", "logprobs")
+        if body.echo and body.logprobs is not None:
+            # OpenAI's arrays would then cover the prompt too, whose tokens' logprobs the prefill does not keep
+            raise invalid("echo with logprobs needs the prompt tokens' logprobs, which this server does not "
+                          "compute; ask for one or the other", "echo")
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)) if body.echo else ""
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         return await self._generate(body, request, prompt_ids, max_tokens, body.logprobs, chat=False,
@@ -159,10 +180,11 @@ class Router:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body.model)
         check_request(body, self.cfg, self.info.vocab_size, chat=True)
         tools = body.tool_request()
         knows_tools = self._template_knows_tools()
-        messages = chat_messages(body.messages, tools, knows_tools)
+        messages = chat_messages(body.messages, tools, knows_tools, self._template_mentions("developer"))
         extra = {"tools": template_tools(tools)} if knows_tools and tools is not None else {}
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
@@ -184,14 +206,14 @@ class Router:
     def _template_knows_tools(self) -> bool:
         """Whether the chat template renders `tools` itself (transformers passes them as a variable);
         if not, router/tools.py renders them into a system preamble."""
+        return self._template_mentions("tools")
+
+    def _template_mentions(self, word: str) -> bool:
         template = self.tokenizer.chat_template
-        return isinstance(template, str) and "tools" in template
+        return isinstance(template, str) and word in template
 
     # ------------------------------------------------------------------ shared path
     def _validate(self, body, prompt_ids: list[int], max_tokens: int, logprobs: int | None) -> dict:
-        if body.model != self.cfg.served_model_name:
-            raise APIError(400, f"model {body.model!r} is not served here; available: "
-                                f"[{self.cfg.served_model_name!r}]", "invalid_request_error", "model", "model_not_found")
         if body.n != 1:
             raise invalid("only n=1 is supported", "n")
         if not prompt_ids:

@@ -1,6 +1,7 @@
 """Request checks the pydantic models cannot express alone: limits that depend on the router's settings or
 the model (stop strings, logprobs, token ids, JSON nesting), OpenAI parameters this server does not
-implement (refused, never silently ignored), and text that is not valid Unicode. Each failure is an
+implement and every unknown field that may change the output (refused, never silently ignored; only
+documented no-op fields are ignored), and text that is not valid Unicode. Each failure is an
 APIError (HTTP 400) naming the parameter and what is allowed."""
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from router.errors import invalid
 # are refused: the router would otherwise hand them on to pickle and xgrammar, which recurse.
 MAX_JSON_DEPTH = 64
 
-# OpenAI parameters this server does not implement, and the values that ask for nothing (accepted).
+# Fields of the OpenAI (and vLLM / SGLang) APIs this server does not implement, and the values that ask for
+# nothing (accepted).
 UNSUPPORTED = {
     "logit_bias": lambda v: not v,
     "best_of": lambda v: v in (None, 1),
@@ -21,7 +23,12 @@ UNSUPPORTED = {
     "modalities": lambda v: v in (None, ["text"]),
     "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
+    "min_tokens": lambda v: v in (None, 0),  # the engine cannot hold back EOS and stops yet
 }
+# Fields that change nothing in the output, accepted and ignored: bookkeeping (metadata, store, ...), cache and
+# scheduling hints.
+NO_OP = frozenset({"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id",
+                   "priority", "cache_salt"})
 
 
 def check_request(body, settings: RouterSettings, vocab_size: int, chat: bool) -> None:
@@ -30,6 +37,11 @@ def check_request(body, settings: RouterSettings, vocab_size: int, chat: bool) -
     for name, accepted in UNSUPPORTED.items():
         if name in extra and not accepted(extra[name]):
             raise invalid(f"{name} is not supported by this server; leave it out", name)
+    for name, value in extra.items():
+        if name not in UNSUPPORTED and name not in NO_OP and value is not None:
+            # An unknown field may ask for a different output: refused rather than silently ignored.
+            raise invalid(f"unknown field {name!r}: this server does not implement it, and it may change the "
+                          "output; leave it out", name)
     for name in type(body).model_fields.keys() | extra.keys():
         value = getattr(body, name, None) if name in type(body).model_fields else extra[name]
         if isinstance(value, (dict, list)) and _too_deep(value):

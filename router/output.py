@@ -24,7 +24,7 @@ class ResponseWriter:
         self.created = R.now()
         self.det = IncrementalDetokenizer(router.tokenizer, prompt_ids, gen.params.get("stop"),
                                           body.include_stop_str_in_output, body.skip_special_tokens)
-        self.lp = R.LogprobsBuilder(router.tokenizer, chat) if logprobs is not None else None
+        self.lp = R.LogprobsBuilder(router.token_text, chat) if logprobs is not None else None
         self.usage = R.Usage(prompt_tokens=len(prompt_ids))
         self.arrival, self.endpoint = arrival, endpoint
         self.tools = tools  # router.tools.ToolRequest constraining the output to calls, or None
@@ -33,6 +33,7 @@ class ResponseWriter:
         self._structured = None if gen.params.get("stop_token_ids") else gen.params.get("structured_output")
         self._text: list[str] = []  # the generated text so far, judged when its grammar finishes it
         self._last_token_time: float | None = None
+        self._usage_at_end = self._usage_always = False  # streaming: set by sse()
         self._closed = False
 
     async def deltas(self):
@@ -46,24 +47,49 @@ class ResponseWriter:
             self._last_token_time = now
             self.usage.completion_tokens += len(ev.token_ids)
             self.router.metrics.generation_tokens.inc(len(ev.token_ids))
-            piece = self.det.push(ev.token_ids)
-            lp = self.lp.add(ev.logprobs) if self.lp is not None else None
-            if piece.stop is not None:
+            if self.lp is None:
+                piece = self.det.push(ev.token_ids)
+                text, stop, lp = piece.text, piece.stop, None
+            else:
+                text, stop, offsets = self._push_each(ev.token_ids)
+                lp = self.lp.add(ev.logprobs, offsets)
+            if stop is not None:
                 self.finish_reason = "stop"
                 self.gen.cancel()  # the decode side stops and frees the blocks
-                yield piece.text, lp
+                yield text, lp
                 return
             if ev.finish_reason is not None:
                 self.finish_reason = ev.finish_reason
-                last = piece.text + self.det.flush().text
+                last = text + self.det.flush().text
                 if ev.finish_reason == "stop":
                     self._check("".join(self._text) + last)
                 yield last, lp
                 return
             if self._structured is not None:
-                self._text.append(piece.text)
-            if piece.text or lp:
-                yield piece.text, lp
+                self._text.append(text)
+            if text or lp:
+                yield text, lp
+
+    def _push_each(self, token_ids) -> tuple[str, str | None, list[int]]:
+        """Detokenizes token by token: (the text safe to show, the stop string that ended it or None, where
+        each token starts in the response's text: `text_offset`). A token's text can arrive with a later
+        token's (a piece of a character waits for the rest): a token with text of its own starts that text
+        before the end of what has arrived; one without (a piece of a character, a skipped special token)
+        starts where the text stood."""
+        texts, stop, offsets = [], None, []
+        for token_id in token_ids:
+            before = len(self.det.text)
+            piece = self.det.push((token_id,))
+            after = len(self.det.text)  # shorter than before if a stop string was cut off
+            own = self.router.token_text.bytes_of(token_id)
+            try:
+                start = max(before, after - len(own.decode()))
+            except UnicodeDecodeError:
+                start = before
+            offsets.append(len(self.echo) + min(start, after))
+            texts.append(piece.text)
+            stop = piece.stop
+        return "".join(texts), stop, offsets
 
     def _check(self, text: str) -> None:
         """Enforce or refuse, last line (engine/output_check.py): raises a 500 for a finished guided
@@ -111,27 +137,32 @@ class ResponseWriter:
                            [c.body() for c in parsed.tool_calls])
 
     async def sse(self):
+        opts = self.body.stream_options
+        self._usage_at_end = opts is not None and opts.include_usage
+        # vLLM's continuous_usage_stats: with include_usage, every chunk also carries the usage so far
+        self._usage_always = self._usage_at_end and opts.continuous_usage_stats
         status = 499  # until the stream completes: a client that goes away cancels this generator
         try:
             if self.chat:
-                yield R.sse(R.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None))
+                yield self._sse(R.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""},
+                                             None))
             elif self.echo:
-                yield R.sse(R.completion_chunk(self.rid, self.model, self.created, self.echo, None))
+                yield self._sse(R.completion_chunk(self.rid, self.model, self.created, self.echo, None))
             calls = ToolCallStream(self.tools.names) if self.chat and self.tools is not None else None
             try:
                 async for text, lp in self.deltas():
                     if calls is None:
-                        yield R.sse(self._chunk(text, None, lp))
+                        yield self._sse(self._chunk(text, None, lp))
                         continue
                     deltas = calls.push(text)
                     if lp and not deltas:
                         deltas = [{}]  # logprobs of tokens still held back
                     for i, delta in enumerate(deltas):
-                        yield R.sse(R.chat_chunk(self.rid, self.model, self.created, delta, None,
-                                                 lp if i == 0 else None))
+                        yield self._sse(R.chat_chunk(self.rid, self.model, self.created, delta, None,
+                                                     lp if i == 0 else None))
                 if calls is not None:
                     for delta in calls.finish():
-                        yield R.sse(R.chat_chunk(self.rid, self.model, self.created, delta, None))
+                        yield self._sse(R.chat_chunk(self.rid, self.model, self.created, delta, None))
                     if calls.calls and self.finish_reason == "stop":
                         self.finish_reason = "tool_calls"
             except APIError as e:
@@ -139,15 +170,19 @@ class ResponseWriter:
                 yield e.sse()
                 yield R.SSE_DONE
                 return
-            yield R.sse(self._chunk("", self.finish_reason, None))
-            opts = self.body.stream_options
-            if opts is not None and opts.include_usage:
+            yield self._sse(self._chunk("", self.finish_reason, None))
+            if self._usage_at_end:
                 yield R.sse(R.usage_chunk(self.rid, self.model, self.created, self.chat, self.usage))
             yield R.SSE_DONE
             status = 200
         finally:
             self.gen.cancel()
             self._done(status)
+
+    def _sse(self, chunk: dict) -> str:
+        if self._usage_always:
+            chunk["usage"] = self.usage.body()
+        return R.sse(chunk)
 
     def _chunk(self, text: str, finish_reason: str | None, lp: dict | None) -> dict:
         if self.chat:

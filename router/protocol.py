@@ -11,7 +11,10 @@ from router.tools import ToolRequest, tool_request
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an option not implemented here is a 400, never ignored
     include_usage: bool = Field(False, description="Send a last chunk with token usage before [DONE].")
+    continuous_usage_stats: bool = Field(False, description="vLLM: with include_usage, every chunk carries the "
+                                                            "usage so far too.")
 
 
 class SamplingFields(BaseModel):
@@ -39,6 +42,9 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, description="Multiplicative penalty (> 0) on seen tokens.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    spaces_between_special_tokens: bool = Field(True, description="vLLM's; the router's fast tokenizers never put "
+                                                                  "spaces between special tokens (as vLLM with a "
+                                                                  "fast tokenizer), whichever the value.")
     include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")
     user: str | None = Field(None, description="An end-user id, for the caller's bookkeeping.")
     # structured outputs (router/structured.py): at most one of these may be set
@@ -50,6 +56,10 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = Field(None, description="Older vLLM spelling of a regex constraint.")
     guided_choice: list | None = Field(None, description="Older vLLM spelling of a choice constraint.")
     guided_grammar: str | None = Field(None, description="Older vLLM spelling of an EBNF grammar constraint.")
+    regex: str | None = Field(None, description="SGLang: constrain the output to a regex.")
+    json_schema: dict | str | None = Field(None, description="SGLang: constrain the output to a JSON schema "
+                                                            "(an object or its JSON text).")
+    ebnf: str | None = Field(None, description="SGLang: constrain the output to an EBNF grammar.")
     # tool calling (chat only; router/tools.py)
     tools: list | None = Field(None, description="Functions the model may call: [{type: function, function: "
                                                  "{name, description, parameters (JSON schema), strict}}].")

@@ -5,6 +5,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from router.token_text import TokenText
+
 
 @dataclass(slots=True)
 class Usage:
@@ -18,31 +20,36 @@ class Usage:
 
 @dataclass(slots=True)
 class LogprobsBuilder:
-    """Collects per-token logprobs in the completions (`tokens/token_logprobs/...`) or chat (`content`) shape."""
-    tokenizer: object
+    """Collects per-token logprobs in the completions (`tokens/token_logprobs/top_logprobs/text_offset`) or
+    chat (`content`) shape; tokens as text and bytes (router/token_text.py)."""
+    text: TokenText
     chat: bool
-    entries: list = field(default_factory=list)
+    entries: list = field(default_factory=list)  # (token id, logprob, {top id: logprob} | None, text offset)
 
-    def add(self, items) -> dict | None:
-        """Items: (token id, logprob, {top id: logprob} | None). Returns this chunk's logprobs body."""
+    def add(self, items, offsets) -> dict | None:
+        """Items: (token id, logprob, {top id: logprob} | None); offsets: where each token starts in the
+        response's text. Returns this chunk's logprobs body."""
         start = len(self.entries)
-        for token_id, logprob, top in items:
-            self.entries.append((token_id, logprob, top))
+        self.entries += [(t, lp, top, at) for (t, lp, top), at in zip(items, offsets, strict=True)]
         return self.body(self.entries[start:]) if items else None
 
     def body(self, entries=None) -> dict | None:
         entries = self.entries if entries is None else entries
-        tok = self.tokenizer
-        name = lambda i: tok.convert_ids_to_tokens(int(i))  # noqa: E731
+        text, raw = self.text.text_of, self.text.bytes_of
         if self.chat:
-            return {"content": [{"token": name(t), "logprob": lp, "bytes": list(name(t).encode()),
-                                 "top_logprobs": [{"token": name(i), "logprob": v, "bytes": list(name(i).encode())}
+            return {"content": [{"token": text(t), "logprob": lp, "bytes": list(raw(t)),
+                                 "top_logprobs": [{"token": text(i), "logprob": v, "bytes": list(raw(i))}
                                                   for i, v in (top or {}).items()]}
-                                for t, lp, top in entries]}
-        return {"tokens": [name(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{name(i): v for i, v in (top or {}).items()} if top is not None else None
-                                 for _, _, top in entries],
-                "text_offset": []}
+                                for t, lp, top, _ in entries]}
+        # The legacy API always lists the sampled token among the top ones (up to logprobs + 1 entries).
+        return {"tokens": [text(t) for t, _, _, _ in entries], "token_logprobs": [lp for _, lp, _, _ in entries],
+                "top_logprobs": [_by_likelihood({text(t): lp, **{text(i): v for i, v in (top or {}).items()}})
+                                 for t, lp, top, _ in entries],
+                "text_offset": [at for _, _, _, at in entries]}
+
+
+def _by_likelihood(top: dict[str, float]) -> dict[str, float]:
+    return dict(sorted(top.items(), key=lambda kv: -kv[1]))
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,

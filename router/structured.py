@@ -3,8 +3,9 @@ StructuredOutput fields (a dict: it travels in the prefill request's sampling pa
 
 Accepted: OpenAI's `response_format` (`text`, `json_object`, `json_schema` with `{name, schema,
 strict}`); vLLM's body extra `structured_outputs: {json | regex | choice | grammar | json_object}`;
-and the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` that vLLM dropped in
-0.12 (still sent by existing clients: accepted, never ignored). At most one of them may constrain a
+the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` that vLLM dropped in
+0.12 (still sent by existing clients: accepted, never ignored); and SGLang's top-level `regex`,
+`json_schema` (an object or its JSON text) and `ebnf`. At most one of them may constrain a
 request, tool calls included (router/tools.py: `tools` with a tool_choice other than "none" constrain
 the output to calls; chat only, refused on completions rather than ignored). Anything malformed is a
 400 naming the parameter; a grammar that does not compile is the engine's 400 (InvalidRequestError
@@ -20,8 +21,9 @@ from router.errors import APIError, invalid
 
 _STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
                             "json_object": "json_object"}
+# Top-level spellings: vLLM's older guided_* and SGLang's regex / json_schema / ebnf.
 _LEGACY = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}
+           "guided_grammar": "grammar", "regex": "regex", "json_schema": "json_schema", "ebnf": "grammar"}
 
 
 def structured_output(body) -> dict | None:

@@ -192,15 +192,20 @@ def _check_shape(schema, param: str, path: str = "#") -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the prompt
-def chat_messages(messages, tools: ToolRequest | None, template_knows_tools: bool) -> list[dict]:
+def chat_messages(messages, tools: ToolRequest | None, template_knows_tools: bool,
+                  template_knows_developer: bool = False) -> list[dict]:
     """The chat template's messages. History with tool calls (assistant `tool_calls`, `tool` results)
     goes to a template that knows tools in transformers' shape; for one that does not (the zoo's and
     the test models' templates know only system/user/assistant), this renders the tools into a system
     preamble, past calls into the assistant's text in the tool-call format, and tool results into user
-    turns, so any template can show them."""
+    turns, so any template can show them. OpenAI's `developer` role (its newer name for the system
+    message) is a `system` message unless the template names `developer` itself: most open models'
+    templates refuse a role they do not know."""
     out = []
     for i, m in enumerate(messages):
         text = m.text()
+        if m.role == "developer" and not template_knows_developer:
+            m = m.model_copy(update={"role": "system"})
         if m.role == "tool":
             if not m.tool_call_id:
                 raise invalid("a tool message needs the tool_call_id it answers", param=f"messages[{i}].tool_call_id")

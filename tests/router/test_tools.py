@@ -151,6 +151,19 @@ def test_history_with_calls_renders_for_a_template_without_tools():
     assert knows[0] == {"role": "system", "content": "Be brief."}  # the template renders the tools itself
 
 
+def test_the_developer_role_is_a_system_message_unless_the_template_knows_it():
+    """Pins issue 32 (4): `developer` passed validation, then a chat template without it refused it (400)."""
+    body = ChatCompletionRequest(model="m", tools=[WEATHER], messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    tools = body.tool_request()
+    assert chat_messages(body.messages, None, template_knows_tools=False) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert chat_messages(body.messages, tools, template_knows_tools=False)[0] == {
+        "role": "system", "content": "Be brief.\n\n" + tools_preamble(tools)}
+    assert chat_messages(body.messages, None, template_knows_tools=False, template_knows_developer=True)[0] == {
+        "role": "developer", "content": "Be brief."}
+
+
 @pytest.mark.parametrize("message,param", [
     ({"role": "tool", "content": "sunny"}, "messages[1].tool_call_id"),
     ({"role": "assistant", "tool_calls": [{"type": "function"}]}, "messages[1].tool_calls[0]"),

@@ -1,0 +1,153 @@
+"""The OpenAI API as client libraries use it (issue 32), through the unmodified `openai` client against the
+session's server: logprobs whose tokens rebuild the text, completions' text_offset and logprobs=0, the
+`developer` role, GET /v1/models/{model} and 404 for an unknown model, and the vLLM / SGLang extensions
+(honoured, or a 400 naming the field). The tiny model has no skill: these judge protocol, not prose."""
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.ray
+
+HELLO = [{"role": "user", "content": "Hello"}]
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def _bytes(entries) -> bytes:
+    return bytes(b for e in entries for b in e.bytes)
+
+
+def test_chat_logprobs_rebuild_the_content_in_text_and_bytes(tandem_server):
+    """Pins issue 32 (2): tokens were vocabulary symbols ("Ġwith"), bytes those symbols' UTF-8."""
+    client = tandem_server.openai()
+    kw = dict(model=tandem_server.model, messages=HELLO, max_tokens=24, logprobs=True, top_logprobs=3, **GREEDY)
+    whole = client.chat.completions.create(**kw).choices[0]
+    entries = whole.logprobs.content
+    assert len(entries) == 24
+    # the tiny model writes stray bytes too: the text shows them as U+FFFD, as does a lossy decode of the bytes
+    assert _bytes(entries).decode(errors="replace") == whole.message.content
+    for entry in entries:
+        assert entry.token == bytes(entry.bytes).decode("utf-8", errors="backslashreplace")
+        assert "\u0120" not in entry.token and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy: the sampled token is the top one
+        assert entry.top_logprobs[0].token == entry.token
+    if all("\\x" not in e.token for e in entries):
+        assert "".join(e.token for e in entries) == whole.message.content
+    streamed = [e for chunk in client.chat.completions.create(stream=True, **kw) if chunk.choices
+                and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.bytes, e.logprob) for e in streamed] == [(e.token, e.bytes, e.logprob) for e in entries]
+
+
+def test_completions_logprobs_offsets_and_the_sampled_token(tandem_server):
+    """Pins issue 32 (3): text_offset was [], and logprobs=0 gave top_logprobs [null, ...]."""
+    got = tandem_server.openai().completions.create(model=tandem_server.model, prompt="The quick brown fox",
+                                                    max_tokens=16, logprobs=0, **GREEDY).choices[0]
+    lp = got.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 16
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for token, offset, logprob, top in zip(lp.tokens, lp.text_offset, lp.token_logprobs, lp.top_logprobs):
+        assert top == {token: logprob}  # logprobs=0: the sampled token, always
+        if "\\x" not in token:  # a token with text of its own is found at its offset
+            assert got.text[offset:offset + len(token)] == token
+    if all("\\x" not in t for t in lp.tokens):
+        assert "".join(lp.tokens) == got.text
+
+
+def test_echo_with_logprobs_is_refused_until_prompt_logprobs_exist(tandem_server):
+    """Issue 32 (3): the arrays covered the output only, not the echoed prompt; a clean 400 until the
+    prefill keeps the prompt's logprobs. Echo alone and logprobs alone are served."""
+    client = tandem_server.openai()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=tandem_server.model, prompt="fox", max_tokens=2, logprobs=1, echo=True)
+    assert e.value.body["param"] == "echo"
+    got = client.completions.create(model=tandem_server.model, prompt="fox", max_tokens=2, echo=True, **GREEDY)
+    assert got.choices[0].text.startswith("fox")
+
+
+def test_the_developer_role_is_the_system_role_for_a_template_without_it(tandem_server):
+    """Pins issue 32 (4): `developer` passed validation, then the chat template refused it."""
+    client = tandem_server.openai()
+    answers = [client.chat.completions.create(model=tandem_server.model, max_tokens=8, messages=[
+        {"role": role, "content": "Be brief."}, *HELLO], **GREEDY) for role in ("developer", "system")]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage == answers[1].usage
+
+
+def test_models_retrieve_and_an_unknown_model_is_404(tandem_server):
+    """Pins issue 32 (5): client.models.retrieve failed (404), an unknown model was 400."""
+    client = tandem_server.openai()
+    model = client.models.retrieve(tandem_server.model)
+    assert model.id == tandem_server.model and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-17")
+    assert e.value.body["code"] == "model_not_found"
+    for call in (lambda: client.completions.create(model="gpt-17", prompt="x", max_tokens=2),
+                 lambda: client.chat.completions.create(model="gpt-17", messages=HELLO, max_tokens=2)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert (e.value.body["code"], e.value.body["param"]) == ("model_not_found", "model")
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    ("regex", "[a-c]{2}-[0-9]{2}", r"[a-c]{2}-[0-9]{2}"),
+    ("json_schema", '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], '
+                    '"additionalProperties": false}', r'\{ ?"ok" ?: ?(true|false) ?\}'),
+    ("ebnf", 'root ::= "yes" | "no"', r"yes|no"),
+])
+def test_sglang_top_level_constraints_are_honoured(tandem_server, field, value, pattern):
+    """Pins issue 32 (6): SGLang's top-level `regex` came back unconstrained with a 200."""
+    got = tandem_server.openai().completions.create(model=tandem_server.model, prompt="Answer:", max_tokens=40,
+                                                    temperature=0, extra_body={field: value}).choices[0]
+    assert got.finish_reason == "stop" and re.fullmatch(pattern, got.text), got.text
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tandem_server):
+    """Pins issue 32 (6): vLLM's stream_options.continuous_usage_stats was ignored."""
+    chunks = list(tandem_server.openai().chat.completions.create(
+        model=tandem_server.model, messages=HELLO, max_tokens=12, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **GREEDY))
+    assert all(c.usage is not None for c in chunks)
+    completion = [c.usage.completion_tokens for c in chunks]
+    assert completion == sorted(completion) and completion[-1] == 12
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+
+
+def test_vllm_sampling_extensions_are_accepted_and_change_the_output_as_asked(tandem_server):
+    client = tandem_server.openai()
+    kw = dict(model=tandem_server.model, prompt="The quick brown fox", max_tokens=12, temperature=0)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    ids = client.completions.create(**kw, logprobs=0, extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+    assert plain.choices[0].text
+    extensions = {"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.0, "skip_special_tokens": True,
+                  "spaces_between_special_tokens": False, "include_stop_str_in_output": False, "min_tokens": 0}
+    same = client.completions.create(**kw, extra_body={"ignore_eos": True, **extensions})
+    assert same.choices[0].text == plain.choices[0].text  # greedy: none of these values changes the argmax
+    stop = plain.choices[0].text[3:6]
+    if stop.strip() and "\\x" not in "".join(ids):
+        kept = client.completions.create(**kw, stop=[stop], extra_body={"ignore_eos": True,
+                                                                         "include_stop_str_in_output": True})
+        assert kept.choices[0].text.endswith(stop) and kept.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"min_tokens": 4}, "min_tokens"),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous": True}}, "stream_options.continuous"),
+])
+def test_unknown_fields_that_may_change_the_output_are_400_naming_them(tandem_server, extra, param):
+    body = {"model": tandem_server.model, "prompt": "x", "max_tokens": 2, **extra}
+    resp = httpx.post(f"{tandem_server.base_url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+def test_documented_no_op_fields_are_accepted(tandem_server):
+    got = tandem_server.openai().chat.completions.create(
+        model=tandem_server.model, messages=HELLO, max_tokens=2, temperature=0, metadata={"k": "v"}, store=False,
+        extra_body={"priority": 0, "request_id": "abc", "cache_salt": "s"})
+    assert got.choices[0].finish_reason in ("stop", "length")
