@@ -13,7 +13,7 @@ export PIP_NO_INDEX := 1
 export PIP_FIND_LINKS := $(abspath $(WHEELS))
 endif
 
-.PHONY: setup serve test test-fast test-gpu gpu-check bench bench-serve zoo clean
+.PHONY: setup serve test test-fast test-gpu gpu-check compile-check bench bench-serve zoo clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,12 @@ gpu-check: test-gpu
 	$(PY) -m bench.engine --device cuda
 	$(PY) -m bench.overlap --device cuda
 	$(PY) -m bench.spec --device cuda --quick
+
+# Every Triton kernel launch the engine makes, compiled for sm_80, sm_90 and sm_100 with no GPU (kernels/compile_check.py):
+# fails on a compile error, shared memory over a target's limit or a spill on the decode path. Results in
+# bench/results/compile_check.{md,json}; cached under ~/.cache/tandem/compile_check (`ARGS=--no-cache` for the cold cost).
+compile-check: $(STAMP)
+	$(PY) -m kernels.compile_check --report bench/results/compile_check $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench.engine $(ARGS)

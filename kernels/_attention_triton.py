@@ -7,7 +7,6 @@ once for all G heads that share it.
 """
 from dataclasses import dataclass
 
-import torch
 import triton
 import triton.language as tl
 
@@ -37,7 +36,9 @@ def store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Scalars that change with the batch (sizes, split counts, strides over T) are not specialized: each value
+# class (== 1, divisible by 16) would otherwise compile another kernel on a GPU, e.g. during graph capture.
+@triton.jit(do_not_specialize=["stride_bt", "stride_os", "stride_ot", "stride_ls", "split_len", "num_splits"])
 def paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [N, PAGE, Hkv, D] contiguous
@@ -45,8 +46,8 @@ def paged_attention_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     query_start_loc_ptr,  # [B+1] int32
-    o_ptr,  # NUM_SPLITS == 1: out [T, Hq, D]; else partial outputs [NUM_SPLITS, T, Hq, D] fp32
-    lse_ptr,  # [NUM_SPLITS, T, Hq] fp32 log2-sum-exp2 of each split (unused when NUM_SPLITS == 1)
+    o_ptr,  # not SPLIT: out [T, Hq, D]; else partial outputs [num_splits, T, Hq, D] fp32
+    lse_ptr,  # [num_splits, T, Hq] fp32 log2-sum-exp2 of each split (unused unless SPLIT)
     scale_log2,  # softmax scale * log2(e)
     stride_qt, stride_qh,
     stride_kn, stride_ks, stride_kh,
@@ -54,14 +55,15 @@ def paged_attention_kernel(
     stride_os, stride_ot, stride_oh,
     stride_ls, stride_lt,
     split_len,  # KV positions per split, a multiple of BLOCK_N
+    num_splits,  # a runtime value: a constexpr would compile one kernel per split count
     G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     TOKENS: tl.constexpr = BLOCK_M // G
     q_block = tl.program_id(0)
     b = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
 
     q_start = tl.load(query_start_loc_ptr + b).to(tl.int64)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
@@ -124,22 +126,23 @@ def paged_attention_kernel(
     out_rows = split * stride_os + (q_start + tok) * stride_ot + head * stride_oh
     out_mask = row_ok[:, None] & d_ok[None, :]
     tl.store(o_ptr + out_rows[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=out_mask)
-    if NUM_SPLITS > 1:
+    if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         lse_rows = split * stride_ls + (q_start + tok) * stride_lt + head
         tl.store(lse_ptr + lse_rows, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ps", "stride_ls", "num_splits"])
 def combine_splits_kernel(
-    part_ptr,  # [NUM_SPLITS, T, Hq, D] fp32
-    lse_ptr,  # [NUM_SPLITS, T, Hq] fp32, log2 domain, -inf for empty splits
+    part_ptr,  # [num_splits, T, Hq, D] fp32
+    lse_ptr,  # [num_splits, T, Hq] fp32, log2 domain, -inf for empty splits
     query_start_loc_ptr,  # [B+1] int32
     out_ptr,  # [T, Hq, D]
     stride_ps, stride_pt, stride_ph,
     stride_ls, stride_lt,
     stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
     i = tl.program_id(0)
     b = tl.program_id(1)
@@ -150,7 +153,7 @@ def combine_splits_kernel(
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = (offs_s * 0 + i) < q_len  # [SPLITS_P2], all equal: is token i part of request b?
-    s_ok = (offs_s < NUM_SPLITS) & row_ok
+    s_ok = (offs_s < num_splits) & row_ok
     lse = tl.load(lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [SPLITS_P2], 0 for empty splits
@@ -168,28 +171,27 @@ class AttentionConfig:
     block_m: int  # query rows per program (tokens * G, padded to a power of two)
     block_n: int  # KV positions per inner step
     tokens_per_block: int
+    num_warps: int
 
 
-def attention_config(G: int, max_q_len: int, device: torch.device) -> AttentionConfig:
+def attention_config(G: int, max_q_len: int, head_dim: int, fp32_dot: bool, gpu: bool) -> AttentionConfig:
+    """Tiles and warps of paged_attention_kernel. On GPUs the register budget decides (measured by
+    kernels/compile_check.py, ptxas for sm_80/sm_90/sm_100): IEEE fp32 dots run on FMA units with whole
+    operand tiles in registers, so they keep 16-row tiles and spread them over 8 warps (64 rows spilled
+    kilobytes at every head dim); 64-row tiles of 128-wide heads take 8 warps too (4 spilled on sm_80)."""
     rows = next_pow2(max(16, G))  # tl.dot needs >= 16 rows
-    if max_q_len * G > rows:
+    if max_q_len * G > rows and not (gpu and fp32_dot):
         rows = max(rows, 64)
-    block_n = 64 if device.type == "cuda" else 32
-    return AttentionConfig(block_m=rows, block_n=block_n, tokens_per_block=rows // G)
+    block_n = 64 if gpu else 32
+    wide = rows >= 64 and head_dim > 64
+    num_warps = 8 if gpu and (fp32_dot or wide) else 4
+    return AttentionConfig(block_m=rows, block_n=block_n, tokens_per_block=rows // G, num_warps=num_warps)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def pick_num_splits(programs: int, max_seq_len: int, device: torch.device) -> int:
-    """Split KV when the grid cannot fill the device and each split still gets >= 256 positions."""
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in _SM_COUNT:
-            _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        target = 2 * _SM_COUNT[idx]
-    else:
-        target = 4
+def pick_num_splits(programs: int, max_seq_len: int, sm_count: int | None) -> int:
+    """Split KV when the grid cannot fill the device and each split still gets >= 256 positions.
+    sm_count: the GPU's multiprocessors (None off a GPU)."""
+    target = 2 * sm_count if sm_count is not None else 4
     if programs >= target:
         return 1
     return max(1, min(-(-target // programs), max_seq_len // 256, 64))

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from kernels._launch import on_gpu
+
 # Read once: the dispatcher runs several times per layer per step.
 _TRITON_ON_CPU = os.environ.get("TANDEM_TRITON_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -18,7 +20,7 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def interpreter_bf16(dtype: torch.dtype, device: torch.device) -> bool:
+def interpreter_bf16(x: torch.Tensor) -> bool:
     """The Triton interpreter truncates fp32 -> bf16 casts (GPUs round to nearest even); kernels
     take this as a constexpr and round explicitly first (see _triton_utils.round_bf16)."""
-    return dtype == torch.bfloat16 and device.type != "cuda"
+    return x.dtype == torch.bfloat16 and not on_gpu(x)

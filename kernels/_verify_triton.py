@@ -11,15 +11,16 @@ import triton.language as tl
 
 from kernels import rng
 from kernels._dispatch import next_pow2
+from kernels._launch import launch, on_gpu
 from kernels._rng_triton import hash_key, stream_salt, uniform
 
 INT_MAX = 2**31 - 1
 
 
-def _chunking(V: int, device: torch.device, chunk: int | None) -> tuple[int, int, int]:
+def _chunking(V: int, gpu: bool, chunk: int | None) -> tuple[int, int, int]:
     """(CHUNK, BLOCK, num_chunks); CHUNK is a power of two and a multiple of BLOCK."""
     if chunk is None:
-        chunk = 8192 if device.type == "cuda" else 4096
+        chunk = 8192 if gpu else 4096
     chunk = next_pow2(min(chunk, max(V, 1)))
     block = min(chunk, 1024)
     return chunk, block, triton.cdiv(V, chunk)
@@ -35,17 +36,20 @@ def _first_max(vals, idxs):
 # ------------------------------------------------------------------------------------------- greedy
 
 
-@triton.jit
+# Scalars that change with k or the batch are not specialized (== 1 and divisible-by-16 variants would
+# each compile another kernel on a GPU).
+@triton.jit(do_not_specialize=["stride_b", "k1"])
 def _argmax_partial_kernel(
     logits_ptr,  # [B, K+1, V]
     val_ptr,  # [B * (K+1), C] fp32
     idx_ptr,  # [B * (K+1), C] int32
     stride_b, stride_j, V, C,
-    K1: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    k1,  # K+1, a runtime value: only the row split needs it, and each k would compile a kernel otherwise
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     c = tl.program_id(1)
-    base = logits_ptr + (row // K1).to(tl.int64) * stride_b + (row % K1) * stride_j
+    base = logits_ptr + (row // k1).to(tl.int64) * stride_b + (row % k1) * stride_j
     lo = c * CHUNK
     hi = tl.minimum(V, lo + CHUNK)
     best = tl.full([], float("-inf"), tl.float32)
@@ -62,7 +66,7 @@ def _argmax_partial_kernel(
     tl.store(idx_ptr + row * C + c, best_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_d"])
 def _greedy_finalize_kernel(
     val_ptr,  # [B * (K+1), C] fp32
     idx_ptr,  # [B * (K+1), C] int32
@@ -100,16 +104,17 @@ def verify_greedy(target_logits, draft_token_ids, chunk=None):
     accepted_len = torch.empty((B,), dtype=torch.int32, device=dev)
     if B == 0:
         return out, accepted_len
-    CHUNK, BLOCK, C = _chunking(V, dev, chunk)
+    CHUNK, BLOCK, C = _chunking(V, on_gpu(target_logits), chunk)
     vals = torch.empty((B * K1, C), dtype=torch.float32, device=dev)
     idxs = torch.empty((B * K1, C), dtype=torch.int32, device=dev)
-    _argmax_partial_kernel[(B * K1, C)](
-        target_logits, vals, idxs, target_logits.stride(0), target_logits.stride(1), V, C,
-        K1=K1, CHUNK=CHUNK, BLOCK=BLOCK,
+    launch(
+        _argmax_partial_kernel, (B * K1, C),
+        target_logits, vals, idxs, target_logits.stride(0), target_logits.stride(1), V, C, K1,
+        CHUNK=CHUNK, BLOCK=BLOCK,
     )
     drafts = draft_token_ids.contiguous() if K else out  # never read when K == 0
-    _greedy_finalize_kernel[(B,)](
-        vals, idxs, drafts, out, accepted_len, max(K, 1), C, K=K, C_P2=next_pow2(C),
+    launch(
+        _greedy_finalize_kernel, (B,), vals, idxs, drafts, out, accepted_len, max(K, 1), C, K=K, C_P2=next_pow2(C),
     )
     return out, accepted_len
 
@@ -136,7 +141,7 @@ def _accept_scan(p_ptr, q_ptr, draft_ptr, b, seed, pos0, stride_pb, stride_pj, s
     return n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pb", "stride_qb", "stride_qj", "stride_d", "B"])
 def _rejection_partial_kernel(
     p_ptr,  # [B, K+1, V] fp32
     q_ptr,  # [B, K, V] fp32 (read when HAS_Q)
@@ -198,7 +203,7 @@ def _rejection_partial_kernel(
     tl.store(part_ptr + 4 * plane + slot, idx_p.to(tl.float32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pb", "stride_qb", "stride_qj", "stride_d", "B"])
 def _rejection_finalize_kernel(
     p_ptr, q_ptr, draft_ptr, seed_ptr, pos_ptr,  # as in _rejection_partial_kernel
     part_ptr,  # [5, B, C] fp32
@@ -248,20 +253,20 @@ def rejection_from_probs(p, draft_token_ids, draft_probs, seeds, positions, chun
     accepted_len = torch.empty((B,), dtype=torch.int32, device=dev)
     if B == 0:
         return out, accepted_len
-    CHUNK, BLOCK, C = _chunking(V, dev, chunk)
+    CHUNK, BLOCK, C = _chunking(V, on_gpu(p), chunk)
     parts = torch.empty((5, B, C), dtype=torch.float32, device=dev)
     drafts = draft_token_ids.contiguous() if K else seeds  # never read when K == 0
     q = draft_probs if has_q else p
     qs = (q.stride(0), q.stride(1)) if has_q else (0, 0)
     seeds, positions = seeds.contiguous(), positions.contiguous()
     common = (p.stride(0), p.stride(1), qs[0], qs[1], max(K, 1))
-    _rejection_partial_kernel[(B, C)](
-        p, q, drafts, seeds, positions, parts, *common, V, C, B,
+    launch(
+        _rejection_partial_kernel, (B, C), p, q, drafts, seeds, positions, parts, *common, V, C, B,
         K=K, HAS_Q=has_q, CHUNK=CHUNK, BLOCK=BLOCK, SALT_ACCEPT=stream_salt(rng.STREAM_ACCEPT),
         SALT_RESIDUAL=stream_salt(rng.STREAM_RESIDUAL), SALT_SAMPLE=stream_salt(rng.STREAM_SAMPLE),
     )
-    _rejection_finalize_kernel[(B,)](
-        p, q, drafts, seeds, positions, parts, out, accepted_len, *common, C, B,
+    launch(
+        _rejection_finalize_kernel, (B,), p, q, drafts, seeds, positions, parts, out, accepted_len, *common, C, B,
         K=K, HAS_Q=has_q, C_P2=next_pow2(C), SALT_ACCEPT=stream_salt(rng.STREAM_ACCEPT),
     )
     return out, accepted_len

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kernels import _attention_triton as _tr
 from kernels._dispatch import next_pow2, use_triton
+from kernels._launch import launch, multiprocessor_count, on_gpu
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -91,8 +92,8 @@ def store_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
     assert key.device == k_cache.device == slot_mapping.device
     if T == 0:
         return
-    _tr.store_kv_kernel[(T,)](
-        key, value, k_cache, v_cache, slot_mapping,
+    launch(
+        _tr.store_kv_kernel, (T,), key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         H=H, D=D, BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D),
     )
@@ -328,21 +329,25 @@ def paged_attention_triton(
     if T == 0 or B == 0 or max_q_len == 0:
         return out
     G = Hq // Hkv
-    cfg = _tr.attention_config(G, max_q_len, query.device)
+    gpu = on_gpu(query)
+    fp32_dot = query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and not gpu)
+    cfg = _tr.attention_config(G, max_q_len, D, fp32_dot, gpu)
     q_blocks = -(-max_q_len // cfg.tokens_per_block)
     if num_splits is None:
-        num_splits = _tr.pick_num_splits(q_blocks * B * Hkv, max_seq_len, query.device)
+        sm_count = multiprocessor_count(query.device) if gpu else None
+        num_splits = _tr.pick_num_splits(q_blocks * B * Hkv, max_seq_len, sm_count)
     chunk = -(-max(1, max_seq_len) // num_splits)
     chunk = -(-chunk // cfg.block_n) * cfg.block_n
     num_splits = -(-max(1, max_seq_len) // chunk)
     if num_splits == 1:
-        part_out, part_lse = out, out  # unused by the kernel when NUM_SPLITS == 1
+        part_out, part_lse = out, out  # unused by the kernel without SPLIT
         o_strides, l_strides = (0, out.stride(0), out.stride(1)), (0, 0)
     else:
         part_out = torch.empty((num_splits, T, Hq, D), device=query.device, dtype=torch.float32)
         part_lse = torch.empty((num_splits, T, Hq), device=query.device, dtype=torch.float32)
         o_strides, l_strides = part_out.stride()[:3], part_lse.stride()[:2]
-    _tr.paged_attention_kernel[(q_blocks, B, Hkv * num_splits)](
+    launch(
+        _tr.paged_attention_kernel, (q_blocks, B, Hkv * num_splits),
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_out, part_lse,
         scale * math.log2(math.e),
         query.stride(0), query.stride(1),
@@ -350,19 +355,18 @@ def paged_attention_triton(
         block_tables.stride(0),
         o_strides[0], o_strides[1], o_strides[2],
         l_strides[0], l_strides[1],
-        chunk,
+        chunk, num_splits,
         G=G, PAGE=S, HEAD_DIM=D, BLOCK_D=next_pow2(max(D, 16)),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
-        FP32_DOT=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and not query.is_cuda),
-        num_warps=4,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=num_splits > 1,
+        FP32_DOT=fp32_dot, num_warps=cfg.num_warps,
     )
     if num_splits > 1:
-        _tr.combine_splits_kernel[(max_q_len, B, Hq)](
-            part_out, part_lse, query_start_loc, out,
+        launch(
+            _tr.combine_splits_kernel, (max_q_len, B, Hq), part_out, part_lse, query_start_loc, out,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=D, BLOCK_D=next_pow2(D), NUM_SPLITS=num_splits, SPLITS_P2=next_pow2(num_splits),
+            out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=D, BLOCK_D=next_pow2(D), SPLITS_P2=next_pow2(num_splits),
         )
     return out
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels._launch import launch
 
 BLOCK_V = 2048  # tokens per program
 
@@ -123,8 +124,8 @@ def apply_token_bitmask_triton(logits, bitmask, row_has_grammar=None, indices=No
         return
     dummy = bitmask  # never read when the matching HAS_* flag is off
     flag = row_has_grammar.view(torch.int8) if row_has_grammar is not None else dummy
-    _bitmask_kernel[(rows, triton.cdiv(V, BLOCK_V))](
-        logits, bitmask, flag,
+    launch(
+        _bitmask_kernel, (rows, triton.cdiv(V, BLOCK_V)), logits, bitmask, flag,
         indices if indices is not None else dummy,
         d2t if d2t is not None else dummy,
         logits.stride(0), bitmask.stride(0), V, vt,

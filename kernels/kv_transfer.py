@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels._launch import launch
 
 BLOCK = 2048  # elements per program
 
@@ -47,7 +48,7 @@ def unpack_kv_ref(
     kv_cache[:, :, :, :, h0:h1].index_copy_(2, block_ids, buffer.to(kv_cache.dtype))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "head_start"])  # per request and per rank: one kernel for all
 def _copy_blocks_kernel(
     src_ptr,  # PACK: cache [L, 2, N, S, H, D]; else buffer [L, 2, n, S, h, D]
     dst_ptr,  # PACK: buffer; else cache
@@ -89,7 +90,8 @@ def _launch(src, dst, kv_cache, buffer, block_ids, head_start, pack):
     assert kv_cache.device == buffer.device == block_ids.device
     if n == 0:
         return
-    _copy_blocks_kernel[(L * 2 * n, triton.cdiv(S * h * D, BLOCK))](
+    launch(
+        _copy_blocks_kernel, (L * 2 * n, triton.cdiv(S * h * D, BLOCK)),
         src, dst, block_ids, n, *kv_cache.stride()[:5], head_start,
         HEADS=h, D=D, BLOCK_SIZE=S, PACK=pack, BLOCK=BLOCK,
     )

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import interpreter_bf16, next_pow2, use_triton
+from kernels._launch import launch
 from kernels._triton_utils import round_bf16
 
 
@@ -74,24 +75,31 @@ def _rms_norm_kernel(
 
 
 def rms_norm_triton(x, weight, eps, residual=None):
-    T, H = x.shape
-    assert weight.shape == (H,) and x.stride(1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
+    shape, H = x.shape, x.shape[-1]
+    assert weight.shape == (H,) and weight.is_contiguous(), (x.shape, weight.shape)
+    if residual is not None:
+        assert residual.shape == shape and residual.dtype == x.dtype, (residual.shape, shape)
+    # Every leading dim is a row, as in the reference: Qwen3 normalizes q/k [T, heads, D] per head.
+    if x.dim() != 2:
+        x = x.reshape(-1, H)
+        residual = residual.reshape(-1, H) if residual is not None else None
+    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1), (x.stride(), shape)
+    T = x.shape[0]
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     new_res = torch.empty_like(out) if residual is not None else out
-    if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
     if T:
-        _rms_norm_kernel[(T,)](
-            x, residual if residual is not None else x, weight, out, new_res,
+        launch(
+            _rms_norm_kernel, (T,), x, residual if residual is not None else x, weight, out, new_res,
             x.stride(0), residual.stride(0) if residual is not None else 0, eps,
-            H=H, BLOCK=next_pow2(H), HAS_RES=residual is not None, RNE=interpreter_bf16(x.dtype, x.device),
+            H=H, BLOCK=next_pow2(H), HAS_RES=residual is not None, RNE=interpreter_bf16(x),
             num_warps=4 if H <= 4096 else 8,
         )
+    out, new_res = out.view(shape), new_res.view(shape)
     return out if residual is None else (out, new_res)
 
 
 def rms_norm(x, weight, eps, residual=None):
-    """RMSNorm of x `[T, H]`; with `residual`, returns (normed, new_residual = x + residual)."""
+    """RMSNorm over the last dim of x `[..., H]`; with `residual`, returns (normed, new_residual = x + residual)."""
     fn = rms_norm_triton if use_triton(x) else rms_norm_ref
     return fn(x, weight, eps, residual)
 
@@ -210,10 +218,10 @@ def _rope_one(x, positions, cos_sin):
     assert x.stride(2) == 1 and R % 2 == 0 and R <= D and cos_sin.is_contiguous(), (x.stride(), cos_sin.shape)
     out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
     if T:
-        _rope_kernel[(T,)](
-            x, out, positions, cos_sin, x.stride(0), x.stride(1),
+        launch(
+            _rope_kernel, (T,), x, out, positions, cos_sin, x.stride(0), x.stride(1),
             H=H, D=D, R=R, BLOCK_H=next_pow2(H), BLOCK_HALF=next_pow2(R // 2),
-            BLOCK_PASS=next_pow2(max(D - R, 1)), RNE=interpreter_bf16(x.dtype, x.device),
+            BLOCK_PASS=next_pow2(max(D - R, 1)), RNE=interpreter_bf16(x),
         )
     return out
 

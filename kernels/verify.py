@@ -18,6 +18,7 @@ import torch
 from kernels import rng
 from kernels import _verify_triton as _tr
 from kernels._dispatch import use_triton
+from kernels._launch import on_gpu
 
 
 def _emit(draft_token_ids, accepted_len, last_token) -> torch.Tensor:
@@ -75,7 +76,7 @@ def target_probs(
     greedy = temperature <= 0
     logits = target_logits.float() / torch.where(greedy, 1.0, temperature.float())[:, None, None]
     if has_filters is None:
-        has_filters = logits.is_cuda or bool(((top_k > 0) & (top_k < V)).any() | (top_p < 1).any())
+        has_filters = on_gpu(logits) or bool(((top_k > 0) & (top_k < V)).any() | (top_p < 1).any())
     if has_filters:
         k = top_k.long()
         k = torch.where((k <= 0) | (k >= V), V, k)[:, None, None].expand(B, J, 1)
@@ -90,7 +91,7 @@ def target_probs(
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     # Greedy rows keep only their (first) argmax, so softmax returns an exact one-hot. (On CPU the
     # pass is skipped when no row is greedy: reading a flag there costs no device sync.)
-    if logits.is_cuda or bool(greedy.any()):
+    if on_gpu(logits) or bool(greedy.any()):
         top = target_logits.argmax(-1, keepdim=True)
         not_top = torch.arange(V, device=logits.device) != top  # [B, J, V]
         logits = logits.masked_fill_(not_top & greedy[:, None, None], float("-inf"))

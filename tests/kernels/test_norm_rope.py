@@ -119,6 +119,23 @@ def test_rms_norm_matches_transformers(fn, dtype, T, H):
         torch.testing.assert_close(out, hf(x + res), atol=TOL[dtype][0], rtol=TOL[dtype][1])
 
 
+@pytest.mark.parametrize("fn", [rms_norm_ref, rms_norm_triton])
+def test_rms_norm_per_head_of_a_strided_view(fn):
+    """Qwen3's q/k norm: [T, heads, D] views of a fused projection, normalized per head. The Triton wrapper
+    took only [T, H] and raised on this shape (found by kernels/compile_check.py, Qwen3-8B)."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 4 + 2 * 2, 32, generator=gen)
+    q = qkv[:, :4]  # [5, 4, 32], not contiguous
+    w = torch.randn(32, generator=gen)
+    want = LlamaRMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        want.weight.copy_(w)
+        torch.testing.assert_close(fn(q, w, 1e-6), want(q), atol=1e-5, rtol=1e-5)
+        res = torch.randn(5, 4, 32, generator=gen)
+        out, new_res = fn(q, w, 1e-6, res)
+        assert out.shape == new_res.shape == q.shape and torch.equal(new_res, q + res)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_norm_rope_cuda(dtype):

@@ -1,0 +1,217 @@
+"""What the engine launches: every kernel launch of kernels/ over the engine's configuration space,
+recorded from the wrappers themselves (kernels/_launch.py) on meta tensors, with no GPU.
+
+The inputs are engine facts, never kernel parameters: the supported models' shapes (the zoo's
+checkpoints, SmolLM2-135M, and the head dims / GQA groups / vocabularies of the supported families),
+the activation dtypes, KV block sizes, batch sizes, KV lengths, speculative k from 0 to MAX_K, draft
+vocabularies and tensor-parallel head slices. Each point runs the `*_triton` wrappers with tensors
+shaped as the engine makes them (q/k/v as views of one fused projection, caches as slices of the
+[L, 2, N, S, H, D] cache), so grids, constexprs and launch options come from the launch code; a new
+launch shape in a wrapper shows up here without a table to update. kernels/compile_check.py compiles
+what is recorded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels._launch import Launch, recording
+from kernels.attention import paged_attention_triton, store_kv_triton
+from kernels.bitmask import apply_token_bitmask_triton
+from kernels.kv_transfer import pack_kv_triton, unpack_kv_triton
+from kernels.norm_rope import apply_rope_triton, rms_norm_triton
+from kernels._verify_triton import rejection_from_probs
+from kernels.verify import verify_greedy_triton
+
+ZOO_PREBUILT = Path(__file__).resolve().parents[1] / "zoo" / "prebuilt"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The shapes of one model that reach a kernel."""
+
+    name: str
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    draft_vocab: int | None = None  # an EAGLE-3 head's own, smaller vocabulary (bitmask through d2t)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+
+# Published configs of the supported families (engine/config.py SUPPORTED_ARCHITECTURES): the default
+# real model, head dim 128 with GQA groups 4 and 7, Qwen3's per-head norm, EAGLE-3's 32k draft vocabulary.
+PUBLISHED = (
+    ModelShape("SmolLM2-135M", 576, 9, 3, 64, 49152),
+    ModelShape("Llama-3.1-8B", 4096, 32, 8, 128, 128256, draft_vocab=32000),
+    ModelShape("Qwen2.5-7B", 3584, 28, 4, 128, 152064),
+    ModelShape("Qwen3-8B", 4096, 32, 8, 128, 151936, qk_norm=True),
+)
+
+
+def zoo_shapes(root: Path = ZOO_PREBUILT) -> list[ModelShape]:
+    """The zoo's prebuilt checkpoints (target, draft model, heads), from their config.json files."""
+    shapes = {}
+    for path in sorted(root.glob("*/*/config.json")):
+        raw = json.loads(path.read_text())
+        heads = raw["num_attention_heads"]
+        draft_vocab = raw.get("draft_vocab_size")
+        shape = ModelShape(
+            f"zoo/{path.parent.parent.name}/{path.parent.name}", raw["hidden_size"], heads,
+            raw.get("num_key_value_heads") or heads, raw.get("head_dim") or raw["hidden_size"] // heads,
+            raw["vocab_size"], draft_vocab if draft_vocab not in (None, raw["vocab_size"]) else None,
+        )
+        shapes.setdefault(dataclasses.replace(shape, name=""), shape)  # one per distinct shape
+    return list(shapes.values())
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpace:
+    """The engine settings that change a launch. The defaults are the engine's own (EngineConfig's block
+    size and prefill budget, SpecConfig's MAX_K; tests/kernels/test_compile_specs.py holds them equal):
+    kept here so the check runs without importing the engine."""
+
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+    block_sizes: tuple[int, ...] = (16, 32)  # EngineConfig.block_size's default, and twice it
+    max_k: int = 8  # speculative drafts per step: 0 (none, dynamic k's floor) .. SpecConfig's MAX_K
+    prefill_tokens: int = 2048  # EngineConfig.max_num_batched_tokens: the longest prefill chunk
+    batches: tuple[int, ...] = (1, 3, 16, 64, 256)  # decode batches: graph sizes and an odd one
+    kv_lens: tuple[int, ...] = (17, 1000, 4096, 32768)  # short, split-KV and long contexts
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _qkv(m: ModelShape, dtype: torch.dtype, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k and v [T, Hkv, D] as the engine has them: views of one fused projection."""
+    qkv = _meta(T, m.qkv_width, dtype=dtype)
+    q_w, kv_w = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    return (qkv[:, :q_w].view(T, m.num_heads, m.head_dim), qkv[:, q_w:q_w + kv_w].view(T, m.num_kv_heads, m.head_dim),
+            qkv[:, q_w + kv_w:].view(T, m.num_kv_heads, m.head_dim))
+
+
+def _token_launches(m: ModelShape, dtype: torch.dtype, T: int) -> None:
+    """The per-token kernels of one layer over T rows: norms (with and without the residual), Qwen3's
+    per-head q/k norm, rotary embedding."""
+    hidden = _meta(T, m.hidden, dtype=dtype)
+    weight = _meta(m.hidden, dtype=dtype)
+    rms_norm_triton(hidden, weight, 1e-6)
+    rms_norm_triton(hidden, weight, 1e-6, residual=_meta(T, m.hidden, dtype=dtype))
+    q, k, _ = _qkv(m, dtype, T)
+    if m.qk_norm:
+        head_weight = _meta(m.head_dim, dtype=dtype)
+        q, k = rms_norm_triton(q, head_weight, 1e-6), rms_norm_triton(k, head_weight, 1e-6)
+    positions = _meta(T, dtype=torch.int64)
+    for table_dtype in {torch.float32, dtype}:  # the rope table is a buffer: fp32, or cast with the model
+        apply_rope_triton(q, k, positions, _meta(4096, m.head_dim, dtype=table_dtype))
+
+
+def _attention_launches(m: ModelShape, dtype: torch.dtype, page: int, B: int, q_len: int, kv_len: int) -> None:
+    """KV write and attention of one layer: B requests of q_len new tokens each over kv_len positions, the
+    layer's caches slices of the engine's [L, 2, N, S, Hkv, D] cache."""
+    T = B * q_len
+    q, k, v = _qkv(m, dtype, T)
+    blocks_per_seq = -(-kv_len // page)
+    kv_cache = _meta(2, 2, B * blocks_per_seq + 1, page, m.num_kv_heads, m.head_dim, dtype=dtype)
+    k_cache, v_cache = kv_cache[0, 0], kv_cache[0, 1]
+    store_kv_triton(k, v, k_cache, v_cache, _meta(T, dtype=torch.int64))
+    paged_attention_triton(q, k_cache, v_cache, _meta(B, blocks_per_seq, dtype=torch.int32),
+                           _meta(B, dtype=torch.int32), _meta(B + 1, dtype=torch.int32), m.head_dim ** -0.5,
+                           q_len, kv_len)
+
+
+def _sampling_launches(m: ModelShape, B: int, k: int) -> None:
+    """Grammar masks and verification of one step: B requests with k drafts (logits are fp32). Rejection
+    sampling is called past target_probs (plain torch, no kernel; slow on meta tensors)."""
+    k1 = k + 1
+    words = -(-m.vocab // 32)
+    logits = _meta(B, k1, m.vocab)
+    apply_token_bitmask_triton(logits.view(B * k1, m.vocab), _meta(B * k1, words, dtype=torch.int32),
+                               _meta(B * k1, dtype=torch.bool))
+    for draft_vocab in {m.vocab, m.draft_vocab or m.vocab}:  # draft steps, through d2t when smaller
+        d2t = _meta(draft_vocab, dtype=torch.int64) if draft_vocab != m.vocab else None
+        apply_token_bitmask_triton(_meta(B, draft_vocab), _meta(B, words, dtype=torch.int32),
+                                   _meta(B, dtype=torch.bool), d2t=d2t)
+    drafts = _meta(B, k, dtype=torch.int64)
+    verify_greedy_triton(logits, drafts)
+    seeds, positions = _meta(B, dtype=torch.int64), _meta(B, dtype=torch.int64)
+    for draft_probs in (None, _meta(B, k, m.vocab)):  # greedy drafts, sampled drafts
+        rejection_from_probs(logits, drafts, draft_probs, seeds, positions)
+
+
+def _handover_launches(m: ModelShape, dtype: torch.dtype, page: int) -> None:
+    """KV hand-over: whole caches, and head slices for a tp=2 receiver."""
+    kv_cache = _meta(2, 2, 64, page, m.num_kv_heads, m.head_dim, dtype=dtype)
+    slices = [(0, m.num_kv_heads)]
+    if m.num_kv_heads % 2 == 0:
+        slices.append((m.num_kv_heads // 2, m.num_kv_heads))
+    for n in (1, 5, 64):
+        ids = _meta(n, dtype=torch.int64)
+        for h0, h1 in slices:
+            buffer = pack_kv_triton(kv_cache, ids, head_start=h0, head_end=h1)
+            unpack_kv_triton(buffer, kv_cache, ids, head_start=h0)
+
+
+def _distinct(models: list[ModelShape], *fields: str) -> list[ModelShape]:
+    """One model per distinct value of `fields` (what a scenario reads of a model)."""
+    seen = {}
+    for m in models:
+        seen.setdefault(tuple(getattr(m, f) for f in fields), m)
+    return list(seen.values())
+
+
+def scenarios(models: list[ModelShape], space: EngineSpace) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(description, call) for every engine situation that launches kernels. Each family of kernels is
+    swept over the models' shapes it reads, so equal shapes are not recorded twice."""
+    steps = [(B, k + 1) for B in space.batches for k in range(space.max_k + 1)]  # decode and verification
+    steps += [(B, space.prefill_tokens) for B in (1, 3)]  # prefill chunks
+    for dtype in space.dtypes:
+        dt = str(dtype).removeprefix("torch.")
+        for m in _distinct(models, "hidden", "num_heads", "num_kv_heads", "head_dim", "qk_norm"):
+            for T in sorted({B * q_len for B, q_len in steps}):
+                yield f"{m.name} {dt}: norm and rope, {T} rows", lambda m=m, d=dtype, T=T: _token_launches(m, d, T)
+        for m in _distinct(models, "num_heads", "num_kv_heads", "head_dim"):
+            for page in space.block_sizes:
+                for B, q_len in steps:
+                    for kv_len in space.kv_lens if q_len <= space.max_k + 1 else (q_len, 4 * q_len):
+                        yield (f"{m.name} {dt} block {page}: attention B={B} q_len={q_len} kv={kv_len}",
+                               lambda m=m, d=dtype, p=page, B=B, q=q_len, L=kv_len: _attention_launches(
+                                   m, d, p, B, q, L))
+        for m in _distinct(models, "num_kv_heads", "head_dim"):
+            for page in space.block_sizes:
+                yield f"{m.name} {dt} block {page}: hand-over", lambda m=m, d=dtype, p=page: _handover_launches(m, d, p)
+    for m in _distinct(models, "vocab", "draft_vocab"):
+        for B in space.batches:
+            for k in range(space.max_k + 1):
+                yield f"{m.name}: sampling B={B} k={k}", lambda m=m, B=B, k=k: _sampling_launches(m, B, k)
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    scenario: str
+    launch: Launch
+
+
+def record(sm_count: int, models: list[ModelShape], space: EngineSpace) -> tuple[list[Recorded], list[str]]:
+    """(every launch of every scenario as the wrappers make it on a GPU with `sm_count` SMs, the scenarios
+    whose wrapper failed before launching, each with its error)."""
+    launches, failures = [], []
+    for name, call in scenarios(models, space):
+        with recording(sm_count) as rec:
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - any wrapper error is a finding, reported with its scenario
+                failures.append(f"{name}: {type(e).__name__}: {e}")
+        launches += [Recorded(name, launch) for launch in rec.launches]
+    return launches, failures

@@ -1,0 +1,91 @@
+"""kernels/compile_check.py: every kernel launch compiled for sm_80/sm_90/sm_100 without a GPU, and the
+recording (kernels/_launch.py) that derives what to compile from the wrappers themselves."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels._launch import multiprocessor_count, on_gpu, recording
+from kernels.attention import paged_attention_triton
+from kernels.compile_specs import EngineSpace
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _kernel_name(kernel) -> str:
+    return kernel.fn.__name__
+
+
+def test_recording_keeps_what_the_wrapper_would_launch():
+    """One decode request over 32k positions on a pretend 132-SM GPU: split-KV, then the combine, with the
+    GPU's rules (64-wide KV tiles, bf16 dots) although the tensors are meta tensors; nothing runs."""
+    q = _meta(1, 9, 64, dtype=torch.bfloat16)
+    cache = _meta(2049, 16, 3, 64, dtype=torch.bfloat16)
+    with recording(sm_count=132) as rec:
+        assert on_gpu(q) and multiprocessor_count(q.device) == 132
+        paged_attention_triton(q, cache, cache, _meta(1, 2048, dtype=torch.int32), _meta(1, dtype=torch.int32),
+                               _meta(2, dtype=torch.int32), 0.125, 1, 32768)
+    assert not on_gpu(q), "the pretend GPU ends with the recording"
+    attention, combine = rec.launches
+    assert _kernel_name(attention.kernel) == "paged_attention_kernel"
+    num_splits = attention.grid[2] // 3
+    assert num_splits == 64 and attention.kwargs["SPLIT"] and attention.kwargs["BLOCK_N"] == 64
+    assert not attention.kwargs["FP32_DOT"] and attention.kwargs["G"] == 3 and attention.kwargs["PAGE"] == 16
+    assert _kernel_name(combine.kernel) == "combine_splits_kernel" and combine.kwargs["SPLITS_P2"] == 64
+
+
+def test_every_launch_goes_through_launch():
+    """A kernel launched as `kernel[grid](...)` would escape the recording, and so the compile check."""
+    direct = []
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\w\[\(.*\)\]\(", line) and "kernel[grid]" not in line:
+                direct.append(f"{path.name}:{n}: {line.strip()}")
+    assert not direct, direct
+
+
+def _launched_kernels() -> set[str]:
+    """Every kernel named as the first argument of a `launch(` call in kernels/."""
+    names = set()
+    for path in (ROOT / "kernels").glob("*.py"):
+        names |= set(re.findall(r"launch\(\s*(?:_tr\.)?(\w+kernel)\b", path.read_text()))
+    return names
+
+
+def test_engine_space_is_the_engines():
+    """EngineSpace keeps the engine's defaults so the check runs without importing the engine; this holds
+    them equal."""
+    from engine import EngineConfig
+    from engine.speculative.config import MAX_K
+
+    fields = EngineConfig.__dataclass_fields__
+    space = EngineSpace()
+    assert space.block_sizes[0] == fields["block_size"].default
+    assert space.prefill_tokens == fields["max_num_batched_tokens"].default
+    assert space.max_k == MAX_K
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(3600)  # cold: every specialization compiled (see bench/results/compile_check.md)
+def test_every_kernel_compiles_for_sm80_sm90_sm100(tmp_path):
+    """The whole check, in a subprocess: this test run may have TRITON_INTERPRET=1, under which triton.jit
+    gives interpreter functions that cannot be compiled. Warm (cached) it takes well under a minute."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TANDEM_TRITON_ON_CPU")}
+    env["PYTHONPATH"] = str(ROOT)
+    report = tmp_path / "compile_check"
+    proc = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--report", str(report)], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    results = json.loads(report.with_suffix(".json").read_text())
+    compiled = {r["kernel"] for r in results["results"]}
+    assert compiled == _launched_kernels(), "a kernel launched in kernels/ is missing from the check (or vice versa)"
+    assert {r["target"] for r in results["results"]} == {"sm_80", "sm_90", "sm_100"}
