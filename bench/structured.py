@@ -1,11 +1,11 @@
 """Structured outputs on JSONSchemaBench-format cases (issue 11, "Measured").
 
 Part 1, grammar faithfulness (no model): per case, compile the schema the way the engine does
-(engine.grammar.compile_structured: compact JSON, ", " and ": " separators), then feed each of the
+(structured.request.compile_structured: compact JSON, ", " and ": " separators), then feed each of the
 case's instances, serialized as that grammar expects, to a fresh xgrammar matcher: a valid instance
 should complete the grammar, an invalid one should not. A schema xgrammar would not enforce
-(engine.schema_support.first_unenforceable) goes, as in the engine, to llguidance
-(engine/grammar_llguidance.py: same options, same validation, the engine's LLGuidanceState fed the
+(structured.schema.support.first_unenforceable) goes, as in the engine, to llguidance
+(structured/llguidance.py: same options, same validation, the engine's LLGuidanceState fed the
 instance's tokens and then EOS); it is served if llguidance accepts it, else refused (a 400).
 Reported per subset and overall, for all compiled cases (xgrammar) and for the served ones (each by
 the backend that serves it), per backend, plus compile rate and compile time. Keywords present in
@@ -30,12 +30,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from bench.common import write_results
-from engine.schema_rewrite import UNRESOLVED, follow_pointer
-from engine import grammar_llguidance as llg
-from engine.grammar import StructuredOutput, compile_structured, llguidance_schema
-from engine.compile_worker import CompileWorker, WorkerFailed, WorkerTimeout
-from engine.schema_rewrite import rewrite
-from engine.schema_support import ANNOTATIONS, first_unenforceable
+from structured import llguidance as llg
+from structured.compile_worker import CompileWorker, WorkerFailed, WorkerTimeout
+from structured.compiler import compile_structured, llguidance_schema
+from structured.request import StructuredOutput
+from structured.schema.rewrite import rewrite
+from structured.schema.support import first_unenforceable
+from structured.schema.walk import ANNOTATIONS, UNRESOLVED, follow_pointer
 
 DEFAULT_CASES = Path("/work/shared/data/jsonschemabench/cases")
 
@@ -308,7 +309,7 @@ def table(summary: dict, by_subset: dict[str, dict], tokenizer: str) -> str:
                           for b, s in summary["by_backend"].items()))
     return (f"# Structured outputs: grammar faithfulness (xgrammar + llguidance, compact JSON)\n\n"
             f"Tokenizer: `{tokenizer}`. \"all\" = every case xgrammar compiles, judged by xgrammar; \"served\" "
-            f"= the cases the engine serves (xgrammar where engine.schema_support finds nothing it would not "
+            f"= the cases the engine serves (xgrammar where structured.schema.support finds nothing it would not "
             f"enforce, else llguidance where it accepts the schema), each judged by its backend.\n\n{head}{body}{backends}")
 
 

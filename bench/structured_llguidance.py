@@ -1,15 +1,15 @@
 """Would llguidance, as a second grammar backend, serve the schemas xgrammar cannot be trusted with?
 (issue 11, "enforce or refuse": measure a second backend before adding one.)
 
-For every case engine.schema_support still refuses (after engine.schema_rewrite), compile the case's
+For every case structured.schema.support still refuses (after structured.schema.rewrite), compile the case's
 schema with llguidance (compact JSON: ", " and ": ", no free whitespace, oneOf NOT coerced to anyOf)
 and, where llguidance accepts it, feed each valid and invalid instance (serialized as the engine's
 grammar writes it, tokenized by the zoo tokenizer) to an LLMatcher. llguidance refuses what it cannot
 enforce itself, so "serves" counts schemas it compiles, and a leak is an invalid instance it accepts.
 
 This was the measurement that decided to add llguidance; it is now the engine's second backend
-(engine/grammar_llguidance.py), and bench/structured.py reports what the engine serves with it (per
-backend, with the key-presence rewrites of engine/schema_presence.py, which this script leaves out).
+(structured/llguidance.py), and bench/structured.py reports what the engine serves with it (per
+backend, with the key-presence rewrites of structured/schema/presence.py, which this script leaves out).
 
     python -m bench.structured_llguidance [--cases DIR]
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from bench.common import write_results
 from bench.structured import DEFAULT_CASES, serialize, subset_of
-from engine.schema_rewrite import rewrite
-from engine.schema_support import first_unenforceable
+from structured.schema.rewrite import rewrite
+from structured.schema.support import first_unenforceable
 
 OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "coerce_one_of": False}
 

@@ -10,10 +10,15 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from cluster.errors import ChannelError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+# torch.distributed loads with the first store, not with this module: the wire protocol's StoreAddress
+# lives here, and the router reads the protocol without torch.
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +43,16 @@ class StoreServer:
     """A TCPStore master on an ephemeral port; peers connect to `address` with `connect_store`."""
 
     def __init__(self, host: str | None = None, timeout_s: float = 30.0):
+        import torch.distributed as dist
+
         self.store = dist.TCPStore(
             "0.0.0.0", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
         self.address = StoreAddress(host or node_ip(), self.store.port)
 
 
 def connect_store(address: StoreAddress, timeout_s: float = 30.0) -> dist.TCPStore:
+    import torch.distributed as dist
+
     try:
         return dist.TCPStore(address.host, address.port, None, False, timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistError) as e:
@@ -52,6 +61,8 @@ def connect_store(address: StoreAddress, timeout_s: float = 30.0) -> dist.TCPSto
 
 def handshake(store: dist.Store, rank: int, size: int, timeout_s: float) -> None:
     """Every member of a group-to-be announces itself and waits for the others, or ChannelError."""
+    import torch.distributed as dist
+
     store.set(f"hello/{rank}", b"1")
     others = [f"hello/{r}" for r in range(size) if r != rank]
     try:

@@ -28,7 +28,7 @@ from decode_worker.receiver import HandoverReceiver
 from decode_worker.stock import HandoverStock
 from decode_worker.turns import StepTurns
 from engine import CapacityError, LLMEngine, ModelConfig, TandemError, shm_collectives
-from engine.grammar import SerializedGrammar
+from structured.request import SerializedGrammar
 
 log = logging.getLogger(__name__)
 

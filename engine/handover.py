@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
-from engine.grammar import SerializedGrammar
 from engine.sampling_params import SamplingParams
+from structured.request import SerializedGrammar
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,6 @@ from engine.config import EngineConfig, ModelConfig
 from engine.data_parallel import DPContext
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import CapacityError, InvalidRequestError
-from engine.grammar import GrammarCompiler, SerializedGrammar
 from engine.handover import Handover, HandoverRequest
 from engine.logits_masker import LogitsMasker
 from engine.model_runner import ModelRunner, StepResult
@@ -36,6 +35,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, ScheduledRequest
 from engine.speculative.drafter import draft_room
 from engine.structured_output import GrammarMasker
+from structured.compiler import GrammarCompiler
+from structured.request import SerializedGrammar
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ class LLMEngine:
         """Load a hand-over's compiled grammar into the compiler's cache now, on the caller's thread (the
         decode rank's channel thread, as the header lands), so that `reserve` on the step thread finds it
         there: for llguidance the load builds the lexer and parser from the grammar text, up to seconds
-        for a large schema (engine/grammar_llguidance.py), a stall of every running request's step.
+        for a large schema (structured/llguidance.py), a stall of every running request's step.
         A grammar that does not load is left for `reserve` to refuse, with the request's error."""
         if structured is None or compiled is None:
             return

@@ -1,7 +1,7 @@
 """GrammarMasker: structured outputs in the step, a LogitsMasker over grammar matchers (xgrammar's or
-llguidance's, behind engine/grammar_state.py's GrammarState).
+llguidance's, behind structured/state.py's GrammarState).
 
-Each guided request has a matcher (engine/grammar.py, GrammarState) that has accepted exactly the
+Each guided request has a matcher (structured/request.py, GrammarState) that has accepted exactly the
 request's emitted output tokens. Per step (DESIGN.md, "Grammar with speculation"):
   verification rows: row 0 is the matcher's own mask; the matcher then advances through the drafts
     to fill rows 1..k and is rolled back. Rows after the first draft the grammar rejects stay
@@ -24,9 +24,10 @@ from concurrent.futures import Future
 
 import torch
 
-from engine.grammar import (GrammarCompiler, GrammarState, SerializedGrammar, StructuredOutput,
-                            check_structured_enforceable)
 from engine.logits_masker import LogitsMasker, MaskRow
+from structured.compiler import GrammarCompiler
+from structured.request import SerializedGrammar, StructuredOutput, check_structured_enforceable
+from structured.state import GrammarState
 
 log = logging.getLogger(__name__)
 

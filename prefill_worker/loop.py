@@ -12,11 +12,14 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cluster.faults import FaultPoints
 from cluster.protocol import DecodeTarget, PrefillRequest, PrefillResult
-from engine import LLMEngine, SamplingParams, TandemError
-from prefill_worker.handover import HandoverSender
+from engine import SamplingParams, TandemError
+
+if TYPE_CHECKING:
+    from engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,8 @@ class PrefillJob:
 class PrefillLoop:
     def __init__(self, engine: LLMEngine, sender_name: str, transfer_timeout_s: float, connect_timeout_s: float,
                  transport: str = "auto", faults: FaultPoints | None = None):
+        from prefill_worker.handover import HandoverSender  # packs KV with torch: loaded with a loop, not with this module
+
         self.engine = engine
         self.sender = HandoverSender(engine.kv_cache, self.release, sender_name, transfer_timeout_s,
                                      connect_timeout_s, transport, faults)

@@ -8,7 +8,7 @@ import time
 
 from router import responses as R
 from engine.detokenizer import IncrementalDetokenizer
-from engine.output_check import output_violation
+from structured.output_check import output_violation
 from router.errors import APIError
 from router.generation import Generation
 from router.tool_parser import ToolCallStream, parse_tool_calls

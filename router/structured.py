@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 
 from engine.errors import InvalidRequestError
-from engine.grammar import StructuredOutput
 from router.errors import APIError, invalid
+from structured.request import StructuredOutput
 
 _STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
                             "json_object": "json_object"}

@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
-from engine.schema_support import check_enforceable
 from router.errors import invalid
+from structured.schema.support import check_enforceable
 
 CALL_BEGIN = "<tool_call>"
 CALL_END = "</tool_call>"

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgpack
-import torch
 
 from cluster.errors import HandoverHeaderError
 from engine.errors import InvalidRequestError
-from engine.grammar import BACKENDS, SerializedGrammar
 from engine.handover import HandoverRequest
+from structured.request import BACKENDS, SerializedGrammar
+
+if TYPE_CHECKING:
+    import torch
 
 HANDOVER_VERSION = 3  # bump on any change to the fields below or to HandoverRequest's (3: GrammarHandover.backend)
 
@@ -69,7 +72,7 @@ class GrammarHandover:
     """A guided request's grammar, so the decode rank need not compile it again. The matcher is rebuilt
     from the request's own output tokens (HandoverRequest.output_token_ids: exactly the tokens the
     prefill's matcher accepted), which the header carries."""
-    cache_key: str  # engine.grammar.StructuredOutput.key(): the content hash both sides cache compilations by
+    cache_key: str  # structured.request.StructuredOutput.key(): the content hash both sides cache compilations by
     compiled: str | None  # SerializedGrammar.text; None: the receiver compiles (or has it cached)
     backend: str = "xgrammar"  # SerializedGrammar.backend: which library loads `compiled` ("xgrammar", "llguidance")
 

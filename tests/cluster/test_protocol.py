@@ -38,7 +38,7 @@ def test_round_trip(grammar, parts):
 
 
 def test_a_guided_request_keeps_its_structured_output():
-    from engine.grammar import StructuredOutput
+    from structured.request import StructuredOutput
 
     guided = StructuredOutput(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
     req = dataclasses.replace(request(), params=SamplingParams(max_tokens=8, structured_output=guided))

@@ -46,7 +46,7 @@ def _decode_stats():
 
 def test_adp_group_serves_greedy_and_guided_like_one_process(adp_app, tandem_server):
     from engine import LLM, SamplingParams, SpecConfig
-    from engine.grammar import StructuredOutput
+    from structured.request import StructuredOutput
 
     base, head = adp_app
     prompts = [f"Request {i}: tell me something." for i in range(8)]

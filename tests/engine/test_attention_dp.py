@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig, shm_collectives
 from engine.data_parallel import GroupPlan
-from engine.grammar import StructuredOutput
+from structured.request import StructuredOutput
 
 pytestmark = pytest.mark.slow
 

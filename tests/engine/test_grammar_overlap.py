@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams, StructuredOutput
-from engine.grammar import GrammarCompiler
+from structured.compiler import GrammarCompiler
 
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"}},
           "required": ["kind", "ok"], "additionalProperties": False}

@@ -130,7 +130,7 @@ def test_host_dependent_requests_step_synchronously(llama_dir, spec_drafts):
 
 def test_carry_blockers():
     from engine.request import Request
-    from engine.grammar import StructuredOutput
+    from structured.request import StructuredOutput
 
     def req(**kw):
         return Request("r", [1, 2], SamplingParams(**kw), seed=0, max_total_tokens=64)

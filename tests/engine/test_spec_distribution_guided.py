@@ -10,9 +10,9 @@ import torch
 from scipy import stats
 
 from engine import LLM, SamplingParams, SpecConfig, StructuredOutput
-from tests.engine.conftest import VOCAB
 from tests.engine.test_spec_distribution import PROMPT, _fits, near_draft  # noqa: F401  (fixture)
 from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.support.tiny import VOCAB
 
 N = 2000
 # letters and spaces, at least 16 characters: no two tokens of the tiny tokenizer complete it, so
@@ -40,7 +40,7 @@ def _masked(logits: torch.Tensor, allowed: torch.Tensor, temperature: float) -> 
 @pytest.fixture(scope="module")
 def exact_masked(checkpoints):
     """temperature -> the exact masked distributions of the first and second tokens [V] each."""
-    from engine.grammar import GrammarCompiler
+    from structured.compiler import GrammarCompiler
     from transformers import AutoTokenizer
 
     path, hf = checkpoints["llama"]

@@ -164,7 +164,7 @@ def test_a_tool_call_grammar_is_compiled_on_prefill_and_deserialized_on_decode(l
     grammar over the wire format, and the decode engine loads it without compiling; the output is a
     call whose arguments validate."""
     from cluster.protocol import GrammarHandover, HandoverHeader, PayloadPart
-    from tests.engine.test_grammar import TOOL_SCHEMA, _call_tag
+    from tests.structured.test_compiler import TOOL_SCHEMA, _call_tag
 
     tool = StructuredOutput(structural_tag=_call_tag(TOOL_SCHEMA))
     params = SamplingParams(max_tokens=80, temperature=0, structured_output=tool)

@@ -107,7 +107,7 @@ def series(metrics: str, name: str, **labels) -> list[float]:
 
 def test_outputs_equal_the_single_process_engine(served):
     from engine import SamplingParams
-    from engine.grammar import StructuredOutput
+    from structured.request import StructuredOutput
 
     async def main():
         async with served.client() as client:

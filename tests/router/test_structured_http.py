@@ -16,7 +16,7 @@ pytestmark = pytest.mark.ray
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"}},
           "required": ["kind", "ok"], "additionalProperties": False}
 REGEX = "[a-c]{2}-[0-9]{2}"
-# minProperties: xgrammar would not enforce it, llguidance does (engine/grammar_llguidance.py)
+# minProperties: xgrammar would not enforce it, llguidance does (structured/llguidance.py)
 LLG_SCHEMA = {**SCHEMA, "minProperties": 2}
 
 

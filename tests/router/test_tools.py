@@ -109,7 +109,8 @@ def test_the_structural_tags_accept_calls_of_the_offered_tools_only(xgr_compiler
     exactly the well-formed calls the tool_choice allows."""
     import xgrammar as xgr
 
-    from engine.grammar import StructuredOutput, compile_structured
+    from structured.compiler import compile_structured
+    from structured.request import StructuredOutput
 
     compiler = xgr_compiler
     matcher = xgr.GrammarMatcher(compile_structured(compiler, StructuredOutput(**_chat(
@@ -121,9 +122,9 @@ def test_the_structural_tags_accept_calls_of_the_offered_tools_only(xgr_compiler
 def xgr_compiler(tmp_path_factory):
     import xgrammar as xgr
 
-    from tests.engine.conftest import VOCAB, _tokenizer
+    from tests.support.tiny import VOCAB, tiny_tokenizer
 
-    tok = _tokenizer(tmp_path_factory.mktemp("tok"))
+    tok = tiny_tokenizer(tmp_path_factory.mktemp("tok"))
     return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB))
 
 
