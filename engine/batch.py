@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import ScheduledRequest
 from engine.sampler import SamplingBatch, build_sampling
-from engine.scheduler import ScheduledRequest
 from engine.speculative.config import chain_margin
 
 

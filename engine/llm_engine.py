@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, ScheduledRequest
 from engine.data_parallel import DPContext
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import CapacityError, InvalidRequestError
@@ -30,9 +32,7 @@ from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.overlap import InFlight, carry_blocker
 from engine.parallel import TPContext
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, ScheduledRequest
 from engine.speculative.drafter import draft_room
 from engine.structured_output import GrammarMasker
 from structured.compiler import GrammarCompiler

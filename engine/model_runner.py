@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import StepBatch, build_batch
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import ScheduledRequest
 from engine.data_parallel import DPContext, GroupPlan, RankPlan, dp_rows
 from engine.layers.linear import VERIFY_ROWS_BUDGET, matvec_layout
 from engine.loader import load_weights
@@ -24,7 +25,6 @@ from engine.logits_masker import LogitsMasker, MaskRow
 from engine.models.llama import LlamaForCausalLM
 from engine.overlap import InFlight, carry_inputs
 from engine.parallel import TPContext
-from engine.scheduler import ScheduledRequest
 from engine.speculative.config import position_margin
 from engine.speculative.drafter import Drafter
 from engine.speculative.proposer import Proposer

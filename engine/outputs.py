@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.request import RequestMetrics
+from engine.core.request import RequestMetrics
 
 
 @dataclass(slots=True)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import StepBatch
-from engine.request import Request
-from engine.scheduler import ScheduledRequest
+from engine.core.request import Request
+from engine.core.scheduler import ScheduledRequest
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """The light side of the house imports without torch: the router (an HTTP front end), the prefill loop,
-and every module of structured/ (engine/__init__.py hands its names on lazily, PEP 562). Each check runs
-in a fresh interpreter, since this one has torch loaded already."""
+every module of structured/, and the engine's host bookkeeping (engine/core; engine/__init__.py hands its
+names on lazily, PEP 562). Each check runs in a fresh interpreter, since this one has torch loaded already."""
 import subprocess
 import sys
 
@@ -16,7 +16,8 @@ _ALL_OF_STRUCTURED = ("import importlib, pkgutil, structured\n"
     "import prefill_worker.loop",
     _ALL_OF_STRUCTURED,
     "from engine import SamplingParams, StructuredOutput, TandemError, InvalidRequestError",
-], ids=["router", "prefill_loop", "structured", "engine_names"])
+    "import engine.core.scheduler, engine.core.block_manager, engine.core.request",
+], ids=["router", "prefill_loop", "structured", "engine_names", "engine_core"])
 def test_imports_without_torch(imports):
     code = f"{imports}\nimport sys\nheavy = sorted(m for m in ('torch', 'triton', 'xgrammar') if m in sys.modules)\nprint(heavy)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -11,11 +11,11 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.batch import kv_slots
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import TPContext
-from engine.request import Request
 from engine.sampler import build_sampling
 from engine.speculative.config import SpecConfig, chain_margin
 from engine.speculative.loading import load_proposer

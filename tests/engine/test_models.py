@@ -8,8 +8,8 @@ import torch
 from engine import EngineConfig, LLM, LLMEngine, SamplingParams
 from engine.attention import attention_context
 from engine.batch import build_batch
-from engine.request import Request
-from engine.scheduler import ScheduledRequest
+from engine.core.request import Request
+from engine.core.scheduler import ScheduledRequest
 from tests.engine.conftest import ARCHS
 
 PROMPT = [0, 17, 43, 99, 5, 250, 31, 7, 300, 12, 64, 128, 3, 77, 201]

@@ -129,7 +129,7 @@ def test_host_dependent_requests_step_synchronously(llama_dir, spec_drafts):
 
 
 def test_carry_blockers():
-    from engine.request import Request
+    from engine.core.request import Request
     from structured.request import StructuredOutput
 
     def req(**kw):

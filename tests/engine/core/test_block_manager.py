@@ -1,7 +1,7 @@
-"""engine/block_manager.py: exact block ids on allocate, free and rewind."""
+"""engine/core/block_manager.py: exact block ids on allocate, free and rewind."""
 import pytest
 
-from engine.block_manager import BlockManager, BlockPool
+from engine.core.block_manager import BlockManager, BlockPool
 
 
 def test_allocate_takes_lowest_free_ids_in_order():

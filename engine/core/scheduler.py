@@ -16,8 +16,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,11 @@
-"""engine/scheduler.py and the engine loop: budget, chunked prefill, mixed steps, the running cap,
+"""engine/core/scheduler.py and the engine loop: budget, chunked prefill, mixed steps, the running cap,
 FCFS, preemption by recompute, and that every block is free after aborts and preemptions."""
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 
 
 def _req(rid, n, max_tokens=8):
