@@ -20,11 +20,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.core.block_manager import BlockManager
+from engine.block_manager import BlockManager
 from engine.graph_masks import StagedMasker
 from engine.logits_masker import LogitsMasker
 from engine.sampler import SamplingBatch
-from engine.core.scheduler import ScheduledRequest
+from engine.scheduler import ScheduledRequest
 from engine.batch import Padding, StepBatch, build_batch
 from engine.speculative.config import position_margin
 from engine.step import StepOutput
@@ -35,7 +35,8 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def sampling_mode(b: SamplingBatch) -> tuple:
-    return (b.all_greedy, b.use_top_k, b.use_top_p, b.use_min_p, b.max_logprobs, b.repetition is not None)
+    return (b.all_greedy, b.use_top_k, b.use_top_p, b.use_min_p, b.max_logprobs, b.repetition is not None,
+            b.logit_bias is not None)
 
 
 def _copy_into(static, new) -> None:
@@ -168,6 +169,8 @@ class StepGraphs:
             flags.update(repetition=ones, presence=ones * 0, frequency=ones * 0,
                          output_counts=torch.zeros(size, r.vocab_size, device=r.device),
                          seen_mask=torch.zeros(size, r.vocab_size, dtype=torch.bool, device=r.device))
+        if like.logit_bias is not None:
+            flags.update(logit_bias=torch.zeros(size, r.vocab_size, device=r.device))
         return replace(dummy, sampling=replace(b, **flags))
 
     def _capture(self, key: tuple, batch: StepBatch) -> _Captured:

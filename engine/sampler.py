@@ -3,7 +3,8 @@
 Randomness is counter-based (kernels/rng.py): the token at sequence position P of a request with
 seed S is sampled with noise that depends only on (S, P), never on the batch it shares; that is what
 makes seeded sampling batch-invariant and lets speculation reproduce the same draws.
-Order of processing: penalties -> temperature -> top-k -> top-p -> min-p -> exponential race.
+Order of processing: logit bias -> grammar mask -> penalties -> temperature -> top-k -> top-p -> min-p ->
+exponential race. Logprobs are those of the raw model, before any of it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from kernels import rng
 
 if TYPE_CHECKING:
-    from engine.core.request import Request
+    from engine.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,7 @@ class SamplingBatch:
     frequency: torch.Tensor | None = None  # [N] f32
     output_counts: torch.Tensor | None = None  # [N, V] f32 counts of each id among output tokens
     seen_mask: torch.Tensor | None = None  # [N, V] bool: id occurs in prompt or output
+    logit_bias: torch.Tensor | None = None  # [N, V] f32 added to the logits (None when no request has one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,12 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [N] f32 logprob of the sampled token under the raw model distribution
     top_ids: torch.Tensor | None  # [N, n] int64
     top_logprobs: torch.Tensor | None  # [N, n] f32
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """logits [N, V] + bias [N, V] (OpenAI's logit_bias), first of all processing: a new tensor, which a
+    grammar mask may then fill in place."""
+    return logits if bias is None else logits + bias
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -95,6 +103,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, mask: Callable[[torch.Tensor]
     """logits [N, V] fp32 -> one token per row. mask: constrains the logits in place (a LogitsMasker's);
     logprobs stay those of the raw model."""
     raw_logprobs = logits.log_softmax(dim=-1) if b.max_logprobs is not None else None
+    logits = apply_logit_bias(logits, b.logit_bias)
     if mask is not None:
         mask(logits)
     logits = apply_penalties(logits, b)
@@ -129,6 +138,8 @@ def build_sampling(requests: list["Request"], positions: np.ndarray, size: int, 
     penalties = {}
     if any(p.uses_penalties for p in params):
         penalties = _penalty_tensors(requests, size, vocab_size, device)
+    if any(p.logit_bias for p in params):
+        penalties["logit_bias"] = _bias_tensor(params, size, vocab_size, device)
     return SamplingBatch(
         temperature=column([p.temperature for p in params], 0.0, torch.float32),
         top_k=column([p.top_k for p in params], 0, torch.int64),
@@ -143,6 +154,16 @@ def build_sampling(requests: list["Request"], positions: np.ndarray, size: int, 
         max_logprobs=max(asked) if asked else None,
         **penalties,
     )
+
+
+def _bias_tensor(params: list, size: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[size, V] f32: each request's logit_bias (token id -> bias) as a dense row; idle rows are 0."""
+    bias = torch.zeros(size, vocab_size, dtype=torch.float32)
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+            bias[i, ids] = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
+    return bias.to(device, non_blocking=True)
 
 
 def _penalty_tensors(requests: list["Request"], size: int, vocab_size: int, device: torch.device) -> dict:

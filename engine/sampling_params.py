@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
-from structured.request import StructuredOutput
+from engine.grammar import StructuredOutput
 
 
 @dataclass
@@ -24,6 +24,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before anything else (grammar
+    # masks, penalties, temperature; the draft's logits too); logprobs stay the raw model's
+    logit_bias: dict[int, float] | None = None
     # constrain the output to a JSON Schema, any JSON object, a regex, an EBNF grammar or a choice
     # (a StructuredOutput, or a dict of its fields)
     structured_output: StructuredOutput | None = None
@@ -35,6 +38,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.structured_output, dict):
             self.structured_output = StructuredOutput.from_dict(self.structured_output)
         _check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
@@ -67,6 +72,23 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """Token id -> bias, keys as ints (a JSON round trip, the hand-over's, makes them strings)."""
+    _check(isinstance(bias, dict), "logit_bias must map token ids to biases", "logit_bias")
+    out = {}
+    for token, value in bias.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            token_id = -1
+        _check(token_id >= 0 and str(token_id) == str(token), f"logit_bias keys are token ids, got {token!r}",
+               "logit_bias")
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool) and -100.0 <= value <= 100.0,
+               f"logit_bias values are numbers in [-100, 100], got {value!r} for token {token_id}", "logit_bias")
+        out[token_id] = float(value)
+    return out
 
 
 def _check(ok: bool, message: str, param: str) -> None:

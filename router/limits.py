@@ -15,7 +15,6 @@ MAX_JSON_DEPTH = 64
 # Fields of the OpenAI (and vLLM / SGLang) APIs this server does not implement, and the values that ask for
 # nothing (accepted).
 UNSUPPORTED = {
-    "logit_bias": lambda v: not v,
     "best_of": lambda v: v in (None, 1),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
@@ -56,6 +55,10 @@ def check_request(body, settings: RouterSettings, vocab_size: int, chat: bool) -
     bad = [t for t in body.stop_token_ids or [] if not 0 <= t < vocab_size]
     if bad:
         raise invalid(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "stop_token_ids")
+    bad = [t for t in body.logit_bias or {} if not (t.isdigit() and int(t) < vocab_size)]
+    if bad:
+        raise invalid(f"logit_bias keys {bad[:5]} are not token ids in the vocabulary [0, {vocab_size})",
+                      "logit_bias")
     if chat:
         _check_chat(body)
     elif isinstance(body.prompt, str):

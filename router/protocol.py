@@ -46,6 +46,8 @@ class SamplingFields(BaseModel):
                                                                   "spaces between special tokens (as vLLM with a "
                                                                   "fast tokenizer), whichever the value.")
     include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100] added to its "
+                                                                  "logit (before grammars and sampling).")
     user: str | None = Field(None, description="An end-user id, for the caller's bookkeeping.")
     # structured outputs (router/structured.py): at most one of these may be set
     response_format: dict | None = Field(None, description="OpenAI: {type: text | json_object | json_schema, "
@@ -81,6 +83,8 @@ class SamplingFields(BaseModel):
             p["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.stop_token_ids:
             p["stop_token_ids"] = list(self.stop_token_ids)
+        if self.logit_bias:
+            p["logit_bias"] = dict(self.logit_bias)  # SamplingParams checks the ids and the range
         structured = structured_output(self)
         if structured is not None:
             p["structured_output"] = structured

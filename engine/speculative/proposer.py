@@ -76,7 +76,10 @@ def sample_drafts(logits: torch.Tensor, positions: torch.Tensor, s: SamplingBatc
     """Draft logits [B, Vd] -> (draft token in target ids [B], its distribution q over the target vocab
     [B, V] or None when every row is greedy). Sampled rows draw from the sampler's processed
     distribution by the exponential race on the STREAM_DRAFT numbers of (seed, position); greedy rows
-    take the argmax."""
+    take the argmax. A request's logit bias applies to its drafts as to the target: q is then the
+    distribution its draft was drawn from, and verification against the biased target stays lossless."""
+    if s.logit_bias is not None:
+        logits = logits + (s.logit_bias if draft_to_target is None else s.logit_bias[:, draft_to_target])
     if s.all_greedy:
         best = logits.argmax(-1)
         return (best if draft_to_target is None else draft_to_target[best]), None

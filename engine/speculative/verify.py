@@ -1,8 +1,8 @@
 """The engine's side of verification: logits processed exactly as the sampler does, then the kernels.
 
 The target's logits at the k+1 positions of each chain go through the sampler's own processing
-(penalties counted over the output plus the drafts before each position, then temperature, top-k,
-top-p, min-p), so p is the distribution a run without speculation samples from, and the
+(logit bias, grammar mask, penalties counted over the output plus the drafts before each position, then
+temperature, top-k, top-p, min-p), so p is the distribution a run without speculation samples from, and the
 verification kernels (kernels/verify.py) draw with the same counter-based numbers: a request with no
 drafts gets bit for bit the token the plain sampler would give it. Requests may carry fewer drafts
 than k (prompt lookup misses, the end of max_tokens); acceptance is cut at their count and the
@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from engine.sampler import SamplingBatch, apply_penalties, processed_logits, sample
+from engine.sampler import SamplingBatch, apply_logit_bias, apply_penalties, processed_logits, sample
 from kernels import rng
 from kernels.verify import verify_greedy, verify_rejection
 
@@ -38,6 +38,8 @@ def per_position(b: SamplingBatch, drafts: torch.Tensor) -> SamplingBatch:
     offsets = torch.arange(k1, device=drafts.device)
     fields = dict(temperature=rep(b.temperature), top_k=rep(b.top_k), top_p=rep(b.top_p), min_p=rep(b.min_p),
                   seeds=rep(b.seeds), positions=(b.positions[:, None] + offsets).reshape(-1))
+    if b.logit_bias is not None:
+        fields.update(logit_bias=rep(b.logit_bias))
     if b.repetition is not None:
         V = b.output_counts.shape[-1]
         one_hot = torch.zeros(B, k, V, device=drafts.device).scatter_(2, drafts[..., None], 1.0)
@@ -65,6 +67,7 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
         return Verified(s.token_ids[:, None], torch.zeros_like(s.token_ids), column(s.logprobs),
                         column(s.top_ids), column(s.top_logprobs))
     raw_logprobs = flat.log_softmax(-1) if b.max_logprobs is not None else None
+    flat = apply_logit_bias(flat, None if b.logit_bias is None else b.logit_bias.repeat_interleave(k1, dim=0))
     if mask is not None:
         mask(flat)
     # Per-position rows exist for penalties and sampling; a greedy batch without penalties needs neither.

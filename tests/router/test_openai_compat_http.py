@@ -151,3 +151,24 @@ def test_documented_no_op_fields_are_accepted(tandem_server):
         model=tandem_server.model, messages=HELLO, max_tokens=2, temperature=0, metadata={"k": "v"}, store=False,
         extra_body={"priority": 0, "request_id": "abc", "cache_salt": "s"})
     assert got.choices[0].finish_reason in ("stop", "length")
+
+
+def test_logit_bias_steers_the_output_and_a_grammar_still_wins(tandem_server):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tandem_server.model_dir)
+    fox = tokenizer.encode(" fox", add_special_tokens=False)[0]
+    z = tokenizer.encode("z", add_special_tokens=False)[0]
+    client = tandem_server.openai()
+    kw = dict(model=tandem_server.model, prompt="Hello", max_tokens=5, temperature=0, logit_bias={str(fox): 100})
+    whole = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True,
+                                                                             extra_body={"ignore_eos": True}))
+    assert whole == streamed == tokenizer.decode([fox] * 5)
+    guided = client.completions.create(model=tandem_server.model, prompt="Hello", max_tokens=12, temperature=0,
+                                       logit_bias={str(z): 100}, extra_body={"regex": "[a-c]{2}-[0-9]{2}"})
+    assert re.fullmatch(r"[a-c]{2}-[0-9]{2}", guided.choices[0].text)
+    for bad in ({str(fox): 101}, {"999999": 1}, {"fox": 1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=tandem_server.model, prompt="Hello", max_tokens=2, logit_bias=bad)
+        assert e.value.body["param"] == "logit_bias"
