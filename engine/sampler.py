@@ -18,7 +18,7 @@ import torch
 from kernels import rng
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from engine.core.request import Request
 
 
 @dataclass(frozen=True, slots=True)
