@@ -15,7 +15,7 @@ Measured in one run, with the same KV memory per rank for both layouts:
   16, 64 (the group's batch decides k).
 
     python -m bench.adp [--quick] [--zoo DIR]
-    python -m bench.adp --shm-ab   # only: gloo against shared-memory collectives (engine/shm_collectives.py)
+    python -m bench.adp --shm-ab   # only: gloo against shared-memory collectives (engine/distributed/shm_collectives.py)
                                    # for dp=2 and tp=2, concurrency 1/16/64 -> bench/results/adp_shm_ab_cpu.*
 
 Writes bench/results/adp_cpu.{json,md}. Random-weight models (seeded), random prompts of 48 tokens,
@@ -50,7 +50,7 @@ class Job:
     concurrency: int
     num_requests: int
     num_kv_blocks: int  # per rank
-    exchange: str = "reduce_scatter"  # the default (engine/data_parallel.py)
+    exchange: str = "reduce_scatter"  # the default (engine/distributed/data_parallel.py)
     spec: dict | None = None
     all_on_rank0: bool = False  # dp: place every request on rank 0 (rank 1 idles)
     vocab: int = 2048
@@ -140,8 +140,7 @@ def _rank_main(rank: int, port: int, jobs: list[Job], queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     shm = None
     if any(job.shm for job in jobs):
-        from engine import shm_collectives
-
+        from engine.distributed import shm_collectives
         shm = shm_collectives.connect(dist.distributed_c10d._get_default_store(), "bench/", rank, 2)
         if shm is None:
             raise RuntimeError("shared-memory collectives are not available here (x86 Linux with /dev/shm)")
@@ -205,7 +204,7 @@ def build_models(root: Path) -> dict[int, str]:
 
 
 def layout_jobs(models: dict[int, str], concurrencies: list[int]) -> list[Job]:
-    from engine.parallel import kv_head_slice
+    from engine.distributed.parallel import kv_head_slice
 
     jobs = []
     per_request = -(-(PROMPT_LEN + MAX_TOKENS) // BLOCK)
@@ -260,8 +259,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.shm_ab:
         return shm_ab(args.repeats)
+    from engine.distributed.parallel import kv_head_slice
     import zoo
-    from engine.parallel import kv_head_slice
 
     zoo_dir = Path(args.zoo) if args.zoo else Path(zoo.ensure_built(zoo.DEFAULT_SIZE))
     concurrencies = [16] if args.quick else [16, 64]

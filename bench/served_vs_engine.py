@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cluster/feed_link.py) and/or off (Serve streams), e.g. on,off; default: the router's")
     ap.add_argument("--tp-shm", default="on" if _decode_default("tp_shm") else "off",
                     help="how tp>1 ranks make their collectives, one deployment per value: on (shared memory, "
-                    "engine/shm_collectives.py) and/or off (gloo), e.g. on,off; default: the deployment's")
+                    "engine/distributed/shm_collectives.py) and/or off (gloo), e.g. on,off; default: the deployment's")
     ap.add_argument("--cpu-compile", default="off", help="the decode ranks' cpu_compile: off, gemm, layers "
                                                           "(comma-separated: one deployment each)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -106,13 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from ray import serve
 
-    import zoo
     from bench.common import device_name, write_results
     from cluster.rendezvous import free_port_on
     from cluster.runtime import RayOptions, init_ray
     from deploy.app import application
     from deploy.config import TandemConfig
     from engine.config import ModelConfig
+    import zoo
 
     paths = zoo.layout(zoo.build())
     model, head = str(paths.target), str(paths.mtp)

@@ -1,5 +1,5 @@
 """What one tensor-parallel collective costs between CPU ranks of one host: gloo against shared memory
-(engine/shm_collectives.py), in the same run, per tensor size: wall time and CPU time per call in each rank.
+(engine/distributed/shm_collectives.py), in the same run, per tensor size: wall time and CPU time per call in each rank.
 
     python -m bench.shm_collectives [--tp 2] [--calls 2000] [--repeats 3]
 
@@ -20,8 +20,7 @@ SHAPES = [(4, 192), (256, 192), (4, 2048), (256, 2048), (256, 4096)]
 
 
 def _rank(rank: int, tp: int, port: int, calls: int, repeats: int, queue) -> None:
-    from engine import shm_collectives
-
+    from engine.distributed import shm_collectives
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, tp, rank == 0)
     group = dist.ProcessGroupGloo(store, rank, tp, dist.constants.default_pg_timeout)

@@ -24,7 +24,7 @@ class DecodeConfig(EngineSettings):
                                                                  "served_vs_engine_cpu.md).")
     tp_shm: bool = Field(True, description="CPU decode ranks of one x86 host make their tensor-parallel all-reduces "
                                            "and gathers (under attention data parallelism: the MLP row exchanges and "
-                                           "the step agreement) through shared memory (engine/shm_collectives.py): 17-46 us "
+                                           "the step agreement) through shared memory (engine/distributed/shm_collectives.py): 17-46 us "
                                            "instead of gloo's 0.4-0.7 ms each on 2 cores; ranks that cannot share a "
                                            "segment (other hosts or containers) use gloo all the same. false: "
                                            "gloo always.")

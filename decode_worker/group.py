@@ -22,7 +22,7 @@ from cluster.protocol import DecodeTarget, KVLayout, RankEndpoint, RankStep, Ste
 from cluster.settings import EngineSettings
 from cluster.step_link import TOKEN_BYTES, StepLink, StepLinkError
 from decode_worker.rank import rank_actor_class
-from engine.parallel import kv_head_slice
+from engine.distributed.parallel import kv_head_slice
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from cluster.step_link import StepListener
 from decode_worker.receiver import HandoverReceiver
 from decode_worker.stock import HandoverStock
 from decode_worker.turns import StepTurns
-from engine import CapacityError, LLMEngine, ModelConfig, TandemError, shm_collectives
+from engine import CapacityError, LLMEngine, ModelConfig, TandemError
+from engine.distributed import shm_collectives
 from structured.request import SerializedGrammar
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class DecodeRank:
                         block_size=cfg.block_size, dtype=str(self.engine.kv_cache.dtype).removeprefix("torch."))
 
     def _shm_collectives(self, cfg, store, group_id: str, timeout_s: float):
-        """Shared-memory collectives for a CPU group whose ranks share a host (engine/shm_collectives.py), or
+        """Shared-memory collectives for a CPU group whose ranks share a host (engine/distributed/shm_collectives.py), or
         None (GPU, switched off, or the ranks cannot share a segment: gloo carries them)."""
         if cfg.device != "cpu" or not getattr(self.settings, "tp_shm", True):
             return None

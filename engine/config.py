@@ -144,7 +144,7 @@ class EngineConfig:
     seed: int = 0  # base of the seeds given to requests without one
     tp_size: int = 1
     tp_rank: int = 0
-    # Attention data parallelism over the tp_size ranks (engine/data_parallel.py): 1 = off (attention heads
+    # Attention data parallelism over the tp_size ranks (engine/distributed/data_parallel.py): 1 = off (attention heads
     # sharded), tp_size = each rank runs attention for its own requests with whole-head KV, the MLP stays
     # sharded over the group. Attention TP inside DP groups (1 < attention_dp < tp_size) is not built yet.
     attention_dp: int = 1

@@ -23,15 +23,15 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, ScheduledRequest
-from engine.data_parallel import DPContext
 from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed.data_parallel import DPContext
+from engine.distributed.parallel import TPContext
 from engine.errors import CapacityError, InvalidRequestError
 from engine.handover import Handover, HandoverRequest
 from engine.logits_masker import LogitsMasker
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.overlap import InFlight, carry_blocker
-from engine.parallel import TPContext
 from engine.sampling_params import SamplingParams
 from engine.speculative.drafter import draft_room
 from engine.structured_output import GrammarMasker
@@ -46,7 +46,7 @@ class LLMEngine:
                  cpu_group=None, tp_shm=None):
         """tp_group: the torch.distributed group of the tp_size ranks; cpu_group: a gloo group of the same
         ranks for the attention-data-parallel lockstep agreement (default tp_group, right for CPU engines);
-        tp_shm: shared-memory collectives of the same ranks (engine/shm_collectives.py: CPU ranks of one
+        tp_shm: shared-memory collectives of the same ranks (engine/distributed/shm_collectives.py: CPU ranks of one
         host), which carry the tensor-parallel all-reduces and gathers that fit them (under attention data
         parallelism: the MLP row exchanges and the step agreement);
         logits_masker: constrains the tokens of every step (engine/logits_masker.py).

@@ -18,13 +18,13 @@ from engine.batch import StepBatch, build_batch
 from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledRequest
-from engine.data_parallel import DPContext, GroupPlan, RankPlan, dp_rows
+from engine.distributed.data_parallel import DPContext, GroupPlan, RankPlan, dp_rows
+from engine.distributed.parallel import TPContext
 from engine.layers.linear import VERIFY_ROWS_BUDGET, matvec_layout
 from engine.loader import load_weights
 from engine.logits_masker import LogitsMasker, MaskRow
 from engine.models.llama import LlamaForCausalLM
 from engine.overlap import InFlight, carry_inputs
-from engine.parallel import TPContext
 from engine.speculative.config import position_margin
 from engine.speculative.drafter import Drafter
 from engine.speculative.proposer import Proposer
@@ -70,7 +70,7 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tp: TPContext, max_model_len: int,
                  dp: DPContext | None = None):
         """tp: attention's sharding (and the draft network's); dp: the attention-data-parallel group
-        (then tp is size 1 and every rank steps in lockstep with the group, engine/data_parallel.py)."""
+        (then tp is size 1 and every rank steps in lockstep with the group, engine/distributed/data_parallel.py)."""
         self.cfg = cfg
         self.dp = dp
         self.last_plan: GroupPlan | None = None  # ADP: the group's last agreement

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_compile
-from engine.parallel import TPContext, kv_head_slice
+from engine.distributed.parallel import TPContext, kv_head_slice
 
 
 class _ParallelLinear(nn.Module):
@@ -48,7 +48,7 @@ class RowParallelLinear(_ParallelLinear):
     """y = all_reduce(x_shard W_shard^T) + b; W's columns (inputs) are split across ranks.
 
     reduce=False leaves the cross-rank sum to the caller (attention data parallelism reduce-scatters
-    it, engine/data_parallel.py): each rank returns its partial product, and rank 0 alone adds the
+    it, engine/distributed/data_parallel.py): each rank returns its partial product, and rank 0 alone adds the
     bias so that the sum counts it once."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, reduce: bool = True):

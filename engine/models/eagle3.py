@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.distributed.parallel import TPContext
 from engine.errors import ModelLoadError
 from engine.layers.linear import ColumnParallelLinear, QKVParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab import LMHead
 from engine.models.llama import LlamaAttention, LlamaMLP, LlamaForCausalLM
-from engine.parallel import TPContext
 from engine.speculative.head import BLOCK_WEIGHTS, DraftHead
 
 

@@ -12,13 +12,13 @@ from torch import nn
 
 from engine.attention import PagedAttention
 from engine.config import ModelConfig
-from engine.data_parallel import DPContext
+from engine.distributed.data_parallel import DPContext
+from engine.distributed.parallel import TPContext
 from engine.errors import UnsupportedModelError
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeAt, RotaryEmbedding
 from engine.layers.vocab import Embedding, LMHead
-from engine.parallel import TPContext
 
 
 class LlamaAttention(nn.Module):
@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, max_pos: int,
                  dp: DPContext | None = None):
         """tp: how attention heads are sharded (size 1 under attention data parallelism); dp: the ADP
-        group the MLPs are sharded over and exchange rows with (engine/data_parallel.py)."""
+        group the MLPs are sharded over and exchange rows with (engine/distributed/data_parallel.py)."""
         super().__init__()
         self.cfg = cfg
         self.dp = dp

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.distributed.parallel import TPContext
 from engine.errors import ModelLoadError
 from engine.layers.linear import ColumnParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from engine.parallel import TPContext
 from engine.speculative.head import BLOCK_WEIGHTS, DraftHead
 
 SHARED = {"embed_tokens.weight", "shared_head.norm.weight", "shared_head.head.weight"}

@@ -14,8 +14,8 @@ from engine.batch import kv_slots
 from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request
+from engine.distributed.parallel import TPContext
 from engine.models.llama import LlamaForCausalLM
-from engine.parallel import TPContext
 from engine.sampler import build_sampling
 from engine.speculative.config import SpecConfig, chain_margin
 from engine.speculative.loading import load_proposer

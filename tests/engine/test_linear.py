@@ -1,9 +1,9 @@
 """engine/layers/linear.py: matvec_layout, the CPU weight layout chosen after loading."""
 import torch
 
+from engine.distributed.parallel import TPContext
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear, matvec_layout
 from engine.layers.vocab import Embedding, LMHead
-from engine.parallel import TPContext
 
 
 class Tiny(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""Attention data parallelism (engine/data_parallel.py): two ranks over gloo (or shared memory), each with its
+"""Attention data parallelism (engine/distributed/data_parallel.py): two ranks over gloo (or shared memory), each with its
 own requests, give the same tokens and the same draft acceptance as one process running all of them; blocks all
 free.
 
@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig, shm_collectives
-from engine.data_parallel import GroupPlan
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine.distributed import shm_collectives
+from engine.distributed.data_parallel import GroupPlan
 from structured.request import StructuredOutput
 
 pytestmark = pytest.mark.slow
@@ -52,7 +53,7 @@ class Case:
     engine: dict = field(default_factory=dict)
     dynamic_k: tuple[int, ...] = ()  # with it, only tokens must match one process (k follows different batches)
     padded: bool = False  # decode steps in the CUDA-graph layout (run eagerly here): group-agreed padded sizes
-    shm: bool = False  # the exchanges and the agreement through shared memory (engine/shm_collectives.py)
+    shm: bool = False  # the exchanges and the agreement through shared memory (engine/distributed/shm_collectives.py)
 
 
 def _prompts():

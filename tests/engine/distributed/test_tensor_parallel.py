@@ -1,7 +1,7 @@
 """tp=2 over gloo in two processes gives the same greedy tokens as one process (sharded attention
 heads, sharded MLP, row-parallel all-reduce), for MHA, GQA and more ranks than KV heads; also with async
 scheduling, where every rank launches step N+1 before reading step N (the collectives stay in order), and
-with the collectives in shared memory (engine/shm_collectives.py) instead of gloo, and with
+with the collectives in shared memory (engine/distributed/shm_collectives.py) instead of gloo, and with
 cpu_compile (under tp the matmuls run as packed GEMMs, each rank's shard its own, before the all-reduce)."""
 import socket
 
@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine import EngineConfig, LLMEngine, SamplingParams, shm_collectives
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.distributed import shm_collectives
 
 PROMPTS = [[5, 9, 22, 41, 8, 120, 7], [3, 4, 5], list(range(10, 40))]
 

@@ -1,4 +1,4 @@
-"""Shared-memory collectives (engine/shm_collectives.py) against plain torch over the same inputs, across
+"""Shared-memory collectives (engine/distributed/shm_collectives.py) against plain torch over the same inputs, across
 processes: every rank gets the same (bit-identical) result, also over many rounds in a row (the alternating
 buffers), and setting up falls back to None on every rank when one rank cannot map the segment."""
 from __future__ import annotations
@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine import shm_collectives
-
+from engine.distributed import shm_collectives
 pytestmark = pytest.mark.skipif(not shm_collectives.available(), reason="shared-memory collectives: x86 Linux")
 
 SHAPES = [(3, 5), (1, 192), (16, 4, 8), (7,), (2, 3, 1)]  # odd count: both kinds meet every shape
@@ -71,7 +70,7 @@ def _collectives_main(rank: int, world: int, port: int, queue) -> None:
     strided = _inputs(rank, (8, 6), torch.float32, 999).t()  # not contiguous: reduced in place all the same
     out["strided"] = shm.all_reduce(strided).clone()
     out["fits"] = (shm.fits(torch.empty(2**14)), shm.fits(torch.empty(2**14 + 1)))
-    # Attention data parallelism's exchanges (engine/data_parallel.py): rows in, rows out.
+    # Attention data parallelism's exchanges (engine/distributed/data_parallel.py): rows in, rows out.
     gathered = torch.empty(world * 4, 6)
     shm.all_gather_rows(gathered, _inputs(rank, (4, 6), torch.float32, 500))
     out["gather_rows"] = gathered

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.parallel import TPContext
+from engine.distributed.parallel import TPContext
 from engine.scoped import ForwardScoped
 
 EXCHANGES = ("reduce_scatter", "all_reduce")
@@ -40,7 +40,7 @@ class DPContext:
     group: object | None  # the device-side group of the MLP collectives (NCCL on GPUs, gloo on CPUs)
     cpu_group: object | None = None  # the lockstep agreement's group (gloo); None: `group` (a CPU engine)
     exchange: str = "reduce_scatter"
-    # ShmCollectives of the same ranks (CPU ranks of one host, engine/shm_collectives.py): the row exchanges
+    # ShmCollectives of the same ranks (CPU ranks of one host, engine/distributed/shm_collectives.py): the row exchanges
     # and the agreement that fit its slots go through shared memory instead of gloo (all ranks alike: they
     # see the same shapes)
     shm: object | None = None

@@ -2,7 +2,7 @@
 
 tp_size == 1 makes every collective a no-op, so the single-process engine pays nothing for it.
 The group is any torch.distributed ProcessGroup (NCCL on GPUs, gloo on CPUs) made by the caller; CPU ranks
-of one host may also bring shared-memory collectives (engine/shm_collectives.py), which then carry every
+of one host may also bring shared-memory collectives (engine/distributed/shm_collectives.py), which then carry every
 all-reduce and all-gather that fits their slots (~100x cheaper than gloo's for a decode step's tensors).
 """
 from __future__ import annotations
