@@ -1,7 +1,7 @@
 """GrammarCompiler: compiles and caches grammars for one tokenizer and vocabulary, with two backends.
 
-xgrammar compiles everything except the JSON schemas it would not enforce, which llguidance compiles
-(StructuredOutput.plan; structured/llguidance.py). Both go the same way: a content-addressed cache
+xgrammar compiles everything except Lark grammars and the JSON schemas it would not enforce, which
+llguidance compiles (StructuredOutput.plan; structured/llguidance.py). Both go the same way: a content-addressed cache
 (the key includes the backend) of futures, a compile thread so a prompt runs while its grammar
 compiles, the compile itself in a child process that is killed past the time limit (neither library
 can be stopped otherwise), a serialized form for the prefill -> decode hand-over (`SerializedGrammar`)
@@ -177,9 +177,12 @@ class GrammarCompiler:
         """Validate in the compile process (time-limited), then build the template matcher here: its
         build costs about what the validation did (structured/llguidance.py)."""
         refusal = structured.plan.refusal
-        schema = llguidance_schema(structured)
-        llg.check_gaps(schema, refusal)
-        text = llg.grammar_text(schema)
+        if structured.is_lark:
+            text = structured.grammar  # llguidance reads Lark as it is
+        else:
+            schema = llguidance_schema(structured)
+            llg.check_gaps(schema, refusal)
+            text = llg.grammar_text(schema)
         if self._llg_args is None:
             raise InvalidRequestError(f"{refusal}; llguidance, which could, needs a fast (Rust) tokenizer",
                                       param="response_format")

@@ -1,11 +1,12 @@
 """Structured output: grammars compiled by xgrammar (or llguidance), one matcher per request, token
 masks per step.
 
-`StructuredOutput` is what a user asks for (a JSON Schema, any JSON object, a regex, an EBNF grammar,
-a choice of strings, or an xgrammar structural tag: free text with tagged, schema-constrained regions,
-which is how tool calls are constrained). Its `plan` names the backend: xgrammar for everything, except
-a JSON schema with a keyword xgrammar would not enforce (structured/schema/support.py), which goes to
-llguidance (structured/llguidance.py) and is refused only if llguidance cannot enforce it either.
+`StructuredOutput` is what a user asks for (a JSON Schema, any JSON object, a regex, a grammar in
+GBNF-like EBNF or in Lark, a choice of strings, or an xgrammar structural tag: free text with tagged,
+schema-constrained regions, which is how tool calls are constrained). Its `plan` names the backend:
+xgrammar for everything, except a Lark grammar and a JSON schema with a keyword xgrammar would not
+enforce (structured/schema/support.py), which go to llguidance (structured/llguidance.py); such a schema
+is refused only if llguidance cannot enforce it either.
 `GrammarCompiler` turns it into the backend's compiled grammar, cached by a hash of backend and
 canonical source (structured/cache.py, bounded by count and by bytes), off the critical path (a
 thread pool, the compile itself in a child process with a time limit) so a request's prompt can run
@@ -27,6 +28,7 @@ from structured.schema.support import check_enforceable, first_unenforceable, re
 
 _KINDS = ("json_schema", "regex", "grammar", "choice", "structural_tag")
 XGRAMMAR = "xgrammar"
+LARK_REFUSAL = "the grammar is in Lark's syntax (rules written `name: ...`), which llguidance compiles, not xgrammar"
 BACKENDS = (XGRAMMAR, llg.BACKEND)
 __all__ = ["GrammarPlan", "SerializedGrammar", "StructuredOutput", "check_structured_enforceable"]
 
@@ -55,7 +57,9 @@ class StructuredOutput:
     json_schema: dict | str | None = None
     json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
     regex: str | None = None
-    grammar: str | None = None  # EBNF in xgrammar's dialect (GBNF-like)
+    # A grammar, read by its syntax: EBNF in xgrammar's dialect (GBNF-like, rules written `name ::= ...`),
+    # compiled by xgrammar, or Lark (rules written `name: ...`, from `start`), compiled by llguidance
+    grammar: str | None = None
     choice: tuple[str, ...] | None = None
     # xgrammar's structural tag, {"type": "structural_tag", "format": {...}} (a dict or its JSON text):
     # tool calls (router/tools.py builds it from `tools` and `tool_choice`)
@@ -114,6 +118,11 @@ class StructuredOutput:
         return {"json_object": "", "regex": self.regex, "grammar": self.grammar}[self.kind]
 
     @property
+    def is_lark(self) -> bool:
+        """A grammar in Lark's syntax: GBNF's rules are written `name ::= ...`, Lark's never are."""
+        return self.grammar is not None and "::=" not in self.grammar
+
+    @property
     def is_compact_json(self) -> bool:
         return self.compact and self.kind in ("json_schema", "json_object")
 
@@ -121,6 +130,8 @@ class StructuredOutput:
     def plan(self) -> GrammarPlan:
         """xgrammar, unless this is a JSON schema with a keyword xgrammar would not enforce (after the
         exact rewrites of structured.schema.rewrite): then llguidance, when installed (computed once)."""
+        if self.is_lark:
+            return GrammarPlan(llg.BACKEND if llg.available() else XGRAMMAR, LARK_REFUSAL)
         if self.kind != "json_schema":
             return GrammarPlan(XGRAMMAR)
         found = first_unenforceable(rewrite(json.loads(self.canonical_source())))

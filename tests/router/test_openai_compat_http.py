@@ -172,3 +172,19 @@ def test_logit_bias_steers_the_output_and_a_grammar_still_wins(tandem_server):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=tandem_server.model, prompt="Hello", max_tokens=2, logit_bias=bad)
         assert e.value.body["param"] == "logit_bias"
+
+
+@pytest.mark.parametrize("field", ["structured_outputs", "guided_grammar", "ebnf"])
+def test_lark_and_gbnf_grammars_are_both_served(tandem_server, field):
+    """Issue 32 (6): a grammar in Lark's syntax was a 400; it now goes to llguidance, GBNF to xgrammar."""
+    client = tandem_server.openai()
+    for grammar in ('start: pet " " count\npet: "cat" | "dog"\ncount: /[0-9]{1,2}/\n',
+                    'root ::= ("cat" | "dog") " " [0-9] [0-9]?'):
+        value = {"grammar": grammar} if field == "structured_outputs" else grammar
+        got = client.completions.create(model=tandem_server.model, prompt="Pet:", max_tokens=12, temperature=0,
+                                         extra_body={field: value}).choices[0]
+        assert got.finish_reason == "stop" and re.fullmatch(r"(cat|dog) [0-9]{1,2}", got.text), (grammar, got.text)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=tandem_server.model, prompt="Pet:", max_tokens=4,
+                                  extra_body={field: {"grammar": "start: nowhere\n"} if field == "structured_outputs"
+                                              else "start: nowhere\n"})
