@@ -134,10 +134,10 @@ def run_once(llm, prompts: list[str], max_tokens: int) -> dict:
 
 
 def bench(args) -> dict:
-    import zoo
     from bench.spec import load_prompts
     from engine import LLM, SamplingParams, SpecConfig
     from engine.speculative.token_map import read_token_map
+    import zoo
 
     paths = zoo.layout(zoo.ensure_built() if args.zoo is None else args.zoo)
     mtp = SpecConfig(method="mtp", k=3, draft=str(paths.mtp))
@@ -146,7 +146,7 @@ def bench(args) -> dict:
         vocab = json.loads((paths.target / "config.json").read_text())["vocab_size"]
         size = len(read_token_map(args.token_map, vocab))
         modes[f"mtp k=3 map {size}"] = (dataclasses.replace(mtp, token_map=args.token_map), "off")
-    if args.cpu_compile != "off":  # the same two engines compiled (engine/cpu_compile.py), in the same run
+    if args.cpu_compile != "off":  # the same two engines compiled (engine/layers/cpu_compile.py), in the same run
         modes.update({f"none [{args.cpu_compile}]": (None, args.cpu_compile),
                       f"mtp k=3 [{args.cpu_compile}]": (mtp, args.cpu_compile)})
     all_prompts = load_prompts(max(args.batches) * 2)["json"]

@@ -69,7 +69,7 @@ class EngineSettings(BaseModel):
     async_scheduling: bool = Field(False, description="Engines launch step N+1 before reading step N "
                                    "(engine/overlap.py): hides host time on GPUs; on CPUs it only reorders it.")
     cpu_compile: Literal["off", "gemm", "layers"] = Field(
-        "off", description="CPU engines compile with inductor (engine/cpu_compile.py): gemm = matmuls of 1-16 rows "
+        "off", description="CPU engines compile with inductor (engine/layers/cpu_compile.py): gemm = matmuls of 1-16 rows "
                            "through GEMMs on prepacked weights; layers = also each stretch between two attentions "
                            "compiled whole (tp 1, no ADP). Faster decode; a compile per shape at start-up.")
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledRequest
+from engine.layers.attention import AttentionMetadata
 from engine.sampler import SamplingBatch, build_sampling
 from engine.speculative.config import chain_margin
 

@@ -160,7 +160,7 @@ class EngineConfig:
     # behind the device's on a GPU; on a CPU it only reorders it. Steps with grammars, penalties, prompt
     # lookup, ADP or prefill-only requests run synchronously all the same.
     async_scheduling: bool = False
-    # CPU only (engine/cpu_compile.py): "gemm" runs matmuls of 1-16 rows (decode, verification chains, draft
+    # CPU only (engine/layers/cpu_compile.py): "gemm" runs matmuls of 1-16 rows (decode, verification chains, draft
     # passes) through inductor-compiled GEMMs on prepacked weights (engine/layers/packed_gemm.py); "layers" also
     # compiles each stretch between two attentions of the target (and an MTP head or draft model) into one
     # kernel set per row bucket (engine/models/piecewise.py), with tp_size 1 and no ADP (else as "gemm").

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import attention_context
 from engine.batch import StepBatch
+from engine.layers.attention import attention_context
 from engine.logits_masker import LogitsMasker, StepMasks
 from engine.models.llama import LlamaForCausalLM
 from engine.speculative.proposer import ProposeInputs, Proposer

@@ -28,7 +28,7 @@ class PrefillServer:
         if c.torch_threads and not c.device.startswith("cuda"):
             torch.set_num_threads(c.torch_threads)
         # The router detokenizes and applies stops. cpu_compile is a decode setting: a prefill's forwards are
-        # prompt-sized, past the row buckets compiled code serves (engine/cpu_compile.py).
+        # prompt-sized, past the row buckets compiled code serves (engine/layers/cpu_compile.py).
         self.engine = LLMEngine(c.engine_config(detokenize=False, cpu_compile="off"))
         self.name = f"prefill-{uuid.uuid4().hex[:8]}"
         self.loop = PrefillLoop(self.engine, self.name, c.transfer_timeout_s, c.connect_timeout_s,

@@ -1,1 +1,7 @@
-"""Building blocks of the models: parallel linears, norms, rotary embedding, vocab layers."""
+"""The building blocks of the models: tensor-parallel linears, the token embedding and LM head
+(`linear`), norms, rotary embedding, attention over the paged KV cache with its per-forward metadata
+(`attention`), and CPU matmuls compiled by inductor (`packed_gemm`, `cpu_compile`).
+
+Never imports the models, the runner, the scheduler, masking, sampling, speculation or structured/;
+below it are only kernels/, engine/distributed and engine's leaf modules (config, errors, scoped).
+"""

@@ -3,7 +3,8 @@
 ColumnParallelLinear shards the output dim; RowParallelLinear shards the input dim and all-reduces.
 Each parameter knows how to take its slice of a full checkpoint tensor (`load`), so the loader stays
 ignorant of parallelism. Fused layers (QKV, gate+up) load several checkpoint tensors into one
-parameter, one `shard_id` at a time.
+parameter, one `shard_id` at a time. The token embedding and the LM head live here too (the head is
+a linear; `matvec_layout` lays out both).
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_compile
 from engine.distributed.parallel import TPContext, kv_head_slice
+from engine.layers import cpu_compile
 
 
 class _ParallelLinear(nn.Module):
@@ -158,7 +159,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (cold, one thread, 4 rows: LM head 4096x192 463 -> 311 us, gate/up 1024x192 117 -> 82 us, down
     192x512 52 -> 36 us); from 16 rows on it is no faster, and one row is fastest column-major.
     packed: the weight's PackedGemm (it adds `bias` itself), used for the row counts it has a kernel for.
-    While engine/cpu_compile.py traces a function: F.linear, the form inductor packs."""
+    While engine/layers/cpu_compile.py traces a function: F.linear, the form inductor packs."""
     if cpu_compile.tracing():
         return F.linear(x, weight, bias)
     if packed is not None:
@@ -173,6 +174,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+# Token embedding and LM head: replicated on every tensor-parallel rank for now (the zoo and small
+# models keep the head tiny; a vocab-parallel head, an all-gather of logits, is the next step for 100k+
+# vocabularies at tp > 1).
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
+
+    def load(self, name: str, tensor: torch.Tensor, shard_id=None) -> None:
+        copy_checked(self.weight, tensor, name)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class LMHead(Embedding):
+    weight_rows: torch.Tensor | None = None  # a row-major copy of a column-major weight (matvec_layout)
+    packed = None  # PackedGemm when EngineConfig.cpu_compile is on
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.weight, rows=self.weight_rows, packed=self.packed)
+
+
 def matvec_layout(model: nn.Module, rows_budget_bytes: int = 0) -> int:
     """On CPU, keep the [out, in] matmul weights with more outputs than inputs column-major (W^T
     contiguous; the shape and all indexing stay [out, in]). Decode multiplies one row by each weight,
@@ -185,8 +209,6 @@ def matvec_layout(model: nn.Module, rows_budget_bytes: int = 0) -> int:
     rows_budget_bytes: speculation verifies 2-8 rows per step at batch 1-2, where a row-major copy is
     faster (`linear`); keep one of every weight made column-major when all of them fit in this budget
     (else none). -> bytes kept."""
-    from engine.layers.vocab import Embedding, LMHead
-
     wide = []
     for module in model.modules():
         if not isinstance(module, (_ParallelLinear, Embedding)) or module.weight.device.type != "cpu":

@@ -15,7 +15,7 @@ thread 16 rows are compute-bound and MKL is as fast), compiled on first use or b
 holds its own packed copy of the weight, so a model pays one extra copy of its weights per bucket it
 uses (two at batch 1 with speculation: 1 row in the draft chain, k+1 rows to verify). Rows between
 buckets are zero-padded to the next one: the kernels are bound by reading the weight, so padded rows
-cost little, and fewer buckets keep fewer copies. Compiled by engine/cpu_compile.py: a kernel that fails to compile or disagrees
+cost little, and fewer buckets keep fewer copies. Compiled by engine/layers/cpu_compile.py: a kernel that fails to compile or disagrees
 with F.linear on a probe is never used, and the matmul stays eager, as on a machine without a C++
 compiler.
 """
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_compile import compile_frozen
+from engine.layers.cpu_compile import compile_frozen
 
 BUCKETS = (1, 4, 8, 16)
 
@@ -83,8 +83,7 @@ def pack_cpu_gemms(model: nn.Module) -> int:
     """Give every CPU linear of `model` (projections and the LM head) a PackedGemm; its kernels compile
     on first use (or `warm_up`). Idempotent; a weight shared by two modules (a tied or shared head)
     gets one. -> number of weights packed."""
-    from engine.layers.linear import RowParallelLinear, _ParallelLinear
-    from engine.layers.vocab import LMHead
+    from engine.layers.linear import LMHead, RowParallelLinear, _ParallelLinear
 
     seen: dict[int, PackedGemm] = {}
     for name, module in model.named_modules():

@@ -1,1 +1,8 @@
-"""Model definitions. One module serves the Llama family (Llama, Mistral, Qwen2, Qwen3)."""
+"""Model definitions and their checkpoints: the Llama family (Llama, Mistral, Qwen2, Qwen3) in one
+module, the draft heads that run inside the target's step (`draft_head`: the shared base; `mtp`,
+`eagle3`), the CPU piecewise-compiled decoder layers, and loading (`loader`: HF safetensors into
+tensor-parallel slices; `gguf`).
+
+Never imports the runner, the scheduler, masking, sampling, the proposers (engine/speculative) or
+structured/: a model is a function of its inputs; what drives it lives above.
+"""

@@ -21,12 +21,11 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.distributed.parallel import TPContext
 from engine.errors import ModelLoadError
-from engine.layers.linear import ColumnParallelLinear, QKVParallelLinear
+from engine.layers.linear import ColumnParallelLinear, LMHead, QKVParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.layers.vocab import LMHead
+from engine.models.draft_head import BLOCK_WEIGHTS, DraftHead
 from engine.models.llama import LlamaAttention, LlamaMLP, LlamaForCausalLM
-from engine.speculative.head import BLOCK_WEIGHTS, DraftHead
 
 
 def aux_layer_ids(raw: dict, num_target_layers: int) -> list[int]:
@@ -116,7 +115,7 @@ class Eagle3Head(DraftHead):
     def use_vocab_head(self, head: nn.Module) -> None:
         self.lm_head = head
 
-    # loader protocol (engine/loader.py)
+    # loader protocol (engine/models/loader.py)
     def param_for(self, ckpt_name: str):
         if ckpt_name == "embed_tokens.weight" and not self.own_embed:
             return None

@@ -10,15 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import PagedAttention
 from engine.config import ModelConfig
 from engine.distributed.data_parallel import DPContext
 from engine.distributed.parallel import TPContext
 from engine.errors import UnsupportedModelError
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.attention import PagedAttention
+from engine.layers.linear import Embedding, LMHead, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeAt, RotaryEmbedding
-from engine.layers.vocab import Embedding, LMHead
 
 
 class LlamaAttention(nn.Module):

@@ -23,8 +23,8 @@ from engine.errors import ModelLoadError
 from engine.layers.linear import ColumnParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.draft_head import BLOCK_WEIGHTS, DraftHead
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from engine.speculative.head import BLOCK_WEIGHTS, DraftHead
 
 SHARED = {"embed_tokens.weight", "shared_head.norm.weight", "shared_head.head.weight"}
 
@@ -80,7 +80,7 @@ class MTPHead(DraftHead):
     def use_vocab_head(self, head: nn.Module) -> None:
         self.shared_head.head = head  # SharedHead is the MTP's own module, even when its head is the target's
 
-    # loader protocol (engine/loader.py)
+    # loader protocol (engine/models/loader.py)
     def param_for(self, ckpt_name: str):
         if not ckpt_name.startswith(self.prefix):
             return None

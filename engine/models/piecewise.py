@@ -4,7 +4,7 @@ A decode step on CPU spends most of its time outside the matmuls' arithmetic: ~2
 at a few us each, and MKL reading few-row weights slowly. As in vLLM's piecewise compilation, the
 forward is cut at its paged attentions (which read the step's metadata and write the KV cache) and
 every piece between two attentions (one layer's output projection, norm and MLP, then the next
-layer's norm, QKV projection and rotary embedding) is compiled by engine/cpu_compile.py with its
+layer's norm, QKV projection and rotary embedding) is compiled by engine/layers/cpu_compile.py with its
 weights frozen: fused small ops and packed GEMMs. The attentions run eagerly in between, on the
 real rows. The zoo target's piece: 93 -> 30 us at 1 row, 180 -> 35 us at 4 (bench/results/
 piecewise_cpu.md).
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_compile import compile_frozen
+from engine.layers.cpu_compile import compile_frozen
 from engine.layers.packed_gemm import PackedGemm
 from engine.layers.rotary import RopeAt
 from kernels.norm_rope import rope_rows

@@ -9,12 +9,12 @@ from collections import deque
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.batch import kv_slots
 from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request
 from engine.distributed.parallel import TPContext
+from engine.layers.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import build_sampling
 from engine.speculative.config import SpecConfig, chain_margin

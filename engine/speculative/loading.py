@@ -13,12 +13,12 @@ from engine.config import EngineConfig, ModelConfig
 from engine.distributed.parallel import TPContext
 from engine.errors import ModelLoadError
 from engine.layers.linear import VERIFY_ROWS_BUDGET, matvec_layout
-from engine.loader import load_weights
+from engine.models.draft_head import check_dims, checkpoint_names, head_model_config, read_config, read_tensor
 from engine.models.eagle3 import Eagle3Head
 from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import load_weights
 from engine.models.mtp import MTPHead, mtp_layer_count
 from engine.speculative.config import SpecConfig
-from engine.speculative.head import check_dims, checkpoint_names, head_model_config, read_config, read_tensor
 from engine.speculative.proposer import DraftModelProposer, HeadProposer, Proposer
 from engine.speculative.token_map import read_token_map
 

@@ -13,10 +13,10 @@ from typing import Callable
 
 import torch
 
-from engine.attention import AttentionMetadata, PagedAttention, attention_context
+from engine.layers.attention import AttentionMetadata, PagedAttention, attention_context
+from engine.models.draft_head import DraftHead
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SamplingBatch, processed_logits
-from engine.speculative.head import DraftHead
 from kernels import rng
 from kernels._dispatch import use_triton
 from kernels.attention import plan_chain

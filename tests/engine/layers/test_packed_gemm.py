@@ -3,9 +3,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed.parallel import TPContext
-from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.layers.linear import ColumnParallelLinear, Embedding, LMHead, RowParallelLinear
 from engine.layers.packed_gemm import PackedGemm, pack_cpu_gemms, warm_up
-from engine.layers.vocab import Embedding, LMHead
 
 
 class Tiny(torch.nn.Module):

@@ -2,8 +2,7 @@
 import torch
 
 from engine.distributed.parallel import TPContext
-from engine.layers.linear import ColumnParallelLinear, RowParallelLinear, matvec_layout
-from engine.layers.vocab import Embedding, LMHead
+from engine.layers.linear import ColumnParallelLinear, Embedding, LMHead, RowParallelLinear, matvec_layout
 
 
 class Tiny(torch.nn.Module):

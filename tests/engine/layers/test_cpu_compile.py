@@ -1,10 +1,10 @@
-"""engine/cpu_compile.py: compiled CPU engines (packed GEMMs, piecewise layers) against the eager one."""
+"""engine/layers/cpu_compile.py: compiled CPU engines (packed GEMMs, piecewise layers) against the eager one."""
 import pytest
 import torch
 
-from engine import cpu_compile
+from engine.layers import cpu_compile
 from engine.layers.packed_gemm import PackedGemm, pack_cpu_gemms
-from tests.engine.test_packed_gemm import Tiny
+from tests.engine.layers.test_packed_gemm import Tiny
 
 
 def test_a_failed_compile_leaves_every_matmul_eager(monkeypatch, caplog):
@@ -37,8 +37,8 @@ def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
     captured ones for EAGLE-3, came out of the pieces right), and the compiled code carried the decode
     steps (gemm: packed GEMMs at 1 row in the draft chain and 4 rows to verify; layers: the target's
     pieces and the MTP head's, the LM head packed)."""
-    import zoo
     from engine import LLM, SamplingParams, SpecConfig
+    import zoo
 
     zoo_paths = zoo.layout(zoo_dir)
     spec = SpecConfig(method=method, k=3, draft=str(getattr(zoo_paths, method)))

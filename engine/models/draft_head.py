@@ -17,9 +17,9 @@ from torch import nn
 
 from engine.config import ModelConfig, SUPPORTED_ARCHITECTURES
 from engine.errors import ModelLoadError
-from engine.layers.vocab import LMHead
-from engine.loader import safetensors_files
+from engine.layers.linear import LMHead
 from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import safetensors_files
 
 
 class DraftHead(nn.Module, ABC):
