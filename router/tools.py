@@ -10,7 +10,9 @@ The tool-call text format (Hermes / Qwen 2.5 style, which many open chat models 
 one block per call; under tool_choice "required" several calls are separated by a newline. The
 constraint is an xgrammar structural tag (engine StructuredOutput.structural_tag, compiled on the
 prefill side like any grammar): each call's arguments are constrained by the tool's `parameters` schema
-(compact JSON, like response_format's), and
+(compact JSON, like response_format's) whatever the function's `strict` says. Strict is the default, and
+the only mode: OpenAI's `strict: false` promises nothing about the arguments, so constraining them
+breaks no client, while an open model left unconstrained writes arguments its schema rejects. By choice:
   "required": one or more calls and nothing else (one if parallel_tool_calls is false);
   named:      exactly one call of that function;
   "auto":     free text, in which `<tool_call>` starts a constrained call (xgrammar's triggered tags);

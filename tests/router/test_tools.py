@@ -289,3 +289,13 @@ def test_a_stream_sends_a_call_only_once_it_is_complete():
     assert (call["index"], call["type"], call["function"]) == (0, "function", {"name": "weather",
                                                                               "arguments": '{"city": "Oslo"}'})
     assert not stream.open_call
+
+
+@pytest.mark.parametrize("strict", [True, False, None])
+def test_every_call_is_constrained_strict_or_not(strict):
+    """Issue 32: strict is the default and the only mode; `strict: false` constrains the arguments too."""
+    function = {**WEATHER["function"], **({} if strict is None else {"strict": strict})}
+    got = _chat(tools=[{"type": "function", "function": function}], tool_choice="required").sampling_params(8, None)
+    want = _chat(tools=[WEATHER], tool_choice="required").sampling_params(8, None)
+    assert got["structured_output"] == want["structured_output"]
+    assert '"city"' in json.dumps(got["structured_output"])
