@@ -17,7 +17,7 @@ import torch
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import AttentionMetadata
-from engine.sampler import SamplingBatch, build_sampling
+from engine.sample.sampler import SamplingBatch, build_sampling
 from engine.speculative.config import chain_margin
 
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.batch import Padding, StepBatch, build_batch
 from engine.core.block_manager import BlockManager
+from engine.core.scheduler import ScheduledRequest
 from engine.graph_masks import StagedMasker
 from engine.logits_masker import LogitsMasker
-from engine.sampler import SamplingBatch
-from engine.core.scheduler import ScheduledRequest
-from engine.batch import Padding, StepBatch, build_batch
+from engine.sample.sampler import SamplingBatch
 from engine.speculative.config import position_margin
 from engine.step import StepOutput
 

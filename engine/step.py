@@ -22,8 +22,8 @@ from engine.batch import StepBatch
 from engine.layers.attention import attention_context
 from engine.logits_masker import LogitsMasker, StepMasks
 from engine.models.llama import LlamaForCausalLM
+from engine.sample.verify import verify
 from engine.speculative.proposer import ProposeInputs, Proposer
-from engine.speculative.verify import verify
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from engine.core.request import Request
 from engine.distributed.parallel import TPContext
 from engine.layers.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import build_sampling
+from engine.sample.sampler import build_sampling
 from engine.speculative.config import SpecConfig, chain_margin
 from engine.speculative.loading import load_proposer
 from engine.speculative.ngram import propose_ngram

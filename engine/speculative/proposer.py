@@ -16,7 +16,7 @@ import torch
 from engine.layers.attention import AttentionMetadata, PagedAttention, attention_context
 from engine.models.draft_head import DraftHead
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import SamplingBatch, processed_logits
+from engine.sample.sampler import SamplingBatch, processed_logits
 from kernels import rng
 from kernels._dispatch import use_triton
 from kernels.attention import plan_chain

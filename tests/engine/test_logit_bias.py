@@ -1,5 +1,5 @@
-"""OpenAI's logit_bias (SamplingParams.logit_bias) in engine/sampler.py, engine/speculative/proposer.py and
-engine/speculative/verify.py: added to the logits before the grammar mask and sampling, to the draft's as to
+"""OpenAI's logit_bias (SamplingParams.logit_bias) in engine/sample/sampler.py, engine/speculative/proposer.py and
+engine/sample/verify.py: added to the logits before the grammar mask and sampling, to the draft's as to
 the target's, so that speculative sampling draws from the biased target distribution exactly; the
 engine end to end, with and without speculation."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 from scipy import stats
 
-from engine.sampler import SamplingBatch, sample
+from engine.errors import InvalidRequestError
+from engine.sample.sampler import SamplingBatch, sample
+from engine.sample.verify import verify
 from engine.sampling_params import SamplingParams
 from engine.speculative.proposer import sample_drafts
-from engine.speculative.verify import verify
-from engine.errors import InvalidRequestError
 
 V = 8
 

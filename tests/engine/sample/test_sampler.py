@@ -1,10 +1,10 @@
-"""engine/sampler.py against plain-torch references written here."""
+"""engine/sample/sampler.py against plain-torch references written here."""
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
-from engine.sampler import SamplingBatch, apply_penalties, processed_logits, sample
+from engine.sample.sampler import SamplingBatch, apply_penalties, processed_logits, sample
 
 
 def batch(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, logprobs=None, **pen):

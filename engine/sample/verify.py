@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from engine.sampler import SamplingBatch, apply_logit_bias, apply_penalties, processed_logits, sample
+from engine.sample.sampler import SamplingBatch, apply_logit_bias, apply_penalties, processed_logits, sample
 from kernels import rng
 from kernels.verify import verify_greedy, verify_rejection
 
