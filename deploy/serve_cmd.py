@@ -1,6 +1,6 @@
 """`tandem serve`: deploy the router, prefill and decode deployments on Ray Serve and keep serving.
 
-Embedded default: starts Ray in this process (the zoo's prebuilt target with its MTP head drafting k=3,
+Embedded default: starts Ray in this process (SmolLM2-135M-Instruct with its MTP head drafting k=3,
 one prefill replica, one decode group: tp=1 on a CPU with fewer than 8 cores, else two ranks) and serves on
 127.0.0.1:8000. With --address it joins a running cluster (`ray up deploy/cluster.yaml`, then
 `tandem serve --address auto --model DIR --device cuda`).
@@ -24,11 +24,12 @@ def parser() -> argparse.ArgumentParser:
     from deploy.flags import add_model_flags
 
     ap = argparse.ArgumentParser(prog="tandem serve", description=__doc__.splitlines()[0])
-    # Every deployment setting is a flag made from TandemConfig's fields; serving the zoo changes two defaults.
+    # Every deployment setting is a flag made from TandemConfig's fields; serving a named model changes two defaults.
     add_model_flags(ap, TandemConfig, aliases={"num_speculative_tokens": ("-k",)}, overrides={
-        "model": dict(help="target model directory (default: the zoo's prebuilt target)"),
-        "speculative_method": dict(default=None, help="speculative decoding method (default: mtp with the zoo's "
-                                                      "head when serving the zoo, no --model; else none)"),
+        "model": dict(help="a named model (`tandem models list`), a model directory or a .gguf file "
+                           "(default: smollm2-135m-instruct)"),
+        "speculative_method": dict(default=None, help="speculative decoding method (default: mtp with the "
+                                                      "model's own head when a named model has one; else none)"),
         "tp": dict(default=None, help="tensor-parallel ranks per decode group (default: 2; 1 for an embedded "
                                       f"CPU deployment on fewer than {SMALL_CPU_CORES} cores, see "
                                       "bench/results/served_vs_engine_cpu.md)")})
@@ -49,7 +50,6 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-ZOO_MODEL_NAME = "tandem-tiny"
 # Below this many cores an embedded CPU deployment decodes with tp=1: the router, the proxy, the prefill
 # and two ranks' all-reduces then fight over too few cores, and tp=1 served 1.4-2.7x the tokens/s of
 # tp=2 on a 2-core machine (bench/served_vs_engine.py, same run).
@@ -65,18 +65,27 @@ def default_tp(device: str, address: str | None, cores: int | None = None) -> in
     return 2
 
 
-def _zoo_defaults(args: argparse.Namespace) -> dict:
-    """Serving the zoo (no --model): its target, named ZOO_MODEL_NAME, drafting with its MTP head
-    unless a speculative method was asked for."""
-    import zoo
+def _named_defaults(args: argparse.Namespace, name: str) -> dict:
+    """Serving a named model (zoo/models.py; the default is DEFAULT_MODEL): its target under its own name,
+    drafting with its MTP head (when it has one) unless a speculative method was asked for."""
+    from zoo.models import resolve
 
-    print("loading the zoo's prebuilt models...", flush=True)
-    paths = zoo.layout(zoo.build())
-    method = args.speculative_method or "mtp"
-    heads = {"mtp": paths.mtp, "eagle3": paths.eagle3, "draft_model": paths.draft}
-    draft = args.draft or (str(heads[method]) if method in heads else None)
-    return dict(model=str(paths.target), served_model_name=args.served_model_name or ZOO_MODEL_NAME,
+    print(f"loading {name}...", flush=True)
+    paths = resolve(name)
+    method = args.speculative_method or ("mtp" if "mtp" in paths.heads else "none")
+    draft = args.draft or (str(paths.heads[method]) if method in paths.heads else None)
+    return dict(model=str(paths.target), served_model_name=args.served_model_name or name,
                 speculative_method=method, draft=draft)
+
+
+def _gguf_defaults(args: argparse.Namespace) -> dict:
+    """A GGUF file is converted here, once, so that every actor loads the converted directory."""
+    from pathlib import Path
+
+    from engine.models.gguf import gguf_model_dir
+
+    print(f"converting {args.model} (once per file content)...", flush=True)
+    return dict(model=str(gguf_model_dir(args.model)), served_model_name=args.served_model_name or Path(args.model).stem)
 
 
 def tandem_config(args: argparse.Namespace):
@@ -86,8 +95,13 @@ def tandem_config(args: argparse.Namespace):
     chosen = model_kwargs(args, TandemConfig)
     if args.tp is None:
         chosen["tp"] = default_tp(chosen.get("device", "cpu"), args.address)
-    if args.model is None:
-        chosen.update(_zoo_defaults(args))
+    from engine.models.gguf import is_gguf
+    from zoo.models import DEFAULT_MODEL, is_name
+
+    if args.model is None or is_name(args.model):
+        chosen.update(_named_defaults(args, args.model or DEFAULT_MODEL))
+    elif is_gguf(args.model):
+        chosen.update(_gguf_defaults(args))
     return TandemConfig(**chosen)
 
 

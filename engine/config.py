@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.models.gguf import gguf_model_dir, is_gguf
 from engine.speculative.config import SpecConfig
 
 # Architectures share one module (engine/models/llama.py); these flags are what differs.
@@ -153,7 +154,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # on CUDA, capture the decode step per padded batch size
     max_graph_batch: int | None = None  # None: max_num_seqs
     # Guided decode steps replay graphs too, their grammar fills running as captured host functions
-    # (engine/graph_masks.py); False: such steps run eagerly.
+    # (engine/masking/graph.py); False: such steps run eagerly.
     graph_masks: bool = True
     detokenize: bool = True  # keep each request's text and apply stop strings (off where the router does both)
     # Plan and launch step N+1 before reading step N's outputs (engine/overlap.py): hides the host's work
@@ -169,6 +170,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpecConfig.coerce(self.speculative))
+        if is_gguf(self.model):  # a GGUF file is read through its converted directory (engine/models/gguf.py)
+            object.__setattr__(self, "model", str(gguf_model_dir(self.model)))
         if self.cpu_compile not in ("off", "gemm", "layers"):
             raise ValueError(f"cpu_compile must be 'off', 'gemm' or 'layers', got {self.cpu_compile!r}")
         if self.attention_dp not in (1, self.tp_size):

@@ -28,7 +28,7 @@ ZOO_DIR = Path(__file__).parent
 # Modules that do not change what a build writes (the CLI, eval, the test plugin, data curation, the
 # cache and prebuilt lookup, the package's entry points).
 NOT_BUILD_INPUTS = {"cli.py", "evaluate.py", "testing.py", "curate.py", "report.py", "cache.py", "prebuilt.py",
-                    "__init__.py", "generation_eval.py"}
+                    "__init__.py", "generation_eval.py", "models.py", "selfdistill.py", "selfdistill_train.py"}
 MANIFEST = "zoo.json"
 
 

@@ -61,16 +61,29 @@ def test_tp_default_follows_the_machine():
 
 
 @pytest.mark.slow
-def test_serving_the_zoo_drafts_with_its_mtp_head_by_default(zoo_dir):
+def test_serving_a_named_model_drafts_with_its_mtp_head_by_default(zoo_dir):
     import zoo
 
-    cfg = tandem_config(parser().parse_args([]))
+    cfg = tandem_config(parser().parse_args(["--model", "tandem-tiny"]))
     paths = zoo.layout(zoo.build())  # what `tandem serve` resolves: the default zoo (zoo_dir built it)
     assert cfg.name == "tandem-tiny" and cfg.model == str(paths.target)
     assert cfg.decode().speculative == {"method": "mtp", "k": 3, "draft": str(paths.mtp)}
-    eagle = tandem_config(parser().parse_args(["--speculative-method", "eagle3", "-k", "2"]))
+    eagle = tandem_config(parser().parse_args(["--model", "tandem-tiny", "--speculative-method", "eagle3", "-k", "2"]))
     assert eagle.prefill().speculative == {"method": "eagle3", "k": 2, "draft": str(paths.eagle3)}
-    assert tandem_config(parser().parse_args(["--speculative-method", "none"])).decode().speculative is None
+    plain = tandem_config(parser().parse_args(["--model", "tandem-tiny", "--speculative-method", "none"]))
+    assert plain.decode().speculative is None
+
+
+def test_the_default_model_is_smollm2_with_its_own_heads(smollm2_dir):
+    from zoo.models import resolve
+
+    cfg = tandem_config(parser().parse_args([]))
+    paths = resolve("smollm2-135m-instruct")
+    assert cfg.name == "smollm2-135m-instruct" and cfg.model == str(paths.target) == smollm2_dir
+    if "mtp" in paths.heads:
+        assert cfg.decode().speculative == {"method": "mtp", "k": 3, "draft": str(paths.heads["mtp"])}
+    else:
+        assert cfg.decode().speculative is None
 
 
 def test_speculation_flags_reach_both_engines_and_are_checked_early(tiny_model_dir):
@@ -164,7 +177,7 @@ def test_ctrl_c_stops_tandem_serve_while_deploying_and_while_serving(when):
         assert lines and proc.poll() is None, "".join(lines)
         if when == "serving":
             answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
-                "model": "tandem-tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+                "model": "smollm2-135m-instruct", "prompt": "Hello", "max_tokens": 4, "temperature": 0})
             assert answer.status_code == 200, answer.text
         proc.send_signal(signal.SIGINT)
         rest = _finish(proc)

@@ -1,0 +1,188 @@
+"""Self-distilled training data for a real target's draft heads: the target's own answers to real prompts.
+
+A draft head is accepted when it predicts what the TARGET would write, so it trains on the target's own
+responses (greedy and sampled, through the engine, in the target's chat template), not on reference
+answers. Prompts come from the public evaluation data in `../shared/data` (see its README):
+
+- GSM8K train questions (math word problems, chain-of-thought answers),
+- Vicuna-bench questions (open chat),
+- HumanEval prompts (code completion),
+- JSONSchemaBench schemas: "answer with a JSON object for this schema", half of them generated under the
+  schema's grammar (what guided requests look like to the head), half unguided.
+
+Held aside for evaluation (never trained on): MT-Bench questions, GSM8K test, json-mode-eval, and every
+HumanEval task whose number is a multiple of 4. `prompt_set` is deterministic for a seed.
+
+Output: JSON lines {"key", "source", "guided", "temperature", "prompt_ids", "output_ids"} appended as
+batches finish, so an interrupted run resumes where it stopped (`generate` skips keys already written).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MAX_SCHEMA_CHARS = 1500  # longer schemas make prompts the engine spends most of its time prefilling
+SCHEMA_INSTRUCTION = "Reply with a JSON object that satisfies this JSON Schema. Reply with the JSON only.\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    key: str
+    source: str
+    messages: tuple[dict, ...]
+    schema: dict | None = None  # a JSON-schema prompt; generated under its grammar when `guided`
+    guided: bool = False
+    temperature: float = 0.0
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _user(text: str) -> tuple[dict, ...]:
+    return ({"role": "user", "content": text},)
+
+
+def schema_prompt(schema: dict) -> tuple[dict, ...]:
+    return _user(SCHEMA_INSTRUCTION + json.dumps(schema, indent=1))
+
+
+def humaneval_prompt(code: str) -> tuple[dict, ...]:
+    return _user("Complete this Python function. Reply with the whole function in a code block.\n\n"
+                 f"```python\n{code.rstrip()}\n```")
+
+
+def prompt_set(data_dir: Path, *, gsm8k: int = 1200, schemas: int = 900, seed: int = 0,
+               sampled_fraction: float = 0.3) -> list[Prompt]:
+    """The training prompts, shuffled; a `sampled_fraction` of the unguided ones sample at temperature 0.7."""
+    data_dir = Path(data_dir)
+    rng = random.Random(seed)
+    prompts: list[Prompt] = []
+    for i, row in enumerate(_jsonl(data_dir / "prompts/gsm8k/train.jsonl")[:gsm8k]):
+        prompts.append(Prompt(f"gsm8k-train-{i}", "gsm8k", _user(row["question"])))
+    for row in _jsonl(data_dir / "prompts/mt-bench/vicuna_bench/question.jsonl"):
+        prompts.append(Prompt(f"vicuna-{row['question_id']}", "vicuna", _user(row["turns"][0])))
+    for row in _jsonl(data_dir / "prompts/humaneval/HumanEval.jsonl"):
+        number = int(row["task_id"].split("/")[1])
+        if number % 4:
+            prompts.append(Prompt(f"humaneval-{number}", "humaneval", humaneval_prompt(row["prompt"])))
+    cases = sorted((data_dir / "jsonschemabench/cases").glob("*.json"))
+    rng.shuffle(cases)
+    taken = 0
+    for path in cases:
+        if taken >= schemas:
+            break
+        schema = json.loads(path.read_text(encoding="utf-8")).get("schema")
+        if not isinstance(schema, dict) or len(json.dumps(schema)) > MAX_SCHEMA_CHARS:
+            continue
+        guided = taken % 2 == 0
+        prompts.append(Prompt(f"schema-{path.stem}", "jsonschemabench", schema_prompt(schema), schema, guided))
+        taken += 1
+    out = []
+    for p in prompts:
+        sampled = not p.guided and rng.random() < sampled_fraction
+        out.append(Prompt(p.key, p.source, p.messages, p.schema, p.guided, 0.7 if sampled else 0.0))
+    rng.shuffle(out)
+    return out
+
+
+def done_keys(path: Path) -> set[str]:
+    if not path.is_file():
+        return set()
+    keys = set()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            keys.add(json.loads(line)["key"])
+        except (json.JSONDecodeError, KeyError):
+            continue  # a line cut by an interrupted write: that prompt runs again
+    return keys
+
+
+def generate(model: str, prompts: list[Prompt], out: Path, *, max_tokens: int = 384, batch: int = 32,
+             seed: int = 0, dtype: str | None = None) -> int:
+    """Answer every prompt not yet in `out` with the engine; -> how many were written in this call."""
+    from engine import LLM, SamplingParams, StructuredOutput
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    todo = [p for p in prompts if p.key not in done_keys(out)]
+    log.info("%d of %d prompts to answer", len(todo), len(prompts))
+    llm = LLM(model, dtype=dtype, max_num_seqs=batch, kv_cache_memory_gb=4.0, max_num_batched_tokens=4096)
+    tok = llm.tokenizer
+    written = 0
+    for start in range(0, len(todo), batch):
+        chunk, ids, params = [], [], []
+        for n, p in enumerate(todo[start:start + batch]):
+            prompt_ids = tok.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=True)
+            prompt_ids = list(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
+            guide = StructuredOutput(json_schema=p.schema) if p.guided else None
+            sp = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, seed=seed + start + n,
+                                structured_output=guide)
+            chunk.append(p)
+            ids.append(prompt_ids)
+            params.append(sp)
+        outputs = _generate_tolerant(llm, ids, params)
+        with out.open("a", encoding="utf-8") as f:
+            for p, prompt_ids, o in zip(chunk, ids, outputs):
+                if o is None:
+                    continue
+                f.write(json.dumps({"key": p.key, "source": p.source, "guided": p.guided and o[1],
+                                    "temperature": p.temperature, "prompt_ids": prompt_ids,
+                                    "output_ids": o[0]}) + "\n")
+                written += 1
+        log.info("%d/%d answered", start + len(chunk), len(todo))
+    return written
+
+
+def _generate_tolerant(llm, ids: list[list[int]], params: list) -> list[tuple[list[int], bool] | None]:
+    """Generate a batch; a request whose grammar the backends refuse is retried without its grammar."""
+    from dataclasses import replace
+
+    from engine import TandemError
+
+    try:
+        return [(list(o.token_ids), params[i].structured_output is not None)
+                for i, o in enumerate(llm.generate(ids, params))]
+    except TandemError:
+        results = []
+        for prompt_ids, sp in zip(ids, params):
+            try:
+                o = llm.generate([prompt_ids], [sp])[0]
+                results.append((list(o.token_ids), sp.structured_output is not None))
+            except TandemError:
+                try:
+                    o = llm.generate([prompt_ids], [replace(sp, structured_output=None)])[0]
+                    results.append((list(o.token_ids), False))
+                except TandemError:
+                    results.append(None)
+        return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m zoo.selfdistill", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="target: an HF directory or a .gguf file")
+    ap.add_argument("--data", default="../shared/data", help="the public evaluation data folder")
+    ap.add_argument("--out", required=True, help="JSON lines file (appended; resumes)")
+    ap.add_argument("--gsm8k", type=int, default=1200)
+    ap.add_argument("--schemas", type=int, default=900)
+    ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard", default="0/1", help="i/n: answer every n-th prompt from the i-th (one process each)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    prompts = prompt_set(Path(args.data), gsm8k=args.gsm8k, schemas=args.schemas, seed=args.seed)
+    index, count = (int(x) for x in args.shard.split("/"))
+    prompts = prompts[index::count]
+    generate(args.model, prompts, Path(args.out), max_tokens=args.max_tokens, batch=args.batch, seed=args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,286 @@
+"""Trains MTP and EAGLE-3 heads for a real target on self-distilled data (zoo.selfdistill), resumably.
+
+Made cheap enough for two CPU cores (the plain `tandem zoo train-draft` path ran ~160 tokens/s here):
+- one target forward (bf16 autocast) feeds BOTH heads: its last hidden state (MTP), three captured layers
+  (EAGLE-3) and its argmax, the label (hard-label distillation: a greedy draft is accepted exactly when it
+  equals the target's argmax);
+- the vocabulary projection, the cost that dominates on a 49k vocabulary, runs on a sample of at most
+  `positions` positions per depth, and over a TRAINING vocabulary: the ids that occur as labels in the data
+  (the MTP head's shared LM head is frozen, so this only narrows its softmax's negatives) or, for EAGLE-3,
+  its draft vocabulary (the `draft_vocab_size` most frequent labels, with d2t as its authors publish);
+- heads, optimizers, the data cursor and the RNG are checkpointed every `save_every` steps (atomic rename),
+  and a stopped run resumes from the checkpoint with the same schedule.
+
+Rows: one self-distilled record per row (prompt + response, cut at `seq_len`), weight 1 on response tokens
+and `prompt_weight` on prompt tokens, 0 on padding; rows are bucketed by length so padding stays small.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from zoo.features import target_features
+from zoo.heads.eagle3 import Eagle3Head, default_aux_layer_ids, draft_vocab
+from zoo.heads.mtp import MTPHead
+from zoo.recipe import Schedule
+from zoo.training import lr_at, make_optimizer, set_lr
+
+log = logging.getLogger(__name__)
+STEP_DECAY = 0.8
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    steps: int = 3000
+    batch_tokens: int = 4096  # tokens per step (rows x padded length)
+    seq_len: int = 640
+    depth: int = 3
+    lr: float = 1.5e-3
+    positions: int = 768  # vocabulary projections per depth per head per step
+    prompt_weight: float = 0.2
+    draft_vocab_size: int = 12288
+    save_every: int = 25
+    seed: int = 0
+
+
+def read_rows(path: Path, seq_len: int, prompt_weight: float) -> list[tuple[list[int], list[float]]]:
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by an interrupted writer
+        ids = (rec["prompt_ids"] + rec["output_ids"])[:seq_len]
+        weight = ([prompt_weight] * len(rec["prompt_ids"]) + [1.0] * len(rec["output_ids"]))[:seq_len]
+        if len(ids) > 8:
+            rows.append((ids, weight))
+    return rows
+
+
+def batches(rows, batch_tokens: int, pad: int, rng: random.Random):
+    """Endless length-bucketed batches: (ids [B, T], weight [B, T]) with B * T <= batch_tokens."""
+    while True:
+        order = sorted(range(len(rows)), key=lambda i: (len(rows[i][0]), rng.random()))
+        groups, group = [], []
+        for i in order:
+            longest = max(len(rows[j][0]) for j in group + [i])
+            if group and longest * (len(group) + 1) > batch_tokens:
+                groups.append(group)
+                group = []
+            group.append(i)
+        groups.append(group)
+        rng.shuffle(groups)
+        for group in groups:
+            t = max(len(rows[i][0]) for i in group)
+            ids = torch.full((len(group), t), pad, dtype=torch.long)
+            weight = torch.zeros(len(group), t)
+            for r, i in enumerate(group):
+                n = len(rows[i][0])
+                ids[r, :n] = torch.tensor(rows[i][0])
+                weight[r, :n] = torch.tensor(rows[i][1])
+            yield ids, weight
+
+
+def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def sampled_head_loss(head, features: dict, top: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
+                      depth: int, rows: torch.Tensor, label_index: torch.Tensor, positions: int,
+                      generator: torch.Generator) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Hard-label loss of a `depth`-step unroll on sampled positions; -> (loss, [(agree, count)] per depth).
+
+    top [B, T]: the target's argmax. rows [V']: the LM-head rows of the training vocabulary (target ids for
+    MTP; EAGLE-3 uses its draft head whole). label_index [V]: target id -> index into those rows, -1 outside.
+    """
+    b, t = ids.shape
+    pos = torch.arange(t).expand(b, t)
+    hidden, cache, total, agree = head.first_hidden(features), [], 0.0, []
+    for step in range(depth):
+        hidden = head.step_hidden(hidden, shift_left(ids, 1 + step, 0), pos + step, cache)
+        n = t - 2 - step
+        if n <= 0:
+            break
+        label = label_index[top[:, 1 + step: 1 + step + n]]  # [B, n]: the target's next token after i+1+step
+        w = weight[:, 2 + step:] * (label >= 0)
+        keep = w.nonzero(as_tuple=True)
+        if keep[0].numel() == 0:
+            continue
+        if keep[0].numel() > positions:
+            pick = torch.randperm(keep[0].numel(), generator=generator)[:positions]
+            keep = (keep[0][pick], keep[1][pick])
+        out = hidden[:, :n][keep]
+        if head.kind == "mtp":
+            logits = F.linear(out, head.shared_head.head.weight[rows])  # `out` is already shared_head.norm'ed
+        else:
+            logits = head.logits_from(out)
+        per_pos = F.cross_entropy(logits.float(), label[keep], reduction="none")
+        wk = w[keep]
+        total = total + STEP_DECAY**step * (per_pos * wk).sum() / wk.sum()
+        agree.append((int((logits.argmax(-1) == label[keep]).sum()), int(keep[0].numel())))
+    return total, agree
+
+
+class HeadTrainer:
+    """Both heads over one target; `run` trains until plan.steps, checkpointing into `ckpt_dir`."""
+
+    def __init__(self, target_dir: Path, data: Path, ckpt_dir: Path, plan: TrainPlan):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.plan, self.ckpt_dir = plan, Path(ckpt_dir)
+        self.target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+        for p in self.target.parameters():
+            p.requires_grad_(False)
+        tok = AutoTokenizer.from_pretrained(str(target_dir))
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.rows = read_rows(data, plan.seq_len, plan.prompt_weight)
+        if not self.rows:
+            raise ValueError(f"{data} holds no usable records")
+        vocab = self.target.config.vocab_size
+        counts = Counter(t for ids, _ in self.rows for t in ids)
+        token_counts = torch.tensor([counts.get(i, 0) for i in range(vocab)])
+        # MTP's training vocabulary: every id of the data (labels are the target's argmax over its own text).
+        self.mtp_rows = torch.tensor(sorted(counts), dtype=torch.long)
+        self.mtp_index = torch.full((vocab,), -1, dtype=torch.long)
+        self.mtp_index[self.mtp_rows] = torch.arange(len(self.mtp_rows))
+        always = tuple(t for t in (tok.eos_token_id, tok.bos_token_id) if t is not None)
+        d2t, t2d = draft_vocab(token_counts, min(plan.draft_vocab_size, vocab), always)
+        self.aux_ids = default_aux_layer_ids(self.target.config.num_hidden_layers)
+        g = torch.Generator().manual_seed(plan.seed)
+        self.heads = {"mtp": MTPHead.from_target(self.target, g),
+                      "eagle3": Eagle3Head.from_target(self.target, d2t, t2d, self.aux_ids, g)}
+        schedule = self.schedule()
+        self.optimizers = {k: make_optimizer(h, schedule) for k, h in self.heads.items()}
+        self.step, self.rng, self.generator = 0, random.Random(plan.seed), torch.Generator().manual_seed(plan.seed)
+        self.history: list[dict] = []
+        self._resume()
+        d2t = self.heads["eagle3"].d2t  # the checkpoint's draft vocabulary when resumed
+        self.eagle_index = torch.full((vocab,), -1, dtype=torch.long)
+        self.eagle_index[d2t + torch.arange(len(d2t))] = torch.arange(len(d2t))
+
+    def schedule(self) -> Schedule:
+        return Schedule(steps=self.plan.steps, batch_size=1, lr=self.plan.lr,
+                        warmup_steps=max(1, self.plan.steps // 30))
+
+    def _resume(self) -> None:
+        path = self.ckpt_dir / "state.pt"
+        if not path.is_file():
+            return
+        state = torch.load(path, weights_only=False)
+        if state["plan"] != asdict(self.plan):
+            log.warning("checkpoint plan %s differs from %s; resuming with the new plan", state["plan"], asdict(self.plan))
+        for k, head in self.heads.items():
+            head.load_state_dict(state["heads"][k])
+            self.optimizers[k].load_state_dict(state["optimizers"][k])
+        self.step, self.history = state["step"], state["history"]
+        self.rng.setstate(state["rng"])
+        self.generator.set_state(state["generator"])
+        log.info("resumed at step %d", self.step)
+
+    def save(self) -> None:
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        state = {"plan": asdict(self.plan), "step": self.step, "history": self.history,
+                 "heads": {k: h.state_dict() for k, h in self.heads.items()},
+                 "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
+                 "rng": self.rng.getstate(), "generator": self.generator.get_state()}
+        tmp = self.ckpt_dir / "state.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self.ckpt_dir / "state.pt")
+
+    def run(self, until: int | None = None) -> None:
+        plan, schedule = self.plan, self.schedule()
+        stream = batches(self.rows, plan.batch_tokens, self.pad, self.rng)
+        # A resumed run draws a fresh permutation from the restored RNG (and rereads the data file, which
+        # the generator may have grown since), rather than replaying the stopped run's order.
+        last = min(until or plan.steps, plan.steps)
+        while self.step < last:
+            ids, weight = next(stream)
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                features = target_features(self.target, ids, self.aux_ids)
+            top = features.pop("logits").argmax(-1)
+            record = {"step": self.step, "tokens": int((weight > 0).sum())}
+            for name, head in self.heads.items():
+                head.train()
+                rows, index = (self.mtp_rows, self.mtp_index) if name == "mtp" else (None, self.eagle_index)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss, agree = sampled_head_loss(head, features, top, ids, weight, plan.depth, rows, index,
+                                                    plan.positions, self.generator)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], 1.0)
+                set_lr(self.optimizers[name], lr_at(self.step, schedule))
+                self.optimizers[name].step()
+                self.optimizers[name].zero_grad(set_to_none=True)
+                record[name] = {"loss": round(loss.item(), 4), "agree": agree}
+            record["seconds"] = round(time.perf_counter() - start, 2)
+            self.history.append(record)
+            self.step += 1
+            if self.step % 5 == 0:
+                log.info("step %d %s", self.step, {k: record[k] for k in ("tokens", "seconds", "mtp", "eagle3")})
+            if self.step % plan.save_every == 0 or self.step == last:
+                self.save()
+
+    def export(self, out_dir: Path) -> dict:
+        """bf16 heads in the published layouts: MTP without its frozen copies of the target's embedding,
+        final norm and LM head (the engine takes the target's), EAGLE-3 with its draft vocabulary."""
+        out = {}
+        for name, head in self.heads.items():
+            head.eval()
+            path = Path(out_dir) / name
+            head.save(path, dtype=torch.bfloat16)
+            if name == "mtp":
+                _drop_shared(path / "model.safetensors", head.layer_index)
+            out[name] = str(path)
+        return out
+
+
+def _drop_shared(path: Path, layer: int) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from zoo.heads.mtp import FROZEN
+
+    state = load_file(str(path))
+    prefix = f"model.layers.{layer}."
+    save_file({k: v for k, v in state.items() if k[len(prefix):] not in FROZEN}, str(path), metadata={"format": "pt"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m zoo.selfdistill_train", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True, help="the target's HF directory (or .gguf file)")
+    ap.add_argument("--data", required=True, help="self-distilled JSON lines (python -m zoo.selfdistill)")
+    ap.add_argument("--ckpt", required=True, help="checkpoint directory (resumed when it holds one)")
+    ap.add_argument("--export", help="write the bf16 heads into DIR/mtp and DIR/eagle3 after training")
+    ap.add_argument("--until", type=int, help="stop after this step (the schedule still spans --steps)")
+    for name, value in asdict(TrainPlan()).items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    target = args.target
+    if target.endswith(".gguf"):
+        from engine.models.gguf import gguf_model_dir
+
+        target = str(gguf_model_dir(target))
+    plan = TrainPlan(**{k: getattr(args, k) for k in asdict(TrainPlan())})
+    trainer = HeadTrainer(Path(target), Path(args.data), Path(args.ckpt), plan)
+    trainer.run(args.until)
+    if args.export:
+        print(json.dumps(trainer.export(Path(args.export))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
