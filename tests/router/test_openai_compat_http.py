@@ -188,3 +188,51 @@ def test_lark_and_gbnf_grammars_are_both_served(tandem_server, field):
         client.completions.create(model=tandem_server.model, prompt="Pet:", max_tokens=4,
                                   extra_body={field: {"grammar": "start: nowhere\n"} if field == "structured_outputs"
                                               else "start: nowhere\n"})
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
+PERSON = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}}}
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"max_tokens": 3},
+    {"stop": ["e"]},
+    {"logprobs": True, "top_logprobs": 2},
+    {"response_format": PERSON, "max_tokens": 40},
+    {"response_format": PERSON, "max_tokens": 6},
+    {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 60},
+    {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 9},
+    {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "weather"}}, "max_tokens": 30},
+    {"tools": [WEATHER], "max_tokens": 40},
+], ids=lambda kw: ",".join(f"{k}={v if not isinstance(v, (dict, list)) else '...'}" for k, v in kw.items()) or "plain")
+def test_stream_and_whole_response_agree(tandem_server, kw):
+    """Issue 32's goal: for every request (greedy) the stream gives the whole response's content, tool calls,
+    finish_reason, logprobs and usage."""
+    client = tandem_server.openai()
+    args = dict(model=tandem_server.model, messages=HELLO, temperature=0, **{"max_tokens": 16, **kw})
+    whole = client.chat.completions.create(**args)
+    content, calls, finish, logprobs, usage = "", {}, None, [], None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args):
+        usage = chunk.usage or usage
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or []:
+            entry = calls.setdefault(call.index, ["", ""])
+            entry[0] = call.function.name or entry[0]
+            entry[1] += call.function.arguments or ""
+        logprobs += choice.logprobs.content if choice.logprobs and choice.logprobs.content else []
+        finish = choice.finish_reason or finish
+    message = whole.choices[0].message
+    assert (content or None) == message.content
+    assert [tuple(calls[i]) for i in sorted(calls)] == [(c.function.name, c.function.arguments)
+                                                        for c in message.tool_calls or []]
+    assert finish == whole.choices[0].finish_reason
+    assert usage == whole.usage
+    if kw.get("logprobs"):
+        assert [(e.token, e.logprob) for e in logprobs] == [(e.token, e.logprob)
+                                                            for e in whole.choices[0].logprobs.content]
