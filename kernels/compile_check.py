@@ -19,10 +19,12 @@ import contextlib
 import hashlib
 import io
 import json
+import multiprocessing
 import os
 import re
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,26 +34,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
+from kernels.compile_report import TARGETS, Result, Target, write_report
 from kernels.compile_specs import PUBLISHED, EngineSpace, Recorded, record, zoo_shapes
 
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    name: str
-    capability: int
-    sm_count: int  # the flagship part's SMs (A100, H100 SXM, B200): what split-KV sizes its grid to
-    smem_limit: int  # bytes of shared memory one block may use (opt-in maximum)
-
-
-TARGETS = (
-    Target("sm_80", 80, 108, 163 * 1024),
-    Target("sm_90", 90, 132, 227 * 1024),
-    Target("sm_100", 100, 148, 227 * 1024),
-)
-
-# Kernels off the decode step (the KV hand-over runs once per request, on its own stream): a spill there
-# is reported, not failed.
-OFF_DECODE_PATH = frozenset({"_copy_blocks_kernel"})
 
 CACHE_DIR = Path(os.environ.get("TANDEM_COMPILE_CHECK_CACHE", Path.home() / ".cache" / "tandem" / "compile_check"))
 
@@ -87,32 +72,6 @@ class Spec:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-@dataclass(frozen=True, slots=True)
-class Result:
-    kernel: str
-    spec: str
-    target: str
-    scenario: str
-    error: str | None
-    compile_s: float
-    registers: int
-    spill_stores: int  # bytes
-    spill_loads: int  # bytes
-    shared: int  # bytes of shared memory per block
-    smem_limit: int
-    cached: bool = False
-
-    def failure(self) -> str | None:
-        """Why this specialization fails the check, or None."""
-        if self.error is not None:
-            return f"compile error: {self.error}"
-        if self.shared > self.smem_limit:
-            return f"shared memory {self.shared} B > the {self.target} limit {self.smem_limit} B"
-        if (self.spill_stores or self.spill_loads) and self.kernel not in OFF_DECODE_PATH:
-            return f"register spill on the decode path ({self.spill_stores} B stored, {self.spill_loads} B loaded)"
-        return None
-
-
 # ------------------------------------------------------------------------------------------ specs
 
 
@@ -123,10 +82,14 @@ def _binder(kernel, backend, cache: dict):
 
 
 def specs_for(target: Target, space: EngineSpace) -> tuple[list[Spec], list[str]]:
-    """(distinct specializations launched on `target`, scenarios whose wrapper could not launch). Each launch
-    is bound as JITFunction.run binds it (same binder, same packing), so two launches that would share a
-    compiled kernel on a GPU share a spec here."""
+    """(distinct specializations launched on `target`, scenarios whose wrapper could not launch)."""
     launches, failures = record(target.sm_count, zoo_shapes() + list(PUBLISHED), space)
+    return bind_all(launches, target), failures
+
+
+def bind_all(launches: list[Recorded], target: Target) -> list[Spec]:
+    """The distinct specializations of `launches` on `target`. Each launch is bound as JITFunction.run binds
+    it (same binder, same packing), so launches that would share a compiled kernel on a GPU share a spec."""
     backend = make_backend(GPUTarget("cuda", target.capability, 32))
     binders: dict = {}
     specs: dict[tuple, Spec] = {}
@@ -141,7 +104,7 @@ def specs_for(target: Target, space: EngineSpace) -> tuple[list[Spec], list[str]
         if key not in specs:
             options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
             specs[key] = Spec(kernel, signature, constexprs, attrs, options.__dict__, recorded.scenario)
-    return list(specs.values()), failures
+    return list(specs.values())
 
 
 # ---------------------------------------------------------------------------------------- compile
@@ -175,94 +138,69 @@ def compile_spec(spec: Spec, target: Target) -> Result:
                   int(spills.group(1)), int(spills.group(2)), compiled.metadata.shared, target.smem_limit)
 
 
-def cached_compile(spec: Spec, target: Target, use_cache: bool) -> Result:
+def cached_result(spec: Spec, target: Target) -> Result | None:
     path = CACHE_DIR / f"{spec.key(target)}.json"
-    if use_cache and path.is_file():
-        return Result(**dict(json.loads(path.read_text()), cached=True))
+    return Result(**dict(json.loads(path.read_text()), cached=True)) if path.is_file() else None
+
+
+def compile_and_store(spec: Spec, target: Target) -> Result:
     result = compile_spec(spec, target)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    path = CACHE_DIR / f"{spec.key(target)}.json"
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(asdict(result)))
     tmp.replace(path)
     return result
 
 
-# ----------------------------------------------------------------------------------------- report
+# What forked workers compile, by index: JIT functions do not pickle, a forked child inherits them.
+_PENDING: list[tuple[Spec, Target]] = []
 
 
-def summary_rows(results: list[Result]) -> list[dict]:
-    """Per kernel and target: specializations, compile time, worst registers / spills / shared memory."""
-    groups: dict[tuple[str, str], list[Result]] = {}
-    for r in results:
-        groups.setdefault((r.kernel, r.target), []).append(r)
-    rows = []
-    for (kernel, target), rs in sorted(groups.items()):
-        ok = [r for r in rs if r.error is None]
-        rows.append(dict(
-            kernel=kernel, target=target, specs=len(rs), errors=len(rs) - len(ok),
-            compile_s=sum(r.compile_s for r in rs), max_compile_s=max(r.compile_s for r in rs),
-            max_registers=max((r.registers for r in ok), default=0),
-            max_spill_bytes=max((r.spill_stores + r.spill_loads for r in ok), default=0),
-            max_shared=max((r.shared for r in ok), default=0), smem_limit=rs[0].smem_limit,
-            decode_path=kernel not in OFF_DECODE_PATH,
-        ))
-    return rows
+def _compile_pending(i: int) -> Result:
+    return compile_and_store(*_PENDING[i])
 
 
-def write_report(results: list[Result], launch_failures: list[str], wall_s: float, cold_s: float,
-                 out: Path) -> None:
-    failures = [(r, r.failure()) for r in results if r.failure()]
-    rows = summary_rows(results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(dict(
-        triton=triton.__version__, targets=[asdict(t) for t in TARGETS], wall_s=wall_s, compile_s=cold_s,
-        launch_failures=launch_failures, summary=rows, results=[asdict(r) for r in results],
-    ), indent=1))
-    lines = [
-        "# Triton kernels compiled for GPU targets (no GPU)",
-        "",
-        f"`make compile-check`, Triton {triton.__version__}: {len(results)} compiles "
-        f"({len({(r.kernel, r.spec) for r in results})} specializations of {len({r.kernel for r in results})} "
-        f"kernels over {len(TARGETS)} targets), every launch of kernels/compile_specs.py's engine space. "
-        f"Compile time if nothing were cached: {cold_s:.0f} s (sum of the compiles, one process); this run "
-        f"{wall_s:.0f} s. Shared memory is per block, against the target's opt-in limit; registers and spills "
-        f"are ptxas's report.",
-        "",
-        f"Result: {'PASS' if not failures and not launch_failures else 'FAIL'}: {len(failures)} failing "
-        f"specializations, {len(launch_failures)} engine shapes a wrapper could not launch.",
-        "",
-        "| kernel | target | specs | errors | compile s (sum / max) | max regs | max spill B | max smem KiB / limit "
-        "| decode path |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['kernel']} | {row['target']} | {row['specs']} | {row['errors']} | {row['compile_s']:.1f} / "
-            f"{row['max_compile_s']:.2f} | {row['max_registers']} | {row['max_spill_bytes']} | "
-            f"{row['max_shared'] / 1024:.1f} / {row['smem_limit'] // 1024} | {'yes' if row['decode_path'] else 'no'} |")
-    if failures or launch_failures:
-        lines += ["", "## Failures", ""]
-        lines += [f"- {r.kernel} on {r.target}: {why}; spec `{r.spec}` (from: {r.scenario})" for r, why in failures]
-        lines += [f"- launch: {f}" for f in launch_failures]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+def compile_all(pending: list[tuple[Spec, Target]], jobs: int, progress=None) -> list[Result]:
+    """Compile (and cache) every pending specialization, on `jobs` forked processes."""
+    global _PENDING
+    if jobs <= 1 or len(pending) <= 1:
+        results = (compile_and_store(spec, target) for spec, target in pending)
+    else:
+        _PENDING = pending
+        pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
+        results = pool.map(_compile_pending, range(len(pending)), chunksize=2)
+    done = []
+    try:
+        for result in results:
+            done.append(result)
+            if progress is not None:
+                progress(f"[{len(done)}/{len(pending)}] {result.kernel} {result.target} {result.compile_s:.2f}s"
+                         f"{' FAIL' if result.failure() else ''}")
+    finally:
+        if jobs > 1 and len(pending) > 1:
+            pool.shutdown()
+            _PENDING = []
+    return done
 
 
 # -------------------------------------------------------------------------------------------- main
 
 
-def run(targets: tuple[Target, ...], space: EngineSpace, use_cache: bool, progress=None) -> tuple[
-        list[Result], list[str]]:
-    results, launch_failures = [], []
+def run(targets: tuple[Target, ...], space: EngineSpace, use_cache: bool, jobs: int = 1,
+        progress=None) -> tuple[list[Result], list[str]]:
+    """(a result per specialization and target, engine shapes a wrapper could not launch)."""
+    results, pending, launch_failures = [], [], []
     for target in targets:
         specs, failures = specs_for(target, space)
         launch_failures += [f"{target.name}: {f}" for f in failures]
-        for i, spec in enumerate(specs):
-            result = cached_compile(spec, target, use_cache)
-            results.append(result)
-            if progress is not None:
-                progress(f"[{target.name} {i + 1}/{len(specs)}] {spec.name} {result.compile_s:.2f}s"
-                         f"{' (cached)' if result.cached else ''}{' FAIL' if result.failure() else ''}")
-    return results, launch_failures
+        for spec in specs:
+            cached = cached_result(spec, target) if use_cache else None
+            if cached is None:
+                pending.append((spec, target))
+            else:
+                results.append(cached)
+    return results + compile_all(pending, jobs, progress), launch_failures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cache", action="store_true", help="recompile everything (cold cost)")
     parser.add_argument("--report", type=Path, default=None,
                         help="write REPORT.md and REPORT.json (e.g. bench/results/compile_check)")
+    parser.add_argument("-j", "--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="compiler processes (default: half the CPUs)")
     parser.add_argument("-v", "--verbose", action="store_true", help="one line per compile")
     args = parser.parse_args(argv)
     if knobs.runtime.interpret:
@@ -281,12 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown target in {wanted}; known: {[t.name for t in TARGETS]}")
     start = time.perf_counter()
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
-    results, launch_failures = run(targets, EngineSpace(), not args.no_cache, progress)
+    space = EngineSpace()
+    results, launch_failures = run(targets, space, not args.no_cache, args.jobs, progress)
     wall = time.perf_counter() - start
     cold = sum(r.compile_s for r in results)
     failures = [(r, r.failure()) for r in results if r.failure()]
     if args.report is not None:
-        write_report(results, launch_failures, wall, cold, args.report)
+        write_report(results, launch_failures, space, wall, cold, args.report)
     cached = sum(r.cached for r in results)
     print(f"compile-check: {len(results)} compiles over {', '.join(t.name for t in targets)} "
           f"({cached} cached), {wall:.1f} s; uncached cost {cold:.0f} s")

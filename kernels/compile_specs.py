@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from kernels._launch import Launch, recording
+from kernels._verify_triton import rejection_from_probs
 from kernels.attention import paged_attention_triton, store_kv_triton
 from kernels.bitmask import apply_token_bitmask_triton
 from kernels.kv_transfer import pack_kv_triton, unpack_kv_triton
 from kernels.norm_rope import apply_rope_triton, rms_norm_triton
-from kernels._verify_triton import rejection_from_probs
 from kernels.verify import verify_greedy_triton
 
 ZOO_PREBUILT = Path(__file__).resolve().parents[1] / "zoo" / "prebuilt"
@@ -78,7 +78,7 @@ def zoo_shapes(root: Path = ZOO_PREBUILT) -> list[ModelShape]:
 @dataclass(frozen=True, slots=True)
 class EngineSpace:
     """The engine settings that change a launch. The defaults are the engine's own (EngineConfig's block
-    size and prefill budget, SpecConfig's MAX_K; tests/kernels/test_compile_specs.py holds them equal):
+    size and prefill budget, SpecConfig's MAX_K; tests/kernels/test_compile_check.py holds them equal):
     kept here so the check runs without importing the engine."""
 
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)

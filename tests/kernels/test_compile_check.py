@@ -85,7 +85,60 @@ def test_every_kernel_compiles_for_sm80_sm90_sm100(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--report", str(report)], cwd=ROOT, env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
-    results = json.loads(report.with_suffix(".json").read_text())
-    compiled = {r["kernel"] for r in results["results"]}
+    summary = json.loads(report.with_suffix(".json").read_text())["summary"]
+    compiled = {row["kernel"] for row in summary}
     assert compiled == _launched_kernels(), "a kernel launched in kernels/ is missing from the check (or vice versa)"
-    assert {r["target"] for r in results["results"]} == {"sm_80", "sm_90", "sm_100"}
+    assert {row["target"] for row in summary} == {"sm_80", "sm_90", "sm_100"}
+
+
+def _result(**kw):
+    from kernels.compile_report import Result
+
+    base = dict(kernel="paged_attention_kernel", spec="G=4 | q_ptr:*bf16", target="sm_80", scenario="s", error=None,
+                compile_s=1.0, registers=128, spill_stores=0, spill_loads=0, shared=1024, smem_limit=163 * 1024)
+    return Result(**dict(base, **kw))
+
+
+def test_what_fails_the_check():
+    assert _result().failure() is None
+    assert "compile error" in _result(error="CompilationError: arange").failure()
+    assert "shared memory 200704 B > the sm_80 limit" in _result(shared=196 * 1024).failure()
+    assert "register spill on the decode path" in _result(spill_stores=8).failure()
+    assert _result(kernel="_copy_blocks_kernel", spill_loads=8).failure() is None, "the hand-over only reports"
+
+
+BROKEN = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def broken_kernel(x_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)  # the interpreter takes any N; the compiler wants a power of two
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs))
+'''
+
+
+@pytest.mark.compile
+def test_a_compile_error_names_kernel_spec_and_target(tmp_path):
+    """What the interpreter accepts and the compiler rejects fails the check with kernel, spec and target."""
+    (tmp_path / "broken.py").write_text(BROKEN)
+    script = (
+        "import torch\n"
+        "from broken import broken_kernel\n"
+        "from kernels._launch import launch, recording\n"
+        "from kernels.compile_check import TARGETS, bind_all, compile_spec\n"
+        "from kernels.compile_specs import Recorded\n"
+        "with recording(132) as rec:\n"
+        "    launch(broken_kernel, (1,), torch.empty(48, device='meta'), N=48)\n"
+        "(spec,) = bind_all([Recorded('broken', rec.launches[0])], TARGETS[1])\n"
+        "r = compile_spec(spec, TARGETS[1])\n"
+        "print(r.kernel, r.target, r.spec, r.failure(), sep='\\n')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TANDEM_TRITON_ON_CPU")}
+    env["PYTHONPATH"] = f"{ROOT}:{tmp_path}"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    kernel, target, spec, why = proc.stdout.strip().splitlines()[-4:]
+    assert (kernel, target) == ("broken_kernel", "sm_90") and spec.startswith("N=48 | x_ptr:*fp32/16")
+    assert why.startswith("compile error") and "power of 2" in why, why
