@@ -35,7 +35,7 @@ class StepBatch:
     slot_limit: torch.Tensor  # [B] int64 KV slots held; draft-chain writes at or past it are dropped
     sampling: SamplingBatch  # [B] rows, positions = each chain's first new position
     # Logits row (b, j) is request b's chain column j, predicting position sampling.positions[b] + j.
-    # Room for a LogitsMasker (engine/logits_masker.py) to write into during the step; None when no
+    # Room for a LogitsMasker (engine/masking/masker.py) to write into during the step; None when no
     # masker runs. A row whose flag is False is left as it is.
     verify_bitmask: torch.Tensor | None  # [B, k+1, ceil(V/32)] int32, xgrammar's packed layout
     verify_mask_flags: torch.Tensor | None  # [B, k+1] bool

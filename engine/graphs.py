@@ -7,7 +7,7 @@ step has fixed shapes.
 At capture the step runs on static input tensors; a replay copies the new batch into them. The
 sampling mode (greedy only, filters used, logprobs asked, penalties) picks which branches the step
 takes, so it is part of the key, and so is whether a grammar masks the step (its fills are host
-functions captured in the graph, engine/graph_masks.py); the unmasked greedy graphs are captured up
+functions captured in the graph, engine/masking/graph.py); the unmasked greedy graphs are captured up
 front, the others on first use.
 Batches with a prompt chunk run eagerly. `capture=False` keeps the same padded path without graphs
 (how the CPU tests exercise it).
@@ -23,8 +23,8 @@ import torch
 from engine.batch import Padding, StepBatch, build_batch
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledRequest
-from engine.graph_masks import StagedMasker
-from engine.logits_masker import LogitsMasker
+from engine.masking.graph import StagedMasker
+from engine.masking.masker import LogitsMasker
 from engine.sample.sampler import SamplingBatch
 from engine.speculative.config import position_margin
 from engine.step import StepOutput

@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.logits_masker import LogitsMasker
+from engine.masking.masker import LogitsMasker
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -18,7 +18,7 @@ class LLM:
                  logits_masker: LogitsMasker | None = None, **kwargs):
         """`speculative`: an engine.SpecConfig (or a dict of its fields), e.g.
         `SpecConfig(method="eagle3", k=3, draft="path/to/head")`; `logits_masker`: constrains every
-        step's tokens (engine/logits_masker.py); other keywords are EngineConfig's."""
+        step's tokens (engine/masking/masker.py); other keywords are EngineConfig's."""
         cfg = EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                            num_kv_blocks=num_kv_blocks, block_size=block_size, speculative=speculative, **kwargs)
         self.engine = LLMEngine(cfg, logits_masker=logits_masker)

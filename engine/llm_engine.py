@@ -28,13 +28,13 @@ from engine.distributed.data_parallel import DPContext
 from engine.distributed.parallel import TPContext
 from engine.errors import CapacityError, InvalidRequestError
 from engine.handover import Handover, HandoverRequest
-from engine.logits_masker import LogitsMasker
+from engine.masking.grammar import GrammarMasker
+from engine.masking.masker import LogitsMasker
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.overlap import InFlight, carry_blocker
 from engine.sampling_params import SamplingParams
 from engine.speculative.drafter import draft_room
-from engine.structured_output import GrammarMasker
 from structured.compiler import GrammarCompiler
 from structured.request import SerializedGrammar
 
@@ -49,7 +49,7 @@ class LLMEngine:
         tp_shm: shared-memory collectives of the same ranks (engine/distributed/shm_collectives.py: CPU ranks of one
         host), which carry the tensor-parallel all-reduces and gathers that fit them (under attention data
         parallelism: the MLP row exchanges and the step agreement);
-        logits_masker: constrains the tokens of every step (engine/logits_masker.py).
+        logits_masker: constrains the tokens of every step (engine/masking/masker.py).
 
         With cfg.attention_dp > 1 every rank of the group must call step() the same number of times,
         with or without requests of its own: each step starts with the group's agreement."""

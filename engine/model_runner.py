@@ -21,7 +21,7 @@ from engine.core.scheduler import ScheduledRequest
 from engine.distributed.data_parallel import DPContext, GroupPlan, RankPlan, dp_rows
 from engine.distributed.parallel import TPContext
 from engine.layers.linear import VERIFY_ROWS_BUDGET, matvec_layout
-from engine.logits_masker import LogitsMasker, MaskRow
+from engine.masking.masker import LogitsMasker, MaskRow
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights
 from engine.overlap import InFlight, carry_inputs

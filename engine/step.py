@@ -20,7 +20,7 @@ import torch
 
 from engine.batch import StepBatch
 from engine.layers.attention import attention_context
-from engine.logits_masker import LogitsMasker, StepMasks
+from engine.masking.masker import LogitsMasker, StepMasks
 from engine.models.llama import LlamaForCausalLM
 from engine.sample.verify import verify
 from engine.speculative.proposer import ProposeInputs, Proposer

@@ -1,6 +1,6 @@
 """GrammarState: one request's position in its grammar, the seam between the step and a grammar backend.
 
-The step (engine/structured_output.py) relies on xgrammar's matcher semantics, which every backend
+The step (engine/masking/grammar.py) relies on xgrammar's matcher semantics, which every backend
 keeps: `accept` of a token the grammar rejects returns False and changes nothing (speculation feeds
 drafts that may be wrong); a stop token is accepted only where the grammar may end, and only that
 makes the state `terminated` (the request then finishes with "stop"); `rollback(n)` undoes the last n

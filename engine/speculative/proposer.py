@@ -35,7 +35,7 @@ class ProposeInputs:
     chain: bool  # host: draft k tokens; False only fills the draft KV over the rows (prefill-only batches)
     sampling: SamplingBatch  # [B] rows; drafts use its temperature/top-k/top-p/min-p, not its penalties
     # mask(step, drafts so far, logits [B, Vd], d2t [Vd] | None): constrains a draft step's logits in
-    # place before it samples (engine/logits_masker.py); None when no masker runs
+    # place before it samples (engine/masking/masker.py); None when no masker runs
     mask: Callable[[int, list[torch.Tensor], torch.Tensor, torch.Tensor | None], None] | None = None
 
 

@@ -15,9 +15,9 @@ import torch
 from engine import LLM, SamplingParams, SpecConfig
 from engine.errors import ModelLoadError
 from engine.speculative.token_map import read_token_map
+from tests.engine.masking.test_grammar import _batch, _valid
 from tests.engine.test_spec import _greedy, _prompts
 from tests.engine.test_spec_heads import make_eagle3_head, spec_drafts  # noqa: F401  (fixture)
-from tests.engine.test_structured_output import _batch, _valid
 from tests.support.tiny import VOCAB
 
 # The map of the engine tests: a third of the vocabulary, so that some of the head's favourite tokens

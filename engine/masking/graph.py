@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.host_func import HostFunctions
-from engine.logits_masker import LogitsMasker, MaskRow
+from engine.masking.host_func import HostFunctions
+from engine.masking.masker import LogitsMasker, MaskRow
 
 
 class StagedMasker(LogitsMasker):

@@ -10,7 +10,7 @@ draft step's logits and its sampling, so drafts are valid too and acceptance doe
   host, after the step  end_step(); accept(request_id, tokens) for what was emitted; release()
 
 Eager steps call the fills inline, in order. A step that replays a CUDA graph is captured with
-engine/graph_masks.py's StagedMasker instead: each fill becomes a host function on the step's stream
+engine/masking/graph.py's StagedMasker instead: each fill becomes a host function on the step's stream
 (captured in the graph) that calls this masker on pinned host copies of what it reads, and copies its
 bitmask back; the same order runs in place on CPU. No speculation is k = 0: one verification row per
 request, no draft steps, the same calls.

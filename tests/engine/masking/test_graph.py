@@ -1,4 +1,4 @@
-"""Guided steps through the graph path (engine/graph_masks.py): the grammar fills run as host functions
+"""Guided steps through the graph path (engine/masking/graph.py): the grammar fills run as host functions
 between the step's kernels, staged through host buffers. On CPU the same order runs in place (the padded
 graph layout without capture); on a GPU the step is captured and replayed many times. Either way the
 tokens must equal the eager guided step's, sampled rows included (same seeds, same masked
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.host_func import HostFunctionError, HostFunctions
+from engine.masking.host_func import HostFunctionError, HostFunctions
+from tests.engine.masking.test_grammar import _batch, _valid
 from tests.engine.test_spec import _graph_runs, _spec
 from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
-from tests.engine.test_structured_output import _batch, _valid
 
 
 @pytest.fixture(autouse=True, scope="module")

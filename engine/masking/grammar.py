@@ -24,7 +24,7 @@ from concurrent.futures import Future
 
 import torch
 
-from engine.logits_masker import LogitsMasker, MaskRow
+from engine.masking.masker import LogitsMasker, MaskRow
 from structured.compiler import GrammarCompiler
 from structured.request import SerializedGrammar, StructuredOutput, check_structured_enforceable
 from structured.state import GrammarState

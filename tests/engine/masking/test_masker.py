@@ -1,4 +1,4 @@
-"""engine/logits_masker.py in the step: a masker constrains the first token after the prefill, every
+"""engine/masking/masker.py in the step: a masker constrains the first token after the prefill, every
 verification row and every draft step, with and without speculation.
 
 The masker here is a reference kept in this file: each constrained request may only emit tokens of
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.logits_masker import LogitsMasker, MaskRow
+from engine.masking.masker import LogitsMasker, MaskRow
 from tests.engine.test_spec import _prompts, _spec
 from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
 

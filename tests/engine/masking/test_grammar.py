@@ -1,4 +1,4 @@
-"""engine/structured_output.py: guided requests in the engine's step, with real xgrammar.
+"""engine/masking/grammar.py: guided requests in the engine's step, with real xgrammar.
 
 The grammars here describe finite languages (enums, booleans, bounded regexes, choices), so even the
 random test model always completes them: every guided output must finish with "stop" and validate
