@@ -1,4 +1,4 @@
-"""Async scheduling (engine/overlap.py) against synchronous steps, and what a thread can hide on a CPU.
+"""Async scheduling (engine/runner/overlap.py) against synchronous steps, and what a thread can hide on a CPU.
 
 1. The engine on the zoo target (greedy, held-out-style token prompts), without speculation and with MTP
    k=3, at each batch size, async_scheduling off and on, alternating (best of --repeats): tokens/s,
@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    import zoo
     from bench.common import device_name, write_results
     from engine.config import ModelConfig
+    import zoo
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads)

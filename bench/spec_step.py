@@ -42,7 +42,7 @@ class StepTimer:
     engine's classes are untouched)."""
 
     def __init__(self, engine):
-        import engine.step as step_module
+        import engine.runner.step as step_module
 
         self.engine = engine
         self.decode_steps = 0

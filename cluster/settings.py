@@ -67,7 +67,7 @@ class EngineSettings(BaseModel):
     torch_threads: int | None = Field(1, ge=1, description="torch threads per CPU engine (default of torch if "
                                                            "unset).")
     async_scheduling: bool = Field(False, description="Engines launch step N+1 before reading step N "
-                                   "(engine/overlap.py): hides host time on GPUs; on CPUs it only reorders it.")
+                                   "(engine/runner/overlap.py): hides host time on GPUs; on CPUs it only reorders it.")
     cpu_compile: Literal["off", "gemm", "layers"] = Field(
         "off", description="CPU engines compile with inductor (engine/layers/cpu_compile.py): gemm = matmuls of 1-16 rows "
                            "through GEMMs on prepacked weights; layers = also each stretch between two attentions "

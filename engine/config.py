@@ -157,7 +157,7 @@ class EngineConfig:
     # (engine/masking/graph.py); False: such steps run eagerly.
     graph_masks: bool = True
     detokenize: bool = True  # keep each request's text and apply stop strings (off where the router does both)
-    # Plan and launch step N+1 before reading step N's outputs (engine/overlap.py): hides the host's work
+    # Plan and launch step N+1 before reading step N's outputs (engine/runner/overlap.py): hides the host's work
     # behind the device's on a GPU; on a CPU it only reorders it. Steps with grammars, penalties, prompt
     # lookup, ADP or prefill-only requests run synchronously all the same.
     async_scheduling: bool = False

@@ -30,9 +30,9 @@ from engine.errors import CapacityError, InvalidRequestError
 from engine.handover import Handover, HandoverRequest
 from engine.masking.grammar import GrammarMasker
 from engine.masking.masker import LogitsMasker
-from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, TokenLogprob
-from engine.overlap import InFlight, carry_blocker
+from engine.runner.model_runner import ModelRunner, StepResult
+from engine.runner.overlap import InFlight, carry_blocker
 from engine.sampling_params import SamplingParams
 from engine.speculative.drafter import draft_room
 from structured.compiler import GrammarCompiler
@@ -251,7 +251,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """One step's outputs. With async scheduling, the outputs of the step launched by the previous
-        call, while the step planned after it runs (engine/overlap.py)."""
+        call, while the step planned after it runs (engine/runner/overlap.py)."""
         if self._inflight is not None:
             touched = self._advance()
             reports = self._finished_unreported + touched
@@ -284,7 +284,7 @@ class LLMEngine:
         self._finished_unreported = []
         return [self._output(r) for r in reports]
 
-    # ------------------------------------------------------------------ async scheduling (engine/overlap.py)
+    # ------------------------------------------------------------------ async scheduling (engine/runner/overlap.py)
     def _can_plan_ahead(self) -> bool:
         """Can a step be planned before the running one is read: the option is on and no request waits on
         the host for the running step's tokens (carry_blocker)."""

@@ -25,7 +25,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens + ahead
     sample: bool  # this step produces the request's next token
-    # Overlapped scheduling (engine/overlap.py): this step was planned while the step before it still ran,
+    # Overlapped scheduling (engine/runner/overlap.py): this step was planned while the step before it still ran,
     # relative to the host's state then (valid until that step's outputs are applied). ahead: that step's
     # rows of this request (computed before this step's rows, counted as if all its drafts are accepted);
     # carried: that step samples this request, so this step's inputs (its new token and drafts) are that
@@ -163,7 +163,7 @@ class Scheduler:
         return max(end, min(end + self.num_lookahead_slots, req.max_total_tokens))
 
     def schedule_ahead(self, inflight: dict[str, tuple[int, bool, int]], drafts_for) -> SchedulerOutput | None:
-        """Plan the next step while the step before it still runs (engine/overlap.py). `inflight`: request
+        """Plan the next step while the step before it still runs (engine/runner/overlap.py). `inflight`: request
         id -> (rows, samples, drafts verified) of that running step. None when only a synchronous step can
         do (a request would need preemption); nothing is preempted here. A request the running step samples
         continues with 1 + `drafts_for(req, emitted_max)` rows, at positions that assume every draft of

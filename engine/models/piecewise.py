@@ -12,7 +12,7 @@ piecewise_cpu.md).
 Pieces are compiled per row bucket (1, 4, 8, 16 as packed GEMMs: engine/layers/packed_gemm.py), the
 rows of a forward zero-padded up to it (padded rows never reach an attention); forwards with more rows
 (prefill chunks, large batches) run eagerly. A bucket compiles on first use or at start-up for the
-batch-1 row counts (engine/model_runner.py); each bucket keeps its own packed copy of the weights.
+batch-1 row counts (engine/runner/model_runner.py); each bucket keeps its own packed copy of the weights.
 Only where a piece holds no collective: tensor parallelism and attention data parallelism keep the
 eager forward (and packed GEMMs).
 """

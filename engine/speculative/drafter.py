@@ -1,6 +1,6 @@
 """Drafter: the draft half of the model runner. Loads the draft network (or prompt lookup), owns the
 per-request draft state (a slot in the draft-distribution buffer), picks each request's next drafts,
-and drafts for requests that arrive by hand-over. The step itself is engine/step.py."""
+and drafts for requests that arrive by hand-over. The step itself is engine/runner/step.py."""
 from __future__ import annotations
 
 import logging
@@ -9,13 +9,13 @@ from collections import deque
 import numpy as np
 import torch
 
-from engine.batch import kv_slots
 from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request
 from engine.distributed.parallel import TPContext
 from engine.layers.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
+from engine.runner.batch import kv_slots
 from engine.sample.sampler import build_sampling
 from engine.speculative.config import SpecConfig, chain_margin
 from engine.speculative.loading import load_proposer
@@ -107,7 +107,7 @@ class Drafter:
         """The drafts a request carries into its next step: the draft network's, or prompt lookup's;
         never more than the request may still emit after the next step's own token, counted as if the
         step just read had accepted its `rejected` drafts too. That is the count a step planned before
-        the previous one is read must use (engine/overlap.py), so drafts, and with them seeded samples,
+        the previous one is read must use (engine/runner/overlap.py), so drafts, and with them seeded samples,
         are the same with and without async scheduling; it differs from the exact room only within k
         tokens of max_tokens."""
         room = draft_room(req, rejected)

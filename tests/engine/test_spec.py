@@ -235,7 +235,7 @@ def _mixed_params(n: int) -> list[SamplingParams]:
 
 
 def _graph_runs(llm: LLM, capture: bool, max_batch: int = 8) -> int:
-    from engine.graphs import StepGraphs
+    from engine.runner.graphs import StepGraphs
 
     runner = llm.engine.runner
     runner.graphs = StepGraphs(runner, max_batch, capture=capture)

@@ -130,7 +130,7 @@ def _rank_main(rank: int, port: int, root: str, queue) -> None:
             calls = shm.calls if shm is not None else 0
             engine = LLMEngine(cfg, tp_group=dist.group.WORLD, tp_shm=shm if case.shm else None)
             if case.padded:
-                from engine.graphs import StepGraphs
+                from engine.runner.graphs import StepGraphs
 
                 runner = engine.runner
                 runner.graphs = StepGraphs(runner, 8, capture=False, capture_on_demand=False)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLM, LLMEngine, SamplingParams
-from engine.batch import build_batch
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import attention_context
+from engine.runner.batch import build_batch
 from tests.engine.conftest import ARCHS
 
 PROMPT = [0, 17, 43, 99, 5, 250, 31, 7, 300, 12, 64, 128, 3, 77, 201]

@@ -1,4 +1,4 @@
-"""Async scheduling (engine/overlap.py) changes when the host reads a step, never what the engine writes:
+"""Async scheduling (engine/runner/overlap.py) changes when the host reads a step, never what the engine writes:
 the same tokens as synchronous stepping for every speculation method, greedy and seeded sampling,
 chunked prefill, stops and aborts in flight, KV pressure; steps really are launched ahead; requests the
 host must see first (grammars, penalties, prompt lookup) make the engine step synchronously; no KV
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from engine.overlap import carry_blocker
+from engine.runner.overlap import carry_blocker
 from tests.engine.test_spec import _prompts, _spec
 from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
 

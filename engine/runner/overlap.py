@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import StepBatch
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest
+from engine.runner.batch import StepBatch
 
 
 @dataclass(slots=True)

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import StepBatch
 from engine.layers.attention import attention_context
 from engine.masking.masker import LogitsMasker, StepMasks
 from engine.models.llama import LlamaForCausalLM
+from engine.runner.batch import StepBatch
 from engine.sample.verify import verify
 from engine.speculative.proposer import ProposeInputs, Proposer
 

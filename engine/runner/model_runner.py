@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import StepBatch, build_batch
 from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledRequest
@@ -24,11 +23,12 @@ from engine.layers.linear import VERIFY_ROWS_BUDGET, matvec_layout
 from engine.masking.masker import LogitsMasker, MaskRow
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights
-from engine.overlap import InFlight, carry_inputs
+from engine.runner.batch import StepBatch, build_batch
+from engine.runner.overlap import InFlight, carry_inputs
+from engine.runner.step import StepOutput, model_step
 from engine.speculative.config import position_margin
 from engine.speculative.drafter import Drafter
 from engine.speculative.proposer import Proposer
-from engine.step import StepOutput, model_step
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class ModelRunner:
         self.masker: LogitsMasker | None = None
         self.graphs = None
         if self.device.type == "cuda" and cfg.cuda_graphs:
-            from engine.graphs import StepGraphs
+            from engine.runner.graphs import StepGraphs
 
             self.graphs = StepGraphs(self, min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
                                      capture_on_demand=dp is None, masks=cfg.graph_masks)
@@ -189,7 +189,7 @@ class ModelRunner:
         """Host work before launch: draft-state slots, the masker's snapshot, the batch's tensors
         (padded to a captured size when a graph will replay it). Under ADP every rank calls it every
         step, with or without requests (it holds the group's agreement); None: no rank runs a forward.
-        carry_from: the step still running when this one was planned (engine/overlap.py): the carried
+        carry_from: the step still running when this one was planned (engine/runner/overlap.py): the carried
         requests' inputs are gathered from its outputs on the device (never under ADP or with masks)."""
         slots = None
         if self.drafter is not None:

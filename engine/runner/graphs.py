@@ -2,7 +2,7 @@
 
 Decode-only batches (every request verifying its chain, none prefilling) are laid out with k+1 rows
 per request (one without speculation), padded with idle requests to the next captured size (1, 2, 4,
-..., max batch) and with block tables of a fixed width (engine/batch.py, `Padding`), so the whole
+..., max batch) and with block tables of a fixed width (engine/runner/batch.py, `Padding`), so the whole
 step has fixed shapes.
 At capture the step runs on static input tensors; a replay copies the new batch into them. The
 sampling mode (greedy only, filters used, logprobs asked, penalties) picks which branches the step
@@ -20,14 +20,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.batch import Padding, StepBatch, build_batch
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledRequest
 from engine.masking.graph import StagedMasker
 from engine.masking.masker import LogitsMasker
+from engine.runner.batch import Padding, StepBatch, build_batch
+from engine.runner.step import StepOutput
 from engine.sample.sampler import SamplingBatch
 from engine.speculative.config import position_margin
-from engine.step import StepOutput
 
 log = logging.getLogger(__name__)
 
