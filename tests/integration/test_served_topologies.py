@@ -77,7 +77,7 @@ def served(request, tandem_server, tmp_path_factory):
 
     from deploy.app import build_app
     from deploy.config import TandemConfig
-    from tests.engine.test_spec_heads import make_mtp_head
+    from tests.engine.speculative.test_spec_heads import make_mtp_head
 
     topology, device = request.param
     if topology.not_built:

@@ -8,7 +8,7 @@ def test_uniforms_never_reach_0_or_1():
     """Regression: 24 bits as (k + 0.5) / 2**24 rounded to exactly 1.0 in float32 for k = 2**24 - 1, so the
     exponential noise was 0 and a grammar-masked token (probability 0) won argmax(p / E) as 0 / 0 = NaN:
     a sampled guided request emitted a token its grammar forbids (found by
-    tests/engine/test_spec_distribution_guided.py, seed 5241)."""
+    tests/engine/speculative/test_spec_distribution_guided.py, seed 5241)."""
     edges = torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 512, 2**32 - 1], dtype=torch.int64)
     u = rng.unit_interval(edges)
     assert u.dtype == torch.float32

@@ -15,8 +15,8 @@ import jsonschema
 import pytest
 
 from engine import LLM, EngineConfig, HandoverRequest, InvalidRequestError, LLMEngine, SamplingParams, StructuredOutput
-from tests.engine.test_spec import _prompts, _spec
-from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.engine.speculative.test_spec import _prompts, _spec
+from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
 
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"},
                                            "size": {"enum": [1, 22, 333]}},

@@ -11,8 +11,8 @@ import torch
 from engine import LLM
 from engine.masking.host_func import HostFunctionError, HostFunctions
 from tests.engine.masking.test_grammar import _batch, _valid
-from tests.engine.test_spec import _graph_runs, _spec
-from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.engine.speculative.test_spec import _graph_runs, _spec
+from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
 
 
 @pytest.fixture(autouse=True, scope="module")

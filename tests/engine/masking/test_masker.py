@@ -12,8 +12,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.masking.masker import LogitsMasker, MaskRow
-from tests.engine.test_spec import _prompts, _spec
-from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.engine.speculative.test_spec import _prompts, _spec
+from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,8 +9,8 @@ import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine.runner.overlap import carry_blocker
-from tests.engine.test_spec import _prompts, _spec
-from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.engine.speculative.test_spec import _prompts, _spec
+from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
 
 
 @pytest.fixture(autouse=True, scope="module")

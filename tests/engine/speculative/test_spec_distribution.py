@@ -11,7 +11,7 @@ import torch
 from scipy import stats
 
 from engine import LLM, SamplingParams, SpecConfig
-from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
 
 PROMPT = [17, 43, 99, 5, 250, 31, 17, 43, 99, 5]  # repeats, so that prompt lookup drafts something
 N = 3000

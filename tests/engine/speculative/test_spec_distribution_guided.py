@@ -10,8 +10,8 @@ import torch
 from scipy import stats
 
 from engine import LLM, SamplingParams, SpecConfig, StructuredOutput
-from tests.engine.test_spec_distribution import PROMPT, _fits, near_draft  # noqa: F401  (fixture)
-from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.engine.speculative.test_spec_distribution import PROMPT, _fits, near_draft  # noqa: F401  (fixture)
+from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
 from tests.support.tiny import VOCAB
 
 N = 2000

@@ -3,7 +3,7 @@
 The file formats and every way a map can be wrong (a typed error naming the file); then the engine:
 an MTP head (and an EAGLE-3 head with the target's whole vocabulary) with a map drafts only the map's
 ids, and greedy output, guided or not, equals decoding without speculation (the map changes drafts,
-never outputs). Sampled output keeps the target's distribution: tests/engine/test_spec_distribution.py.
+never outputs). Sampled output keeps the target's distribution: tests/engine/speculative/test_spec_distribution.py.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from engine import LLM, SamplingParams, SpecConfig
 from engine.errors import ModelLoadError
 from engine.speculative.token_map import read_token_map
 from tests.engine.masking.test_grammar import _batch, _valid
-from tests.engine.test_spec import _greedy, _prompts
-from tests.engine.test_spec_heads import make_eagle3_head, spec_drafts  # noqa: F401  (fixture)
+from tests.engine.speculative.test_spec import _greedy, _prompts
+from tests.engine.speculative.test_spec_heads import make_eagle3_head, spec_drafts  # noqa: F401  (fixture)
 from tests.support.tiny import VOCAB
 
 # The map of the engine tests: a third of the vocabulary, so that some of the head's favourite tokens
@@ -150,7 +150,7 @@ def test_a_head_with_a_vocabulary_of_its_own_refuses_a_map(llama_dir, spec_draft
 def test_the_targets_lm_head_is_untouched(llama_dir, token_map, tmp_path):
     """An MTP checkpoint without shared_head.head drafts through the target's LM head: the map copies its
     rows into a head of the MTP's own, and the target keeps all of its vocabulary."""
-    from tests.engine.test_spec_heads import make_mtp_head
+    from tests.engine.speculative.test_spec_heads import make_mtp_head
 
     draft = make_mtp_head(tmp_path / "mtp", llama_dir, seed=1, shared=False)
     plain = LLM(llama_dir, num_kv_blocks=64, block_size=4)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from tests.engine.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread(one_thread_module):
@@ -180,7 +180,7 @@ def test_handover_carries_the_draft_state(checkpoints, llama_dir, spec_drafts, r
     """Prefill-only on one engine, hand-over (target and draft KV blocks, the head's hidden state),
     decode on another: same tokens; the first decode step already verifies k drafts, and the drafts
     after it are those of a from-scratch recomputation (the draft KV over the prompt arrived)."""
-    from tests.engine.test_spec_heads import reference_drafts
+    from tests.engine.speculative.test_spec_heads import reference_drafts
 
     spec = _spec(method, 3, spec_drafts, llama_dir)
     prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4, speculative=spec))
