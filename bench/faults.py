@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.soak import PROMPTS, _send, kv_blocks_used, process_tree, wait_for_free_blocks
+from bench.load_client import PROMPTS, kv_blocks_used, process_tree, send_request, wait_for_free_blocks
 
 LONG_PROMPT = " ".join(PROMPTS * 6)  # a few hundred tokens: the prefill is busy when it is killed
 KV_BLOCK_TOKENS = 16
@@ -77,7 +77,7 @@ def load_spec(rng: random.Random, model: str, request_id: str | None = None, lon
 async def _served(http: httpx.AsyncClient, model: str, deadline_s: float) -> bool:
     spec = {"kind": "good", "path": "/v1/completions", "stream": False,
             "body": {"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}}
-    return (await _send(http, spec, deadline_s))["outcome"] == "completed"
+    return (await send_request(http, spec, deadline_s))["outcome"] == "completed"
 
 
 async def time_to_recover(http: httpx.AsyncClient, model: str, since: float, within_s: float) -> float | None:
@@ -107,7 +107,7 @@ class Load:
             spec = load_spec(self.rng, self.model, long=self.rng.random() < self.long_share)
             self.in_flight += 1
             try:
-                self.outcomes.append(await _send(self.http, spec, self.deadline_s))
+                self.outcomes.append(await send_request(self.http, spec, self.deadline_s))
             finally:
                 self.in_flight -= 1
 
@@ -137,7 +137,7 @@ async def _send_marked(http, model, point: str) -> dict:
     """One request whose id names an armed fault point (so the fault fires on it)."""
     rid = f"fault-{point}-{os.urandom(4).hex()}"
     spec = load_spec(random.Random(0), model, request_id=rid, max_tokens=32)
-    out = await _send(http, {**spec, "stream": False, "body": {**spec["body"], "stream": False}}, 120.0)
+    out = await send_request(http, {**spec, "stream": False, "body": {**spec["body"], "stream": False}}, 120.0)
     return {**out, "request_id": rid}
 
 
@@ -179,7 +179,7 @@ async def _fill_kv(http, model, app, root) -> str | None:
     per_request = -(-(len(LONG_PROMPT) // 3 + 256) // KV_BLOCK_TOKENS)  # rough tokens of prompt + output
     n = min(64, int(1.5 * total / per_request) + 2)
     rng = random.Random(1)
-    burst = asyncio.gather(*[_send(http, load_spec(rng, model, long=True, max_tokens=256), 300.0) for _ in range(n)])
+    burst = asyncio.gather(*[send_request(http, load_spec(rng, model, long=True, max_tokens=256), 300.0) for _ in range(n)])
     peak = 0.0
     while not burst.done():
         peak = max(peak, await _decode_blocks(http, "tandem_kv_blocks_used"))

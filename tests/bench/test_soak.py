@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from bench.soak import bad_cases, kv_blocks_used, soak, tree_rss_mb
+from bench.load_client import kv_blocks_used, tree_rss_mb
+from bench.soak import bad_cases, soak
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
