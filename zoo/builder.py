@@ -95,6 +95,14 @@ def training_docs(recipe: Recipe) -> list:
     return _limit(_short_schemas(train, recipe.max_schema_chars), recipe.max_docs_per_domain)
 
 
+def corpus_token_counts(recipe, tokenizer_dir: Path) -> torch.Tensor:
+    """The counts the builder takes for `recipe` (its training documents, tokenized by the zoo's own
+    tokenizer); about 40 s for the default recipe on two cores."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    docs = [e.ids for e in tokenizer.encode_batch([d.text for d in training_docs(recipe)])]
+    return token_counts(docs, tokenizer.get_vocab_size())
+
+
 def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
     """Build every part into `out_dir` (created); -> the manifest (also written to zoo.json)."""
     started = time.perf_counter()

@@ -182,7 +182,8 @@ def _eval(args) -> int:
 def _token_map(args) -> int:
     import zoo
     from zoo.prompts import END
-    from zoo.token_map import corpus_token_counts, hot_token_ids, write_token_map
+    from zoo.builder import corpus_token_counts
+    from zoo.token_map import hot_token_ids, write_token_map
     from zoo.tokenizer import load_tokenizer
 
     paths = zoo.layout(zoo.build(args.recipe_name))

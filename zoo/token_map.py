@@ -31,17 +31,6 @@ def hot_token_ids(counts: torch.Tensor, size: int, always: tuple[int, ...] = ())
     return sorted(list(dict.fromkeys(list(always) + order))[:size])
 
 
-def corpus_token_counts(recipe, tokenizer_dir: Path) -> torch.Tensor:
-    """The counts the builder takes for `recipe` (its training documents, tokenized by the zoo's own
-    tokenizer); about 40 s for the default recipe on two cores."""
-    from zoo.builder import training_docs
-    from zoo.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(tokenizer_dir)
-    docs = [e.ids for e in tokenizer.encode_batch([d.text for d in training_docs(recipe)])]
-    return token_counts(docs, tokenizer.get_vocab_size())
-
-
 def write_token_map(path: Path, ids: list[int], counts: torch.Tensor) -> dict:
     """A map file read by engine/speculative/token_map.py, with what share of the corpus' tokens it covers."""
     covered = int(counts[torch.tensor(ids)].sum()) / max(1, int(counts.sum()))
