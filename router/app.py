@@ -1,6 +1,7 @@
 """The Serve ingress: OpenAI-compatible HTTP API on FastAPI.
 
-POST /v1/completions and /v1/chat/completions (streaming and not), GET /v1/models, /health, /metrics.
+POST /v1/completions, /v1/chat/completions and /v1/responses (streaming and not), GET /v1/models and
+/v1/models/{model}, /health, /metrics.
 The router validates, templates and tokenizes; Generation carries the request through the workers;
 the router detokenizes, applies stop strings and writes the response.
 """
@@ -28,6 +29,7 @@ from router.metrics import RouterMetrics
 from router.metrics_server import start_metrics_server
 from router.policy import decode_unavailable, latest_stats
 from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.responses_api import ResponseEvents, ResponseShape, ResponsesRequest, to_chat
 from router.token_text import TokenText
 from router.tools import chat_messages, template_tools
 
@@ -180,6 +182,17 @@ class Router:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        return await self._chat(body, request)
+
+    @api.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest, request: Request):
+        """The Responses API, stateless: the chat path, its answer reshaped (router/responses_api.py)."""
+        self._check_model(body.model)
+        shape = ResponseShape(body, self.cfg.served_model_name)
+        return await self._chat(to_chat(body), request, whole_as=shape.whole,
+                                 stream_as=lambda chat_sse: ResponseEvents(shape).sse(chat_sse))
+
+    async def _chat(self, body: ChatCompletionRequest, request: Request, whole_as=None, stream_as=None):
         self._check_model(body.model)
         check_request(body, self.cfg, self.info.vocab_size, chat=True)
         tools = body.tool_request()
@@ -201,7 +214,8 @@ class Router:
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           max(1, self.info.max_model_len - len(prompt_ids)))
         return await self._generate(body, request, prompt_ids, max_tokens, logprobs, chat=True,
-                                    tools=tools if tools is not None and tools.constrains else None)
+                                    tools=tools if tools is not None and tools.constrains else None,
+                                    whole_as=whole_as, stream_as=stream_as)
 
     def _template_knows_tools(self) -> bool:
         """Whether the chat template renders `tools` itself (transformers passes them as a variable);
@@ -235,7 +249,8 @@ class Router:
         return params
 
     async def _generate(self, body, request: Request, prompt_ids: list[int], max_tokens: int,
-                        logprobs: int | None, chat: bool, echo: str = "", tools=None):
+                        logprobs: int | None, chat: bool, echo: str = "", tools=None, whole_as=None, stream_as=None):
+        """whole_as / stream_as: reshape the whole body / the SSE stream (the Responses API's)."""
         arrival = time.monotonic()
         endpoint = "chat" if chat else "completions"
         try:
@@ -270,12 +285,14 @@ class Router:
         out = ResponseWriter(self, body, gen, rid, chat, echo, logprobs, prompt_ids, arrival, endpoint, tools)
         headers = {"X-Request-Id": rid}
         if body.stream:
-            return StreamingResponse(out.sse(), media_type="text/event-stream", headers=headers)
+            events = out.sse() if stream_as is None else stream_as(out.sse())
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        shape = whole_as or (lambda answer: answer)
         try:
             if self.api_server is None:  # behind Serve's proxy, which cancels this call when the client goes
-                return JSONResponse(await out.collect(), headers=headers)
+                return JSONResponse(shape(await out.collect()), headers=headers)
             answered, answer = await unless_client_leaves(request, out.collect())
-            return JSONResponse(answer, headers=headers) if answered else Response(status_code=499)
+            return JSONResponse(shape(answer), headers=headers) if answered else Response(status_code=499)
         except APIError as e:
             return e.response()
 
