@@ -3,10 +3,13 @@
 Only ids live here; the KV tensor itself belongs to the model runner. Free blocks are handed out
 from the front of a FIFO and returned to its back, so ids are deterministic (tests assert them).
 A request's blocks cover its `num_tokens` slots; `rewind` drops the last n (rejected drafts).
+`kv_slots` turns block tables and positions into KV-cache slots (the step's slot mapping).
 """
 from __future__ import annotations
 
 from collections import deque
+
+import numpy as np
 
 
 class BlockPool:
@@ -112,3 +115,10 @@ class BlockManager:
     def slot(self, request_id: str, position: int) -> int:
         table = self.tables[request_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def kv_slots(tables: np.ndarray, rows, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """KV-cache slot of each (block-table row, position): tables [B, M] int32, rows [T] (or one row),
+    positions [T] int64 -> [T] int64. Positions past the table's width read its last block (padding)."""
+    blocks = tables[rows, np.minimum(positions // block_size, tables.shape[1] - 1)].astype(np.int64)
+    return blocks * block_size + positions % block_size

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.core.block_manager import BlockManager
+from engine.core.block_manager import BlockManager, kv_slots
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import AttentionMetadata
 from engine.sample.sampler import SamplingBatch, build_sampling
@@ -152,13 +152,6 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
         full_drafts=pad is None and bool((num_drafts[samples] == k).all()), propose=propose or pad is not None,
         chain_max_seq_len=max_seq_len + chain_margin(k),
         host_num_drafts=num_drafts[:n].tolist(), host_samples=samples[:n].tolist())
-
-
-def kv_slots(tables: np.ndarray, rows, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """KV-cache slot of each (block-table row, position): tables [B, M] int32, rows [T] (or one row),
-    positions [T] int64 -> [T] int64. Positions past the table's width read its last block (padding)."""
-    blocks = tables[rows, np.minimum(positions // block_size, tables.shape[1] - 1)].astype(np.int64)
-    return blocks * block_size + positions % block_size
 
 
 def _tokens(req, lo: int, hi: int) -> list[int]:

@@ -10,12 +10,11 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.core.block_manager import BlockManager
+from engine.core.block_manager import BlockManager, kv_slots
 from engine.core.request import Request
 from engine.distributed.parallel import TPContext
 from engine.layers.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
-from engine.runner.batch import kv_slots
 from engine.sample.sampler import build_sampling
 from engine.speculative.config import SpecConfig, chain_margin
 from engine.speculative.loading import load_proposer
