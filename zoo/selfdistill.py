@@ -91,6 +91,24 @@ def prompt_set(data_dir: Path, *, gsm8k: int = 1200, schemas: int = 900, seed: i
     return out
 
 
+def heldout_set(data_dir: Path, per_source: int = 16) -> list[Prompt]:
+    """Prompts no head trains on, for agreement and acceptance: MT-Bench first turns, GSM8K test questions,
+    the held-aside HumanEval tasks (numbers divisible by 4) and json-mode-eval schemas (guided)."""
+    data_dir = Path(data_dir)
+    out = [Prompt(f"mt-bench-{r['question_id']}", "mt-bench", _user(r["turns"][0]))
+           for r in _jsonl(data_dir / "prompts/mt-bench/question.jsonl")[:per_source]]
+    out += [Prompt(f"gsm8k-test-{i}", "gsm8k-test", _user(r["question"]))
+            for i, r in enumerate(_jsonl(data_dir / "prompts/gsm8k/test.jsonl")[:per_source])]
+    code = [r for r in _jsonl(data_dir / "prompts/humaneval/HumanEval.jsonl") if int(r["task_id"].split("/")[1]) % 4 == 0]
+    out += [Prompt(f"humaneval-{r['task_id'].split('/')[1]}", "humaneval-heldout", humaneval_prompt(r["prompt"]))
+            for r in code[:per_source]]
+    items = sorted((data_dir / "json-mode-eval/items").glob("*.json"), key=lambda p: int(p.stem.split("_")[1]))
+    for path in items[:per_source]:
+        schema = json.loads(path.read_text(encoding="utf-8"))["schema"]
+        out.append(Prompt(f"jme-{path.stem}", "json-mode-eval", schema_prompt(schema), schema, True))
+    return out
+
+
 def done_keys(path: Path) -> set[str]:
     if not path.is_file():
         return set()
@@ -175,9 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard", default="0/1", help="i/n: answer every n-th prompt from the i-th (one process each)")
+    ap.add_argument("--heldout", type=int, default=0, help="answer N held-aside prompts per source instead (evaluation)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    prompts = prompt_set(Path(args.data), gsm8k=args.gsm8k, schemas=args.schemas, seed=args.seed)
+    if args.heldout:
+        prompts = heldout_set(Path(args.data), args.heldout)
+    else:
+        prompts = prompt_set(Path(args.data), gsm8k=args.gsm8k, schemas=args.schemas, seed=args.seed)
     index, count = (int(x) for x in args.shard.split("/"))
     prompts = prompts[index::count]
     generate(args.model, prompts, Path(args.out), max_tokens=args.max_tokens, batch=args.batch, seed=args.seed)

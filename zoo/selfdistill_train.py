@@ -36,6 +36,7 @@ from zoo.training import lr_at, make_optimizer, set_lr
 
 log = logging.getLogger(__name__)
 STEP_DECAY = 0.8
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.norm.weight", "shared_head.head.weight")  # the target's, frozen
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def sampled_head_loss(head, features: dict, top: torch.Tensor, ids: torch.Tensor
 class HeadTrainer:
     """Both heads over one target; `run` trains until plan.steps, checkpointing into `ckpt_dir`."""
 
-    def __init__(self, target_dir: Path, data: Path, ckpt_dir: Path, plan: TrainPlan):
+    def __init__(self, target_dir: Path, data: Path, ckpt_dir: Path, plan: TrainPlan, init: Path | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.plan, self.ckpt_dir = plan, Path(ckpt_dir)
@@ -165,7 +166,8 @@ class HeadTrainer:
         self.optimizers = {k: make_optimizer(h, schedule) for k, h in self.heads.items()}
         self.step, self.rng, self.generator = 0, random.Random(plan.seed), torch.Generator().manual_seed(plan.seed)
         self.history: list[dict] = []
-        self._resume()
+        if not self._resume() and init is not None:
+            self._init_from(Path(init))
         d2t = self.heads["eagle3"].d2t  # the checkpoint's draft vocabulary when resumed
         self.eagle_index = torch.full((vocab,), -1, dtype=torch.long)
         self.eagle_index[d2t + torch.arange(len(d2t))] = torch.arange(len(d2t))
@@ -174,10 +176,28 @@ class HeadTrainer:
         return Schedule(steps=self.plan.steps, batch_size=1, lr=self.plan.lr,
                         warmup_steps=max(1, self.plan.steps // 30))
 
-    def _resume(self) -> None:
+    def _init_from(self, exported: Path) -> None:
+        """Start from heads exported earlier (e.g. the prebuilt ones: a later session goes on training them;
+        their optimizer state is not kept, so Adam starts afresh)."""
+        from safetensors.torch import load_file
+
+        for name, head in self.heads.items():
+            state = load_file(str(exported / name / "model.safetensors"))
+            if name == "mtp":
+                prefix = f"model.layers.{head.layer_index}."
+                state = {k[len(prefix):]: v for k, v in state.items()}
+            own = head.state_dict()
+            missing = [k for k in own if k not in state and not (name == "mtp" and k in _MTP_SHARED)]
+            if missing:
+                raise ValueError(f"{exported / name} lacks {missing[:3]}")
+            own.update({k: v.to(own[k].dtype) for k, v in state.items()})
+            head.load_state_dict(own)
+        log.info("initialized both heads from %s", exported)
+
+    def _resume(self) -> bool:
         path = self.ckpt_dir / "state.pt"
         if not path.is_file():
-            return
+            return False
         state = torch.load(path, weights_only=False)
         if state["plan"] != asdict(self.plan):
             log.warning("checkpoint plan %s differs from %s; resuming with the new plan", state["plan"], asdict(self.plan))
@@ -188,6 +208,7 @@ class HeadTrainer:
         self.rng.setstate(state["rng"])
         self.generator.set_state(state["generator"])
         log.info("resumed at step %d", self.step)
+        return True
 
     def save(self) -> None:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -204,7 +225,7 @@ class HeadTrainer:
         stream = batches(self.rows, plan.batch_tokens, self.pad, self.rng)
         # A resumed run draws a fresh permutation from the restored RNG (and rereads the data file, which
         # the generator may have grown since), rather than replaying the stopped run's order.
-        last = min(until or plan.steps, plan.steps)
+        last = plan.steps if until is None else min(until, plan.steps)
         while self.step < last:
             ids, weight = next(stream)
             start = time.perf_counter()
@@ -231,6 +252,28 @@ class HeadTrainer:
                 log.info("step %d %s", self.step, {k: record[k] for k in ("tokens", "seconds", "mtp", "eagle3")})
             if self.step % plan.save_every == 0 or self.step == last:
                 self.save()
+
+    @torch.no_grad()
+    def agreement(self, heldout: Path) -> dict:
+        """Teacher-forced top-1 agreement of each head with the target at depths 1..plan.depth, over the
+        response tokens of held-aside records (zoo.selfdistill --heldout): depth d at a position counts when
+        the head's d-th chained draft equals the target's argmax there."""
+        from zoo.distill import head_agreement
+
+        totals = {name: [[0, 0] for _ in range(self.plan.depth)] for name in self.heads}
+        for line in Path(heldout).read_text(encoding="utf-8").splitlines():
+            rec = json.loads(line)
+            ids = torch.tensor([(rec["prompt_ids"] + rec["output_ids"])[: self.plan.seq_len]])
+            scored = torch.zeros_like(ids, dtype=torch.bool)
+            scored[0, len(rec["prompt_ids"]):] = True
+            features = target_features(self.target, ids, self.aux_ids)
+            for name, head in self.heads.items():
+                head.eval()
+                for d, (hit, count) in enumerate(head_agreement(head, features, ids, torch.ones_like(scored),
+                                                                self.plan.depth, scored)):
+                    totals[name][d][0] += hit
+                    totals[name][d][1] += count
+        return {name: [round(h / max(c, 1), 3) for h, c in per] for name, per in totals.items()}
 
     def export(self, out_dir: Path) -> dict:
         """bf16 heads in the published layouts: MTP without its frozen copies of the target's embedding,
@@ -265,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", required=True, help="checkpoint directory (resumed when it holds one)")
     ap.add_argument("--export", help="write the bf16 heads into DIR/mtp and DIR/eagle3 after training")
     ap.add_argument("--until", type=int, help="stop after this step (the schedule still spans --steps)")
+    ap.add_argument("--init", help="exported heads (DIR/mtp, DIR/eagle3) to start from when --ckpt holds none")
+    ap.add_argument("--heldout", help="held-aside records (zoo.selfdistill --heldout): print depth 1..3 agreement")
     for name, value in asdict(TrainPlan()).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = ap.parse_args(argv)
@@ -275,11 +320,44 @@ def main(argv: list[str] | None = None) -> int:
 
         target = str(gguf_model_dir(target))
     plan = TrainPlan(**{k: getattr(args, k) for k in asdict(TrainPlan())})
-    trainer = HeadTrainer(Path(target), Path(args.data), Path(args.ckpt), plan)
+    trainer = HeadTrainer(Path(target), Path(args.data), Path(args.ckpt), plan, Path(args.init) if args.init else None)
     trainer.run(args.until)
+    agreement = trainer.agreement(Path(args.heldout)) if args.heldout else None
+    if agreement:
+        print(json.dumps({"agreement": agreement}))
     if args.export:
-        print(json.dumps(trainer.export(Path(args.export))))
+        heads = trainer.export(Path(args.export))
+        write_manifest(Path(args.export), trainer, Path(args.data), Path(target), agreement)
+        print(json.dumps(heads))
     return 0
+
+
+def write_manifest(out_dir: Path, trainer: HeadTrainer, data: Path, target: Path, agreement: dict | None) -> None:
+    """prebuilt.json beside the exported heads: every file's sha256, the command, the data recipe and how much
+    training went into them (steps, tokens, wall time), and the held-aside agreement when measured."""
+    import hashlib
+    import sys
+
+    from zoo.selfdistill import done_keys
+
+    files = {str(p.relative_to(out_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in sorted(out_dir.rglob("*")) if p.is_file() and p.name != "prebuilt.json"}
+    sources = Counter(json.loads(line)["source"] for line in data.read_text(encoding="utf-8").splitlines() if line.strip())
+    source = target / "gguf_source.json"
+    manifest = {
+        "model": "smollm2-135m-instruct",
+        "target": json.loads(source.read_text()) if source.is_file() else str(target),
+        "command": "python -m zoo.selfdistill_train " + " ".join(sys.argv[1:]),
+        "data": {"file": data.name, "records": len(done_keys(data)), "by_source": dict(sources),
+                 "recipe": "python -m zoo.selfdistill --model <smollm2 gguf> --gsm8k 600 --schemas 500 --batch 16 "
+                           "--max-tokens 320 --shard i/2 (two processes; greedy, 30% of unguided prompts sampled at "
+                           "temperature 0.7, half the schema prompts guided by their grammar)"},
+        "plan": asdict(trainer.plan), "steps_done": trainer.step,
+        "tokens_seen": sum(r["tokens"] for r in trainer.history),
+        "train_seconds": round(sum(r["seconds"] for r in trainer.history)),
+        "agreement_heldout": agreement, "files": files,
+    }
+    (out_dir / "prebuilt.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 if __name__ == "__main__":
