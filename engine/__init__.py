@@ -18,7 +18,7 @@ _EXPORTS = {
     "EngineConfig": "engine.config",
     "ModelConfig": "engine.config",
     "SamplingParams": "engine.sampling_params",
-    "SpecConfig": "engine.speculative.config",
+    "SpecConfig": "engine.config",
     "StructuredOutput": "structured.request",
     "RequestOutput": "engine.outputs",
     "TokenLogprob": "engine.outputs",
@@ -33,14 +33,13 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig, ModelConfig
+    from engine.config import EngineConfig, ModelConfig, SpecConfig
     from engine.errors import CapacityError, InvalidRequestError, ModelLoadError, TandemError, UnsupportedModelError
     from engine.handover import Handover, HandoverRequest
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
     from engine.outputs import RequestOutput, TokenLogprob
     from engine.sampling_params import SamplingParams
-    from engine.speculative.config import SpecConfig
     from structured.request import StructuredOutput
 
 

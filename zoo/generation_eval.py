@@ -25,7 +25,7 @@ from zoo.prompts import END, json_schema_prompt
 
 DEGENERATE_NGRAM = 4
 DEGENERATE_REPEATS = 4
-NGRAM_MIN, NGRAM_MAX = 1, 4  # engine.speculative.config.SpecConfig's prompt_lookup_min/max defaults
+NGRAM_MIN, NGRAM_MAX = 1, 4  # engine.config.SpecConfig's prompt_lookup_min/max defaults
 
 
 def is_degenerate(tokens: list[int], n: int = DEGENERATE_NGRAM, repeats: int = DEGENERATE_REPEATS) -> bool:

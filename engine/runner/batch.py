@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.config import chain_margin
 from engine.core.block_manager import BlockManager, kv_slots
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import AttentionMetadata
 from engine.sample.sampler import SamplingBatch, build_sampling
-from engine.speculative.config import chain_margin
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.config import position_margin
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledRequest
 from engine.masking.graph import StagedMasker
@@ -27,7 +28,6 @@ from engine.masking.masker import LogitsMasker
 from engine.runner.batch import Padding, StepBatch, build_batch
 from engine.runner.step import StepOutput
 from engine.sample.sampler import SamplingBatch
-from engine.speculative.config import position_margin
 
 log = logging.getLogger(__name__)
 

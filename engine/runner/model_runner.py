@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, position_margin
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledRequest
 from engine.distributed.data_parallel import DPContext, GroupPlan, RankPlan, dp_rows
@@ -26,7 +26,6 @@ from engine.models.loader import load_weights
 from engine.runner.batch import StepBatch, build_batch
 from engine.runner.overlap import InFlight, carry_inputs
 from engine.runner.step import StepOutput, model_step
-from engine.speculative.config import position_margin
 from engine.speculative.drafter import Drafter
 from engine.speculative.proposer import Proposer
 

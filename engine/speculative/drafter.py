@@ -9,14 +9,13 @@ from collections import deque
 import numpy as np
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, SpecConfig, chain_margin
 from engine.core.block_manager import BlockManager, kv_slots
 from engine.core.request import Request
 from engine.distributed.parallel import TPContext
 from engine.layers.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 from engine.sample.sampler import build_sampling
-from engine.speculative.config import SpecConfig, chain_margin
 from engine.speculative.loading import load_proposer
 from engine.speculative.ngram import propose_ngram
 from engine.speculative.proposer import ProposeInputs, Proposer

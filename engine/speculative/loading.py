@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, SpecConfig
 from engine.distributed.parallel import TPContext
 from engine.errors import ModelLoadError
 from engine.layers.linear import VERIFY_ROWS_BUDGET, matvec_layout
@@ -18,7 +18,6 @@ from engine.models.eagle3 import Eagle3Head
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights
 from engine.models.mtp import MTPHead, mtp_layer_count
-from engine.speculative.config import SpecConfig
 from engine.speculative.proposer import DraftModelProposer, HeadProposer, Proposer
 from engine.speculative.token_map import read_token_map
 

@@ -65,7 +65,7 @@ def test_engine_space_is_the_engines():
     """EngineSpace keeps the engine's defaults so the check runs without importing the engine; this holds
     them equal."""
     from engine import EngineConfig
-    from engine.speculative.config import MAX_K
+    from engine.config import MAX_K
 
     fields = EngineConfig.__dataclass_fields__
     space = EngineSpace()
