@@ -40,7 +40,7 @@ class Result:
     target: str
     scenario: str
     error: str | None
-    compile_s: float
+    compile_cpu_s: float  # Triton and ptxas, CPU seconds
     registers: int
     spill_stores: int  # bytes
     spill_loads: int  # bytes
@@ -71,7 +71,7 @@ def summary_rows(results: list[Result]) -> list[dict]:
         most_shared = max(ok, key=lambda r: r.shared)
         rows.append(dict(
             kernel=kernel, target=target, specs=len(rs), errors=len(rs) - len(ok),
-            compile_s=sum(r.compile_s for r in rs), max_compile_s=max(r.compile_s for r in rs),
+            compile_cpu_s=sum(r.compile_cpu_s for r in rs), max_compile_cpu_s=max(r.compile_cpu_s for r in rs),
             max_registers=most_registers.registers, max_spill_bytes=max(r.spill_stores + r.spill_loads for r in ok),
             max_shared=most_shared.shared, smem_limit=rs[0].smem_limit,
             decode_path=kernel not in OFF_DECODE_PATH,
@@ -81,17 +81,20 @@ def summary_rows(results: list[Result]) -> list[dict]:
 
 
 def write_report(results: list[Result], launch_failures: list[str], space: EngineSpace, wall_s: float,
-                 cold_s: float, out: Path) -> None:
+                 jobs: int, out: Path) -> None:
     """out.md and out.json: per kernel and target, and every failing specialization (all specializations:
     run the module with --report somewhere else; they are ~1 MB)."""
     failures = [(r, r.failure()) for r in results if r.failure()]
     rows = summary_rows(results)
     models = zoo_shapes() + list(PUBLISHED)
+    cold_s = sum(r.compile_cpu_s for r in results)  # cached records keep what their compile took
+    cached = sum(r.cached for r in results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(dict(
         triton=triton.__version__, targets=[asdict(t) for t in TARGETS], models=[asdict(m) for m in models],
         space={k: [str(x) for x in v] if isinstance(v, tuple) else v for k, v in asdict(space).items()},
-        compiles=len(results), wall_s=wall_s, compile_s=cold_s, launch_failures=launch_failures,
+        compiles=len(results), cached=cached, wall_s=wall_s, jobs=jobs, compile_cpu_s=cold_s,
+        launch_failures=launch_failures,
         failures=[dict(asdict(r), why=why) for r, why in failures], summary=rows,
     ), indent=1))
     lines = [
@@ -100,9 +103,10 @@ def write_report(results: list[Result], launch_failures: list[str], space: Engin
         f"`make compile-check`, Triton {triton.__version__}: {len(results)} compiles "
         f"({len({(r.kernel, r.spec) for r in results})} specializations of {len({r.kernel for r in results})} "
         f"kernels over {len(TARGETS)} targets), every launch of kernels/compile_specs.py's engine space. "
-        f"Compile time if nothing were cached: {cold_s:.0f} s (sum of the compiles, one process); this run "
-        f"{wall_s:.0f} s. Shared memory is per block, against the target's opt-in limit; registers and spills "
-        f"are ptxas's report.",
+        f"Cold cost: {cold_s:.0f} CPU seconds of compiling (Triton and ptxas, summed over the compiles; "
+        f"about that divided by -j in wall time on idle cores); this run: {wall_s:.0f} s wall on {jobs} "
+        f"compiler processes, {cached} of {len(results)} compiles cached. Shared memory is per block, against the "
+        f"target's opt-in limit; registers and spills are ptxas's report.",
         "",
         f"Engine space: models {', '.join(m.name for m in models)}; dtypes "
         f"{', '.join(str(d).removeprefix('torch.') for d in space.dtypes)}; KV block sizes {space.block_sizes}; "
@@ -112,14 +116,14 @@ def write_report(results: list[Result], launch_failures: list[str], space: Engin
         f"Result: {'PASS' if not failures and not launch_failures else 'FAIL'}: {len(failures)} failing "
         f"specializations, {len(launch_failures)} engine shapes a wrapper could not launch.",
         "",
-        "| kernel | target | specs | errors | compile s (sum / max) | max regs | max spill B | max smem KiB / limit "
-        "| decode path |",
+        "| kernel | target | specs | errors | compile CPU s (sum / max) | max regs | max spill B "
+        "| max smem KiB / limit | decode path |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['kernel']} | {row['target']} | {row['specs']} | {row['errors']} | {row['compile_s']:.1f} / "
-            f"{row['max_compile_s']:.2f} | {row['max_registers']} | {row['max_spill_bytes']} | "
+            f"| {row['kernel']} | {row['target']} | {row['specs']} | {row['errors']} | {row['compile_cpu_s']:.1f} / "
+            f"{row['max_compile_cpu_s']:.2f} | {row['max_registers']} | {row['max_spill_bytes']} | "
             f"{row['max_shared'] / 1024:.1f} / {row['smem_limit'] // 1024} | {'yes' if row['decode_path'] else 'no'} |")
     if failures or launch_failures:
         lines += ["", "## Failures", ""]

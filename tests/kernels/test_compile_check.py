@@ -95,7 +95,7 @@ def _result(**kw):
     from kernels.compile_report import Result
 
     base = dict(kernel="paged_attention_kernel", spec="G=4 | q_ptr:*bf16", target="sm_80", scenario="s", error=None,
-                compile_s=1.0, registers=128, spill_stores=0, spill_loads=0, shared=1024, smem_limit=163 * 1024)
+                compile_cpu_s=1.0, registers=128, spill_stores=0, spill_loads=0, shared=1024, smem_limit=163 * 1024)
     return Result(**dict(base, **kw))
 
 
