@@ -13,7 +13,7 @@ import signal
 import httpx
 import pytest
 
-from bench.soak import _send
+from bench.load_client import send_request
 from cluster.testing import wait_for
 from deploy.testing import start_app, stop_app
 from tests.prefill_worker.test_faults import served
@@ -44,10 +44,10 @@ def spec(server, prompt: str, stream: bool, request_id: str | None = None, max_t
 async def with_others(server, marked: dict, others: int = 4) -> tuple[dict, list[dict]]:
     """The marked request sent while `others` ordinary requests are in flight; every outcome, each bounded."""
     async with httpx.AsyncClient(base_url=server.base_url) as http:
-        plain = [asyncio.create_task(_send(http, spec(server, f"The quick brown fox {i}", i % 2 == 0), 180))
+        plain = [asyncio.create_task(send_request(http, spec(server, f"The quick brown fox {i}", i % 2 == 0), 180))
                  for i in range(others)]
         await asyncio.sleep(0.5)
-        fault = await _send(http, marked, 180)
+        fault = await send_request(http, marked, 180)
         return fault, list(await asyncio.gather(*plain))
 
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from bench.faults import LONG_PROMPT
-from bench.soak import _send, kv_blocks_used
+from bench.load_client import kv_blocks_used, send_request
 from cluster.testing import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -36,7 +36,7 @@ def test_killed_prefill_replica_fails_its_requests_and_is_restarted(tandem_serve
                       "body": {"model": tandem_server.model, "prompt": LONG_PROMPT + f" {i}", "max_tokens": 48,
                                "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}} for i in range(16)]
             # a bound on a hang only: each request must end, with its tokens or an error
-            sent = [asyncio.create_task(_send(http, s, deadline_s=180)) for s in specs]
+            sent = [asyncio.create_task(send_request(http, s, deadline_s=180)) for s in specs]
             await asyncio.to_thread(wait_for, lambda: prefill.stats.remote().result()["num_prompts"] > 0,
                                     "prompts running on the prefill replica", 60, 0.01)
             os.kill(pid, signal.SIGKILL)

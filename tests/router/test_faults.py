@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from bench.faults import kill, replica_pids
-from bench.soak import _send
+from bench.load_client import send_request
 from cluster.testing import wait_for
 from tests.prefill_worker.test_faults import served
 
@@ -29,7 +29,7 @@ def test_killed_router_replica_ends_its_requests_and_is_restarted(tandem_server)
             specs = [{"kind": "good", "path": "/v1/completions", "stream": i % 2 == 0,
                       "body": {"model": tandem_server.model, "prompt": "The quick brown fox", "max_tokens": MAX_TOKENS,
                                "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}} for i in range(6)]
-            sent = [asyncio.create_task(_send(http, s, deadline_s=120)) for s in specs]
+            sent = [asyncio.create_task(send_request(http, s, deadline_s=120)) for s in specs]
             await asyncio.to_thread(wait_for, lambda: decode.stats.remote().result()["num_running"] >= 4,
                                     "requests decoding", 120, 0.05)
             at_kill.update(await asyncio.to_thread(lambda: decode.stats.remote().result()))

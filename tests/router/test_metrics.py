@@ -1,7 +1,7 @@
 """router/metrics.py: the per-worker series follow the live replicas."""
 from __future__ import annotations
 
-from bench.soak import kv_blocks_used
+from bench.load_client import kv_blocks_used
 from router.metrics import RouterMetrics
 
 
