@@ -136,8 +136,11 @@ class LLMEngine:
         if self._detokenize:
             detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
                                                  params.skip_special_tokens)
+        block = ()
+        if params.min_tokens:
+            block = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)))
         return Request(request_id, ids, params, seed=seed, max_total_tokens=self.max_model_len,
-                       prefill_only=prefill_only, detokenizer=detokenizer)
+                       prefill_only=prefill_only, detokenizer=detokenizer, min_tokens_block=block)
 
     def _start_grammar(self, req: Request, compiled: SerializedGrammar | None = None) -> None:
         """A guided request's matcher, after the tokens it already has; InvalidRequestError for a bad grammar."""

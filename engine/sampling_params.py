@@ -27,6 +27,9 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before anything else (grammar
     # masks, penalties, temperature; the draft's logits too); logprobs stay the raw model's
     logit_bias: dict[int, float] | None = None
+    # vLLM's min_tokens: output tokens before EOS or a stop_token_ids token may end the output (stop strings
+    # are not held back); 0 is off
+    min_tokens: int = 0
     # constrain the output to a JSON Schema, any JSON object, a regex, an EBNF grammar or a choice
     # (a StructuredOutput, or a dict of its fields)
     structured_output: StructuredOutput | None = None
@@ -60,6 +63,11 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers", "stop_token_ids")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}", "min_tokens")
+        _check(not (self.min_tokens and self.structured_output is not None),
+               "min_tokens cannot be combined with a structured output: the grammar decides where the output ends",
+               "min_tokens")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                f"logprobs must be between 0 and 20, got {self.logprobs!r}", "logprobs")
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),

@@ -22,7 +22,6 @@ UNSUPPORTED = {
     "modalities": lambda v: v in (None, ["text"]),
     "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
-    "min_tokens": lambda v: v in (None, 0),  # the engine cannot hold back EOS and stops yet
 }
 # Fields that change nothing in the output, accepted and ignored: bookkeeping (metadata, store, ...), cache and
 # scheduling hints.

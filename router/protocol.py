@@ -46,6 +46,8 @@ class SamplingFields(BaseModel):
                                                                   "spaces between special tokens (as vLLM with a "
                                                                   "fast tokenizer), whichever the value.")
     include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")
+    min_tokens: int = Field(0, description="vLLM: output tokens before EOS or a stop_token_ids token may end the "
+                                           "output (stop strings are not held back).")
     logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100] added to its "
                                                                   "logit (before grammars and sampling).")
     user: str | None = Field(None, description="An end-user id, for the caller's bookkeeping.")
@@ -83,6 +85,8 @@ class SamplingFields(BaseModel):
             p["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.stop_token_ids:
             p["stop_token_ids"] = list(self.stop_token_ids)
+        if self.min_tokens:
+            p["min_tokens"] = self.min_tokens
         if self.logit_bias:
             p["logit_bias"] = dict(self.logit_bias)  # SamplingParams checks the ids and the range
         structured = structured_output(self)

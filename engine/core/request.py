@@ -73,6 +73,9 @@ class Request:
     # False while the request's grammar compiles: its prompt may run, but not the chunk that samples
     grammar_ready: bool = True
     error: Exception | None = None  # why it finished with finish_reason "error" (a grammar that did not compile)
+    # the tokens that may not be sampled while the output is shorter than params.min_tokens: the engine's EOS
+    # ids (unless ignore_eos) and the request's stop_token_ids; empty without min_tokens
+    min_tokens_block: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "empty prompts are rejected before a Request is built"

@@ -36,7 +36,7 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 def sampling_mode(b: SamplingBatch) -> tuple:
     return (b.all_greedy, b.use_top_k, b.use_top_p, b.use_min_p, b.max_logprobs, b.repetition is not None,
-            b.logit_bias is not None)
+            b.logit_bias is not None, b.early_stop_block is not None)
 
 
 def _copy_into(static, new) -> None:
@@ -171,6 +171,9 @@ class StepGraphs:
                          seen_mask=torch.zeros(size, r.vocab_size, dtype=torch.bool, device=r.device))
         if like.logit_bias is not None:
             flags.update(logit_bias=torch.zeros(size, r.vocab_size, device=r.device))
+        if like.early_stop_block is not None:
+            flags.update(early_stop_block=torch.zeros(size, r.vocab_size, dtype=torch.bool, device=r.device),
+                         min_tokens_left=torch.zeros(size, dtype=torch.int64, device=r.device))
         return replace(dummy, sampling=replace(b, **flags))
 
     def _capture(self, key: tuple, batch: StepBatch) -> _Captured:

@@ -58,6 +58,8 @@ def carry_blocker(req: Request, has_proposer: bool, speculative: bool) -> str | 
         return "grammar"
     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
         return "penalties"
+    if req.num_output_tokens < p.min_tokens:
+        return "min_tokens"  # its early-stop block counts the output tokens, which the carried step has not read
     if req.prefill_only:
         return "prefill-only"
     if speculative and not has_proposer:

@@ -42,6 +42,10 @@ class SamplingBatch:
     output_counts: torch.Tensor | None = None  # [N, V] f32 counts of each id among output tokens
     seen_mask: torch.Tensor | None = None  # [N, V] bool: id occurs in prompt or output
     logit_bias: torch.Tensor | None = None  # [N, V] f32 added to the logits (None when no request has one)
+    # min_tokens (None when no request is short of its min_tokens): the tokens a row may not sample yet, and
+    # how many more output tokens it must write before they may end it
+    early_stop_block: torch.Tensor | None = None  # [N, V] bool
+    min_tokens_left: torch.Tensor | None = None  # [N] int64
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,15 @@ def apply_logit_bias(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.T
     """logits [N, V] + bias [N, V] (OpenAI's logit_bias), first of all processing: a new tensor, which a
     grammar mask may then fill in place."""
     return logits if bias is None else logits + bias
+
+
+def block_early_stops(logits: torch.Tensor, b: SamplingBatch, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, V] with -inf on the tokens that would end an output shorter than its min_tokens (EOS, stop
+    ids); offsets [N]: how far past the row's first sampled position each row is (verification's chains)."""
+    if b.early_stop_block is None:
+        return logits
+    early = b.min_tokens_left > (0 if offsets is None else offsets)  # [N]
+    return logits.masked_fill(b.early_stop_block & early[:, None], float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -103,7 +116,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, mask: Callable[[torch.Tensor]
     """logits [N, V] fp32 -> one token per row. mask: constrains the logits in place (a LogitsMasker's);
     logprobs stay those of the raw model."""
     raw_logprobs = logits.log_softmax(dim=-1) if b.max_logprobs is not None else None
-    logits = apply_logit_bias(logits, b.logit_bias)
+    logits = block_early_stops(apply_logit_bias(logits, b.logit_bias), b)
     if mask is not None:
         mask(logits)
     logits = apply_penalties(logits, b)
@@ -140,6 +153,8 @@ def build_sampling(requests: list["Request"], positions: np.ndarray, size: int, 
         penalties = _penalty_tensors(requests, size, vocab_size, device)
     if any(p.logit_bias for p in params):
         penalties["logit_bias"] = _bias_tensor(params, size, vocab_size, device)
+    if any(r.params.min_tokens > r.num_output_tokens and r.min_tokens_block for r in requests):
+        penalties.update(_min_tokens_tensors(requests, size, vocab_size, device))
     return SamplingBatch(
         temperature=column([p.temperature for p in params], 0.0, torch.float32),
         top_k=column([p.top_k for p in params], 0, torch.int64),
@@ -154,6 +169,17 @@ def build_sampling(requests: list["Request"], positions: np.ndarray, size: int, 
         max_logprobs=max(asked) if asked else None,
         **penalties,
     )
+
+
+def _min_tokens_tensors(requests: list["Request"], size: int, vocab_size: int, device: torch.device) -> dict:
+    block = torch.zeros(size, vocab_size, dtype=torch.bool)
+    left = torch.zeros(size, dtype=torch.int64)
+    for i, r in enumerate(requests):
+        if r.min_tokens_block:
+            block[i, torch.tensor(r.min_tokens_block, dtype=torch.int64)] = True
+            left[i] = max(0, r.params.min_tokens - r.num_output_tokens)
+    return {"early_stop_block": block.to(device, non_blocking=True),
+            "min_tokens_left": left.to(device, non_blocking=True)}
 
 
 def _bias_tensor(params: list, size: int, vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 
-from engine.sample.sampler import SamplingBatch, apply_logit_bias, apply_penalties, processed_logits, sample
+from engine.sample.sampler import (SamplingBatch, apply_logit_bias, apply_penalties, block_early_stops,
+                                   processed_logits, sample)
 from kernels import rng
 from kernels.verify import verify_greedy, verify_rejection
 
@@ -40,6 +41,9 @@ def per_position(b: SamplingBatch, drafts: torch.Tensor) -> SamplingBatch:
                   seeds=rep(b.seeds), positions=(b.positions[:, None] + offsets).reshape(-1))
     if b.logit_bias is not None:
         fields.update(logit_bias=rep(b.logit_bias))
+    if b.early_stop_block is not None:  # each position one output token further
+        fields.update(early_stop_block=rep(b.early_stop_block),
+                      min_tokens_left=rep(b.min_tokens_left) - offsets.repeat(B))
     if b.repetition is not None:
         V = b.output_counts.shape[-1]
         one_hot = torch.zeros(B, k, V, device=drafts.device).scatter_(2, drafts[..., None], 1.0)
@@ -68,6 +72,10 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
                         column(s.top_ids), column(s.top_logprobs))
     raw_logprobs = flat.log_softmax(-1) if b.max_logprobs is not None else None
     flat = apply_logit_bias(flat, None if b.logit_bias is None else b.logit_bias.repeat_interleave(k1, dim=0))
+    if b.early_stop_block is not None:
+        chain = replace(b, early_stop_block=b.early_stop_block.repeat_interleave(k1, dim=0),
+                        min_tokens_left=b.min_tokens_left.repeat_interleave(k1, dim=0))
+        flat = block_early_stops(flat, chain, torch.arange(k1, device=flat.device).repeat(B))
     if mask is not None:
         mask(flat)
     # Per-position rows exist for penalties and sampling; a greedy batch without penalties needs neither.

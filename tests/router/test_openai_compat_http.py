@@ -133,7 +133,7 @@ def test_vllm_sampling_extensions_are_accepted_and_change_the_output_as_asked(ta
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"min_tokens": 4}, "min_tokens"),
+    ({"min_tokens": 4, "regex": "a+"}, "min_tokens"),  # the grammar decides where the output ends
     ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
@@ -236,3 +236,17 @@ def test_stream_and_whole_response_agree(tandem_server, kw):
     if kw.get("logprobs"):
         assert [(e.token, e.logprob) for e in logprobs] == [(e.token, e.logprob)
                                                             for e in whole.choices[0].logprobs.content]
+
+
+def test_min_tokens_holds_the_end_back(tandem_server):
+    """vLLM's min_tokens: EOS (here favoured by a logit bias, so that it comes at once) only after that many
+    tokens; the stream agrees."""
+    client = tandem_server.openai()
+    kw = dict(model=tandem_server.model, prompt="Hello", max_tokens=20, temperature=0, logit_bias={"1": 30})
+    assert client.completions.create(**kw).usage.completion_tokens <= 1  # id 1 is the tiny model's EOS
+    whole = client.completions.create(**kw, extra_body={"min_tokens": 5})
+    assert whole.choices[0].finish_reason == "stop" and whole.usage.completion_tokens in (5, 6)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"min_tokens": 5}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage == whole.usage
