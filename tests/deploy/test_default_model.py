@@ -1,0 +1,96 @@
+"""`tandem serve` with no flags, as `make serve` runs it: SmolLM2-135M-Instruct with its MTP head (when the
+prebuilt head is present), answered through the unmodified openai client: chat, streaming, a json_schema
+response format (valid against the schema) and a forced tool call (its arguments valid against the function)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_dir):
+    from cluster.rendezvous import free_port_on
+
+    port = free_port_on("127.0.0.1")
+    ray_tmp = tempfile.mkdtemp(prefix="tandem-default-")
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--port", str(port), "--num-cpus", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_TMPDIR": ray_tmp})
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Ctrl-C stops serving") or "deployment failed" in line:
+                break
+        assert proc.poll() is None and lines[-1].startswith("Ctrl-C"), "".join(lines[-40:])
+        yield port, "".join(lines)
+    finally:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"http://127.0.0.1:{served[0]}/v1", api_key="none", timeout=300)
+
+
+def test_the_default_is_smollm2_drafting_with_its_head(client, served):
+    from zoo.models import resolve
+
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+    if "mtp" in resolve("smollm2-135m-instruct").heads:
+        assert "mtp" in served[1]
+
+
+def test_chat_whole_and_streamed_agree(client):
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    whole = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=16,
+                                           temperature=0)
+    stream = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=16,
+                                            temperature=0, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert whole.choices[0].message.content == text and "Paris" in text
+
+
+def test_json_schema_response_is_valid(client):
+    import jsonschema
+
+    out = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "A person as JSON."}], max_tokens=64,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+
+
+def test_a_required_tool_call_has_valid_arguments(client):
+    import jsonschema
+
+    out = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER], tool_choice="required", max_tokens=96, temperature=0)
+    calls = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
