@@ -177,8 +177,9 @@ class AttentionConfig:
 def attention_config(G: int, max_q_len: int, head_dim: int, fp32_dot: bool, gpu: bool) -> AttentionConfig:
     """Tiles and warps of paged_attention_kernel. On GPUs the register budget decides (measured by
     kernels/compile_check.py, ptxas for sm_80/sm_90/sm_100): IEEE fp32 dots run on FMA units with whole
-    operand tiles in registers, so they keep 16-row tiles and spread them over 8 warps (64 rows spilled
-    kilobytes at every head dim); 64-row tiles of 128-wide heads take 8 warps too (4 spilled on sm_80)."""
+    operand tiles in registers, so they keep 16-row tiles and spread them over 8 warps (64-row tiles spilled
+    kilobytes at every head dim); 64-row tiles of 128-wide heads take 8 warps too (on 4 warps they spilled
+    on sm_80 in bf16 and fp16)."""
     rows = next_pow2(max(16, G))  # tl.dot needs >= 16 rows
     if max_q_len * G > rows and not (gpu and fp32_dot):
         rows = max(rows, 64)
