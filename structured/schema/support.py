@@ -1,5 +1,4 @@
-"""What xgrammar cannot be trusted with: JSON Schema keywords it does not enforce, and compiles it
-cannot bound in time.
+"""What xgrammar cannot be trusted with: JSON Schema keywords it does not enforce.
 
 Enforce or refuse (issue 11): a completed output that is invalid against its schema must never be
 returned as if it were fine. `first_unenforceable` walks a schema and names the first keyword whose
@@ -7,9 +6,7 @@ constraint the grammar would not enforce (measured on JSONSchemaBench by bench/s
 keywords below are those under which the matcher accepted instances the schema rejects); the
 compiler refuses such a schema with a 400 before compiling. Pure annotations are ignored.
 
-`CompileWorker` runs a compile in a child process that can be killed: xgrammar has no compile
-timeout and a thread cannot be stopped, so a schema that compiles for too long is answered with a
-400 naming the limit and its process is ended (a fresh one starts on the next compile).
+Compiles it cannot bound in time are the compile worker's (structured/compile_worker.py).
 """
 from __future__ import annotations
 
