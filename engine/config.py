@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError, UnsupportedModelError
-from engine.models.gguf import gguf_model_dir, is_gguf
 
 # Architectures share one module (engine/models/llama.py); these flags are what differs.
 SUPPORTED_ARCHITECTURES = {
@@ -257,7 +256,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpecConfig.coerce(self.speculative))
-        if is_gguf(self.model):  # a GGUF file is read through its converted directory (engine/models/gguf.py)
+        if str(self.model).lower().endswith(".gguf"):  # read through its converted directory
+            from engine.models.gguf import gguf_model_dir  # here, not at the top: config sits below models
+
             object.__setattr__(self, "model", str(gguf_model_dir(self.model)))
         if self.cpu_compile not in ("off", "gemm", "layers"):
             raise ValueError(f"cpu_compile must be 'off', 'gemm' or 'layers', got {self.cpu_compile!r}")

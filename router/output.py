@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from router import responses as R
 from engine.detokenizer import IncrementalDetokenizer
-from structured.output_check import output_violation
+from router import responses as R
 from router.errors import APIError
 from router.generation import Generation
 from router.tool_parser import ToolCallStream, parse_tool_calls
+from structured.output_check import output_violation
 
 
 class ResponseWriter:
@@ -92,7 +92,7 @@ class ResponseWriter:
         return "".join(texts), stop, offsets
 
     def _check(self, text: str) -> None:
-        """Enforce or refuse, last line (engine/output_check.py): raises a 500 for a finished guided
+        """Enforce or refuse, last line (structured/output_check.py): raises a 500 for a finished guided
         output its schema rejects (for tool calls: arguments their function's parameters reject),
         before its last piece and its finish_reason are sent."""
         if self._structured is None:

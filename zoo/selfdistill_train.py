@@ -16,6 +16,7 @@ and `prompt_weight` on prompt tokens, 0 on padding; rows are bucketed by length 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -68,7 +69,7 @@ def read_rows(path: Path, seq_len: int, prompt_weight: float) -> list[tuple[list
 
 
 def batches(rows, batch_tokens: int, pad: int, rng: random.Random):
-    """Endless length-bucketed batches: (ids [B, T], weight [B, T]) with B * T <= batch_tokens."""
+    """Endless length-bucketed batches: (row indices, ids [B, T], weight [B, T]) with B * T <= batch_tokens."""
     while True:
         order = sorted(range(len(rows)), key=lambda i: (len(rows[i][0]), rng.random()))
         groups, group = [], []
@@ -88,7 +89,7 @@ def batches(rows, batch_tokens: int, pad: int, rng: random.Random):
                 n = len(rows[i][0])
                 ids[r, :n] = torch.tensor(rows[i][0])
                 weight[r, :n] = torch.tensor(rows[i][1])
-            yield ids, weight
+            yield group, ids, weight
 
 
 def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
@@ -166,6 +167,8 @@ class HeadTrainer:
         self.optimizers = {k: make_optimizer(h, schedule) for k, h in self.heads.items()}
         self.step, self.rng, self.generator = 0, random.Random(plan.seed), torch.Generator().manual_seed(plan.seed)
         self.history: list[dict] = []
+        self._cache: dict[int, dict] = {}
+        (self.ckpt_dir / "features").mkdir(parents=True, exist_ok=True)
         if not self._resume() and init is not None:
             self._init_from(Path(init))
         d2t = self.heads["eagle3"].d2t  # the checkpoint's draft vocabulary when resumed
@@ -210,6 +213,47 @@ class HeadTrainer:
         log.info("resumed at step %d", self.step)
         return True
 
+    def features(self, group: list[int], ids: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """The target's features for a batch of rows: from the feature cache when every row is in it, else
+        one bf16 forward whose rows then join the cache. A row's features do not depend on its batch (causal
+        attention, right padding), so each row is cached once, in bf16, in RAM and under ckpt_dir/features/
+        (a restarted run reuses them), and later epochs skip the target forward, the larger half of a step."""
+        cached = [self._cached(i) for i in group]
+        if any(c is None for c in cached):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                features = target_features(self.target, ids, self.aux_ids)
+            top = features.pop("logits").argmax(-1)
+            for k in ("last_hidden", "aux_hidden"):  # as the cache keeps them, so every epoch sees the same inputs
+                features[k] = features[k].bfloat16().float()
+            for r, i in enumerate(group):
+                n = len(self.rows[i][0])
+                row = {"top": top[r, :n].to(torch.int32), "last_hidden": features["last_hidden"][r, :n].bfloat16(),
+                       "aux_hidden": features["aux_hidden"][r, :n].bfloat16()}
+                self._cache[i] = row
+                torch.save(row, self._cache_path(i))
+            return features, top
+        b, t = ids.shape
+        top = torch.zeros(b, t, dtype=torch.long)
+        features = {k: torch.zeros(b, t, cached[0][k].shape[-1]) for k in ("last_hidden", "aux_hidden")}
+        for r, row in enumerate(cached):
+            n = row["top"].shape[0]
+            top[r, :n] = row["top"]
+            for k in features:
+                features[k][r, :n] = row[k].float()
+        return features, top
+
+    def _cache_path(self, i: int) -> Path:
+        key = hashlib.sha256(json.dumps(self.rows[i][0]).encode()).hexdigest()[:24]
+        return self.ckpt_dir / "features" / f"{key}.pt"
+
+    def _cached(self, i: int) -> dict | None:
+        if i not in self._cache:
+            path = self._cache_path(i)
+            if not path.is_file():
+                return None
+            self._cache[i] = torch.load(path)
+        return self._cache[i]
+
     def save(self) -> None:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         state = {"plan": asdict(self.plan), "step": self.step, "history": self.history,
@@ -227,11 +271,9 @@ class HeadTrainer:
         # the generator may have grown since), rather than replaying the stopped run's order.
         last = plan.steps if until is None else min(until, plan.steps)
         while self.step < last:
-            ids, weight = next(stream)
+            group, ids, weight = next(stream)
             start = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                features = target_features(self.target, ids, self.aux_ids)
-            top = features.pop("logits").argmax(-1)
+            features, top = self.features(group, ids)
             record = {"step": self.step, "tokens": int((weight > 0).sum())}
             for name, head in self.heads.items():
                 head.train()
