@@ -80,8 +80,9 @@ def spec(args) -> None:
     from transformers import AutoTokenizer
 
     sets = prompt_sets(AutoTokenizer.from_pretrained(target), args.prompts)
-    rows, results = [], {"model": "smollm2-135m-instruct", "device": device_name("cpu"), "threads": args.threads,
-                         "max_tokens": args.max_tokens, "prompts": args.prompts, "runs": rows}
+    rows: list[dict] = []
+    results = {"model": "smollm2-135m-instruct", "device": device_name("cpu"), "threads": args.threads,
+               "max_tokens": args.max_tokens, "prompts": args.prompts, "runs": rows}
     for batch in args.batches:
         configs = [("none", 0, True, None)]
         for method in args.methods:
