@@ -1,6 +1,6 @@
 """`tandem serve`: deploy the router, prefill and decode deployments on Ray Serve and keep serving.
 
-Embedded default: starts Ray in this process (SmolLM2-135M-Instruct with its MTP head drafting k=3,
+Embedded default: starts Ray in this process (SmolLM2-135M-Instruct with its MTP head drafting k=1,
 one prefill replica, one decode group: tp=1 on a CPU with fewer than 8 cores, else two ranks) and serves on
 127.0.0.1:8000. With --address it joins a running cluster (`ray up deploy/cluster.yaml`, then
 `tandem serve --address auto --model DIR --device cuda`).
@@ -67,15 +67,18 @@ def default_tp(device: str, address: str | None, cores: int | None = None) -> in
 
 def _named_defaults(args: argparse.Namespace, name: str) -> dict:
     """Serving a named model (zoo/models.py; the default is DEFAULT_MODEL): its target under its own name,
-    drafting with its MTP head (when it has one) unless a speculative method was asked for."""
+    drafting with its MTP head (when it has one) unless a speculative method was asked for, its own k unless -k."""
     from zoo.models import resolve
 
     print(f"loading {name}...", flush=True)
     paths = resolve(name)
     method = args.speculative_method or ("mtp" if "mtp" in paths.heads else "none")
     draft = args.draft or (str(paths.heads[method]) if method in paths.heads else None)
-    return dict(model=str(paths.target), served_model_name=args.served_model_name or name,
-                speculative_method=method, draft=draft)
+    chosen = dict(model=str(paths.target), served_model_name=args.served_model_name or name,
+                  speculative_method=method, draft=draft)
+    if method in ("mtp", "eagle3") and not args.num_speculative_tokens:  # 0: no -k given
+        chosen["num_speculative_tokens"] = paths.default_k
+    return chosen
 
 
 def _gguf_defaults(args: argparse.Namespace) -> dict:

