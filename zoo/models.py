@@ -95,7 +95,8 @@ def listing() -> list[dict]:
         except UnknownModelError as e:
             rows.append({"name": name, "available": False, "reason": str(e)})
             continue
-        manifest = paths.target.parent / "prebuilt.json"
+        heads_root = next(iter(paths.heads.values())).parent if paths.heads else paths.target.parent
+        manifest = heads_root / "prebuilt.json"
         rows.append({"name": name, "available": True, "target": str(paths.target),
                      "heads": {k: str(v) for k, v in paths.heads.items()},
                      **({"manifest": str(manifest)} if manifest.is_file() else {})})
