@@ -30,25 +30,21 @@ from bench.common import device_name, write_results
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def chat_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
 def prompt_sets(tokenizer, n: int, data: Path = DATA) -> dict[str, list[tuple[list[int], dict | None]]]:
     """name -> [(prompt ids, schema or None)], the first n of each set (deterministic)."""
-    from zoo.selfdistill import schema_prompt
+    from zoo.selfdistill import chat_ids, schema_prompt
+
+    def user(text: str) -> list[int]:
+        return chat_ids(tokenizer, [{"role": "user", "content": text}])
 
     def jsonl(path):
         return [json.loads(line) for line in (data / path).read_text().splitlines() if line.strip()]
 
-    mt = [chat_ids(tokenizer, row["turns"][0]) for row in jsonl("prompts/mt-bench/question.jsonl")[:n]]
-    gsm = [chat_ids(tokenizer, row["question"]) for row in jsonl("prompts/gsm8k/test.jsonl")[:n]]
+    mt = [user(row["turns"][0]) for row in jsonl("prompts/mt-bench/question.jsonl")[:n]]
+    gsm = [user(row["question"]) for row in jsonl("prompts/gsm8k/test.jsonl")[:n]]
     items = sorted((data / "json-mode-eval/items").glob("*.json"), key=lambda p: int(p.stem.split("_")[1]))[:n]
     schemas = [json.loads(p.read_text())["schema"] for p in items]
-    json_prompts = [(tokenizer.apply_chat_template(list(schema_prompt(s)), add_generation_prompt=True), s)
-                    for s in schemas]
-    json_prompts = [(list(ids["input_ids"] if hasattr(ids, "keys") else ids), s) for ids, s in json_prompts]
+    json_prompts = [(chat_ids(tokenizer, schema_prompt(s)), s) for s in schemas]
     return {"mt-bench": [(p, None) for p in mt], "gsm8k": [(p, None) for p in gsm], "json-mode-eval": json_prompts}
 
 

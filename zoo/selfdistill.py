@@ -109,6 +109,13 @@ def heldout_set(data_dir: Path, per_source: int = 16) -> list[Prompt]:
     return out
 
 
+def chat_ids(tokenizer, messages) -> list[int]:
+    """The prompt ids of `messages` in the tokenizer's chat template, ready for the assistant's answer
+    (transformers returns a list or, in newer releases, an encoding holding one)."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def done_keys(path: Path) -> set[str]:
     if not path.is_file():
         return set()
@@ -135,8 +142,7 @@ def generate(model: str, prompts: list[Prompt], out: Path, *, max_tokens: int = 
     for start in range(0, len(todo), batch):
         chunk, ids, params = [], [], []
         for n, p in enumerate(todo[start:start + batch]):
-            prompt_ids = tok.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=True)
-            prompt_ids = list(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
+            prompt_ids = chat_ids(tok, p.messages)
             guide = StructuredOutput(json_schema=p.schema) if p.guided else None
             sp = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, seed=seed + start + n,
                                 structured_output=guide)

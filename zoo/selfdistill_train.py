@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from zoo.distill import STEP_DECAY, shift_left
 from zoo.features import target_features
 from zoo.heads.eagle3 import Eagle3Head, default_aux_layer_ids, draft_vocab
 from zoo.heads.mtp import MTPHead
@@ -36,7 +37,6 @@ from zoo.recipe import Schedule
 from zoo.training import lr_at, make_optimizer, set_lr
 
 log = logging.getLogger(__name__)
-STEP_DECAY = 0.8
 _MTP_SHARED = ("embed_tokens.weight", "shared_head.norm.weight", "shared_head.head.weight")  # the target's, frozen
 
 
@@ -90,13 +90,6 @@ def batches(rows, batch_tokens: int, pad: int, rng: random.Random):
                 ids[r, :n] = torch.tensor(rows[i][0])
                 weight[r, :n] = torch.tensor(rows[i][1])
             yield group, ids, weight
-
-
-def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
-    out = torch.full_like(x, fill)
-    if n < x.shape[1]:
-        out[:, : x.shape[1] - n] = x[:, n:]
-    return out
 
 
 def sampled_head_loss(head, features: dict, top: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
@@ -379,12 +372,12 @@ def main(argv: list[str] | None = None) -> int:
 def write_manifest(out_dir: Path, trainer: HeadTrainer, data: Path, target: Path, agreement: dict | None) -> None:
     """prebuilt.json beside the exported heads: every file's sha256, the command, the data recipe and how much
     training went into them (steps, tokens, wall time), and the held-aside agreement when measured."""
-    import hashlib
     import sys
 
+    from zoo.prebuilt import sha256_file
     from zoo.selfdistill import done_keys
 
-    files = {str(p.relative_to(out_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+    files = {str(p.relative_to(out_dir)): sha256_file(p)
              for p in sorted(out_dir.rglob("*")) if p.is_file() and p.name != "prebuilt.json"}
     sources = Counter(json.loads(line)["source"] for line in data.read_text(encoding="utf-8").splitlines() if line.strip())
     source = target / "gguf_source.json"
