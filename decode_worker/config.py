@@ -17,17 +17,12 @@ class DecodeConfig(EngineSettings):
                                                                  "in as soon as its header arrives instead of after "
                                                                  "a lockstep RESERVE at the group's next step (the "
                                                                  "blocks go to the requests that land in them and "
-                                                                 "the stock is refilled); 0 = off. With it (and a "
-                                                                 "step queued ahead) served tok/s at concurrency 64 "
-                                                                 "rose by a fifth on 2 CPU cores, requests joining "
-                                                                 "the batch 3x sooner (bench/results/"
-                                                                 "served_vs_engine_cpu.md).")
+                                                                 "the stock is refilled); 0 = off.")
     tp_shm: bool = Field(True, description="CPU decode ranks of one x86 host make their tensor-parallel all-reduces "
                                            "and gathers (under attention data parallelism: the MLP row exchanges and "
-                                           "the step agreement) through shared memory (engine/distributed/shm_collectives.py): 17-46 us "
-                                           "instead of gloo's 0.4-0.7 ms each on 2 cores; ranks that cannot share a "
-                                           "segment (other hosts or containers) use gloo all the same. false: "
-                                           "gloo always.")
+                                           "the step agreement) through shared memory (engine/distributed/shm_collectives.py); "
+                                           "ranks that cannot share a segment (other hosts or containers) use gloo "
+                                           "all the same. false: gloo always.")
     rank_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per decode rank.")
     rank_num_gpus: float | None = Field(None, ge=0, le=1, description="GPUs reserved per decode rank (in its "
                                                                       "placement-group bundle); default: 1 on "
