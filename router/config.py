@@ -25,7 +25,7 @@ class RouterSettings(BaseModel):
     metrics_host: str = Field("127.0.0.1", description="Address the metrics port binds (with metrics_port).")
     feed_link: bool = Field(True, description="Read the decode replicas' per-step token batches over a TCP "
                                               "connection to each (cluster/feed_link.py); false: as Ray Serve "
-                                              "streams, ~1.5-2 ms more CPU per step on each side, for networks "
+                                              "streams (more CPU per step on both sides), for networks "
                                               "where the router cannot reach the decode replicas' nodes "
                                               "directly.")
     shutdown_grace_s: float = Field(3.0, ge=0, le=4.0, description="When a router replica stops (deleted, scaled "
