@@ -31,17 +31,14 @@ def parser() -> argparse.ArgumentParser:
         "speculative_method": dict(default=None, help="speculative decoding method (default: mtp with the "
                                                       "model's own head when a named model has one; else none)"),
         "tp": dict(default=None, help="tensor-parallel ranks per decode group (default: 2; 1 for an embedded "
-                                      f"CPU deployment on fewer than {SMALL_CPU_CORES} cores, see "
-                                      "bench/results/served_vs_engine_cpu.md)")})
+                                      f"CPU deployment on fewer than {SMALL_CPU_CORES} cores, see docs/serving.md)")})
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; 0.0.0.0 "
                                                        "exposes the API: set --api-key then)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--ingress", choices=("direct", "proxy"), default="direct",
                     help="how HTTP reaches the router: direct = each router replica answers on --host:--port itself "
                          "(no Serve proxy; replicas on one node share the port); proxy = Serve's HTTP proxy "
-                         "forwards requests and relays every streamed chunk (default: direct, which served "
-                         "+21%% tokens/s at concurrency 64 on 2 cores, bench/results/"
-                         "served_vs_engine_2026-11-24_cpu.md)")
+                         "forwards requests and relays every streamed chunk (default: direct; docs/serving.md)")
     ap.add_argument("--address", default=None, help="Ray address to join ('auto', 'host:6379'); default: "
                                                     "start Ray in this process")
     ap.add_argument("--num-cpus", type=int, default=None, help="embedded Ray's logical CPUs (default: enough "
