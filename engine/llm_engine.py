@@ -31,6 +31,7 @@ from engine.handover import Handover, HandoverRequest
 from engine.masking.grammar import GrammarMasker
 from engine.masking.masker import LogitsMasker
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.prompt_logprobs import prompt_logprobs
 from engine.runner.model_runner import ModelRunner, StepResult
 from engine.runner.overlap import InFlight, carry_blocker
 from engine.sampling_params import SamplingParams
@@ -113,6 +114,10 @@ class LLMEngine:
         chunk back). InvalidRequestError at once for a bad request or a refused schema; a grammar that
         fails to compile finishes the request with finish_reason "error" and the error in its output."""
         req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only)
+        if req.params.prompt_logprobs is not None and self.dp is not None:
+            # its own forward would run outside the group's lockstep (engine/prompt_logprobs.py)
+            raise InvalidRequestError("prompt logprobs are not computed under attention data parallelism",
+                                      param="prompt_logprobs")
         structured = req.params.structured_output
         if structured is not None:
             self._grammar_masker()
@@ -337,6 +342,10 @@ class LLMEngine:
             emitted = res.tokens[b]
             if not emitted or req.status is not RequestStatus.RUNNING:
                 continue
+            if req.params.prompt_logprobs is not None and not req.num_output_tokens:  # its first token: KV in place
+                req.prompt_logprobs = prompt_logprobs(
+                    self.runner.model, self.kv_cache, self.blocks.table(req.request_id), self.cfg.block_size,
+                    req.prompt_token_ids, req.params.prompt_logprobs, self.cfg.max_num_batched_tokens)
             num_drafts, accepted = res.num_drafts[b], len(emitted) - 1
             req.num_computed_tokens -= num_drafts - accepted
             req.spec_token_ids = []
@@ -457,7 +466,7 @@ class LLMEngine:
             new_token_ids=new, text=req.detokenizer.visible_text(finished) if req.detokenizer is not None else "",
             finished=finished, finish_reason=req.finish_reason,
             stop_reason=req.stop_reason, logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            metrics=req.metrics, error=req.error)
+            metrics=req.metrics, error=req.error, prompt_logprobs=req.prompt_logprobs)
 
     # ------------------------------------------------------------------ disaggregation hooks
     def take_handover(self, request_id: str) -> Handover:

@@ -26,3 +26,5 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None
     metrics: RequestMetrics
     error: Exception | None = None  # finish_reason "error": the request's error (InvalidRequestError: HTTP 400)
+    # SamplingParams.prompt_logprobs: one per prompt token (None for the first), once the first token exists
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -23,6 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
+    # vLLM's prompt_logprobs: each prompt token's logprob (plus the top n) in RequestOutput.prompt_logprobs,
+    # computed once after the prompt ran (engine/prompt_logprobs.py); None: not computed
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before anything else (grammar
     # masks, penalties, temperature; the draft's logits too); logprobs stay the raw model's
@@ -70,6 +73,9 @@ class SamplingParams:
                "min_tokens")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                f"logprobs must be between 0 and 20, got {self.logprobs!r}", "logprobs")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and 0 <= self.prompt_logprobs <= 20),
+               f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}", "prompt_logprobs")
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                f"seed must be an integer in [0, 2**63), got {self.seed!r}", "seed")
 

@@ -67,6 +67,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list = field(default_factory=list)  # one engine.outputs.TokenLogprob per output token, when asked
+    prompt_logprobs: list | None = None  # engine.outputs.TokenLogprob | None per prompt token, when asked
     num_reported: int = 0  # output tokens already returned by step()
     metrics: RequestMetrics = None  # type: ignore[assignment]
     detokenizer: IncrementalDetokenizer | None = None  # text and stop strings; None where the router does both
