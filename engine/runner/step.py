@@ -1,4 +1,4 @@
-"""The engine's step as one function (DESIGN.md, "The decode step"); no speculation is k = 0 of it:
+"""The engine's step as one function (docs/architecture.md, "The decode step"); no speculation is k = 0 of it:
 
 1. target forward over every row (prompt chunks and [last token + k drafts] chains), capturing the
    hidden states the draft head reads;
