@@ -2,7 +2,7 @@
 llguidance's, behind structured/state.py's GrammarState).
 
 Each guided request has a matcher (structured/request.py, GrammarState) that has accepted exactly the
-request's emitted output tokens. Per step (DESIGN.md, "Grammar with speculation"):
+request's emitted output tokens. Per step (docs/architecture.md, "Grammar with speculation"):
   verification rows: row 0 is the matcher's own mask; the matcher then advances through the drafts
     to fill rows 1..k and is rolled back. Rows after the first draft the grammar rejects stay
     unflagged: that draft is rejected anyway, so nothing after it is ever emitted;
