@@ -24,7 +24,9 @@ import secrets
 import time
 from typing import Any, AsyncIterator, Callable
 
-from cluster.framing import TOKEN_BYTES, frame, no_delay, read_frame
+from cluster.framing import TOKEN_BYTES, no_delay
+from cluster.framing import pickle_frame as frame
+from cluster.framing import read_pickle_frame as read_frame
 
 log = logging.getLogger(__name__)
 

@@ -79,7 +79,7 @@ class RankGroup:
             release(pg)
             if isinstance(e, (ray.exceptions.RayError, asyncio.TimeoutError, StepLinkError)):
                 raise WorkerDiedError(f"decode group {group_id} failed to start: {e}") from e
-            raise
+            raise  # e.g. ProtocolVersionError: ranks of another Tandem version, which no rebuild mends
         layout: KVLayout = layouts[0]
         endpoints = tuple(
             RankEndpoint(actor=ranks[r], store=addresses[r], tp_rank=r,
@@ -107,7 +107,7 @@ class RankGroup:
         seq, self._seq = self._seq, self._seq + 1
         work = [dataclasses.replace(w, seq=seq) for w in work]
         if self.links:
-            calls = [link.call((w, wait_s)) for link, w in zip(self.links, work)]
+            calls = [link.call(w, wait_s) for link, w in zip(self.links, work)]
         else:
             calls = [asyncio.ensure_future(_await(r.step.remote(w, wait_s))) for r, w in zip(self.ranks, work)]
         self._in_flight = asyncio.ensure_future(self._reports(calls, wait_s, self._in_flight))

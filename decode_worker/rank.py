@@ -113,9 +113,7 @@ class DecodeRank:
         Ray calls. -> the address to connect to, on this node's address (the one hand-overs reach)."""
         if self._link is not None:
             raise RuntimeError("this rank already has a step link")
-        # Each request is the (RankStep, wait_s) pair RankGroup.submit sends.
-        self._link = StepListener(self.server.address.host, token, lambda request: self.step(*request),
-                                  name=f"step-link-rank{self.tp_rank}")
+        self._link = StepListener(self.server.address.host, token, self.step, name=f"step-link-rank{self.tp_rank}")
         return self._link.address
 
     # ------------------------------------------------------------------ the lockstep step

@@ -1,20 +1,23 @@
 """The wire protocol the deployments share; prefill, decode and router meet only here.
 
 - `decode`: a decode group's address (DecodeTarget, its ranks and KV layout; DecodeOpened names the replica
-  too), the per-rank commands a group applies in lockstep (RankStep), what a step reports (StepReport,
-  TokenDelta) and how a request's stream ends with an error (StreamError).
+  too) and how a request's stream ends with an error (StreamError).
+- `step`: the step link's records: the per-rank commands a group applies in lockstep (RankStep) and what a
+  step reports (StepReport, TokenDelta), with STEP_LINK_VERSION.
 - `prefill`: what the router asks of a prefill replica and what it answers.
 - `handover`: the versioned msgpack header of one KV hand-over (HandoverHeader) and its named payload.
+- `wire`: the strict field checks every `from_wire` uses.
 
-Everything here is small, frozen and picklable (it crosses Ray calls), except the hand-over header,
-which crosses a torch.distributed channel as msgpack bytes.
+Everything here is small and frozen. What crosses a link or a channel (the step link's records, the
+hand-over header) has `to_wire`/`from_wire` and travels as msgpack, never as a pickle; a malformed record
+is a ProtocolError naming its field, another version a ProtocolVersionError.
 """
-from cluster.protocol.decode import (Command, CommandKind, DecodeOpened, DecodeTarget, KVLayout, RankEndpoint,
-                                     RankStep, StepReport, StreamError, TokenDelta)
+from cluster.protocol.decode import DecodeOpened, DecodeTarget, KVLayout, RankEndpoint, StreamError
 from cluster.protocol.handover import (HANDOVER_VERSION, GrammarHandover, HandoverHeader, HandoverPayload,
                                        PayloadPart)
 from cluster.protocol.prefill import ModelInfo, PrefillRequest, PrefillResult
+from cluster.protocol.step import STEP_LINK_VERSION, Command, CommandKind, RankStep, StepReport, TokenDelta
 
 __all__ = ["Command", "CommandKind", "DecodeOpened", "DecodeTarget", "KVLayout", "RankEndpoint", "RankStep",
-           "StepReport", "StreamError", "TokenDelta", "HANDOVER_VERSION", "GrammarHandover", "HandoverHeader", "HandoverPayload",
+           "StepReport", "StreamError", "TokenDelta", "STEP_LINK_VERSION", "HANDOVER_VERSION", "GrammarHandover", "HandoverHeader", "HandoverPayload",
            "PayloadPart", "ModelInfo", "PrefillRequest", "PrefillResult"]

@@ -1,10 +1,9 @@
-"""What crosses the decode worker's boundaries: the decode target a prefill sends to, the commands each
-rank of a group applies in lockstep, what one step reports back, and how a request's stream ends with an
-error. Small, frozen, picklable."""
+"""What crosses the decode worker's boundaries besides its step link (cluster/protocol/step.py): the decode
+target a prefill sends to, and how a request's stream ends with an error. Small, frozen, picklable (they
+cross Ray calls; a decode target holds actor handles)."""
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cluster.rendezvous import StoreAddress
 
@@ -43,63 +42,6 @@ class DecodeOpened:
     (its deltas come on that replica's feed; a cancel must reach that replica)."""
     replica: str  # the Serve replica id
     target: DecodeTarget
-
-
-class CommandKind(enum.Enum):
-    RESERVE = "reserve"  # allocate blocks for an arrived header and let the payload in
-    COMMIT = "commit"  # the payload landed on every rank: join the running batch
-    ABORT = "abort"  # end the request, free its blocks
-    DROP = "drop"  # refuse an arrived header (its request is gone): no payload is sent
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    kind: CommandKind
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class RankStep:
-    """One rank's share of one group step. Every rank gets one each step, with or without commands: the
-    ranks of a group step together, and a rank with nothing of its own still takes part in the step's
-    forward when the group runs one (with attention data parallelism, as an idle forward)."""
-    commands: tuple[Command, ...]  # applied in order before the forward
-    forward: bool  # the group runs a forward this step (some rank holds running requests)
-    reports_tokens: bool  # this rank's deltas are the ones delivered to streams (under TP: rank 0 only)
-    # The group step's number, from 0 for a new group. A rank runs its steps in this order: the replica keeps
-    # the next step queued at the ranks while they run this one (decode_worker/deployment.py), over the step
-    # link (in order) or as Ray calls (which may reach the actor's threads out of order).
-    seq: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class TokenDelta:
-    """New tokens of one request from one step (a step's deltas travel as one list)."""
-    request_id: str
-    token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
-    logprobs: tuple = ()  # (token id, logprob, {top id: logprob} | None) per new token, when asked
-
-
-@dataclass(frozen=True, slots=True)
-class StepReport:
-    """One rank's answer to one lockstep step call."""
-    tp_rank: int
-    deltas: tuple[TokenDelta, ...]  # empty unless the rank reports tokens (every TP rank computes the same)
-    arrived: tuple[str, ...]  # hand-over headers parked since the last report (they wait for a RESERVE)
-    landed: tuple[str, ...]  # hand-over payloads written into reserved blocks since the last report
-    failed: tuple[tuple[str, str], ...]  # (request id, reason): transfers that broke
-    deferred: tuple[str, ...]  # reserves refused for lack of free blocks; retried later
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_running: int
-    step_seconds: float
-    handover_seconds: tuple[tuple[str, float, float, int], ...] = field(default=())  # (rid, recv s, unpack s, bytes)
-    reserved: tuple[str, ...] = field(default=())  # headers that took blocks from the rank's hand-over stock
-    grammar: tuple[tuple[str, int], ...] = field(default=())  # the engine's grammar counters (compiles, ...)
-    overlapped_steps: int = 0  # the engine's steps launched before its previous step was read (async scheduling)
-    committed_on_landing: int = 0  # stocked hand-overs a one-rank group committed itself (DecodeRank._commit_landed)
 
 
 @dataclass(frozen=True, slots=True)
