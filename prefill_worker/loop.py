@@ -131,8 +131,10 @@ class PrefillLoop:
         queue_s = (m.first_scheduled_time or job.submitted) - job.submitted
         prefill_s = (m.first_token_time or time.monotonic()) - (m.first_scheduled_time or job.submitted)
         logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs] if out.logprobs else []
+        prompt_logprobs = [None if lp is None else (lp.token_id, lp.logprob, lp.top)
+                           for lp in out.prompt_logprobs or ()]
         result = PrefillResult(out.request_id, list(out.token_ids), out.finished, out.finish_reason, logprobs,
-                               queue_s, prefill_s)
+                               queue_s, prefill_s, prompt_logprobs)
         if not out.finished:
             job.handed_over = self.sender.submit(self.engine.take_handover(out.request_id), job.target)
         if not job.future.set_running_or_notify_cancel():

@@ -171,10 +171,6 @@ class Router:
                 raise invalid(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.info.vocab_size})", "prompt")
         if body.logprobs is not None and not 0 <= body.logprobs <= self.cfg.max_logprobs:
             raise invalid(f"logprobs must be between 0 and {self.cfg.max_logprobs}, got {body.logprobs}", "logprobs")
-        if body.echo and body.logprobs is not None:
-            # OpenAI's arrays would then cover the prompt too, whose tokens' logprobs the prefill does not keep
-            raise invalid("echo with logprobs needs the prompt tokens' logprobs, which this server does not "
-                          "compute; ask for one or the other", "echo")
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)) if body.echo else ""
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         return await self._generate(body, request, prompt_ids, max_tokens, body.logprobs, chat=False,

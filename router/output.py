@@ -35,6 +35,7 @@ class ResponseWriter:
         self._last_token_time: float | None = None
         self._usage_at_end = self._usage_always = False  # streaming: set by sse()
         self._closed = False
+        self.echo_lp = self._echo_logprobs(prompt_ids) if echo and self.lp is not None else None
 
     async def deltas(self):
         """(text, logprobs body) pieces; sets finish_reason at the end. Raises APIError."""
@@ -72,24 +73,22 @@ class ResponseWriter:
 
     def _push_each(self, token_ids) -> tuple[str, str | None, list[int]]:
         """Detokenizes token by token: (the text safe to show, the stop string that ended it or None, where
-        each token starts in the response's text: `text_offset`). A token's text can arrive with a later
-        token's (a piece of a character waits for the rest): a token with text of its own starts that text
-        before the end of what has arrived; one without (a piece of a character, a skipped special token)
-        starts where the text stood."""
-        texts, stop, offsets = [], None, []
-        for token_id in token_ids:
-            before = len(self.det.text)
-            piece = self.det.push((token_id,))
-            after = len(self.det.text)  # shorter than before if a stop string was cut off
-            own = self.router.token_text.bytes_of(token_id)
-            try:
-                start = max(before, after - len(own.decode()))
-            except UnicodeDecodeError:
-                start = before
-            offsets.append(len(self.echo) + min(start, after))
-            texts.append(piece.text)
-            stop = piece.stop
-        return "".join(texts), stop, offsets
+        each token starts in the response's text: `text_offset`, after the echoed prompt)."""
+        return push_each(self.det, self.router.token_text, token_ids, len(self.echo))
+
+    def _echo_logprobs(self, prompt_ids: list[int]) -> dict | None:
+        """The echoed prompt's logprobs body (completions' echo with logprobs), its entries first in the
+        response's arrays; the echo becomes the text its tokens spell, so that tokens and offsets match it."""
+        scored = self.gen.first.prompt_logprobs
+        if len(scored) != len(prompt_ids):
+            raise APIError(500, f"the prefill scored {len(scored)} of the prompt's {len(prompt_ids)} tokens",
+                           "internal_error")
+        det = IncrementalDetokenizer(self.router.tokenizer, [], None, False, self.body.skip_special_tokens)
+        _, _, offsets = push_each(det, self.router.token_text, prompt_ids, 0)
+        det.flush()
+        self.echo = det.text
+        items = [(t, None, None) if entry is None else entry for t, entry in zip(prompt_ids, scored)]
+        return self.lp.add(items, [min(at, len(self.echo)) for at in offsets])
 
     def _check(self, text: str) -> None:
         """Enforce or refuse, last line (structured/output_check.py): raises a 500 for a finished guided
@@ -147,7 +146,7 @@ class ResponseWriter:
                 yield self._sse(R.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""},
                                              None))
             elif self.echo:
-                yield self._sse(R.completion_chunk(self.rid, self.model, self.created, self.echo, None))
+                yield self._sse(R.completion_chunk(self.rid, self.model, self.created, self.echo, None, self.echo_lp))
             calls = ToolCallStream(self.tools.names) if self.chat and self.tools is not None else None
             try:
                 async for text, lp in self.deltas():
@@ -208,3 +207,25 @@ class ResponseWriter:
         if status == 200:
             r.metrics.finished(self.finish_reason)
             r.metrics.e2e.observe(time.monotonic() - self.arrival)
+
+
+def push_each(det: IncrementalDetokenizer, token_text, token_ids, base: int) -> tuple[str, str | None, list[int]]:
+    """Push `token_ids` through `det` one at a time: (the text safe to show, the stop string that ended it or
+    None, where each token starts in the text, plus `base`). A token's text can arrive with a later token's
+    (a piece of a character waits for the rest): a token with text of its own starts that text before the
+    end of what has arrived; one without (a piece of a character, a skipped special token) starts where the
+    text stood."""
+    texts, stop, offsets = [], None, []
+    for token_id in token_ids:
+        before = len(det.text)
+        piece = det.push((token_id,))
+        after = len(det.text)  # shorter than before if a stop string was cut off
+        own = token_text.bytes_of(token_id)
+        try:
+            start = max(before, after - len(own.decode()))
+        except UnicodeDecodeError:
+            start = before
+        offsets.append(base + min(start, after))
+        texts.append(piece.text)
+        stop = piece.stop
+    return "".join(texts), stop, offsets

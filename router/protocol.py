@@ -99,8 +99,15 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="The prompt: text or token ids (a list holding one prompt is accepted too).")
     logprobs: int | None = Field(None, description="Return the log-probabilities of the top n tokens (0-20).")
-    echo: bool = Field(False, description="Prepend the prompt to the returned text.")
+    echo: bool = Field(False, description="Prepend the prompt to the returned text (with logprobs: and its tokens' "
+                                          "logprobs, the first token's null).")
     suffix: str | None = Field(None, description="Not supported (must be empty).")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> dict:
+        p = super().sampling_params(max_tokens, logprobs)
+        if self.echo and logprobs is not None:
+            p["prompt_logprobs"] = logprobs  # the prefill scores the prompt (engine/prompt_logprobs.py)
+        return p
 
 
 class ChatContentPart(BaseModel):

@@ -42,8 +42,10 @@ class LogprobsBuilder:
                                                   for i, v in (top or {}).items()]}
                                 for t, lp, top, _ in entries]}
         # The legacy API always lists the sampled token among the top ones (up to logprobs + 1 entries).
+        # An echoed prompt's first token has no logprob (nothing predicts it): null, and null top_logprobs.
         return {"tokens": [text(t) for t, _, _, _ in entries], "token_logprobs": [lp for _, lp, _, _ in entries],
-                "top_logprobs": [_by_likelihood({text(t): lp, **{text(i): v for i, v in (top or {}).items()}})
+                "top_logprobs": [None if lp is None else
+                                 _by_likelihood({text(t): lp, **{text(i): v for i, v in (top or {}).items()}})
                                  for t, lp, top, _ in entries],
                 "text_offset": [at for _, _, _, at in entries]}
 

@@ -22,6 +22,8 @@ class PrefillResult:
     logprobs: list = field(default_factory=list)  # (token id, logprob, top) per token, when asked
     queue_seconds: float = 0.0  # submitted -> first scheduled
     prefill_seconds: float = 0.0  # first scheduled -> first token
+    # SamplingParams.prompt_logprobs: (token id, logprob, top) per prompt token, None for the first; [] if not asked
+    prompt_logprobs: list = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

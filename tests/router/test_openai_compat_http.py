@@ -56,15 +56,56 @@ def test_completions_logprobs_offsets_and_the_sampled_token(tandem_server):
         assert "".join(lp.tokens) == got.text
 
 
-def test_echo_with_logprobs_is_refused_until_prompt_logprobs_exist(tandem_server):
-    """Issue 32 (3): the arrays covered the output only, not the echoed prompt; a clean 400 until the
-    prefill keeps the prompt's logprobs. Echo alone and logprobs alone are served."""
+def _transformers_logprobs(model_dir: str, ids: list[int]):
+    """[n - 1, V] the next token's logprobs at each prompt position, from transformers' own forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)[:-1]
+
+
+def test_echo_with_logprobs_scores_the_prompt(tandem_server):
+    """Issue 32 (3): with echo the arrays covered the output only (then a 400); now the prompt's tokens come
+    first, the first one's logprob and top_logprobs null (nothing predicts it), the others' equal to
+    transformers' over the prompt, offsets into the echoed text; the output's part is the un-echoed answer's,
+    and the stream gives the same."""
+    from transformers import AutoTokenizer
+
     client = tandem_server.openai()
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=tandem_server.model, prompt="fox", max_tokens=2, logprobs=1, echo=True)
-    assert e.value.body["param"] == "echo"
-    got = client.completions.create(model=tandem_server.model, prompt="fox", max_tokens=2, echo=True, **GREEDY)
-    assert got.choices[0].text.startswith("fox")
+    prompt = "The quick brown fox jumps"
+    ids = AutoTokenizer.from_pretrained(tandem_server.model_dir).encode(prompt)
+    kw = dict(model=tandem_server.model, prompt=prompt, max_tokens=5, logprobs=2, **GREEDY)
+    got = client.completions.create(echo=True, **kw).choices[0]
+    plain = client.completions.create(**kw).choices[0]
+    lp, n = got.logprobs, len(ids)
+    assert got.text == prompt + plain.text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 5
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens[:n]) == prompt and lp.text_offset[:n] == sorted(lp.text_offset[:n])
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        if "\\x" not in token:
+            assert got.text[offset:offset + len(token)] == token
+    assert lp.tokens[n:] == plain.logprobs.tokens and lp.token_logprobs[n:] == plain.logprobs.token_logprobs
+    assert lp.text_offset[n:] == [len(prompt) + at for at in plain.logprobs.text_offset]
+    ref = _transformers_logprobs(tandem_server.model_dir, ids)
+    assert lp.token_logprobs[1:n] == pytest.approx([ref[i, t].item() for i, t in enumerate(ids[1:])], abs=1e-3)
+    for i, top in enumerate(lp.top_logprobs[1:n]):
+        assert lp.tokens[i + 1] in top and 2 <= len(top) <= 3  # the prompt's token, and the 2 most likely
+        assert max(top.values()) == pytest.approx(ref[i].max().item(), abs=1e-3)
+    chunks = list(client.completions.create(echo=True, stream=True, **kw))
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in streamed) == got.text
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == lp.tokens
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.token_logprobs] == lp.token_logprobs
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.text_offset] == lp.text_offset
+
+
+def test_echo_alone_returns_the_prompt_first(tandem_server):
+    got = tandem_server.openai().completions.create(model=tandem_server.model, prompt="fox", max_tokens=2,
+                                                    echo=True, **GREEDY)
+    assert got.choices[0].text.startswith("fox") and got.choices[0].logprobs is None
 
 
 def test_the_developer_role_is_the_system_role_for_a_template_without_it(tandem_server):
