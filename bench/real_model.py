@@ -55,8 +55,7 @@ def run_engine(llm, prompts, max_tokens: int) -> dict:
                              structured_output=StructuredOutput(json_schema=s) if s is not None else None)
               for _, s in prompts]
     engine = llm.engine
-    if getattr(engine, "accepted_length_hist", None) is not None:
-        engine.accepted_length_hist = [0] * len(engine.accepted_length_hist)
+    engine.spec_stats.reset()
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in prompts], params)
     seconds = time.perf_counter() - start

@@ -50,8 +50,7 @@ def run_engine(target: str, spec, prompts: list[str], batch: int, max_tokens: in
               speculative=spec)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     llm.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0))  # warm-up
-    if spec is not None:
-        llm.engine.accepted_length_hist = [0] * len(llm.engine.accepted_length_hist)
+    llm.engine.spec_stats.reset()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start

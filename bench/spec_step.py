@@ -120,8 +120,7 @@ def run_once(llm, prompts: list[str], max_tokens: int) -> dict:
     from engine import SamplingParams
 
     eng = llm.engine
-    if eng.spec is not None:
-        eng.accepted_length_hist = [0] * len(eng.accepted_length_hist)
+    eng.spec_stats.reset()
     with timed_engine(llm) as timer:
         start = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))

@@ -36,6 +36,7 @@ from engine.runner.model_runner import ModelRunner, StepResult
 from engine.runner.overlap import InFlight, carry_blocker
 from engine.sampling_params import SamplingParams
 from engine.speculative.drafter import draft_room
+from engine.speculative.stats import SpecStats
 from structured.compiler import GrammarCompiler
 from structured.request import SerializedGrammar
 
@@ -76,13 +77,10 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         # A request alone must always fit, or preemption could not make progress.
         self.max_model_len = min(max_model_len, num_blocks * cfg.block_size)
-        self.spec = cfg.speculative
+        self.drafter = self.runner.drafter  # the k = 0 drafter without speculation
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
-                                   num_lookahead_slots=self.spec.lookahead_slots if self.spec is not None else 0)
-        # engine-wide histogram of tokens emitted per decoding step (index = accepted drafts + 1)
-        self.accepted_length_hist = [0] * (self.spec.k + 2) if self.spec is not None else []
-        self.dynamic_k_steps = [0] * (self.spec.k + 1) if self.spec is not None else []  # steps per chosen k
-        self._received: list[Request] = []  # hand-overs committed since the last step (draft first)
+                                   num_lookahead_slots=self.drafter.lookahead_slots)
+        self.spec_stats = SpecStats(cfg.speculative)
         self.tokenizer = _load_tokenizer(cfg.model)
         self._detokenize = cfg.detokenize and self.tokenizer is not None
         eos = set(self.model_cfg.eos_token_ids)
@@ -246,12 +244,7 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.pool.num_blocks,
             "overlapped_steps": self.num_overlapped_steps,
         }
-        if self.spec is not None:
-            hist = self.accepted_length_hist
-            steps = sum(hist)
-            out["spec"] = {"method": self.spec.method, "k": self.spec.k, "accepted_length_hist": list(hist),
-                           "dynamic_k_steps": list(self.dynamic_k_steps),
-                           "mean_accepted_length": sum(i * n for i, n in enumerate(hist)) / steps if steps else None}
+        out.update(self.spec_stats.as_dict())
         if self._grammar is not None:
             out["grammar"] = dict(self._grammar.compiler.stats)
         return out
@@ -265,12 +258,10 @@ class LLMEngine:
             reports = self._finished_unreported + touched
             self._finished_unreported = []
             return [self._output(r) for r in reports]
-        if self._received:
-            self._draft_received()
+        self.drafter.draft_arrivals(self.blocks)
         if self._compiling:
             self._install_grammars(wait=False)
-        if self.spec is not None and self.spec.dynamic_k:
-            self._limit_drafts()
+        self._limit_drafts()
         sched = self.scheduler.schedule()
         if sched.empty and self._compiling and not self._finished_unreported:
             self._install_grammars(wait=True)  # only compiles are left to wait for: no busy loop
@@ -296,10 +287,9 @@ class LLMEngine:
     def _can_plan_ahead(self) -> bool:
         """Can a step be planned before the running one is read: the option is on and no request waits on
         the host for the running step's tokens (carry_blocker)."""
-        if not self.cfg.async_scheduling or self.dp is not None or self._received or self._compiling:
+        if not self.cfg.async_scheduling or self.dp is not None or self.drafter.arrivals_pending or self._compiling:
             return False
-        proposer = self.runner.proposer is not None
-        return all(carry_blocker(r, proposer, self.spec is not None) is None
+        return all(carry_blocker(r, self.drafter.drafts_on_host) is None
                    for r in (*self.scheduler.running, *self.scheduler.waiting))
 
     def _advance(self) -> list[Request]:
@@ -307,8 +297,7 @@ class LLMEngine:
         outputs (while the new one runs). Otherwise only apply them: the next call steps synchronously."""
         prev, nxt = self._inflight, None
         if self._can_plan_ahead():
-            if self.spec is not None and self.spec.dynamic_k:
-                self._limit_drafts()
+            self._limit_drafts()
             sched = self.scheduler.schedule_ahead(prev.rows(), self._drafts_ahead)
             if sched is not None and sched.scheduled:
                 step = self.runner.prepare(sched.scheduled, self.blocks, carry_from=prev)
@@ -326,8 +315,7 @@ class LLMEngine:
         (Drafter.next_drafts), so both verify the same drafts. If the running step does end the request,
         the row planned for it is dropped."""
         room = draft_room(req, emitted)
-        k = 0 if self.spec is None else self.spec.k_for(len(self.scheduler.running)) if self.spec.dynamic_k else self.spec.k
-        return max(0, min(k, room))
+        return max(0, min(self.drafter.k_for(len(self.scheduler.running)), room))
 
     def _update(self, scheduled: list[ScheduledRequest], res: StepResult, ahead: InFlight | None = None) -> list[Request]:
         """Emit each request's accepted drafts and bonus token (one token without speculation), stopping
@@ -349,8 +337,8 @@ class LLMEngine:
             num_drafts, accepted = res.num_drafts[b], len(emitted) - 1
             req.num_computed_tokens -= num_drafts - accepted
             req.spec_token_ids = []
-            if self.spec is not None and req.num_output_tokens and s.num_new_tokens == num_drafts + 1:
-                self._count_acceptance(req, num_drafts, accepted)  # decoding, not a prompt's end
+            if req.num_output_tokens and s.num_new_tokens == num_drafts + 1:
+                self.spec_stats.count(req, num_drafts, accepted)  # decoding, not a prompt's end
             n = 0
             while n < len(emitted) and req.status is RequestStatus.RUNNING:
                 if req.params.logprobs is not None:
@@ -362,7 +350,7 @@ class LLMEngine:
                 self._append_token(req, emitted[n], now)
                 n += 1
             touched.append(req)
-            if req.status.finished or self.spec is None:
+            if req.status.finished:
                 continue
             held = self.blocks.num_slots.get(req.request_id, 0)
             keep = req.num_computed_tokens
@@ -370,42 +358,29 @@ class LLMEngine:
                 keep = min(held, self.scheduler.slots_needed(req, next_rows[req.request_id]))
             self.blocks.rewind(req.request_id, held - keep)
             if req.status is RequestStatus.PARKED:
-                self.runner.drafter.release(req.request_id)
+                self.drafter.release(req.request_id)
                 if res.first_hidden is not None:
                     req.draft_hidden = res.first_hidden[b].clone()
             else:
-                req.spec_token_ids = self.runner.drafter.next_drafts(req, res.drafts[b] if res.drafts else None,
-                                                                     rejected=num_drafts - accepted)
+                req.spec_token_ids = self.drafter.next_drafts(req, res.drafts[b] if res.drafts else None,
+                                                              rejected=num_drafts - accepted)
         return touched
 
     def _limit_drafts(self) -> None:
         """Dynamic k: verify at most spec.k_for(batch) drafts per request this step. Under attention data
         parallelism the batch is the group's at the last agreement, the same number on every rank, so every
         rank verifies the same k (the draft chain still runs k steps: its KV must cover every row)."""
+        if not self.drafter.dynamic_k:
+            return
         plan = self.runner.last_plan
         batch = plan.total_requests if plan is not None else len(self.scheduler.running)
         if not batch:
             return
-        k = self.spec.k_for(batch)
-        self.dynamic_k_steps[k] += 1
+        k = self.drafter.k_for(batch)
+        self.spec_stats.dynamic_k_steps[k] += 1
         for req in self.scheduler.running:
             if len(req.spec_token_ids) > k:
                 req.spec_token_ids = req.spec_token_ids[:k]
-
-    def _count_acceptance(self, req: Request, num_drafts: int, accepted: int) -> None:
-        m = req.metrics
-        m.num_draft_tokens += num_drafts
-        m.num_accepted_tokens += accepted
-        m.accepted_lengths.append(accepted + 1)
-        self.accepted_length_hist[accepted + 1] += 1
-
-    def _draft_received(self) -> None:
-        reqs = [r for r in self._received if r.status is RequestStatus.RUNNING and r.num_computed_tokens >= 1]
-        self._received = []
-        if self.spec is not None and reqs:
-            self.runner.drafter.propose_received(reqs, [r.draft_hidden for r in reqs], self.blocks)
-        for r in reqs:
-            r.draft_hidden = None
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.token_ids.append(token)
@@ -474,7 +449,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.status is not RequestStatus.PARKED:
             raise InvalidRequestError(f"request {request_id!r} is not parked for a hand-over")
-        if self.runner.drafter is not None and not self.runner.drafter.shares_cache:
+        if not self.drafter.shares_cache:
             raise InvalidRequestError("this engine's draft model keeps its KV in a cache of its own; "
                                       "hand-overs need the draft's KV layers in the target's cache")
         state = HandoverRequest(
@@ -482,7 +457,7 @@ class LLMEngine:
             output_token_ids=tuple(req.output_token_ids), num_computed_tokens=req.num_computed_tokens,
             seed=req.seed, params=req.params, logprobs=tuple((lp.token_id, lp.logprob, lp.top) for lp in req.logprobs),
             block_size=self.cfg.block_size, cache_layers=self.runner.num_cache_layers,
-            speculative_method=self.spec.method if self.spec is not None else None)
+            speculative_method=self.drafter.method)
         compiled = None
         if req.params.structured_output is not None:
             compiled = self._grammar.compiler.serialized(req.params.structured_output)
@@ -496,8 +471,7 @@ class LLMEngine:
                 self.runner.masker.release(request_id)
 
     def _release_draft_state(self, request_id: str) -> None:
-        if self.runner.drafter is not None:
-            self.runner.drafter.release(request_id)
+        self.drafter.release(request_id)
 
     def reserve(self, handover: HandoverRequest, compiled_grammar: SerializedGrammar | None = None,
                 block_ids: list[int] | None = None) -> list[int]:
@@ -544,9 +518,7 @@ class LLMEngine:
         req = self.requests[request_id]
         assert req.status is RequestStatus.RESERVED, req.status
         self.scheduler.add_running(req)
-        if self.spec is not None:
-            req.draft_hidden = hidden
-            self._received.append(req)
+        self.drafter.arrive(req, hidden)
 
 
 def _load_tokenizer(model_dir: str):

@@ -78,20 +78,21 @@ class ModelRunner:
         self.dtype = cfg.torch_dtype(model_cfg)
         self.vocab_size = model_cfg.vocab_size
         self.max_model_len = max_model_len
-        spec = cfg.speculative
-        self.k = spec.k if spec is not None else 0
-        self.draft_masks = spec is not None and spec.draft_masks
         # Draft chains and padded verification rows run past the last token: the rope table covers them.
-        max_pos = max_model_len + position_margin(self.k)
+        k = cfg.speculative.k if cfg.speculative is not None else 0
+        max_pos = max_model_len + position_margin(k)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, tp, self.dtype, max_pos=max_pos, dp=dp).to(self.dtype)
         load_weights(self.model, cfg.model, self.dtype)
-        matvec_layout(self.model, VERIFY_ROWS_BUDGET if spec is not None and spec.k else 0)
+        matvec_layout(self.model, VERIFY_ROWS_BUDGET if k else 0)
         self.model.eval()
         self.num_kv_heads = self.model.layers[0].self_attn.attn.num_kv_heads
         self.kv_cache: torch.Tensor | None = None
-        self.drafter = (Drafter(cfg, spec, model_cfg, self.model, tp, self.dtype, self.device, max_pos,
-                                self.num_kv_heads, lambda: self.kv_cache) if spec is not None else None)
+        # the k = 0 drafter without speculation: one step for every configuration
+        self.drafter = Drafter(cfg, cfg.speculative, model_cfg, self.model, tp, self.dtype, self.device, max_pos,
+                               self.num_kv_heads, lambda: self.kv_cache)
+        self.k = self.drafter.k
+        self.draft_masks = cfg.speculative is not None and cfg.speculative.draft_masks
         if cfg.cpu_compile != "off" and self.device.type == "cpu":
             self._compile_cpu(layers=cfg.cpu_compile == "layers" and tp.size == 1 and dp is None)
         self.masker: LogitsMasker | None = None
@@ -101,8 +102,7 @@ class ModelRunner:
 
             self.graphs = StepGraphs(self, min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
                                      capture_on_demand=dp is None, masks=cfg.graph_masks)
-            if self.drafter is not None:
-                self.drafter.on_slots_grown = self.graphs.reset
+            self.drafter.on_slots_grown = self.graphs.reset
 
     def _compile_cpu(self, layers: bool) -> None:
         """EngineConfig.cpu_compile: piecewise-compiled layers for the target and its draft network (`layers`:
@@ -143,20 +143,18 @@ class ModelRunner:
     @property
     def num_cache_layers(self) -> int:
         """Layers of the cache tensor: the target's, then the draft's when they share its shape."""
-        return self.model_cfg.num_layers + (self.drafter.num_shared_layers if self.drafter is not None else 0)
+        return self.model_cfg.num_layers + self.drafter.num_shared_layers
 
     def kv_block_bytes(self) -> int:
         m = self.model_cfg
         per = 2 * self.num_cache_layers * self.cfg.block_size * self.num_kv_heads * m.head_dim * self.dtype.itemsize
-        extra = self.drafter.separate_block_bytes(self.cfg.block_size, self.dtype) if self.drafter is not None else 0
-        return per + extra
+        return per + self.drafter.separate_block_bytes(self.cfg.block_size, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         m = self.model_cfg
         shape = (self.num_cache_layers, 2, num_blocks, self.cfg.block_size, self.num_kv_heads, m.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.drafter is not None:
-            self.drafter.attach_caches(self.kv_cache, num_blocks, self.cfg.block_size, self.dtype)
+        self.drafter.attach_caches(self.kv_cache, num_blocks, self.cfg.block_size, self.dtype)
         if self.graphs is not None:
             self.graphs.capture_all()
         return self.kv_cache
@@ -164,16 +162,16 @@ class ModelRunner:
     # ------------------------------------------------------------------ what the step and its graphs read
     @property
     def proposer(self) -> Proposer | None:
-        return self.drafter.proposer if self.drafter is not None else None
+        return self.drafter.proposer
 
     @property
     def draft_probs(self) -> torch.Tensor | None:
-        return self.drafter.draft_probs if self.drafter is not None else None
+        return self.drafter.draft_probs
 
     @property
     def scratch_slot(self) -> int:
         """Draft-state row that padding requests of a graph use."""
-        return self.drafter.num_slots if self.drafter is not None else 0
+        return self.drafter.num_slots if self.drafter.k else 0
 
     def run_step(self, batch: StepBatch, masker: LogitsMasker | None = None, rows: int | None = None) -> StepOutput:
         """rows: under ADP, the group's padded row count (default: this batch's rows, which a graph's
@@ -190,10 +188,7 @@ class ModelRunner:
         step, with or without requests (it holds the group's agreement); None: no rank runs a forward.
         carry_from: the step still running when this one was planned (engine/runner/overlap.py): the carried
         requests' inputs are gathered from its outputs on the device (never under ADP or with masks)."""
-        slots = None
-        if self.drafter is not None:
-            self.drafter.prepare([s.request for s in scheduled])  # before a graph of a sampled mode is captured
-            slots = [self.drafter.slot(s.request.request_id) for s in scheduled]
+        slots = self.drafter.slots([s.request for s in scheduled])
         masker = self._begin_masks(scheduled) if scheduled else None
         masked = masker is not None
         # A guided step replays a graph too: its grammar fills are host functions captured in it.

@@ -50,9 +50,9 @@ class InFlight:
         return {s.request.request_id: b for b, s in enumerate(self.scheduled)}
 
 
-def carry_blocker(req: Request, has_proposer: bool, speculative: bool) -> str | None:
+def carry_blocker(req: Request, drafts_on_host: bool) -> str | None:
     """Why `req` cannot be carried into a step planned before its previous step's outputs are read (None:
-    it can)."""
+    it can). drafts_on_host: the drafter proposes from the tokens on the host (prompt lookup)."""
     p = req.params
     if p.structured_output is not None:
         return "grammar"
@@ -62,7 +62,7 @@ def carry_blocker(req: Request, has_proposer: bool, speculative: bool) -> str | 
         return "min_tokens"  # its early-stop block counts the output tokens, which the carried step has not read
     if req.prefill_only:
         return "prefill-only"
-    if speculative and not has_proposer:
+    if drafts_on_host:
         return "prompt lookup"
     return None
 

@@ -1,6 +1,9 @@
-"""Drafter: the draft half of the model runner. Loads the draft network (or prompt lookup), owns the
-per-request draft state (a slot in the draft-distribution buffer), picks each request's next drafts,
-and drafts for requests that arrive by hand-over. The step itself is engine/runner/step.py."""
+"""Drafter: the draft half of the step. Loads the draft network (or prompt lookup), owns the per-request
+draft state (a slot in the draft-distribution buffer), picks each request's next drafts, and drafts for
+requests that arrive by hand-over. The step itself is engine/runner/step.py.
+
+A drafter always exists: without speculation it is the k = 0 drafter, which proposes nothing, keeps no
+state and queues no arrivals, so the engine's step has one path for every configuration."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +14,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig, SpecConfig, chain_margin
 from engine.core.block_manager import BlockManager, kv_slots
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
 from engine.distributed.parallel import TPContext
 from engine.layers.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
@@ -24,12 +27,14 @@ log = logging.getLogger(__name__)
 
 
 class Drafter:
-    def __init__(self, cfg: EngineConfig, spec: SpecConfig, model_cfg: ModelConfig, target: LlamaForCausalLM,
+    def __init__(self, cfg: EngineConfig, spec: SpecConfig | None, model_cfg: ModelConfig, target: LlamaForCausalLM,
                  tp: TPContext, dtype: torch.dtype, device: torch.device, max_pos: int, num_kv_heads: int,
                  target_cache):
-        """target_cache: callable -> the target's KV cache tensor (allocated after construction)."""
+        """spec: None for the k = 0 drafter; target_cache: callable -> the target's KV cache tensor
+        (allocated after construction)."""
         self.spec = spec
-        self.k = spec.k
+        self.k = spec.k if spec is not None else 0
+        self.method = spec.method if spec is not None else None  # what a hand-over names
         self.device = device
         self.vocab_size = model_cfg.vocab_size
         self._target_cache = target_cache
@@ -37,7 +42,7 @@ class Drafter:
         self.proposer: Proposer | None = None
         self.draft_kv_shape: tuple[int, int] | None = None  # (kv heads, head dim) of the draft layers
         self.shares_cache = True
-        if spec.uses_model:
+        if spec is not None and spec.uses_model:
             self.proposer, self.draft_kv_shape, self.shares_cache = load_proposer(
                 spec, cfg, model_cfg, target, tp, dtype, device, max_pos, num_kv_heads, self.cache)
         self.num_slots = cfg.max_num_seqs
@@ -45,6 +50,19 @@ class Drafter:
         self._slot_of: dict[str, int] = {}
         self.draft_probs: torch.Tensor | None = None  # [slots + 1, k, V] (last row: scratch), on first sampled request
         self.on_slots_grown = None  # callable: buffers captured graphs read were replaced
+        self._arrivals: list[Request] = []  # hand-overs committed since the last step, to draft before it
+        self.lookahead_slots = spec.lookahead_slots if spec is not None else 0
+        # Drafts proposed on the host from the tokens (prompt lookup): a step planned before the previous
+        # one is read cannot draft for its requests.
+        self.drafts_on_host = self.k > 0 and self.proposer is None
+
+    def k_for(self, batch: int) -> int:
+        """Drafts to verify per request in a decode batch of `batch` requests (dynamic k)."""
+        return self.spec.k_for(batch) if self.spec is not None else 0
+
+    @property
+    def dynamic_k(self) -> bool:
+        return self.spec is not None and bool(self.spec.dynamic_k)
 
     def cache(self) -> torch.Tensor:
         """The cache tensor holding the draft's KV layers."""
@@ -69,6 +87,14 @@ class Drafter:
         return 2 * self.proposer.num_cache_layers * block_size * heads * head_dim * dtype.itemsize
 
     # ------------------------------------------------------------------ draft state slots
+    def slots(self, requests: list[Request]) -> list[int] | None:
+        """Each request's row of the draft-state buffers, after making them (None: the k = 0 drafter
+        keeps no state)."""
+        if not self.k:
+            return None
+        self.prepare(requests)  # before a graph of a sampled mode is captured
+        return [self.slot(r.request_id) for r in requests]
+
     def slot(self, request_id: str) -> int:
         s = self._slot_of.get(request_id)
         if s is None:
@@ -108,15 +134,34 @@ class Drafter:
         the previous one is read must use (engine/runner/overlap.py), so drafts, and with them seeded samples,
         are the same with and without async scheduling; it differs from the exact room only within k
         tokens of max_tokens."""
-        room = draft_room(req, rejected)
-        if room <= 0:
+        room = min(self.k, draft_room(req, rejected))
+        if room <= 0:  # always at k = 0
             return []
         if self.proposer is None:
-            return propose_ngram(req.token_ids, min(self.k, room), self.spec.prompt_lookup_min,
-                                 self.spec.prompt_lookup_max)
+            return propose_ngram(req.token_ids, room, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
         return list(step_drafts[:room]) if step_drafts is not None else []
 
     # ------------------------------------------------------------------ hand-over
+    def arrive(self, req: Request, hidden: torch.Tensor | None) -> None:
+        """A hand-over joined the running batch: draft for it before its first step (`hidden`: the draft
+        head's input at its last prompt row). Nothing to draft at k = 0."""
+        if self.k:
+            req.draft_hidden = hidden
+            self._arrivals.append(req)
+
+    @property
+    def arrivals_pending(self) -> bool:
+        return bool(self._arrivals)
+
+    def draft_arrivals(self, blocks: BlockManager) -> None:
+        """Drafts for the hand-overs that arrived since the last step and still run."""
+        reqs = [r for r in self._arrivals if r.status is RequestStatus.RUNNING and r.num_computed_tokens >= 1]
+        self._arrivals = []
+        if reqs:
+            self.propose_received(reqs, [r.draft_hidden for r in reqs], blocks)
+        for r in reqs:
+            r.draft_hidden = None
+
     @torch.inference_mode()
     def propose_received(self, reqs: list[Request], hidden: list[torch.Tensor | None], blocks: BlockManager) -> None:
         """Drafts for requests that arrived by hand-over (KV through their prompt, one sampled token):

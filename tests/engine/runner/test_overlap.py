@@ -34,8 +34,7 @@ def _both(llama_dir, spec, prompts, params, **kw):
 def _clean(engine) -> None:
     assert engine.stats()["kv_blocks_used"] == 0
     assert engine._inflight is None and not engine.has_unfinished()
-    if engine.runner.drafter is not None:
-        assert not engine.runner.drafter._slot_of
+    assert not engine.runner.drafter._slot_of
 
 
 @pytest.mark.parametrize("method", [None, "mtp", "eagle3", "draft_model", "self_draft"])
@@ -135,14 +134,13 @@ def test_carry_blockers():
     def req(**kw):
         return Request("r", [1, 2], SamplingParams(**kw), seed=0, max_total_tokens=64)
 
-    assert carry_blocker(req(), has_proposer=True, speculative=True) is None
-    assert carry_blocker(req(), has_proposer=False, speculative=False) is None
-    assert carry_blocker(req(), has_proposer=False, speculative=True) == "prompt lookup"
-    assert carry_blocker(req(presence_penalty=0.5), True, True) == "penalties"
-    assert carry_blocker(req(structured_output=StructuredOutput(json_object=True)), True, True) == "grammar"
+    assert carry_blocker(req(), drafts_on_host=False) is None
+    assert carry_blocker(req(), drafts_on_host=True) == "prompt lookup"
+    assert carry_blocker(req(presence_penalty=0.5), False) == "penalties"
+    assert carry_blocker(req(structured_output=StructuredOutput(json_object=True)), False) == "grammar"
     prefill = req()
     prefill.prefill_only = True
-    assert carry_blocker(prefill, True, True) == "prefill-only"
+    assert carry_blocker(prefill, False) == "prefill-only"
 
 
 def test_handover_committed_while_a_step_is_in_flight(llama_dir, spec_drafts):
