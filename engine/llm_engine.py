@@ -298,7 +298,7 @@ class LLMEngine:
         prev, nxt = self._inflight, None
         if self._can_plan_ahead():
             self._limit_drafts()
-            sched = self.scheduler.schedule_ahead(prev.rows(), self._drafts_ahead)
+            sched = self.scheduler.schedule(prev.rows(), self._drafts_ahead)
             if sched is not None and sched.scheduled:
                 step = self.runner.prepare(sched.scheduled, self.blocks, carry_from=prev)
                 nxt = InFlight(sched.scheduled, step, self.runner.launch(step))

@@ -89,35 +89,64 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, inflight: dict[str, tuple[int, bool, int]] | None = None,
+                 drafts_for=None) -> SchedulerOutput | None:
+        """This step's rows per request. `inflight`: request id -> (rows, samples, drafts verified) of a step
+        still running when this one is planned (engine/runner/overlap.py); then nothing is preempted and
+        None says that only a step planned after reading it can go on. A request the running step samples
+        continues with 1 + `drafts_for(req, emitted_max)` rows, at positions that assume every draft of
+        the running step is accepted; its KV is held for that case. Without a running step, a request
+        whose KV does not fit preempts the newest running ones (itself last)."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         now = time.monotonic()
-
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._until_grammar(req, min(self._uncomputed(req), budget))
-            if n <= 0:
-                i += 1
-                continue
-            while not self.blocks.allocate(req.request_id, self.slots_needed(req, n)):
-                victim = self.running.pop()  # the newest running request gives way
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
-                break
-            scheduled.append(self._scheduled(req, n, now))
-            budget -= n
             i += 1
-
+            prev = inflight.get(req.request_id) if inflight else None
+            s = self._plan(req, budget, prev, drafts_for)
+            if s is None:
+                continue
+            if not self.blocks.allocate(req.request_id, self.slots_needed(req, s.num_new_tokens, s.ahead, s.emitted_max)):
+                if inflight is not None:
+                    return None
+                if not self._preempt_for(req, s.num_new_tokens, preempted):
+                    break
+            self._first_scheduled(req, now)
+            scheduled.append(s)
+            budget -= s.num_new_tokens
         # New requests only when nobody had to give way this step (FCFS: no overtaking).
         if not preempted:
             budget = self._admit(scheduled, budget, now)
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+
+    def _plan(self, req: Request, budget: int, prev: tuple[int, bool, int] | None, drafts_for) -> ScheduledRequest | None:
+        """A running request's rows this step (None: none); `prev`: its rows in the step in flight."""
+        if prev is None:  # not in a running step: the host knows its state
+            n = self._until_grammar(req, min(self._uncomputed(req), budget))
+            return ScheduledRequest(req, n, sample=req.num_computed_tokens + n >= req.num_tokens) if n > 0 else None
+        ahead, sampled, num_drafts = prev
+        if sampled:
+            emitted = num_drafts + 1
+            return ScheduledRequest(req, min(1 + drafts_for(req, emitted), budget), True, ahead, True, emitted)
+        # mid-prompt: the next chunk, known on the host
+        n = self._until_grammar(req, min(req.num_tokens - req.num_computed_tokens - ahead, budget), ahead)
+        if n <= 0:
+            return None
+        return ScheduledRequest(req, n, req.num_computed_tokens + ahead + n >= req.num_tokens, ahead)
+
+    def _preempt_for(self, req: Request, n: int, preempted: list[Request]) -> bool:
+        """The newest running requests give way until `req`'s n tokens fit; False when `req` itself had to."""
+        while True:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+            if self.blocks.allocate(req.request_id, self.slots_needed(req, n)):
+                return True
 
     def _admit(self, scheduled: list[ScheduledRequest], budget: int, now: float) -> int:
         """Waiting requests join in arrival order while budget, seats and blocks last; -> the budget left.
@@ -137,7 +166,8 @@ class Scheduler:
             del self.waiting[j]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(self._scheduled(req, n, now))
+            self._first_scheduled(req, now)
+            scheduled.append(ScheduledRequest(req, n, sample=req.num_computed_tokens + n >= req.num_tokens))
             budget -= n
         return budget
 
@@ -161,49 +191,6 @@ class Scheduler:
         if end < req.num_tokens + emitted or not self.num_lookahead_slots:
             return end
         return max(end, min(end + self.num_lookahead_slots, req.max_total_tokens))
-
-    def schedule_ahead(self, inflight: dict[str, tuple[int, bool, int]], drafts_for) -> SchedulerOutput | None:
-        """Plan the next step while the step before it still runs (engine/runner/overlap.py). `inflight`: request
-        id -> (rows, samples, drafts verified) of that running step. None when only a synchronous step can
-        do (a request would need preemption); nothing is preempted here. A request the running step samples
-        continues with 1 + `drafts_for(req, emitted_max)` rows, at positions that assume every draft of
-        the running step is accepted; its KV is held for that case."""
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        now = time.monotonic()
-        for req in self.running:
-            if budget <= 0:
-                break
-            prev = inflight.get(req.request_id)
-            if prev is None:  # not in the running step: the host knows its state
-                n = self._until_grammar(req, min(self._uncomputed(req), budget))
-                if n <= 0:
-                    continue
-                if not self.blocks.allocate(req.request_id, self.slots_needed(req, n)):
-                    return None
-                scheduled.append(self._scheduled(req, n, now))
-            else:
-                ahead, sampled, num_drafts = prev
-                if sampled:
-                    emitted = num_drafts + 1
-                    n, sample = min(1 + drafts_for(req, emitted), budget), True
-                else:  # mid-prompt: the next chunk, known on the host
-                    emitted = 0
-                    n = self._until_grammar(req, min(req.num_tokens - req.num_computed_tokens - ahead, budget), ahead)
-                    if n <= 0:
-                        continue
-                    sample = req.num_computed_tokens + ahead + n >= req.num_tokens
-                if not self.blocks.allocate(req.request_id, self.slots_needed(req, n, ahead, emitted)):
-                    return None
-                self._first_scheduled(req, now)
-                scheduled.append(ScheduledRequest(req, n, sample, ahead, sampled, emitted))
-            budget -= scheduled[-1].num_new_tokens
-        budget = self._admit(scheduled, budget, now)
-        return SchedulerOutput(scheduled, [], self.max_num_batched_tokens - budget)
-
-    def _scheduled(self, req: Request, n: int, now: float) -> ScheduledRequest:
-        self._first_scheduled(req, now)
-        return ScheduledRequest(req, n, sample=req.num_computed_tokens + n >= req.num_tokens)
 
     @staticmethod
     def _first_scheduled(req: Request, now: float) -> None:

@@ -42,7 +42,7 @@ class InFlight:
     launched: object  # model_runner.Launched: its device outputs and their host copies
 
     def rows(self) -> dict[str, tuple[int, bool, int]]:
-        """request id -> (rows, samples, drafts verified): what Scheduler.schedule_ahead plans from."""
+        """request id -> (rows, samples, drafts verified): what Scheduler.schedule plans from."""
         drafts = self.prepared.batch.host_num_drafts
         return {s.request.request_id: (s.num_new_tokens, s.sample, drafts[b]) for b, s in enumerate(self.scheduled)}
 
