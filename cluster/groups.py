@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.errors import ChannelError
-from cluster.rendezvous import handshake
+from cluster.rendezvous import handshake, node_ip
 
 IDLE_TIMEOUT = timedelta(days=7)
 
@@ -40,7 +40,12 @@ class GlooBackend(GroupBackend):
     name = "gloo"
 
     def build(self, store, rank, size, timeout):
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        # Gloo's pairs listen on the address its device resolves, by default the hostname's (a routable one);
+        # bound to this node's address they stay on loopback in the embedded default (rendezvous.py).
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip())]
+        return dist.ProcessGroupGloo(store, rank, size, opts)
 
     @property
     def device(self) -> torch.device:

@@ -4,11 +4,24 @@ Building a gloo/NCCL group blocks until every member has published its address i
 long as the group's timeout. Groups that carry hand-overs use a long timeout (an idle channel must not
 time out), so before building one both sides meet in the store under a short deadline: a peer that
 never shows up costs `connect_timeout`, not the group's timeout.
+
+A TCPStore answers any client that reaches it (torch has no credential for it), so (docs/reliability.md,
+"Exposure"):
+- the server listens on this node's address only: loopback in the embedded default (cluster/runtime.py
+  keeps Ray on loopback there), never the wildcard address torch binds by itself;
+- every participant reads and writes through `SignedStore`: keys live under a namespace derived from a
+  per-store secret (handed to peers through Ray, whose control plane checks its token), and every value
+  carries an HMAC of its key and bytes. A stranger cannot find the keys, and a forged or replayed entry
+  (a value copied under another key, or from another store) is refused with `RendezvousForgeryError`
+  before anyone trusts the address in it.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -21,10 +34,20 @@ if TYPE_CHECKING:
 # lives here, and the router reads the protocol without torch.
 
 
+SECRET_BYTES = 32
+MAC_BYTES = 32  # HMAC-SHA256
+
+
+class RendezvousForgeryError(ChannelError):
+    """A rendezvous entry whose MAC does not match: written by someone without the store's secret, or
+    copied from another key. Nothing in it is trusted."""
+
+
 @dataclass(frozen=True, slots=True)
 class StoreAddress:
     host: str
     port: int
+    secret: bytes = field(default=b"", repr=False)  # the store's signing secret; travels only through Ray
 
 
 def node_ip() -> str:
@@ -40,23 +63,101 @@ def node_ip() -> str:
 
 
 class StoreServer:
-    """A TCPStore master on an ephemeral port; peers connect to `address` with `connect_store`."""
+    """A TCPStore master on an ephemeral port of `host` (this node's address by default) with a fresh
+    secret; peers connect to `address` with `connect_store`, and `store` is this side's signed view."""
 
     def __init__(self, host: str | None = None, timeout_s: float = 30.0):
         import torch.distributed as dist
 
-        self.store = dist.TCPStore(
-            "0.0.0.0", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
-        self.address = StoreAddress(host or node_ip(), self.store.port)
+        host = host or node_ip()
+        # torch binds a TCPStore master to every interface; a socket bound here and handed over as
+        # master_listen_fd keeps it on `host` alone.
+        self._listener = socket.create_server((host, 0), backlog=128)
+        port = self._listener.getsockname()[1]
+        master = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                               master_listen_fd=self._listener.fileno())
+        self.address = StoreAddress(host, port, secrets.token_bytes(SECRET_BYTES))
+        self.store = SignedStore(master, self.address.secret)
 
 
-def connect_store(address: StoreAddress, timeout_s: float = 30.0) -> dist.TCPStore:
+def connect_store(address: StoreAddress, timeout_s: float = 30.0) -> dist.Store:
     import torch.distributed as dist
 
+    if len(address.secret) != SECRET_BYTES:
+        raise ChannelError(f"the store address {address.host}:{address.port} carries no secret: it was not made by "
+                           f"a StoreServer of this Tandem version")
     try:
-        return dist.TCPStore(address.host, address.port, None, False, timedelta(seconds=timeout_s))
+        client = dist.TCPStore(address.host, address.port, None, False, timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistError) as e:
         raise ChannelError(f"cannot reach the store at {address.host}:{address.port}: {e}") from e
+    return SignedStore(client, address.secret)
+
+
+def _signed_store_class():
+    """`SignedStore` subclasses torch's Store (so gloo and NCCL build groups on it), and torch loads only
+    when the first store is made: the class is built then."""
+    import torch.distributed as dist
+
+    class _SignedStore(dist.Store):
+        """A store's keys under a secret namespace, each value followed by HMAC(secret, key, value)."""
+
+        def __init__(self, inner: dist.Store, secret: bytes):
+            super().__init__()
+            self._inner = inner
+            self._secret = secret
+            self._ns = hashlib.sha256(b"tandem-rendezvous-namespace/" + secret).hexdigest()[:32] + "/"
+
+        def _mac(self, key: str, value: bytes) -> bytes:
+            return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+        def set(self, key: str, value) -> None:
+            value = value.encode() if isinstance(value, str) else bytes(value)
+            self._inner.set(self._ns + key, value + self._mac(key, value))
+
+        def get(self, key: str) -> bytes:
+            raw = bytes(self._inner.get(self._ns + key))
+            value, mac = raw[:-MAC_BYTES], raw[-MAC_BYTES:]
+            if len(raw) < MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, value)):
+                raise RendezvousForgeryError(f"the rendezvous entry {key!r} is not signed with this store's secret "
+                                             f"(forged, or copied from another key): refused")
+            return value
+
+        def add(self, key: str, amount: int) -> int:  # counters carry no address: namespaced only
+            return self._inner.add(self._ns + key, amount)
+
+        def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+            keys = [self._ns + k for k in keys]
+            if timeout is None:
+                self._inner.wait(keys)
+            else:
+                self._inner.wait(keys, timeout)
+
+        def check(self, keys: list[str]) -> bool:
+            return self._inner.check([self._ns + k for k in keys])
+
+        def delete_key(self, key: str) -> bool:
+            return self._inner.delete_key(self._ns + key)
+
+        def num_keys(self) -> int:
+            return self._inner.num_keys()
+
+        def set_timeout(self, timeout: timedelta) -> None:
+            self._inner.set_timeout(timeout)
+
+        def compare_set(self, key: str, expected, desired) -> bytes:
+            raise NotImplementedError("compare_set on a signed store (no caller in Tandem needs it)")
+
+    return _SignedStore
+
+
+_SIGNED_STORE = None
+
+
+def SignedStore(inner: dist.Store, secret: bytes) -> dist.Store:  # noqa: N802 - a class, built lazily
+    global _SIGNED_STORE
+    if _SIGNED_STORE is None:
+        _SIGNED_STORE = _signed_store_class()
+    return _SIGNED_STORE(inner, secret)
 
 
 def handshake(store: dist.Store, rank: int, size: int, timeout_s: float) -> None:
