@@ -251,37 +251,54 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """One step's outputs. With async scheduling, the outputs of the step launched by the previous
-        call, while the step planned after it runs (engine/runner/overlap.py)."""
-        if self._inflight is not None:
-            touched = self._advance()
-            reports = self._finished_unreported + touched
-            self._finished_unreported = []
-            return [self._output(r) for r in reports]
-        self.drafter.draft_arrivals(self.blocks)
-        if self._compiling:
-            self._install_grammars(wait=False)
-        self._limit_drafts()
-        sched = self.scheduler.schedule()
-        if sched.empty and self._compiling and not self._finished_unreported:
-            self._install_grammars(wait=True)  # only compiles are left to wait for: no busy loop
-            sched = self.scheduler.schedule()
-        assert all(s.request.grammar_ready for s in sched.scheduled if s.sample), "sampled before its grammar"
-        for req in sched.preempted:
-            self._release_draft_state(req.request_id)
+        """One step: schedule -> launch -> collect -> update, alike with and without speculation. With
+        async scheduling the step launched here stays in flight and the call returns the outputs of the
+        step launched by the previous call, read while this one runs (engine/runner/overlap.py)."""
+        prev = self._inflight
+        if prev is None:
+            self._admit_pending()
+        nxt = self._launch(prev)
+        self._inflight = nxt if nxt is not None and nxt.overlap else None
         touched: list[Request] = []
-        if self.dp is not None or not sched.empty:  # an ADP rank takes part in the group's step regardless
-            scheduled = [] if sched.empty else sched.scheduled
-            step = self.runner.prepare(scheduled, self.blocks)
-            if step is not None and step.masker is None and self._can_plan_ahead():
-                self._inflight = InFlight(scheduled, step, self.runner.launch(step))  # read by the next call
-            else:
-                result = self.runner.run(step) if step is not None else None
-                if result is not None:
-                    touched = self._update(scheduled, result)
+        for done in (prev, None if self._inflight is not None else nxt):
+            if done is not None:
+                res = self.runner.collect(done.prepared, done.launched)
+                touched += self._update(done.scheduled, res, self._inflight) if res is not None else []
+        if self._inflight is not None and all(s.request.status.finished for s in self._inflight.scheduled):
+            self._inflight = None  # it only ran rows of requests that just ended: nothing in it to read
         reports = self._finished_unreported + touched
         self._finished_unreported = []
         return [self._output(r) for r in reports]
+
+    def _admit_pending(self) -> None:
+        """Before a step planned on the host's state: drafts for hand-overs that arrived, matchers for the
+        grammars that finished compiling."""
+        self.drafter.draft_arrivals(self.blocks)
+        if self._compiling:
+            self._install_grammars(wait=False)
+
+    def _launch(self, prev: InFlight | None) -> InFlight | None:
+        """Schedule, build and launch the next step (None: none runs now). With `prev` in flight the step is
+        planned ahead of its outputs, only where nothing in it waits on them on the host; else the
+        step may stay in flight (overlap) when nothing in the step after it will."""
+        if prev is not None and not self._can_plan_ahead():
+            return None  # prev is read first; the next call steps synchronously
+        self._limit_drafts()
+        sched = self.scheduler.schedule(prev.rows() if prev is not None else None, self._drafts_ahead)
+        if sched is not None and sched.empty and self._compiling and not self._finished_unreported:
+            self._install_grammars(wait=True)  # only compiles are left to wait for: no busy loop
+            sched = self.scheduler.schedule()
+        if sched is None or (sched.empty and self.dp is None):  # an ADP rank joins the group's step regardless
+            return None
+        assert all(s.request.grammar_ready for s in sched.scheduled if s.sample), "sampled before its grammar"
+        for req in sched.preempted:
+            self.drafter.release(req.request_id)
+        step = self.runner.prepare(sched.scheduled, self.blocks, carry_from=prev)
+        if step is None:
+            return None
+        self.num_overlapped_steps += prev is not None
+        overlap = prev is not None or (step.masker is None and step.batch is not None and self._can_plan_ahead())
+        return InFlight(sched.scheduled, step, self.runner.launch(step), overlap)
 
     # ------------------------------------------------------------------ async scheduling (engine/runner/overlap.py)
     def _can_plan_ahead(self) -> bool:
@@ -291,23 +308,6 @@ class LLMEngine:
             return False
         return all(carry_blocker(r, self.drafter.drafts_on_host) is None
                    for r in (*self.scheduler.running, *self.scheduler.waiting))
-
-    def _advance(self) -> list[Request]:
-        """Launch the step after the running one when it can be planned now, then apply the running one's
-        outputs (while the new one runs). Otherwise only apply them: the next call steps synchronously."""
-        prev, nxt = self._inflight, None
-        if self._can_plan_ahead():
-            self._limit_drafts()
-            sched = self.scheduler.schedule(prev.rows(), self._drafts_ahead)
-            if sched is not None and sched.scheduled:
-                step = self.runner.prepare(sched.scheduled, self.blocks, carry_from=prev)
-                nxt = InFlight(sched.scheduled, step, self.runner.launch(step))
-                self.num_overlapped_steps += 1
-        self._inflight = nxt
-        touched = self._update(prev.scheduled, self.runner.collect(prev.prepared, prev.launched), nxt)
-        if nxt is not None and all(s.request.status.finished for s in nxt.scheduled):
-            self._inflight = None  # it only ran rows of requests that just ended: nothing in it to read
-        return touched
 
     def _drafts_ahead(self, req: Request, emitted: int) -> int:
         """Drafts a carried request verifies next step, with room counted as if the running step emits

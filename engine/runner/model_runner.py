@@ -49,8 +49,8 @@ class StepResult:
 class Launched:
     """A step launched by ModelRunner.launch and not read yet."""
 
-    out: StepOutput  # on the device: what the next step's carried inputs gather from
-    host: StepOutput  # the same outputs as the host will read them (pinned copies on a GPU; `out` on a CPU)
+    out: StepOutput | None  # on the device: what the next step's carried inputs gather from (None: idle forward)
+    host: StepOutput | None  # the same outputs as the host will read them (pinned copies on a GPU; `out` on a CPU)
     ready: object | None  # torch.cuda.Event recorded after the copies (None on a CPU)
 
 
@@ -224,28 +224,27 @@ class ModelRunner:
         size = self.graphs.size_for(len(scheduled)) if can_graph and scheduled else 0
         return self.dp.agree(RankPlan(tokens, len(scheduled), can_graph and bool(scheduled), size))
 
-    @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepResult | None:
-        """None for an idle forward (nothing of this rank's ran)."""
-        if step.batch is None:
-            with dp_rows(step.dp_rows):
-                self.model.idle_forward(self.dtype, self.device)
-            return None
-        try:
-            return _to_host(self._forward(step), step.num_requests, step.batch.host_num_drafts, step.batch.host_samples)
-        finally:
-            if step.masker is not None:
-                step.masker.end_step()
+        """A step launched and read at once (None for an idle forward: nothing of this rank's ran)."""
+        return self.collect(step, self.launch(step))
 
     @torch.inference_mode()
     def launch(self, step: PreparedStep) -> Launched:
-        """Start an unmasked step without reading it (on a GPU the kernels are queued and this returns at
-        once); `collect` reads it. On a GPU its small outputs are also queued for copying into pinned host
-        memory behind it, with an event: reading them later waits for this step only, not for the step
+        """Start a step without reading it (on a GPU the kernels are queued and this returns at once);
+        `collect` reads it. On a GPU its small outputs are also queued for copying into pinned host
+        memory behind it, with an event: reading them later waits for this step only, not for a step
         launched after it (a plain .tolist() would wait for the whole stream). A graph's static outputs
         are copied, since the next replay, launched before they are read, overwrites them."""
-        assert step.batch is not None and step.masker is None
-        out = self._forward(step)
+        if step.batch is None:  # an ADP rank's idle forward: it joins the group's collectives
+            with dp_rows(step.dp_rows):
+                self.model.idle_forward(self.dtype, self.device)
+            return Launched(None, None, None)
+        try:
+            out = self._forward(step)
+        except BaseException:
+            if step.masker is not None:
+                step.masker.end_step()
+            raise
         if step.graph:
             out = StepOutput(**{f.name: _cloned(getattr(out, f.name)) for f in dataclasses.fields(out)})
         if out.tokens.device.type != "cuda":
@@ -256,11 +255,18 @@ class ModelRunner:
         ready.record()
         return Launched(out, host, ready)
 
-    def collect(self, step: PreparedStep, launched: Launched) -> StepResult:
-        """The launched step's outputs on the host: its one sync."""
-        if launched.ready is not None:
-            launched.ready.synchronize()
-        return _to_host(launched.host, step.num_requests, step.batch.host_num_drafts, step.batch.host_samples)
+    def collect(self, step: PreparedStep, launched: Launched) -> StepResult | None:
+        """The launched step's outputs on the host: its one sync (None for an idle forward)."""
+        if launched.out is None:
+            return None
+        try:
+            if launched.ready is not None:
+                launched.ready.synchronize()
+            return _to_host(launched.host, step.num_requests, step.batch.host_num_drafts, step.batch.host_samples,
+                            launched.out.first_hidden)
+        finally:
+            if step.masker is not None:
+                step.masker.end_step()
 
     def _forward(self, step: PreparedStep) -> StepOutput:
         return (self.graphs.replay(step.batch, step.masker) if step.graph
@@ -278,7 +284,9 @@ class ModelRunner:
         return self.masker if self.masker.begin_step(tuple(rows)) else None
 
 
-def _to_host(out: StepOutput, B: int, num_drafts: list[int], samples: list[bool]) -> StepResult:
+def _to_host(out: StepOutput, B: int, num_drafts: list[int], samples: list[bool],
+             first_hidden: torch.Tensor | None) -> StepResult:
+    """first_hidden: the device's (the host copies leave it out: only a parked request keeps it)."""
     # The one host sync of a step, after everything ran.
     tokens = out.tokens[:B].tolist()
     accepted = out.num_accepted[:B].tolist()
@@ -287,7 +295,7 @@ def _to_host(out: StepOutput, B: int, num_drafts: list[int], samples: list[bool]
     lps = out.logprobs[:B].tolist() if out.logprobs is not None else None
     top_ids = out.top_ids[:B].tolist() if out.top_ids is not None else None
     top_lps = out.top_logprobs[:B].tolist() if out.top_logprobs is not None else None
-    first_hidden = out.first_hidden[:B] if out.first_hidden is not None else None
+    first_hidden = first_hidden[:B] if first_hidden is not None else None
     return StepResult(emitted, num_drafts, drafts, lps, top_ids, top_lps, first_hidden)
 
 

@@ -40,6 +40,7 @@ class InFlight:
     scheduled: list[ScheduledRequest]
     prepared: object  # model_runner.PreparedStep
     launched: object  # model_runner.Launched: its device outputs and their host copies
+    overlap: bool = True  # stays in flight past the call that launched it (False: read at once)
 
     def rows(self) -> dict[str, tuple[int, bool, int]]:
         """request id -> (rows, samples, drafts verified): what Scheduler.schedule plans from."""
