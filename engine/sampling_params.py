@@ -36,6 +36,9 @@ class SamplingParams:
     # constrain the output to a JSON Schema, any JSON object, a regex, an EBNF grammar or a choice
     # (a StructuredOutput, or a dict of its fields)
     structured_output: StructuredOutput | None = None
+    # vLLM's cache_salt: requests share cached prefix blocks only with requests of the same salt (tenants that
+    # must not learn, from timing, which prompts others sent); None: the shared default
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +79,9 @@ class SamplingParams:
         _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
                                                 and 0 <= self.prompt_logprobs <= 20),
                f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}", "prompt_logprobs")
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 256),
+               f"cache_salt must be a non-empty string of at most 256 characters, got {self.cache_salt!r}",
+               "cache_salt")
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                f"seed must be an integer in [0, 2**63), got {self.seed!r}", "seed")
 
