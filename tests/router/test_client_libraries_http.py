@@ -1,4 +1,5 @@
-"""Client libraries as their users call them, against the session's server (issue 32): langchain-openai
+"""Client libraries as their users call them, against the served model (issue 32; tests/router/conftest.py's
+`served`: the tiny model, and marked slow the real default model): langchain-openai
 (`with_structured_output` by json_schema and by function calling, `bind_tools` with a required call,
 streaming) and pydantic-ai (tool output, its default, and native output). They judge protocol, not prose.
 Each is skipped where its library is not installed (`pip install -e '.[clients]'`). A tool-using agent loop
@@ -34,20 +35,20 @@ def _chat_model(server, **kw):
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
-def test_langchain_structured_output(tandem_server, method):
-    pet = _chat_model(tandem_server).with_structured_output(Pet, method=method).invoke("A pet?")
+def test_langchain_structured_output(served, method):
+    pet = _chat_model(served).with_structured_output(Pet, method=method).invoke("A pet?")
     assert isinstance(pet, Pet)
 
 
-def test_langchain_bind_tools_with_a_required_call(tandem_server):
-    message = _chat_model(tandem_server).bind_tools([Weather], tool_choice="required",
+def test_langchain_bind_tools_with_a_required_call(served):
+    message = _chat_model(served).bind_tools([Weather], tool_choice="required",
                                                     parallel_tool_calls=False).invoke("Weather?")
     (call,) = message.tool_calls
     assert call["name"] == "Weather" and Weather.model_validate(call["args"])
 
 
-def test_langchain_streaming_equals_invoke(tandem_server):
-    llm = _chat_model(tandem_server, max_tokens=16)
+def test_langchain_streaming_equals_invoke(served):
+    llm = _chat_model(served, max_tokens=16)
     streamed = "".join(chunk.content for chunk in llm.stream("Hello"))
     assert streamed == llm.invoke("Hello").content
 
@@ -63,11 +64,11 @@ def _agent(server, output_type, max_tokens: int = 120, **kw):
     return Agent(model, output_type=output_type, model_settings={"temperature": 0, "max_tokens": max_tokens}, **kw)
 
 
-def test_pydantic_ai_tool_output_the_default_mode(tandem_server):
-    assert isinstance(_agent(tandem_server, Pet).run_sync("A pet?").output, Pet)
+def test_pydantic_ai_tool_output_the_default_mode(served):
+    assert isinstance(_agent(served, Pet).run_sync("A pet?").output, Pet)
 
 
-def test_pydantic_ai_native_output(tandem_server):
+def test_pydantic_ai_native_output(served):
     NativeOutput = pytest.importorskip("pydantic_ai").NativeOutput
 
-    assert isinstance(_agent(tandem_server, NativeOutput(Pet)).run_sync("A pet?").output, Pet)
+    assert isinstance(_agent(served, NativeOutput(Pet)).run_sync("A pet?").output, Pet)

@@ -1,4 +1,5 @@
-"""The `openai` client's own helpers against the session's server, as its users call them (issue 32): `parse`
+"""The `openai` client's own helpers against the served model (tests/router/conftest.py's `served`: the tiny
+model, and marked slow the real default model), as their users call them (issue 32): `parse`
 with a Pydantic model (chat and Responses), `pydantic_function_tool` (strict) tool calls parsed back into
 the model, and the chat stream helper's accumulated final message. They judge protocol, not prose: the tiny
 model writes what the grammar lets it."""
@@ -25,17 +26,17 @@ class Weather(BaseModel):
 ASK = [{"role": "user", "content": "A pet?"}]
 
 
-def test_chat_parse_with_a_pydantic_model(tandem_server):
-    got = tandem_server.openai().chat.completions.parse(model=tandem_server.model, messages=ASK, temperature=0,
-                                                        max_tokens=40, response_format=Pet)
+def test_chat_parse_with_a_pydantic_model(served):
+    got = served.openai().chat.completions.parse(model=served.model, messages=ASK, temperature=0,
+                                                 max_tokens=40, response_format=Pet)
     message = got.choices[0].message
     assert got.choices[0].finish_reason == "stop" and isinstance(message.parsed, Pet)
     assert Pet.model_validate_json(message.content) == message.parsed
 
 
-def test_strict_function_tools_parse_back_into_their_model(tandem_server):
-    got = tandem_server.openai().chat.completions.parse(
-        model=tandem_server.model, messages=[{"role": "user", "content": "Weather?"}], temperature=0,
+def test_strict_function_tools_parse_back_into_their_model(served):
+    got = served.openai().chat.completions.parse(
+        model=served.model, messages=[{"role": "user", "content": "Weather?"}], temperature=0,
         max_tokens=120, tools=[openai.pydantic_function_tool(Weather)], tool_choice="required",
         parallel_tool_calls=False)
     (call,) = got.choices[0].message.tool_calls
@@ -43,9 +44,9 @@ def test_strict_function_tools_parse_back_into_their_model(tandem_server):
     assert isinstance(call.function.parsed_arguments, Weather)
 
 
-def test_the_chat_stream_helper_accumulates_the_whole_message(tandem_server):
-    client = tandem_server.openai()
-    kw = dict(model=tandem_server.model, messages=ASK, temperature=0, max_tokens=40, response_format=Pet)
+def test_the_chat_stream_helper_accumulates_the_whole_message(served):
+    client = served.openai()
+    kw = dict(model=served.model, messages=ASK, temperature=0, max_tokens=40, response_format=Pet)
     with client.chat.completions.stream(**kw) as stream:
         deltas = "".join(e.delta for e in stream if e.type == "content.delta")
         final = stream.get_final_completion()
@@ -54,7 +55,7 @@ def test_the_chat_stream_helper_accumulates_the_whole_message(tandem_server):
     assert final.choices[0].message.parsed == whole.choices[0].message.parsed
 
 
-def test_responses_parse_with_a_pydantic_model(tandem_server):
-    got = tandem_server.openai().responses.parse(model=tandem_server.model, input="A pet?", temperature=0,
-                                                 max_output_tokens=40, text_format=Pet)
+def test_responses_parse_with_a_pydantic_model(served):
+    got = served.openai().responses.parse(model=served.model, input="A pet?", temperature=0,
+                                          max_output_tokens=40, text_format=Pet)
     assert got.status == "completed" and isinstance(got.output_parsed, Pet)
