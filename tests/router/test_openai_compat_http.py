@@ -279,6 +279,32 @@ def test_stream_and_whole_response_agree(tandem_server, kw):
                                                             for e in whole.choices[0].logprobs.content]
 
 
+@pytest.mark.parametrize("kw", [
+    {},
+    {"max_tokens": 3},
+    {"stop": ["e"]},
+    {"logprobs": 2},
+    {"echo": True},
+    {"echo": True, "logprobs": 1},
+    {"extra_body": {"regex": "[a-z]{3,9}( [a-z]{2,6}){2}"}, "max_tokens": 40},
+], ids=lambda kw: ",".join(f"{k}={v if not isinstance(v, (dict, list)) else '...'}" for k, v in kw.items()) or "plain")
+def test_completions_stream_and_whole_response_agree(tandem_server, kw):
+    """Issue 32's goal, for /v1/completions: the stream's text, logprobs (tokens, logprobs, top, offsets),
+    finish_reason and usage are the whole response's."""
+    client = tandem_server.openai()
+    args = dict(model=tandem_server.model, prompt="The quick brown", temperature=0, **{"max_tokens": 12, **kw})
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in choices) == whole.choices[0].text
+    assert [c.finish_reason for c in choices if c.finish_reason] == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage == whole.usage
+    if kw.get("logprobs") is not None:
+        lp = whole.choices[0].logprobs
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for c in choices if c.logprobs for x in getattr(c.logprobs, name)] == getattr(lp, name)
+
+
 def test_min_tokens_holds_the_end_back(tandem_server):
     """vLLM's min_tokens: EOS (here favoured by a logit bias, so that it comes at once) only after that many
     tokens; the stream agrees."""
