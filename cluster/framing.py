@@ -7,7 +7,6 @@ that speaks another protocol is turned away at connect time, not mid-request."""
 from __future__ import annotations
 
 import asyncio
-import pickle
 import socket
 import struct
 from typing import Any
@@ -50,17 +49,6 @@ async def read_frame(reader: asyncio.StreamReader, what: str) -> Any:
     the frame is not msgpack."""
     head = await reader.readexactly(HEADER.size)
     return wire.unpack(await reader.readexactly(HEADER.unpack(head)[0]), what)
-
-
-def pickle_frame(obj: Any) -> bytes:
-    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return HEADER.pack(len(body)) + body
-
-
-async def read_pickle_frame(reader: asyncio.StreamReader) -> Any:
-    """The feed link's frames until its records are typed: asyncio.IncompleteReadError at the peer's close."""
-    head = await reader.readexactly(HEADER.size)
-    return pickle.loads(await reader.readexactly(HEADER.unpack(head)[0]))
 
 
 def no_delay(sock: socket.socket | None) -> None:

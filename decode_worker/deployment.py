@@ -3,7 +3,7 @@
 If the group dies, in-flight requests end with an error and the replica builds a new group.
 
 A router calls `open` per request (the answer says where the prefill sends the KV), reads ONE feed per
-decode replica for all its requests (a list of (request id, TokenDelta | StreamError) per step:
+decode replica for all its requests (a FeedBatch of (request id, TokenDelta | StreamError) per step:
 decode_worker/feed.py says why), and calls `cancel` for a request it gives up on. The feed goes over a feed
 link (`feed_link`: a TCP connection, cluster/feed_link.py) or, where a router is configured so, as a Serve
 stream (`feed`).
@@ -80,8 +80,8 @@ class DecodeServer:
         return DecodeOpened(self.replica, group.target_for(ranks))
 
     async def feed_link(self, caller: str | None = None, replica: str | None = None) -> FeedLinkAddress:
-        """Where `caller` reads its feed (cluster/feed_link.py): lists of (request id, TokenDelta |
-        StreamError), everything for its requests, one list per step that had any. `replica`: the replica
+        """Where `caller` reads its feed (cluster/feed_link.py): FeedBatches of (request id, TokenDelta |
+        StreamError), everything for its requests, one per step that had any. `replica`: the replica
         the router means (its request router sends the call there while Serve lists it); another replica
         refuses, so that the router learns that the one it meant is gone (and its requests with it) instead
         of reading someone else's feed. A newer subscription of the same caller takes over from an older."""
@@ -106,7 +106,7 @@ class DecodeServer:
         try:
             async for batch in self._feed(caller).batches():
                 self._feed_batches += 1
-                self._feed_items += len(batch)
+                self._feed_items += len(batch.items)
                 yield batch
         finally:
             self.callers.unsubscribed(caller)

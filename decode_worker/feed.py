@@ -5,7 +5,8 @@ project's 2-core CPU box: bench/results/served_vs_engine_cpu.md). One stream per
 every request at every step: 64 requests at 100 steps/s on a GPU would be about 5 cores of Ray overhead on
 the decode replica and the router. A feed pays it once per step per router replica: the controller's
 per-request sinks (FeedSink) append (request id, item) pairs to the router's feed while it turns a step's
-reports into stream events, and the feed's one open stream yields them all as one list.
+reports into stream events, and the feed's one open stream yields them all as one FeedBatch
+(cluster/protocol/feed.py: the record the feed link carries).
 
 Items are TokenDelta or StreamError. A request's last item (finished delta or error) ends it in the feed.
 Items wait here while the router has no feed stream open (between its opening a request and subscribing,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from cluster.protocol import StreamError
+from cluster.protocol import FeedBatch, StreamError
 
 
 class Feed:
@@ -44,7 +45,7 @@ class Feed:
         self.requests.discard(request_id)
 
     async def batches(self):
-        """The feed's stream: lists of (request id, item), each as soon as a step produced any. A newer
+        """The feed's stream: a FeedBatch of (request id, item) pairs as soon as a step produced any. A newer
         subscription (the router re-subscribed) ends this one."""
         self._reader += 1
         me = self._reader
@@ -57,7 +58,7 @@ class Feed:
                     pass
                 continue  # the loop's test first: a takeover while waiting ends this subscription
             items, self._items = self._items, []
-            yield items
+            yield FeedBatch(tuple(items))
 
     def close(self) -> None:
         """Its router is dead: end the stream still open for it (Ray keeps a dead caller's stream running)."""

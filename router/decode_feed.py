@@ -1,7 +1,7 @@
 """DecodeFeeds: this router replica's end of the decode replicas' feeds (decode_worker/feed.py).
 
-One feed per decode replica carries the token deltas of all this router's requests there, one list per
-decode step, over a feed link (cluster/feed_link.py: a TCP connection) or, with `link` off, a Serve stream; a
+One feed per decode replica carries the token deltas of all this router's requests there, one FeedBatch
+per decode step, over a feed link (cluster/feed_link.py: a TCP connection) or, with `link` off, a Serve stream; a
 reader task per feed hands each item to its request's queue. A request is opened with a unary call (Serve
 picks the decode replica by load); its cancel and the feed go to that replica by name
 (router/request_router.py honours a `replica` keyword). If a feed fails (its decode replica died), every
@@ -85,7 +85,7 @@ class DecodeFeeds:
         error: BaseException | None = None
         try:
             async for batch in self._batches(replica):
-                for request_id, item in batch:
+                for request_id, item in batch.items:
                     queue = self._queues.get(request_id)
                     if queue is not None:
                         queue.put_nowait(item)

@@ -1,5 +1,5 @@
 """What crosses the decode worker's boundaries besides its step link (cluster/protocol/step.py): the decode
-target a prefill sends to, and how a request's stream ends with an error. Small, frozen, picklable (they
+target a prefill sends to and the replica's answer to opening a request. Small, frozen, picklable (they
 cross Ray calls; a decode target holds actor handles)."""
 from __future__ import annotations
 
@@ -42,11 +42,3 @@ class DecodeOpened:
     (its deltas come on that replica's feed; a cancel must reach that replica)."""
     replica: str  # the Serve replica id
     target: DecodeTarget
-
-
-@dataclass(frozen=True, slots=True)
-class StreamError:
-    """Ends a request's stream with an error (a typed value: the router maps it to a response)."""
-    message: str
-    error_type: str = "unavailable_error"
-    status: int = 503

@@ -1,4 +1,5 @@
-"""Feed links (cluster/feed_link.py): a decode replica's per-step batches to a router over a kept-open socket."""
+"""Feed links (cluster/feed_link.py): a decode replica's per-step batches to a router over a kept-open socket,
+as typed records (cluster/protocol/feed.py), after both ends exchanged their protocol version."""
 from __future__ import annotations
 
 import asyncio
@@ -6,11 +7,21 @@ import socket
 
 import pytest
 
+from cluster.errors import ProtocolError, ProtocolVersionError
 from cluster.feed_link import FeedLinkAddress, FeedLinkError, FeedLinkServer, read_feed_link
+from cluster.framing import frame, read_frame
+from cluster.protocol import FEED_LINK_VERSION, FeedBatch, StreamError, TokenDelta, wire
+
+
+def feed_batch(*items: tuple[str, int]) -> FeedBatch:
+    """A batch of one-token deltas; a negative token stands for the error that ends its request."""
+    return FeedBatch(tuple((rid, TokenDelta(rid, (tok,), False, None) if tok >= 0 else StreamError(f"lost {-tok}"))
+                           for rid, tok in items))
 
 
 class Source:
-    """Stands in for the decode replica's feed subscriptions: batches put on a queue, None ends one."""
+    """Stands in for the decode replica's feed subscriptions (decode_worker/feed.py): FeedBatches put on a
+    queue, None ends one."""
 
     def __init__(self):
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -27,16 +38,17 @@ class Source:
             self.finished.append(key)
 
 
-async def _server(source: Source) -> FeedLinkServer:
-    server = FeedLinkServer("127.0.0.1", source.batches, source.peer_closed.append)
+async def _server(source: Source, version: int = FEED_LINK_VERSION) -> FeedLinkServer:
+    server = FeedLinkServer("127.0.0.1", source.batches, source.peer_closed.append, version=version)
     await server.start()
     return server
 
 
-async def _connect(address: FeedLinkAddress, token: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A raw client of the link that sends `token` (a router would send address.token)."""
+async def _connect(address: FeedLinkAddress, token: bytes,
+                   version: int = FEED_LINK_VERSION) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw client of the link that sends `token` (a router would send address.token) and its hello."""
     reader, writer = await asyncio.open_connection(address.host, address.port)
-    writer.write(token)
+    writer.write(token + frame(wire.hello("feed", version)))
     return reader, writer
 
 
@@ -59,7 +71,7 @@ def test_batches_arrive_in_order_and_the_end_of_the_source_closes_the_link():
                 got.append(batch)
 
         reading = asyncio.ensure_future(read())
-        sent = [[("req-1", i), ("req-2", -i)] for i in range(50)]
+        sent = [feed_batch(("req-1", i), ("req-2", -i - 1)) for i in range(50)]
         for batch in sent:
             source.queue.put_nowait(batch)
         await _until(lambda: len(got) == len(sent), "every batch")
@@ -81,7 +93,7 @@ def test_a_peer_that_closes_its_end_is_reported_and_its_subscription_closed():
         server = await _server(source)
         address = server.offer("router-b")
         _, writer = await _connect(address, address.token)
-        source.queue.put_nowait([("r", 1)])
+        source.queue.put_nowait(feed_batch(("r", 1)))
         await _until(lambda: source.started == ["router-b"], "the subscription")
         assert server.open_links == 1
         writer.close()  # the router died: its socket closes with no batch pending
@@ -127,9 +139,9 @@ def test_tokens_are_single_use_and_a_wrong_token_is_closed_unanswered():
         reader, writer = await _connect(address, b"x" * len(address.token))
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
-        source.queue.put_nowait([("r", 7)])
+        source.queue.put_nowait(feed_batch(("r", 7)))
         first = read_feed_link(address, "decode replica")
-        assert await asyncio.wait_for(first.__anext__(), 5) == [("r", 7)]
+        assert await asyncio.wait_for(first.__anext__(), 5) == feed_batch(("r", 7))
         # The same token again: it was taken, so this connection is closed unanswered.
         with pytest.raises(FeedLinkError, match="closed its feed link"):
             await asyncio.wait_for(read_feed_link(address, "decode replica").__anext__(), 5)
@@ -151,6 +163,76 @@ def test_an_address_nobody_listens_on_fails_with_the_reason():
 
         with pytest.raises(FeedLinkError, match="cannot reach decode replica r9's feed at 127.0.0.1"):
             asyncio.run(main())
+
+
+def test_a_decode_replica_of_another_version_is_refused_when_the_link_opens():
+    """A router reading a decode replica of another Tandem version: a ProtocolVersionError naming both
+    versions before any batch, and the decode side serves no subscription."""
+    async def main():
+        source = Source()
+        server = await _server(source, version=FEED_LINK_VERSION + 1)
+        source.queue.put_nowait(feed_batch(("r", 1)))
+        expected = f"decode replica r2 speaks feed link protocol version {FEED_LINK_VERSION + 1}, this side speaks"
+        with pytest.raises(ProtocolVersionError, match=f"{expected} {FEED_LINK_VERSION}"):
+            await asyncio.wait_for(read_feed_link(server.offer("router-d"), "decode replica r2").__anext__(), 5)
+        await _until(lambda: server.open_links == 0, "the refused link gone")
+        server.close()
+        return source
+
+    source = asyncio.run(main())
+    assert source.started == [] and source.peer_closed == []
+
+
+def test_a_router_of_another_version_gets_the_hello_and_then_a_closed_link():
+    async def main():
+        source = Source()
+        server = await _server(source)
+        address = server.offer("router-e")
+        reader, writer = await _connect(address, address.token, version=FEED_LINK_VERSION + 3)
+        assert await asyncio.wait_for(read_frame(reader, "hello"), 5) == wire.hello("feed", FEED_LINK_VERSION)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed: no batch follows
+        writer.close()
+        server.close()
+        return source
+
+    source = asyncio.run(main())
+    assert source.started == []
+
+
+def test_a_malformed_batch_is_a_protocol_error_naming_the_field():
+    async def fake_decode(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(32)
+        await read_frame(reader, "hello")
+        writer.write(frame(wire.hello("feed", FEED_LINK_VERSION)))
+        writer.write(frame((("r", "delta", ("r", (1,), "no", None, ())),)))
+        await writer.drain()
+
+    async def main():
+        server = await asyncio.start_server(fake_decode, "127.0.0.1", 0)
+        address = FeedLinkAddress("127.0.0.1", server.sockets[0].getsockname()[1], b"t" * 32)
+        with pytest.raises(ProtocolError, match="TokenDelta field 'finished' must be a bool"):
+            await asyncio.wait_for(read_feed_link(address, "decode replica").__anext__(), 5)
+        server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("raw, message", [
+    ((("r", "token", ()),), "FeedBatch item field 'kind' must be one of"),
+    ((("r", "error", ("gone", "unavailable_error", 200)),), "StreamError field 'status' must be an HTTP error"),
+    ((("r", "error", ("gone", "unavailable_error")),), "StreamError must have 3 fields"),
+    (((7, "delta", ("r", (1,), False, None, ())),), "FeedBatch item field 'request_id' must be a str"),
+    ({"r": 1}, "FeedBatch field 'items' must be an array"),
+])
+def test_batch_records_are_read_strictly(raw, message):
+    with pytest.raises(ProtocolError, match=message):
+        FeedBatch.from_wire(raw)
+
+
+def test_a_batch_round_trips_through_msgpack():
+    sent = FeedBatch((("a", TokenDelta("a", (1, 2), True, "stop", ((1, -0.1, None), (2, -0.2, {2: -0.2})))),
+                      ("b", StreamError("the decode group is restarting", "unavailable_error", 503))))
+    assert FeedBatch.from_wire(wire.unpack(wire.pack(sent.to_wire()), "batch")) == sent
 
 
 def test_offer_needs_a_started_server():

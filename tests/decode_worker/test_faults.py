@@ -150,8 +150,8 @@ def test_a_live_routers_requests_end_when_its_feed_link_closes_and_it_learns_why
                          and s, "the request ended", 30)
         assert stats["requests_ended_link_closed"] == before["requests_ended_link_closed"] + 1
         batch = ray.get(reader.first_batch.remote(name), timeout=60)
-        assert [(rid, type(item).__name__) for rid, item in batch] == [(orphan, "StreamError")], batch
-        assert "feed link closed" in batch[0][1].message
+        assert [(rid, type(item).__name__) for rid, item in batch.items] == [(orphan, "StreamError")], batch
+        assert "feed link closed" in batch.items[0][1].message
         assert decode.stats.remote().result()["routers_lost"] == before["routers_lost"]
     finally:
         ray.kill(reader, no_restart=True)
@@ -175,7 +175,7 @@ class FeedReader:
         except asyncio.TimeoutError:
             pass
 
-    async def first_batch(self, name: str) -> list:
+    async def first_batch(self, name: str):
         from cluster.feed_link import read_feed_link
 
         async for batch in read_feed_link(await self.decode.feed_link.remote(name), "decode"):

@@ -1,4 +1,4 @@
-"""Feed: a router's requests' items leave a decode replica batched, one list per step, and a request's
+"""Feed: a router's requests' items leave a decode replica batched, one FeedBatch per step, and a request's
 last item (finished delta or error) ends it."""
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def test_one_steps_items_for_many_requests_leave_as_one_batch_and_last_items_end
         return first, second, ended, feed
 
     first, second, ended, feed = asyncio.run(main())
-    assert [rid for rid, _ in first] == ["a", "b", "c"]
-    assert [(rid, type(item).__name__) for rid, item in second] == [("a", "TokenDelta"), ("b", "StreamError")]
+    assert [rid for rid, _ in first.items] == ["a", "b", "c"]
+    assert [(rid, type(item).__name__) for rid, item in second.items] == [("a", "TokenDelta"), ("b", "StreamError")]
     assert ended == ["a", "b"] and feed.requests == {"c"} and not feed.idle
 
 
@@ -37,7 +37,7 @@ def test_items_wait_for_a_subscriber_and_a_newer_subscription_takes_over():
         feed = Feed(lambda rid: None)
         feed.sink("x").put_nowait(_delta("x", 7))  # before the router subscribed
         old = feed.batches()
-        assert [rid for rid, _ in await asyncio.wait_for(old.__anext__(), 1)] == ["x"]
+        assert [rid for rid, _ in (await asyncio.wait_for(old.__anext__(), 1)).items] == ["x"]
         pending = asyncio.ensure_future(old.__anext__())
         new = feed.batches()
         first_of_new = asyncio.ensure_future(new.__anext__())
@@ -52,5 +52,5 @@ def test_items_wait_for_a_subscriber_and_a_newer_subscription_takes_over():
         return got, ended_old, feed
 
     got, ended_old, feed = asyncio.run(main())
-    assert [item.token_ids for _, item in got] == [(8,)]
+    assert [item.token_ids for _, item in got.items] == [(8,)]
     assert ended_old and feed.idle
