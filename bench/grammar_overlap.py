@@ -36,8 +36,7 @@ def _engine(model: str, chunk: int) -> LLMEngine:
 def _first_token_s(engine: LLMEngine, prompt: list[int], params: SamplingParams, compile_first: bool) -> float:
     t0 = time.perf_counter()
     if compile_first:
-        engine._grammar_masker()
-        engine._grammar.compiler.compile(params.structured_output)
+        engine.guided.compiler().compile(params.structured_output)
     engine.add_request("r", prompt, params)
     while True:
         outs = engine.step()
@@ -62,8 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         best["prefill"] = min(best["prefill"], _first_token_s(_engine(model, args.chunk), prompt, plain, False))
         engine = _engine(model, args.chunk)
         t0 = time.perf_counter()
-        engine._grammar_masker()
-        engine._grammar.compiler.compile(guided.structured_output)
+        engine.guided.compiler().compile(guided.structured_output)
         best["compile"] = min(best["compile"], time.perf_counter() - t0)
         best["serial"] = min(best["serial"], _first_token_s(_engine(model, args.chunk), prompt, guided, True))
         best["overlap"] = min(best["overlap"], _first_token_s(_engine(model, args.chunk), prompt, guided, False))

@@ -59,9 +59,9 @@ class StepTimer:
         step_module.verify = self._timed(self._verify, "verify/sample")
         prepare = runner.prepare
 
-        def timed_prepare(scheduled, blocks):
+        def timed_prepare(scheduled, blocks, *args, **kw):
             self._decode = bool(scheduled) and all(s.request.num_output_tokens > 0 for s in scheduled)
-            return prepare(scheduled, blocks)
+            return prepare(scheduled, blocks, *args, **kw)
 
         runner.prepare = timed_prepare
         step = engine.step

@@ -9,12 +9,8 @@ per request.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import logging
 import random
-import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -26,9 +22,10 @@ from engine.core.scheduler import Scheduler, ScheduledRequest
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.data_parallel import DPContext
 from engine.distributed.parallel import TPContext
-from engine.errors import CapacityError, InvalidRequestError
+from engine.errors import InvalidRequestError
 from engine.handover import Handover, HandoverRequest
-from engine.masking.grammar import GrammarMasker
+from engine.handovers import Handovers
+from engine.masking.guided import GuidedRequests
 from engine.masking.masker import LogitsMasker
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.prompt_logprobs import prompt_logprobs
@@ -37,10 +34,7 @@ from engine.runner.overlap import InFlight, carry_blocker
 from engine.sampling_params import SamplingParams
 from engine.speculative.drafter import draft_room
 from engine.speculative.stats import SpecStats
-from structured.compiler import GrammarCompiler
 from structured.request import SerializedGrammar
-
-log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -68,10 +62,6 @@ class LLMEngine:
             limit = min(limit, self.model_cfg.sliding_window)  # no sliding-window attention yet: stay inside it
         max_model_len = min(cfg.max_model_len or limit, limit)
         self.runner = ModelRunner(cfg, self.model_cfg, self.tp, max_model_len, self.dp)
-        self.runner.masker = logits_masker
-        self._grammar: GrammarMasker | None = None  # made on the first guided request
-        self._compiler: GrammarCompiler | None = None
-        self._compiler_lock = threading.Lock()
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(max_model_len)
         self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
@@ -87,10 +77,13 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        # the engine's masker (logits_masker, or its grammars'), handed to each step it masks
+        self.guided = GuidedRequests(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids, logits_masker)
         self.requests: dict[str, Request] = {}
+        self.handovers = Handovers(self.requests, self.blocks, self.scheduler, self.drafter, self.guided,
+                                   self._new_request, cfg.block_size, self.runner.num_cache_layers)
         self._seeds = random.Random(cfg.seed)
         self._finished_unreported: list[Request] = []
-        self._compiling: dict[str, Future] = {}  # request id -> its grammar's compile (GrammarMasker.start)
         self._inflight: InFlight | None = None  # async scheduling: the launched step not read yet
         self.num_overlapped_steps = 0  # steps launched before the previous step's outputs were read
 
@@ -116,10 +109,8 @@ class LLMEngine:
             # its own forward would run outside the group's lockstep (engine/prompt_logprobs.py)
             raise InvalidRequestError("prompt logprobs are not computed under attention data parallelism",
                                       param="prompt_logprobs")
-        structured = req.params.structured_output
-        if structured is not None:
-            self._grammar_masker()
-            self._compiling[request_id] = self._grammar.start(request_id, structured)
+        if req.params.structured_output is not None:
+            self.guided.start(request_id, req.params.structured_output)
             req.grammar_ready = False
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -145,68 +136,17 @@ class LLMEngine:
         return Request(request_id, ids, params, seed=seed, max_total_tokens=self.max_model_len,
                        prefill_only=prefill_only, detokenizer=detokenizer, min_tokens_block=block)
 
-    def _start_grammar(self, req: Request, compiled: SerializedGrammar | None = None) -> None:
-        """A guided request's matcher, after the tokens it already has; InvalidRequestError for a bad grammar."""
-        structured = req.params.structured_output
-        if structured is None:
-            return
-        self._grammar_masker()
-        self._grammar.add(req.request_id, structured, req.output_token_ids, compiled)
-
-    def _grammar_masker(self) -> None:
-        """Make the GrammarMasker on the first guided request."""
-        if self._grammar is None:
-            if self.runner.masker is not None:
-                raise InvalidRequestError("this engine runs a logits masker of its own; structured outputs need "
-                                          "the built-in one", param="structured_output")
-            self._grammar = GrammarMasker(self._grammar_compiler())
-            self.runner.masker = self._grammar
-
-    def _grammar_compiler(self) -> GrammarCompiler:
-        """The engine's one GrammarCompiler, made on first use (from any thread: warm_grammar's too)."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                if self.tokenizer is None:
-                    raise InvalidRequestError("structured outputs need the model's tokenizer",
-                                              param="structured_output")
-                self._compiler = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, sorted(self.eos_token_ids))
-            return self._compiler
-
     def warm_grammar(self, structured, compiled: SerializedGrammar | None) -> None:
-        """Load a hand-over's compiled grammar into the compiler's cache now, on the caller's thread (the
-        decode rank's channel thread, as the header lands), so that `reserve` on the step thread finds it
-        there: for llguidance the load builds the lexer and parser from the grammar text, up to seconds
-        for a large schema (structured/llguidance.py), a stall of every running request's step.
-        A grammar that does not load is left for `reserve` to refuse, with the request's error."""
-        if structured is None or compiled is None:
-            return
-        try:
-            self._grammar_compiler().adopt(structured, compiled)
-        except InvalidRequestError as e:
-            log.info("hand-over grammar did not load ahead of its reserve: %s", e)
+        """Load a hand-over's compiled grammar into the compiler's cache now, on the caller's thread
+        (GuidedRequests.warm): `reserve` on the step thread then finds it there."""
+        self.guided.warm(structured, compiled)
 
     def _install_grammars(self, wait: bool) -> None:
         """Matchers for the requests whose grammar finished compiling; a failed compile finishes its request
-        with the error (blocks freed). `wait`: nothing else can run, so wait (briefly) for a compile."""
-        if wait:
-            concurrent.futures.wait(list(self._compiling.values()), timeout=0.05,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-        for request_id, fut in list(self._compiling.items()):
-            if not fut.done():
-                continue
-            del self._compiling[request_id]
-            req = self.requests.get(request_id)
-            if req is None or req.status.finished:
-                continue
-            try:
-                self._grammar.install(request_id, req.params.structured_output, fut.result(), req.output_token_ids)
-            except Exception as e:  # noqa: BLE001 - the request's own error, reported in its output
-                req.error = e if isinstance(e, InvalidRequestError) else InvalidRequestError(
-                    f"the grammar did not compile: {e}", param=req.params.structured_output.param)
-                self._finish(req, RequestStatus.FINISHED_ERROR)
-                self._finished_unreported.append(req)
-                continue
-            req.grammar_ready = True
+        with the error (blocks freed)."""
+        for req in self.guided.install(self.requests, wait):
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            self._finished_unreported.append(req)
 
     def _tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -245,8 +185,7 @@ class LLMEngine:
             "overlapped_steps": self.num_overlapped_steps,
         }
         out.update(self.spec_stats.as_dict())
-        if self._grammar is not None:
-            out["grammar"] = dict(self._grammar.compiler.stats)
+        out.update(self.guided.stats())
         return out
 
     # ------------------------------------------------------------------ the step
@@ -274,7 +213,7 @@ class LLMEngine:
         """Before a step planned on the host's state: drafts for hand-overs that arrived, matchers for the
         grammars that finished compiling."""
         self.drafter.draft_arrivals(self.blocks)
-        if self._compiling:
+        if self.guided.compiling:
             self._install_grammars(wait=False)
 
     def _launch(self, prev: InFlight | None) -> InFlight | None:
@@ -285,7 +224,7 @@ class LLMEngine:
             return None  # prev is read first; the next call steps synchronously
         self._limit_drafts()
         sched = self.scheduler.schedule(prev.rows() if prev is not None else None, self._drafts_ahead)
-        if sched is not None and sched.empty and self._compiling and not self._finished_unreported:
+        if sched is not None and sched.empty and self.guided.compiling and not self._finished_unreported:
             self._install_grammars(wait=True)  # only compiles are left to wait for: no busy loop
             sched = self.scheduler.schedule()
         if sched is None or (sched.empty and self.dp is None):  # an ADP rank joins the group's step regardless
@@ -293,7 +232,7 @@ class LLMEngine:
         assert all(s.request.grammar_ready for s in sched.scheduled if s.sample), "sampled before its grammar"
         for req in sched.preempted:
             self.drafter.release(req.request_id)
-        step = self.runner.prepare(sched.scheduled, self.blocks, carry_from=prev)
+        step = self.runner.prepare(sched.scheduled, self.blocks, self.guided.masker, carry_from=prev)
         if step is None:
             return None
         self.num_overlapped_steps += prev is not None
@@ -304,7 +243,7 @@ class LLMEngine:
     def _can_plan_ahead(self) -> bool:
         """Can a step be planned before the running one is read: the option is on and no request waits on
         the host for the running step's tokens (carry_blocker)."""
-        if not self.cfg.async_scheduling or self.dp is not None or self.drafter.arrivals_pending or self._compiling:
+        if not self.cfg.async_scheduling or self.dp is not None or self.drafter.arrivals_pending or self.guided.compiling:
             return False
         return all(carry_blocker(r, self.drafter.drafts_on_host) is None
                    for r in (*self.scheduler.running, *self.scheduler.waiting))
@@ -389,8 +328,7 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now
-        if self.runner.masker is not None:
-            self.runner.masker.accept(req.request_id, [token])
+        self.guided.accept(req.request_id, token)
         stop_string = req.detokenizer.push((token,)).stop if req.detokenizer is not None else None
         status = self._stop_status(req, token, stop_string)
         if status is not None:
@@ -408,7 +346,7 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         if not p.ignore_eos and token in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if self._grammar is not None and self._grammar.terminated(req.request_id):
+        if self.guided.terminated(req.request_id):
             return RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if stop_string is not None:
             req.stop_reason = stop_string
@@ -418,12 +356,10 @@ class LLMEngine:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        self._compiling.pop(req.request_id, None)
         self.scheduler.remove(req)
         self.blocks.free(req.request_id)
-        self._release_draft_state(req.request_id)
-        if self.runner.masker is not None:
-            self.runner.masker.release(req.request_id)
+        self.drafter.release(req.request_id)
+        self.guided.release(req.request_id)
         req.spec_token_ids = []
         req.draft_hidden = None
         req.status = status
@@ -443,82 +379,22 @@ class LLMEngine:
             stop_reason=req.stop_reason, logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             metrics=req.metrics, error=req.error, prompt_logprobs=req.prompt_logprobs)
 
-    # ------------------------------------------------------------------ disaggregation hooks
+    # ------------------------------------------------------------------ disaggregation hooks (engine/handovers.py)
     def take_handover(self, request_id: str) -> Handover:
         """A parked (prefilled) request's description and blocks; they stay held until release()."""
-        req = self.requests.get(request_id)
-        if req is None or req.status is not RequestStatus.PARKED:
-            raise InvalidRequestError(f"request {request_id!r} is not parked for a hand-over")
-        if not self.drafter.shares_cache:
-            raise InvalidRequestError("this engine's draft model keeps its KV in a cache of its own; "
-                                      "hand-overs need the draft's KV layers in the target's cache")
-        state = HandoverRequest(
-            request_id=req.request_id, prompt_token_ids=tuple(req.prompt_token_ids),
-            output_token_ids=tuple(req.output_token_ids), num_computed_tokens=req.num_computed_tokens,
-            seed=req.seed, params=req.params, logprobs=tuple((lp.token_id, lp.logprob, lp.top) for lp in req.logprobs),
-            block_size=self.cfg.block_size, cache_layers=self.runner.num_cache_layers,
-            speculative_method=self.drafter.method)
-        compiled = None
-        if req.params.structured_output is not None:
-            compiled = self._grammar.compiler.serialized(req.params.structured_output)
-        return Handover(state, list(self.blocks.table(request_id)), req.draft_hidden, compiled)
+        return self.handovers.take(request_id)
 
     def release(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        if req is not None:
-            self.blocks.free(request_id)
-            if self.runner.masker is not None:
-                self.runner.masker.release(request_id)
-
-    def _release_draft_state(self, request_id: str) -> None:
-        self.drafter.release(request_id)
+        self.handovers.release(request_id)
 
     def reserve(self, handover: HandoverRequest, compiled_grammar: SerializedGrammar | None = None,
                 block_ids: list[int] | None = None) -> list[int]:
-        """Decode side: allocate blocks for an incoming request's prompt KV; raises CapacityError if full.
-        compiled_grammar: Handover.compiled_grammar of a guided request (else its grammar is compiled here).
-        block_ids: blocks set aside earlier (BlockManager.set_aside) that already hold the KV: they become
-        the request's table instead of allocating; if reserve raises they are the caller's again."""
-        if handover.cache_layers != self.runner.num_cache_layers:
-            raise InvalidRequestError(f"the hand-over carries KV for {handover.cache_layers} cache layers but this "
-                                      f"engine's cache has {self.runner.num_cache_layers} (speculation differs "
-                                      f"between the two sides)", param="handover")
-        if handover.block_size != self.cfg.block_size:
-            raise InvalidRequestError(f"the hand-over's KV blocks hold {handover.block_size} tokens, this engine's "
-                                      f"{self.cfg.block_size}", param="handover")
-        req = self._new_request(handover.request_id, list(handover.prompt_token_ids), handover.params, False,
-                                seed=handover.seed)
-        n = handover.num_computed_tokens
-        if block_ids is not None:
-            self.blocks.adopt(req.request_id, block_ids, n)
-        elif not self.blocks.allocate(req.request_id, n):
-            raise CapacityError(f"no room for {n} tokens of KV ({self.blocks.pool.num_free} free blocks)")
-        req.num_computed_tokens = n
-        req.logprobs = [TokenLogprob(t, lp, top) for t, lp, top in handover.logprobs]
-        req.token_ids.extend(handover.output_token_ids)
-        if req.detokenizer is not None:
-            req.detokenizer.push(handover.output_token_ids)
-        try:
-            self._start_grammar(req, compiled_grammar)
-        except InvalidRequestError:
-            if block_ids is not None:
-                self.blocks.disown(req.request_id)
-            else:
-                self.blocks.free(req.request_id)
-            raise
-        req.metrics.num_output_tokens = req.num_output_tokens
-        req.status = RequestStatus.RESERVED
-        self.requests[req.request_id] = req
-        return list(self.blocks.table(req.request_id))
+        """Decode side: blocks for an incoming request's KV (Handovers.reserve); CapacityError if full."""
+        return self.handovers.reserve(handover, compiled_grammar, block_ids)
 
     def commit(self, request_id: str, hidden: torch.Tensor | None = None) -> None:
-        """Decode side: the received KV is in place; the request joins the running batch. `hidden` is
-        the hand-over's draft-head input (Handover.hidden): with it, the request's first step already
-        verifies a full set of drafts."""
-        req = self.requests[request_id]
-        assert req.status is RequestStatus.RESERVED, req.status
-        self.scheduler.add_running(req)
-        self.drafter.arrive(req, hidden)
+        """Decode side: the received KV is in place; the request joins the running batch."""
+        self.handovers.commit(request_id, hidden)
 
 
 def _load_tokenizer(model_dir: str):

@@ -95,7 +95,6 @@ class ModelRunner:
         self.draft_masks = cfg.speculative is not None and cfg.speculative.draft_masks
         if cfg.cpu_compile != "off" and self.device.type == "cpu":
             self._compile_cpu(layers=cfg.cpu_compile == "layers" and tp.size == 1 and dp is None)
-        self.masker: LogitsMasker | None = None
         self.graphs = None
         if self.device.type == "cuda" and cfg.cuda_graphs:
             from engine.runner.graphs import StepGraphs
@@ -181,15 +180,16 @@ class ModelRunner:
             return model_step(self.model, self.proposer, batch, self.draft_probs, masker, self.draft_masks)
 
     # ------------------------------------------------------------------ the step
-    def prepare(self, scheduled: list[ScheduledRequest], blocks: BlockManager,
+    def prepare(self, scheduled: list[ScheduledRequest], blocks: BlockManager, masker: LogitsMasker | None = None,
                 carry_from: InFlight | None = None) -> PreparedStep | None:
         """Host work before launch: draft-state slots, the masker's snapshot, the batch's tensors
         (padded to a captured size when a graph will replay it). Under ADP every rank calls it every
         step, with or without requests (it holds the group's agreement); None: no rank runs a forward.
+        masker: the engine's (it masks the step when some row of it is constrained).
         carry_from: the step still running when this one was planned (engine/runner/overlap.py): the carried
         requests' inputs are gathered from its outputs on the device (never under ADP or with masks)."""
         slots = self.drafter.slots([s.request for s in scheduled])
-        masker = self._begin_masks(scheduled) if scheduled else None
+        masker = _begin_masks(masker, scheduled) if masker is not None and scheduled else None
         masked = masker is not None
         # A guided step replays a graph too: its grammar fills are host functions captured in it.
         graph = self.graphs is not None and self.graphs.fits(scheduled, masked)
@@ -272,16 +272,14 @@ class ModelRunner:
         return (self.graphs.replay(step.batch, step.masker) if step.graph
                 else self.run_step(step.batch, step.masker, step.dp_rows))
 
-    def _begin_masks(self, scheduled: list[ScheduledRequest]) -> LogitsMasker | None:
-        """The masker when some request of this step is constrained; its host snapshot is taken here."""
-        if self.masker is None:
-            return None
-        rows = []
-        for s in scheduled:
-            req = s.request
-            num_drafts = req.num_computed_tokens + s.num_new_tokens - req.num_tokens if s.sample else 0
-            rows.append(MaskRow(req.request_id, tuple(req.spec_token_ids[:num_drafts]), s.sample))
-        return self.masker if self.masker.begin_step(tuple(rows)) else None
+def _begin_masks(masker: LogitsMasker, scheduled: list[ScheduledRequest]) -> LogitsMasker | None:
+    """The masker when some request of this step is constrained; its host snapshot is taken here."""
+    rows = []
+    for s in scheduled:
+        req = s.request
+        num_drafts = req.num_computed_tokens + s.num_new_tokens - req.num_tokens if s.sample else 0
+        rows.append(MaskRow(req.request_id, tuple(req.spec_token_ids[:num_drafts]), s.sample))
+    return masker if masker.begin_step(tuple(rows)) else None
 
 
 def _to_host(out: StepOutput, B: int, num_drafts: list[int], samples: list[bool],

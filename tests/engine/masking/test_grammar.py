@@ -63,7 +63,7 @@ def test_guided_outputs_complete_and_validate(llama_dir):
     for o, kind in zip(outs, kinds):
         if kind is not None:
             assert o.finish_reason == "stop" and _valid(kind, o.text), (kind, o.text)
-    assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine._grammar.states
+    assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine.guided.grammar.states
 
 
 @pytest.mark.parametrize("method", ["self_draft", "eagle3", "mtp", "ngram"])
@@ -81,7 +81,7 @@ def test_guided_speculation_equals_guided_plain_decoding(llama_dir, spec_drafts,
             assert o.token_ids == r.token_ids, kind
         if kind is not None:
             assert o.finish_reason == "stop" and _valid(kind, o.text), (kind, o.text)
-    assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine._grammar.states
+    assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine.guided.grammar.states
 
 
 def test_a_bad_grammar_is_refused_and_others_keep_running(llama_dir):
@@ -109,7 +109,7 @@ def test_a_bad_grammar_is_refused_and_others_keep_running(llama_dir):
     assert bad.error.param == "response_format" and "cannot compile" in bad.error.message
     assert neither.finish_reason == "error" and neither.token_ids == [] and neither.error.param == "response_format"
     assert "'uniqueItems'" in neither.error.message and "llguidance cannot enforce it either" in neither.error.message
-    assert not engine._grammar.states and engine.stats()["kv_blocks_used"] == 0
+    assert not engine.guided.grammar.states and engine.stats()["kv_blocks_used"] == 0
 
 
 def test_abort_frees_the_matcher(llama_dir):
@@ -118,7 +118,7 @@ def test_abort_frees_the_matcher(llama_dir):
     engine.step()
     engine.abort("r")
     engine.step()
-    assert not engine._grammar.states and engine.stats()["kv_blocks_used"] == 0
+    assert not engine.guided.grammar.states and engine.stats()["kv_blocks_used"] == 0
 
 
 def _prefilled(llama_dir, prompt, params):
@@ -153,7 +153,7 @@ def test_guided_request_survives_a_handover(llama_dir):
     done = _decode_handover(prefill, decode, h, HandoverRequest.from_dict(h.request.to_dict()),  # wire forms
                             h.compiled_grammar)
     assert done[0].token_ids == want.token_ids and _valid("json_schema", done[0].text)
-    assert not prefill._grammar.states and not decode._grammar.states
+    assert not prefill.guided.grammar.states and not decode.guided.grammar.states
     assert prefill.stats()["grammar"]["compiles"] == 1
     assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 0, "deserializations": 1, **NO_LLGUIDANCE}
 
@@ -218,7 +218,7 @@ def test_an_llguidance_schema_greedy_and_speculative_equal_and_validate(llama_di
     for llm in (ref_llm, spec):
         stats = llm.engine.stats()
         assert stats["grammar"]["llguidance_compiles"] == 1 and stats["grammar"]["llguidance_cache_hits"] == 2
-        assert stats["kv_blocks_used"] == 0 and not llm.engine._grammar.states
+        assert stats["kv_blocks_used"] == 0 and not llm.engine.guided.grammar.states
 
 
 def test_an_llguidance_grammar_survives_a_handover(llama_dir):

@@ -84,7 +84,7 @@ def test_a_compile_that_fails_after_the_prompt_ran_frees_everything(llama_dir, g
     bad = done["bad"]
     assert bad.finish_reason == "error" and not bad.token_ids
     assert isinstance(bad.error, InvalidRequestError) and bad.error.param == "response_format"
-    assert engine.stats()["kv_blocks_used"] == 0 and not engine._grammar.states and not engine._compiling
+    assert engine.stats()["kv_blocks_used"] == 0 and not engine.guided.grammar.states and not engine.guided.compiling
 
 
 def test_abort_while_compiling(llama_dir, gate):
@@ -95,7 +95,7 @@ def test_abort_while_compiling(llama_dir, gate):
     done = _run(engine)
     gate.set()
     assert done["r"].finish_reason == "abort" and engine.stats()["kv_blocks_used"] == 0
-    assert not engine._compiling
+    assert not engine.guided.compiling
 
 
 def test_without_chunked_prefill_the_request_waits_whole(llama_dir, gate):
@@ -114,4 +114,4 @@ def test_a_refused_schema_is_still_an_error_at_once(llama_dir):
     with pytest.raises(InvalidRequestError, match="'not'"):
         engine.add_request("r", PROMPT, _params(structured_output=StructuredOutput(
             json_schema={"type": "object", "not": {"required": ["a"]}}, compact=False)))
-    assert "r" not in engine.requests and not engine._compiling
+    assert "r" not in engine.requests and not engine.guided.compiling

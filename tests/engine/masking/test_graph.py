@@ -25,7 +25,7 @@ def _check(outs, ref, kinds, llm):
     for o, kind in zip(outs, kinds):
         if kind is not None:
             assert o.finish_reason == "stop" and _valid(kind, o.text), (kind, o.text)
-    assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine._grammar.states
+    assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine.guided.grammar.states
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
