@@ -41,7 +41,7 @@ class HandoverRequest:
             "output_token_ids": list(self.output_token_ids),
             "num_computed_tokens": self.num_computed_tokens,
             "seed": self.seed,
-            "params": _params_dict(self.params),
+            "params": sampling_params_dict(self.params),
             "logprobs": [[t, lp, top] for t, lp, top in self.logprobs],
             "block_size": self.block_size,
             "cache_layers": self.cache_layers,
@@ -90,7 +90,8 @@ class Handover:
     compiled_grammar: SerializedGrammar | None = None  # a guided request's compiled grammar, serialized
 
 
-def _params_dict(params: SamplingParams) -> dict:
+def sampling_params_dict(params: SamplingParams) -> dict:
+    """`params` as plain values: SamplingParams(**d) builds them again (a hand-over, a prefill request)."""
     out = {f.name: getattr(params, f.name) for f in dataclasses.fields(SamplingParams)}
     if params.structured_output is not None:
         out["structured_output"] = params.structured_output.to_dict()

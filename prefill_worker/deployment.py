@@ -34,9 +34,11 @@ class PrefillServer:
         self.loop = PrefillLoop(self.engine, self.name, c.transfer_timeout_s, c.connect_timeout_s,
                                 c.handover_transport, FaultPoints(c.fault_points))
 
-    async def prefill(self, request: PrefillRequest, target: DecodeTarget) -> AsyncIterator[PrefillResult]:
+    async def prefill(self, request: tuple, target: DecodeTarget) -> AsyncIterator[PrefillResult]:
         """A stream: the prompt's PrefillResult (its first token) as soon as it exists, then the end of the
-        stream once the KV has left for `target` (at once when the request finished here).
+        stream once the KV has left for `target` (at once when the request finished here). `request` is a
+        PrefillRequest's wire form: a router of another version gets a ProtocolVersionError before anything
+        runs.
 
         Raises InvalidRequestError for input the engine refuses, and after the first item the hand-over's
         error if it failed. Reading on after the first item is how a caller learns that this replica died
@@ -44,6 +46,7 @@ class PrefillServer:
         before its deadline. Cancelling before the first item aborts the prompt; after it, the hand-over
         goes on (the decode side drops what nobody waits for).
         """
+        request = PrefillRequest.from_wire(request)
         self._check_layout(target)
         job = self.loop.submit(request, target)
         try:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from cluster.faults import FaultPoints
 from cluster.protocol import DecodeTarget, PrefillRequest, PrefillResult
-from engine import SamplingParams, TandemError
+from engine import TandemError
 
 if TYPE_CHECKING:
     from engine import LLMEngine
@@ -101,7 +101,7 @@ class PrefillLoop:
             job: PrefillJob = item
             r = job.request
             try:
-                self.engine.add_request(r.request_id, r.prompt_token_ids, SamplingParams(**r.params), prefill_only=True)
+                self.engine.add_request(r.request_id, list(r.prompt_token_ids), r.params, prefill_only=True)
             except (TandemError, TypeError, ValueError) as e:
                 job.future.set_exception(e)
                 return

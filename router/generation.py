@@ -22,6 +22,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.feed_link import FeedLinkError
 from cluster.protocol import PrefillRequest, PrefillResult, StreamError
 from engine.errors import TandemError
+from engine.sampling_params import SamplingParams
 from router.decode_feed import DecodeFeeds, FeedBroken
 from router.errors import APIError
 
@@ -85,8 +86,8 @@ class Generation:
         """Runs until the first token exists; raises APIError (nothing is left running then)."""
         try:
             target, self._queue = await self.feeds.open(self.request_id, len(self.prompt_token_ids))
-            self._prefill_call = self.prefill.options(stream=True).prefill.remote(
-                PrefillRequest(self.request_id, self.prompt_token_ids, self.params), target)
+            request = PrefillRequest(self.request_id, tuple(self.prompt_token_ids), SamplingParams(**self.params))
+            self._prefill_call = self.prefill.options(stream=True).prefill.remote(request.to_wire(), target)
             self.first = await self._prefill_call.__anext__()
         except BaseException as e:
             self.cancel()

@@ -46,8 +46,9 @@ def test_tp1_prefill_hands_each_tp2_rank_its_head_slice(ray_session, tiny_model_
                 rid = f"r{n_tokens}"
                 sink: asyncio.Queue = asyncio.Queue()
                 ctrl.expect(rid, sink)
-                first = await anext(prefill.prefill(PrefillRequest(rid, prompt, {"max_tokens": 6, "temperature": 0.0,
-                                                                                 "ignore_eos": True}), group.target))
+                request = PrefillRequest(rid, tuple(prompt), SamplingParams(max_tokens=6, temperature=0.0,
+                                                                            ignore_eos=True))
+                first = await anext(prefill.prefill(request.to_wire(), group.target))
                 for _ in range(2000):  # steps long-poll 50 ms for hand-over events; this bounds a hang
                     if ctrl.requests[rid].phase.value == "running":
                         break
