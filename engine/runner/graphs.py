@@ -11,16 +11,19 @@ functions captured in the graph, engine/masking/graph.py); the unmasked greedy g
 front, the others on first use.
 Batches with a prompt chunk run eagerly. `capture=False` keeps the same padded path without graphs
 (how the CPU tests exercise it).
+
+StepGraphs is handed what it captures and replays, not the model runner: the step function, the KV
+cache the batches point into, and the layout numbers (StepLayout) a padded batch is built from.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
-from engine.config import position_margin
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledRequest
 from engine.masking.graph import StagedMasker
@@ -51,6 +54,20 @@ def _copy_into(static, new) -> None:
             _copy_into(a, b)
 
 
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    """What a padded batch of the step is built from."""
+
+    device: torch.device
+    vocab_size: int
+    k: int  # drafts per request: k+1 rows per request
+    max_seq_len: int  # fixed bound on KV lengths (max_model_len plus the chains' margin)
+
+
+# step(batch, masker) -> outputs: the device step a graph captures (ModelRunner.run_step)
+StepFn = Callable[[StepBatch, LogitsMasker | None], StepOutput]
+
+
 @dataclass
 class _Captured:
     inputs: StepBatch  # static tensors the graph reads
@@ -59,27 +76,29 @@ class _Captured:
 
 
 class StepGraphs:
-    def __init__(self, runner, max_batch: int, capture: bool = True, capture_on_demand: bool = True,
-                 masks: bool = True):
-        """capture_on_demand: capture a sampling mode's graph the first time a batch needs it (off under
-        attention data parallelism, where a lone capture's warm-up forwards would meet no other rank);
-        masks: guided steps replay graphs too (else they run eagerly)."""
-        self.runner = runner
+    def __init__(self, step: StepFn, layout: StepLayout, max_batch: int, scratch_slot: int, capture: bool = True,
+                 capture_on_demand: bool = True, masks: bool = True):
+        """scratch_slot: the draft-state row idle requests use; capture_on_demand: capture a sampling mode's
+        graph the first time a batch needs it (off under attention data parallelism, where a lone
+        capture's warm-up forwards would meet no other rank); masks: guided steps replay graphs too (else
+        they run eagerly). Nothing is captured before `capture_all` hands over the KV cache."""
+        self.step = step
+        self.layout = layout
+        self.scratch_slot = scratch_slot
+        self.kv_cache: torch.Tensor | None = None
         self.capture = capture
         self.capture_on_demand = capture_on_demand
         self.masks = masks
         self._staged: StagedMasker | None = None
         self.sizes = [s for s in SIZES if s < max_batch] + [max_batch]
-        kv = runner.kv_cache
-        self.block_size = kv.shape[3] if kv is not None else None
+        self.block_size: int | None = None
         self._captured: dict[tuple, _Captured] = {}
         self._pool = None
         self.num_runs = 0  # steps that went through the padded (graph) path
 
     def _padding(self, size: int) -> Padding:
-        r = self.runner
-        max_len = r.max_model_len + position_margin(r.k)
-        return Padding(batch_size=size, table_width=-(-max_len // self.block_size), scratch_slot=r.scratch_slot,
+        max_len = self.layout.max_seq_len
+        return Padding(batch_size=size, table_width=-(-max_len // self.block_size), scratch_slot=self.scratch_slot,
                        max_seq_len=max_len)
 
     def fits(self, scheduled: list[ScheduledRequest], masked: bool = False) -> bool:
@@ -97,11 +116,11 @@ class StepGraphs:
         """size: the captured size to pad to (ADP: the group's, which may exceed this rank's own; an idle
         rank pads an empty batch to it); default the smallest that holds the batch. masked: with room for
         a grammar's bitmasks (a guided step)."""
-        r = self.runner
+        lay = self.layout
         size = size or self.size_for(len(scheduled))
         assert size in self.sizes and size >= len(scheduled), (size, len(scheduled))
-        return build_batch(scheduled, blocks, r.kv_cache, r.device, r.vocab_size, r.k, slots, self._padding(size),
-                           masked=masked)
+        return build_batch(scheduled, blocks, self.kv_cache, lay.device, lay.vocab_size, lay.k, slots,
+                           self._padding(size), masked=masked)
 
     def replay(self, batch: StepBatch, masker: LogitsMasker | None = None) -> StepOutput:
         """Run a padded batch through its size's graph (captured on first use for a new sampling mode).
@@ -124,7 +143,7 @@ class StepGraphs:
                 return cap.output
             # the padded layout run eagerly: the static metadata's tensors changed in place
             cap.inputs.attn.plans.clear()
-            return self.runner.run_step(cap.inputs, staged)
+            return self.step(cap.inputs, staged)
         finally:
             if staged is not None:
                 staged.finish()  # the step's sync, with the GIL released while host functions run
@@ -133,8 +152,8 @@ class StepGraphs:
     def staged(self) -> StagedMasker:
         """The masker guided graphs are captured with (one for every size: host buffers at the largest)."""
         if self._staged is None:
-            r = self.runner
-            self._staged = StagedMasker(r.device, self.sizes[-1], r.k, r.vocab_size)
+            lay = self.layout
+            self._staged = StagedMasker(lay.device, self.sizes[-1], lay.k, lay.vocab_size)
         return self._staged
 
     def captured_at_every_size(self, sampling: SamplingBatch, masked: bool = False) -> bool:
@@ -142,13 +161,18 @@ class StepGraphs:
         mode = sampling_mode(sampling)
         return all((s, mode, masked) in self._captured for s in self.sizes)
 
-    def reset(self) -> None:
-        """Forget every graph (the buffers they read were replaced); they are captured again on use."""
+    def reset(self, scratch_slot: int | None = None) -> None:
+        """Forget every graph (the buffers they read were replaced; `scratch_slot`: the idle requests' new
+        draft-state row); they are captured again on use."""
         self._captured.clear()
+        if scratch_slot is not None:
+            self.scratch_slot = scratch_slot
 
-    def capture_all(self) -> None:
-        """Greedy graphs for every size, largest first (smaller ones then reuse its memory pool)."""
-        self.block_size = self.runner.kv_cache.shape[3]
+    def capture_all(self, kv_cache: torch.Tensor) -> None:
+        """Greedy graphs for every size, largest first (smaller ones then reuse its memory pool), over the
+        KV cache every batch points into."""
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape[3]
         for size in reversed(self.sizes):  # without capture: the static buffers of the padded eager path
             dummy = self._dummy(size, None)
             self._capture((size, sampling_mode(dummy.sampling), False), dummy)
@@ -156,8 +180,8 @@ class StepGraphs:
     def _dummy(self, size: int, like: SamplingBatch | None, masked: bool = False) -> StepBatch:
         """A batch of idle requests only (it writes no KV and only the scratch draft state) with the
         sampling branches of `like`: what a graph is warmed up and captured on."""
-        r = self.runner
-        dummy = build_batch([], _NoBlocks(self.block_size), r.kv_cache, r.device, r.vocab_size, r.k, [],
+        lay = self.layout
+        dummy = build_batch([], _NoBlocks(self.block_size), self.kv_cache, lay.device, lay.vocab_size, lay.k, [],
                             self._padding(size), masked=masked)
         if like is None:
             return dummy
@@ -165,19 +189,18 @@ class StepGraphs:
         flags = dict(all_greedy=like.all_greedy, use_top_k=like.use_top_k, use_top_p=like.use_top_p,
                      use_min_p=like.use_min_p, max_logprobs=like.max_logprobs)
         if like.repetition is not None:
-            ones = torch.ones(size, device=r.device)
+            ones = torch.ones(size, device=lay.device)
             flags.update(repetition=ones, presence=ones * 0, frequency=ones * 0,
-                         output_counts=torch.zeros(size, r.vocab_size, device=r.device),
-                         seen_mask=torch.zeros(size, r.vocab_size, dtype=torch.bool, device=r.device))
+                         output_counts=torch.zeros(size, lay.vocab_size, device=lay.device),
+                         seen_mask=torch.zeros(size, lay.vocab_size, dtype=torch.bool, device=lay.device))
         if like.logit_bias is not None:
-            flags.update(logit_bias=torch.zeros(size, r.vocab_size, device=r.device))
+            flags.update(logit_bias=torch.zeros(size, lay.vocab_size, device=lay.device))
         if like.early_stop_block is not None:
-            flags.update(early_stop_block=torch.zeros(size, r.vocab_size, dtype=torch.bool, device=r.device),
-                         min_tokens_left=torch.zeros(size, dtype=torch.int64, device=r.device))
+            flags.update(early_stop_block=torch.zeros(size, lay.vocab_size, dtype=torch.bool, device=lay.device),
+                         min_tokens_left=torch.zeros(size, dtype=torch.int64, device=lay.device))
         return replace(dummy, sampling=replace(b, **flags))
 
     def _capture(self, key: tuple, batch: StepBatch) -> _Captured:
-        r = self.runner
         inputs = _clone(batch)
         masker = self.staged if key[2] else None  # unbound while capturing: its host functions fill nothing
         if not self.capture:
@@ -187,13 +210,13 @@ class StepGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                    r.run_step(inputs, masker)
+                    self.step(inputs, masker)
             torch.cuda.current_stream().wait_stream(stream)
             if masker is not None:
                 stream.synchronize()  # the warm-up's host functions ran (releasing the GIL meanwhile)
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-                output = r.run_step(inputs, masker)
+                output = self.step(inputs, masker)
             self._pool = graph.pool()
             cap = _Captured(inputs, output, graph)
             log.info("captured the speculative step for batch %d, sampling mode %s, masked %s", *key)

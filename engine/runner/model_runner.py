@@ -97,11 +97,22 @@ class ModelRunner:
             self._compile_cpu(layers=cfg.cpu_compile == "layers" and tp.size == 1 and dp is None)
         self.graphs = None
         if self.device.type == "cuda" and cfg.cuda_graphs:
-            from engine.runner.graphs import StepGraphs
+            self.use_graphs(min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
+                            capture_on_demand=dp is None, masks=cfg.graph_masks)
 
-            self.graphs = StepGraphs(self, min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
-                                     capture_on_demand=dp is None, masks=cfg.graph_masks)
-            self.drafter.on_slots_grown = self.graphs.reset
+    def use_graphs(self, max_batch: int, capture: bool = True, capture_on_demand: bool = True,
+                   masks: bool = True) -> None:
+        """Run decode steps through StepGraphs (engine/runner/graphs.py): handed the step function, not
+        this runner. Captured once the KV cache exists (now, if it does). capture=False: the same padded
+        layout run eagerly (how CPU tests exercise it)."""
+        from engine.runner.graphs import StepGraphs, StepLayout
+
+        layout = StepLayout(self.device, self.vocab_size, self.k, self.max_model_len + position_margin(self.k))
+        self.graphs = StepGraphs(self.run_step, layout, max_batch, self.scratch_slot, capture=capture,
+                                 capture_on_demand=capture_on_demand, masks=masks)
+        self.drafter.on_slots_grown = lambda: self.graphs.reset(self.scratch_slot)
+        if self.kv_cache is not None:
+            self.graphs.capture_all(self.kv_cache)
 
     def _compile_cpu(self, layers: bool) -> None:
         """EngineConfig.cpu_compile: piecewise-compiled layers for the target and its draft network (`layers`:
@@ -155,7 +166,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.drafter.attach_caches(self.kv_cache, num_blocks, self.cfg.block_size, self.dtype)
         if self.graphs is not None:
-            self.graphs.capture_all()
+            self.graphs.capture_all(self.kv_cache)
         return self.kv_cache
 
     # ------------------------------------------------------------------ what the step and its graphs read

@@ -130,11 +130,7 @@ def _rank_main(rank: int, port: int, root: str, queue) -> None:
             calls = shm.calls if shm is not None else 0
             engine = LLMEngine(cfg, tp_group=dist.group.WORLD, tp_shm=shm if case.shm else None)
             if case.padded:
-                from engine.runner.graphs import StepGraphs
-
-                runner = engine.runner
-                runner.graphs = StepGraphs(runner, 8, capture=False, capture_on_demand=False)
-                runner.graphs.capture_all()
+                engine.runner.use_graphs(8, capture=False, capture_on_demand=False)
             mine = [(f"{case.name}-{i}", r) for i, r in enumerate(case.requests) if r.rank == rank]
             done = _drive(engine, mine, dist.group.WORLD)
             stats = engine.stats()

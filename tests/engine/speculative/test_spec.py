@@ -235,11 +235,8 @@ def _mixed_params(n: int) -> list[SamplingParams]:
 
 
 def _graph_runs(llm: LLM, capture: bool, max_batch: int = 8) -> int:
-    from engine.runner.graphs import StepGraphs
-
     runner = llm.engine.runner
-    runner.graphs = StepGraphs(runner, max_batch, capture=capture)
-    runner.graphs.capture_all()
+    runner.use_graphs(max_batch, capture=capture)
     return runner.graphs
 
 
