@@ -19,6 +19,7 @@ from cluster.errors import WorkerDiedError
 from cluster.feed_link import FeedLinkAddress, FeedLinkServer
 from cluster.placement import RankResources
 from cluster.protocol import DecodeOpened, StreamError
+from cluster.protocol.load import DecodeLoad
 from cluster.rendezvous import node_ip
 from cluster.runtime import replica_id
 from decode_worker.callers import CallerWatch
@@ -250,8 +251,7 @@ class DecodeServer:
             "feed_links": self.links.open_links,
             "tp_size": self.config.tp,
             "attention_dp": self.config.attention_dp,
-            # per rank: (requests placed there since start, KV blocks in use, KV blocks, running requests);
-            # a tuple, so that it travels in the routing stats too (one entry per rank: small)
+            # per rank: (requests placed there since start, KV blocks in use, KV blocks, running requests)
             "dp_ranks": tuple((placed, load.kv_blocks_used, load.kv_blocks_total, load.num_running)
                               for placed, load in zip(self.ctrl.placed_total, self.ctrl.rank_loads)),
             "num_requests": len(self.ctrl.requests),
@@ -279,8 +279,13 @@ class DecodeServer:
         return list(self.ctrl.handovers[-last:])
 
     def record_routing_stats(self) -> dict:
-        """Small: Serve polls it and broadcasts it to every router."""
-        return {k: v for k, v in self.stats().items() if not isinstance(v, list)}
+        """A DecodeLoad's wire form (cluster/protocol/load.py): Serve polls it and hands it to every router."""
+        s = self.stats()
+        return DecodeLoad(replica=s["replica"], group_id=s["group_id"], last_error=s["last_error"],
+                          max_num_seqs=s["max_num_seqs"], num_requests=s["num_requests"],
+                          num_running=s["num_running"], kv_blocks_used=s["kv_blocks_used"],
+                          kv_blocks_total=s["kv_blocks_total"], steps=s["steps"], dp_ranks=s["dp_ranks"],
+                          grammar=tuple(s["grammar"].items())).to_wire()
 
     async def rank_pids(self) -> list[int]:
         group = await self._current_group()

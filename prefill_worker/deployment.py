@@ -13,6 +13,7 @@ import torch
 from cluster.errors import ChannelError
 from cluster.faults import FaultPoints
 from cluster.protocol import DecodeTarget, ModelInfo, PrefillRequest, PrefillResult
+from cluster.protocol.load import PrefillLoad
 from cluster.runtime import replica_id
 from engine import LLMEngine
 from prefill_worker.config import PrefillConfig
@@ -105,8 +106,14 @@ class PrefillServer:
                 for t in list(self.loop.sender.timings)[-last:]]
 
     def record_routing_stats(self) -> dict:
-        """Small: Serve polls it and broadcasts it to every router."""
-        return {k: v for k, v in self.stats().items() if not isinstance(v, list)}
+        """A PrefillLoad's wire form (cluster/protocol/load.py): Serve polls it and hands it to every router."""
+        s = self.stats()
+        return PrefillLoad(replica=s["replica"], max_num_batched_tokens=s["max_num_batched_tokens"],
+                           num_prompts=s["num_prompts"], prompt_tokens_waiting=s["prompt_tokens_waiting"],
+                           handovers_queued=s["handovers_queued"], handovers_total=s["handovers_total"],
+                           kv_blocks_used=s["kv_blocks_used"], kv_blocks_total=s["kv_blocks_total"],
+                           grammar=tuple(s["grammar"].items()),
+                           handovers_by_transport=tuple(s["handovers_by_transport"].items())).to_wire()
 
     def __del__(self):
         loop = getattr(self, "loop", None)

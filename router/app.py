@@ -27,7 +27,7 @@ from router.limits import check_request
 from router.output import ResponseWriter
 from router.metrics import RouterMetrics
 from router.metrics_server import start_metrics_server
-from router.policy import decode_unavailable, latest_stats
+from router.policy import decode_unavailable, latest_stats, load_of
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses_api import ResponseEvents, ResponseShape, ResponsesRequest, to_chat
 from router.token_text import TokenText
@@ -90,7 +90,7 @@ class Router:
             fresh = await asyncio.wait_for(self.decode.record_routing_stats.remote(), HEALTH_PROBE_S)
         except Exception:  # noqa: BLE001 - the request path reports its own errors
             fresh = {}
-        reason = decode_unavailable({"probe": fresh})
+        reason = decode_unavailable({"probe": load_of("decode", fresh)})
         if reason is not None:
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return {"status": "ok"}

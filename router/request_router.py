@@ -9,7 +9,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from router.policy import record_stats, score_function
+from router.policy import load_of, record_stats, score_function
 
 
 class LoadAwareRequestRouter(FIFOMixin, RequestRouter):
@@ -37,7 +37,7 @@ class LoadAwareRequestRouter(FIFOMixin, RequestRouter):
             stats = r.routing_stats or {}
             snapshot[r.replica_id.unique_id] = stats
             in_flight = self.replica_queue_len_cache.get(r.replica_id) or 0
-            scored.append((self._score(stats, in_flight), r.replica_id.unique_id, r))
+            scored.append((self._score(load_of(self.role, stats), in_flight), r.replica_id.unique_id, r))
         record_stats(self.role, snapshot, replace=False)
         scored.sort(key=lambda x: (x[0], x[1]))
         return [[r] for _, _, r in scored]

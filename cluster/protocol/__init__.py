@@ -9,12 +9,13 @@
 - `prefill`: what the router asks of a prefill replica (PrefillRequest, with PREFILL_VERSION on its wire
   form) and what it answers.
 - `handover`: the versioned msgpack header of one KV hand-over (HandoverHeader) and its named payload.
+- `load`: the routing stats each worker replica reports for the routers' policy (PrefillLoad, DecodeLoad).
 - `wire`: the strict field checks every `from_wire` uses.
 
 Everything here is small and frozen. What crosses a link or a channel (the step and feed links' records,
 the hand-over header) has `to_wire`/`from_wire` and travels as msgpack, never as a pickle; a malformed
 record is a ProtocolError naming its field, another version a ProtocolVersionError. What crosses a Ray call
-as a wire form (the prefill request) carries its version in it.
+as a wire form (the prefill request, routing stats) carries its version in it.
 """
 from cluster.protocol.decode import DecodeOpened, DecodeTarget, KVLayout, RankEndpoint
 from cluster.protocol.feed import FEED_LINK_VERSION, FeedBatch, StreamError

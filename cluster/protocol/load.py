@@ -1,0 +1,103 @@
+"""Routing stats: what each worker replica reports of its load for the routers' policy (router/policy.py).
+
+Serve polls a replica's `record_routing_stats()` and hands the value to every router's request router, so
+it must be a dict: the wire form is a map of exactly the record's fields plus "version" and "role". The
+router reads it back with `from_wire`, which checks every field: a replica of another version, or one
+whose stats lack a field the policy scores by, is a typed error (the policy then scores that replica as
+one it knows nothing of), not a KeyError in Serve's routing loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from cluster.errors import ProtocolError, ProtocolVersionError
+from cluster.protocol import wire
+
+ROUTING_STATS_VERSION = 1  # bump on any change to the fields below
+
+
+def _counts(value, name: str, field: str) -> tuple[tuple[str, int], ...]:
+    wire.check(type(value) is dict and all(type(k) is str and type(v) is int for k, v in value.items()), name,
+               field, "a map of names to counts", value)
+    return tuple(sorted(value.items()))
+
+
+def _rank_loads(value, name: str, field: str) -> tuple[tuple[int, int, int, int], ...]:
+    ranks = wire.array(value, name, field)
+    wire.check(all((type(r) is tuple or type(r) is list) and len(r) == 4 and all(type(x) is int for x in r)
+                   for r in ranks), name, field, "an array of (placed, used, total, running) int rows", value)
+    return tuple(tuple(r) for r in ranks)
+
+
+class _Load:
+    """Shared by both records: the map wire form, read strictly by each field's reader in READERS."""
+    __slots__ = ()
+    ROLE = ""
+    READERS: dict = {}
+
+    def to_wire(self) -> dict:
+        out = {"version": ROUTING_STATS_VERSION, "role": self.ROLE}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = dict(value) if self.READERS[f.name] is _counts else value
+        return out
+
+    @classmethod
+    def from_wire(cls, raw) -> "_Load":
+        name = f"{cls.ROLE} routing stats"
+        if type(raw) is not dict:
+            raise ProtocolError(f"{name} must be a map, got {type(raw).__name__}")
+        if raw.get("version") != ROUTING_STATS_VERSION:
+            raise ProtocolVersionError(f"{name} version {raw.get('version')!r}, this router speaks "
+                                       f"{ROUTING_STATS_VERSION}: the deployments run different Tandem versions")
+        expected = {"version", "role", *cls.READERS}
+        missing, unknown = expected - raw.keys(), raw.keys() - expected
+        if missing or unknown:
+            raise ProtocolError(f"{name} lack field(s) {sorted(missing)} / have unknown field(s) "
+                                f"{sorted(map(str, unknown))}")
+        wire.check(raw["role"] == cls.ROLE, name, "role", repr(cls.ROLE), raw["role"])
+        return cls(**{key: read(raw[key], name, key) for key, read in cls.READERS.items()})
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLoad(_Load):
+    replica: str  # the Serve replica id
+    max_num_batched_tokens: int  # one step's token budget: the unit a queue is measured in
+    num_prompts: int  # prompts queued or running
+    prompt_tokens_waiting: int
+    handovers_queued: int  # hand-overs packed and not yet sent (they share the CPU)
+    handovers_total: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    grammar: tuple[tuple[str, int], ...]  # the engine's grammar counters (compiles, cache hits, ...)
+    handovers_by_transport: tuple[tuple[str, int], ...]  # gloo, nccl, ipc: what carried the payloads
+
+    ROLE = "prefill"
+    READERS = {"replica": wire.text, "max_num_batched_tokens": wire.integer, "num_prompts": wire.integer,
+               "prompt_tokens_waiting": wire.integer, "handovers_queued": wire.integer,
+               "handovers_total": wire.integer, "kv_blocks_used": wire.integer, "kv_blocks_total": wire.integer,
+               "grammar": _counts, "handovers_by_transport": _counts}
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLoad(_Load):
+    replica: str  # the Serve replica id
+    group_id: str | None  # None while the replica rebuilds its rank group (a rank or its node was lost)
+    last_error: str | None  # why no group is up, while group_id is None
+    max_num_seqs: int
+    num_requests: int  # open here: expected hand-overs and running requests
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    steps: int
+    dp_ranks: tuple[tuple[int, int, int, int], ...]  # per rank: (placed since start, KV used, KV total, running)
+    grammar: tuple[tuple[str, int], ...]
+
+    ROLE = "decode"
+    READERS = {"replica": wire.text, "group_id": wire.text_or_none, "last_error": wire.text_or_none,
+               "max_num_seqs": wire.integer, "num_requests": wire.integer, "num_running": wire.integer,
+               "kv_blocks_used": wire.integer, "kv_blocks_total": wire.integer, "steps": wire.integer,
+               "dp_ranks": _rank_loads, "grammar": _counts}
+
+
+LOADS = {"prefill": PrefillLoad, "decode": DecodeLoad}

@@ -1,0 +1,53 @@
+"""cluster.protocol.load: the routing stats each worker replica reports come back equal through the dict
+Serve carries, and stats of another version or with a missing, unknown or mistyped field are refused with a
+typed error naming it."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from cluster.errors import ProtocolError, ProtocolVersionError
+from cluster.protocol.load import ROUTING_STATS_VERSION, DecodeLoad, PrefillLoad
+
+PREFILL = PrefillLoad("p1", 2048, 3, 700, 1, 40, 12, 256, (("compiles", 2), ("hits", 9)), (("gloo", 40),))
+DECODE = DecodeLoad("d1", "g7", None, 64, 5, 4, 30, 512, 1234, ((3, 10, 256, 2), (2, 20, 256, 2)), (("hits", 1),))
+REBUILDING = DecodeLoad("d2", None, "rank 1 died", 64, 0, 0, 0, 0, 0, (), ())
+
+
+@pytest.mark.parametrize("load", [PREFILL, DECODE, REBUILDING])
+def test_round_trip_through_serve(load):
+    raw = pickle.loads(pickle.dumps(load.to_wire()))  # Serve pickles the dict between replica and router
+    assert isinstance(raw, dict) and raw["version"] == ROUTING_STATS_VERSION
+    assert type(load).from_wire(raw) == load
+
+
+def test_the_other_version_is_refused():
+    with pytest.raises(ProtocolVersionError, match=f"decode routing stats version 0, this router speaks "
+                                                   f"{ROUTING_STATS_VERSION}"):
+        DecodeLoad.from_wire({**DECODE.to_wire(), "version": 0})
+
+
+def test_stats_of_the_other_role_are_refused():
+    with pytest.raises(ProtocolError, match="field 'role' must be 'prefill'"):
+        PrefillLoad.from_wire({**PREFILL.to_wire(), "role": "decode"})
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda w: w.pop("kv_blocks_used"), r"lack field\(s\) \['kv_blocks_used'\]"),
+    (lambda w: w.update(tp_size=2), r"unknown field\(s\) \['tp_size'\]"),
+    (lambda w: w.update(num_requests="5"), "field 'num_requests' must be an int"),
+    (lambda w: w.update(group_id=7), "field 'group_id' must be a str or nil"),
+    (lambda w: w.update(dp_ranks=((1, 2, 3),)), "field 'dp_ranks' must be an array of"),
+    (lambda w: w.update(grammar={"hits": 1.5}), "field 'grammar' must be a map of names to counts"),
+])
+def test_a_malformed_field_is_named(change, message):
+    raw = DECODE.to_wire()
+    change(raw)
+    with pytest.raises(ProtocolError, match=message):
+        DecodeLoad.from_wire(raw)
+
+
+def test_a_non_map_is_refused():
+    with pytest.raises(ProtocolError, match="prefill routing stats must be a map, got list"):
+        PrefillLoad.from_wire([1, 2])
