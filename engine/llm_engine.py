@@ -9,9 +9,7 @@ per request.
 """
 from __future__ import annotations
 
-import random
 import time
-from pathlib import Path
 
 import torch
 
@@ -19,12 +17,12 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, ScheduledRequest
-from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.data_parallel import DPContext
 from engine.distributed.parallel import TPContext
 from engine.errors import InvalidRequestError
 from engine.handover import Handover, HandoverRequest
 from engine.handovers import Handovers
+from engine.intake import RequestIntake
 from engine.masking.guided import GuidedRequests
 from engine.masking.masker import LogitsMasker
 from engine.outputs import RequestOutput, TokenLogprob
@@ -71,18 +69,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
                                    num_lookahead_slots=self.drafter.lookahead_slots)
         self.spec_stats = SpecStats(cfg.speculative)
-        self.tokenizer = _load_tokenizer(cfg.model)
-        self._detokenize = cfg.detokenize and self.tokenizer is not None
-        eos = set(self.model_cfg.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, Request] = {}
+        self.intake = RequestIntake(cfg.model, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids,
+                                    self.max_model_len, cfg.detokenize, cfg.seed, self.requests)
+        self.tokenizer, self.eos_token_ids = self.intake.tokenizer, self.intake.eos_token_ids
         # the engine's masker (logits_masker, or its grammars'), handed to each step it masks
         self.guided = GuidedRequests(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids, logits_masker)
-        self.requests: dict[str, Request] = {}
         self.handovers = Handovers(self.requests, self.blocks, self.scheduler, self.drafter, self.guided,
-                                   self._new_request, cfg.block_size, self.runner.num_cache_layers)
-        self._seeds = random.Random(cfg.seed)
+                                   self.intake.new, cfg.block_size, self.runner.num_cache_layers)
         self._finished_unreported: list[Request] = []
         self._inflight: InFlight | None = None  # async scheduling: the launched step not read yet
         self.num_overlapped_steps = 0  # steps launched before the previous step's outputs were read
@@ -104,7 +98,7 @@ class LLMEngine:
         only the step that samples its first token waits for the grammar (the scheduler holds that
         chunk back). InvalidRequestError at once for a bad request or a refused schema; a grammar that
         fails to compile finishes the request with finish_reason "error" and the error in its output."""
-        req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only)
+        req = self.intake.new(request_id, prompt, params or SamplingParams(), prefill_only)
         if req.params.prompt_logprobs is not None and self.dp is not None:
             # its own forward would run outside the group's lockstep (engine/prompt_logprobs.py)
             raise InvalidRequestError("prompt logprobs are not computed under attention data parallelism",
@@ -114,27 +108,6 @@ class LLMEngine:
             req.grammar_ready = False
         self.requests[request_id] = req
         self.scheduler.add(req)
-
-    def _new_request(self, request_id: str, prompt, params: SamplingParams, prefill_only: bool,
-                     seed: int | None = None) -> Request:
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        ids = self._tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; this model accepts at most {self.max_model_len - 1} "
-                f"(max_model_len {self.max_model_len} includes at least one output token)", param="prompt")
-        if seed is None:
-            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        detokenizer = None
-        if self._detokenize:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
-                                                 params.skip_special_tokens)
-        block = ()
-        if params.min_tokens:
-            block = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)))
-        return Request(request_id, ids, params, seed=seed, max_total_tokens=self.max_model_len,
-                       prefill_only=prefill_only, detokenizer=detokenizer, min_tokens_block=block)
 
     def warm_grammar(self, structured, compiled: SerializedGrammar | None) -> None:
         """Load a hand-over's compiled grammar into the compiler's cache now, on the caller's thread
@@ -147,23 +120,6 @@ class LLMEngine:
         for req in self.guided.install(self.requests, wait):
             self._finish(req, RequestStatus.FINISHED_ERROR)
             self._finished_unreported.append(req)
-
-    def _tokenize(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model directory has no tokenizer; pass token ids", param="prompt")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, "
-                                          f"{self.model_cfg.vocab_size})", param="prompt")
-        else:
-            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
-        if not ids:
-            raise InvalidRequestError("prompt is empty", param="prompt")
-        return ids
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -396,11 +352,3 @@ class LLMEngine:
         """Decode side: the received KV is in place; the request joins the running batch."""
         self.handovers.commit(request_id, hidden)
 
-
-def _load_tokenizer(model_dir: str):
-    path = Path(model_dir)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
