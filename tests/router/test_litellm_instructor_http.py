@@ -101,9 +101,23 @@ def test_instructor_response_model(served, mode):
 
 
 def test_instructor_json_mode_gets_a_json_object(served):
-    """Mode.JSON sends response_format json_object and the schema as text: the server promises an object."""
-    got = _instructor(served, "JSON").chat.completions.create(
-        model=served.model, messages=ASK_PET, response_model=AnyObject, temperature=0, max_tokens=120, max_retries=1)
+    """Mode.JSON sends response_format json_object and the schema as text: the server promises an object, not
+    that the model closes it. SmolLM2 under instructor's JSON prompt nests {"json_object": {...}} until
+    max_tokens: then instructor's IncompleteOutputException, on a response cut by length whose text is the
+    start of a JSON object (jiter's partial parse, instructor's own)."""
+    pytest.importorskip("instructor")
+    from instructor.core.exceptions import IncompleteOutputException
+    from jiter import from_json
+
+    try:
+        got = _instructor(served, "JSON").chat.completions.create(
+            model=served.model, messages=ASK_PET, response_model=AnyObject, temperature=0, max_tokens=120,
+            max_retries=1)
+    except IncompleteOutputException as e:
+        cut = e.last_completion
+        assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 120
+        assert isinstance(from_json(cut.choices[0].message.content.encode(), partial_mode="trailing-strings"), dict)
+        return
     assert isinstance(got, AnyObject)
 
 
