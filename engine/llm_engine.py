@@ -183,11 +183,13 @@ class LLMEngine:
         if sched is not None and sched.empty and self.guided.compiling and not self._finished_unreported:
             self._install_grammars(wait=True)  # only compiles are left to wait for: no busy loop
             sched = self.scheduler.schedule()
-        if sched is None or (sched.empty and self.dp is None):  # an ADP rank joins the group's step regardless
+        if sched is None:
             return None
-        assert all(s.request.grammar_ready for s in sched.scheduled if s.sample), "sampled before its grammar"
         for req in sched.preempted:
             self.drafter.release(req.request_id)
+        if sched.empty and self.dp is None:  # an ADP rank joins the group's step regardless
+            return None
+        assert all(s.request.grammar_ready for s in sched.scheduled if s.sample), "sampled before its grammar"
         step = self.runner.prepare(sched.scheduled, self.blocks, self.guided.masker, carry_from=prev)
         if step is None:
             return None

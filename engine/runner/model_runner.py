@@ -1,8 +1,10 @@
-"""Owns the model, the KV cache and the (optional) drafter of one process and runs one step:
-build the batch -> run the step (eagerly, or as a captured CUDA graph) -> bring its outputs to the host.
+"""Owns the model, the KV cache and the drafter of one process and runs one step: build the batch
+(prepare) -> launch it (eagerly, or as a captured CUDA graph) -> collect its outputs on the host.
+A synchronous step is collect(launch(...)) at once; an overlapped one is collected a call later.
 
 There is one step for every configuration: without speculation it is k = 0 of the speculative step
-(one chain column per request, no draft network), so masking, graphs and the host update are shared.
+(the k = 0 drafter, one chain column per request, no draft network), so masking, graphs and the host
+update are shared.
 """
 from __future__ import annotations
 
