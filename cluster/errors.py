@@ -16,17 +16,6 @@ class WorkerDiedError(TandemError):
     error_type = "unavailable_error"
 
 
-class HandoverHeaderError(TandemError):
-    """A hand-over header is not what this decode rank's protocol expects (version, fields, bytes)."""
-
-    http_status = 503
-    error_type = "unavailable_error"
-
-    def __init__(self, message: str, request_id: str | None = None):
-        super().__init__(message)
-        self.request_id = request_id  # when the header says which request it was for
-
-
 class ProtocolError(TandemError):
     """A record that crossed a process boundary is not what this side's protocol expects: a missing or
     mistyped field, a wrong length, bytes that are not a record at all. The message names the field."""
@@ -38,3 +27,11 @@ class ProtocolError(TandemError):
 class ProtocolVersionError(ProtocolError):
     """The two ends of a link (or a caller and a deployment) speak different protocol versions: they run
     different Tandem versions. Found when a link opens, before any request crosses it."""
+
+
+class HandoverHeaderError(ProtocolError):
+    """A hand-over header is not what this decode rank's protocol expects (version, fields, bytes)."""
+
+    def __init__(self, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.request_id = request_id  # when the header says which request it was for

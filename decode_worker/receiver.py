@@ -258,8 +258,6 @@ class HandoverReceiver:
                 self._lock.notify_all()
 
     def _write(self, block_ids: list[int], payload: HandoverPayload) -> None:
-        if payload.draft_kv is not None:
-            raise ValueError("a separate draft KV cache is not supported by this decode rank")
         kv = payload.kv  # [num_layers, 2, n_blocks, block_size, local kv heads, head_dim]
         expected = self.kv_cache[:, :, : len(block_ids)].shape
         if kv.shape != expected or kv.dtype != self.kv_cache.dtype:

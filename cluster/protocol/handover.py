@@ -30,12 +30,13 @@ from structured.request import BACKENDS, SerializedGrammar
 if TYPE_CHECKING:
     import torch
 
-HANDOVER_VERSION = 3  # bump on any change to the fields below or to HandoverRequest's (3: GrammarHandover.backend)
+# Bump on any change to the fields below or to HandoverRequest's (3: GrammarHandover.backend; 4: no "draft_kv"
+# part, which no draft ever sent: a draft keeping a cache of its own gets its part when one is built).
+HANDOVER_VERSION = 4
 
 
 class PayloadPart(str, enum.Enum):
     KV = "kv"  # [L, 2, n, S, h, D] the request's blocks: the target's cache layers, then a cache-sharing draft's
-    DRAFT_KV = "draft_kv"  # a draft model's blocks when it keeps a cache of its own (none does yet)
     DRAFT_HIDDEN = "draft_hidden"  # [H_in] the draft head's input at the last prompt row (MTP, EAGLE-3)
 
 
@@ -43,7 +44,6 @@ class PayloadPart(str, enum.Enum):
 class HandoverPayload:
     """The tensors of one hand-over, by name. Every rank gets its KV-head slice of `kv` and the rest whole."""
     kv: torch.Tensor
-    draft_kv: torch.Tensor | None = None
     draft_hidden: torch.Tensor | None = None
 
     @property
