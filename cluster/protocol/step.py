@@ -89,6 +89,16 @@ class TokenDelta:
 
     @staticmethod
     def from_wire(raw) -> "TokenDelta":
+        # A step's deltas are most of what its report carries: the common shape (no logprobs) is checked in
+        # one expression; anything else is read field by field, which names what is wrong.
+        if (type(raw) is tuple and len(raw) == 5 and type(raw[0]) is str and type(raw[1]) is tuple
+                and type(raw[2]) is bool and raw[3] in FINISH_REASONS and raw[4] == ()
+                and all(type(t) is int for t in raw[1])):
+            return TokenDelta(*raw)
+        return TokenDelta._read(raw)
+
+    @staticmethod
+    def _read(raw) -> "TokenDelta":
         rid, token_ids, finished, reason, logprobs = wire.record(raw, "TokenDelta", TokenDelta.WIRE)
         wire.check(reason in FINISH_REASONS, "TokenDelta", "finish_reason", f"one of {FINISH_REASONS}", reason)
         return TokenDelta(wire.text(rid, "TokenDelta", "request_id"), wire.ints(token_ids, "TokenDelta", "token_ids"),
