@@ -226,6 +226,9 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
+    # Reuse the KV of full blocks whose tokens (and model and cache salt) another request already computed
+    # (engine/core/prefix_cache.py); outputs are the same with it off
+    enable_prefix_caching: bool = True
     kv_cache_memory_gb: float = 1.0  # CPU budget when num_kv_blocks is None
     gpu_memory_utilization: float = 0.85
     seed: int = 0  # base of the seeds given to requests without one

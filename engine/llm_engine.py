@@ -15,6 +15,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import BlockManager
+from engine.core.prefix_cache import PrefixCache
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, ScheduledRequest
 from engine.distributed.data_parallel import DPContext
@@ -66,8 +67,12 @@ class LLMEngine:
         # A request alone must always fit, or preemption could not make progress.
         self.max_model_len = min(max_model_len, num_blocks * cfg.block_size)
         self.drafter = self.runner.drafter  # the k = 0 drafter without speculation
+        # A draft head with KV (MTP, EAGLE-3, a draft model) writes a position's KV once the next token is known:
+        # its blocks are final for the prefix cache one token after the target's
+        draft_lag = 1 if getattr(self.drafter.proposer, "num_cache_layers", 0) else 0
+        self.prefix_cache = PrefixCache(self.blocks, cfg.model, draft_lag) if cfg.enable_prefix_caching else None
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
-                                   num_lookahead_slots=self.drafter.lookahead_slots)
+                                   num_lookahead_slots=self.drafter.lookahead_slots, prefix_cache=self.prefix_cache)
         self.spec_stats = SpecStats(cfg.speculative)
         self.requests: dict[str, Request] = {}
         self.intake = RequestIntake(cfg.model, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids,
@@ -137,6 +142,7 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_parked": sum(r.status in (RequestStatus.PARKED, RequestStatus.RESERVED) for r in self.requests.values()),
             "kv_blocks_used": self.blocks.pool.num_used,
+            "prefix_cache": self._prefix_cache_stats(),
             "kv_blocks_total": self.blocks.pool.num_blocks,
             "overlapped_steps": self.num_overlapped_steps,
         }
@@ -261,6 +267,10 @@ class LLMEngine:
             else:
                 req.spec_token_ids = self.drafter.next_drafts(req, res.drafts[b] if res.drafts else None,
                                                               rejected=num_drafts - accepted)
+        if self.prefix_cache is not None:
+            for s in scheduled:
+                if not s.request.status.finished:
+                    self.prefix_cache.progress(s.request)
         return touched
 
     def _limit_drafts(self) -> None:
@@ -313,8 +323,17 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _prefix_cache_stats(self) -> dict | None:
+        if self.prefix_cache is None:
+            return None
+        st = self.prefix_cache.stats
+        return {"query_tokens": st.queries, "hit_tokens": st.hits, "hit_rate": st.hit_rate,
+                "cached_blocks": self.blocks.pool.num_cached, "evicted_blocks": self.blocks.pool.num_evicted}
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.remove(req)
+        if self.prefix_cache is not None and status is not RequestStatus.FINISHED_ERROR:
+            self.prefix_cache.progress(req)  # its answer's blocks too: a next turn starts with them
         self.blocks.free(req.request_id)
         self.drafter.release(req.request_id)
         self.guided.release(req.request_id)

@@ -53,6 +53,13 @@ class PrefixCache:
         self.stats.hits += reused
         return reused
 
+    def cancel(self, req: Request, reused: int) -> None:
+        """Undo `admit` for a request that could not be admitted after all (its blocks go back)."""
+        self.blocks.free(req.request_id)
+        req.num_computed_tokens = 0
+        self.stats.queries -= req.num_tokens
+        self.stats.hits -= reused
+
     def progress(self, req: Request) -> int:
         """Register the request's blocks whose KV is now final; -> blocks newly cached."""
         final = req.num_computed_tokens - self.draft_lag

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.core.block_manager import BlockManager
+from engine.core.prefix_cache import PrefixCache
 from engine.core.request import Request, RequestStatus
 
 
@@ -59,8 +60,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, num_lookahead_slots: int = 0):
+                 enable_chunked_prefill: bool = True, num_lookahead_slots: int = 0,
+                 prefix_cache: PrefixCache | None = None):
         self.blocks = block_manager
+        self.prefix_cache = prefix_cache  # None: every prompt computed from its first token
         self.num_lookahead_slots = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -154,14 +157,16 @@ class Scheduler:
         j = 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[j]
+            reused = self.prefix_cache.admit(req) if self.prefix_cache is not None else 0
             remaining = req.num_tokens - req.num_computed_tokens
             n = self._until_grammar(req, min(remaining, budget))
             if n <= 0 or (n < remaining and not self.enable_chunked_prefill and not req.grammar_ready):
-                j += 1
+                j += 1  # it keeps the cached blocks it found: it runs from there once its grammar is in
                 continue
-            if n < remaining and not self.enable_chunked_prefill:
-                break
-            if not self.blocks.allocate(req.request_id, self.slots_needed(req, n)):
+            if (n < remaining and not self.enable_chunked_prefill) or \
+                    not self.blocks.allocate(req.request_id, self.slots_needed(req, n)):
+                if reused:  # it waits holding nothing, and looks its prefix up again when it is admitted
+                    self.prefix_cache.cancel(req, reused)
                 break
             del self.waiting[j]
             req.status = RequestStatus.RUNNING
