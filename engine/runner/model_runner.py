@@ -29,6 +29,7 @@ from engine.runner.batch import StepBatch, build_batch
 from engine.runner.overlap import InFlight, carry_inputs
 from engine.runner.step import StepOutput, model_step
 from engine.speculative.drafter import Drafter
+from engine.speculative.loading import DraftTarget
 from engine.speculative.proposer import Proposer
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,8 @@ class ModelRunner:
         self.num_kv_heads = self.model.layers[0].self_attn.attn.num_kv_heads
         self.kv_cache: torch.Tensor | None = None
         # the k = 0 drafter without speculation: one step for every configuration
-        self.drafter = Drafter(cfg, cfg.speculative, model_cfg, self.model, tp, self.dtype, self.device, max_pos,
-                               self.num_kv_heads, lambda: self.kv_cache)
+        self.drafter = Drafter(cfg.speculative, DraftTarget(cfg, model_cfg, self.model, tp, self.dtype, self.device,
+                                                            max_pos, self.num_kv_heads, lambda: self.kv_cache))
         self.k = self.drafter.k
         self.draft_masks = cfg.speculative is not None and cfg.speculative.draft_masks
         if cfg.cpu_compile != "off" and self.device.type == "cpu":

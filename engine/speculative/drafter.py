@@ -12,14 +12,12 @@ from collections import deque
 import numpy as np
 import torch
 
-from engine.config import EngineConfig, ModelConfig, SpecConfig, chain_margin
+from engine.config import SpecConfig, chain_margin
 from engine.core.block_manager import BlockManager, kv_slots
 from engine.core.request import Request, RequestStatus
-from engine.distributed.parallel import TPContext
 from engine.layers.attention import AttentionMetadata
-from engine.models.llama import LlamaForCausalLM
 from engine.sample.sampler import build_sampling
-from engine.speculative.loading import load_proposer
+from engine.speculative.loading import DraftTarget, load_proposer
 from engine.speculative.ngram import propose_ngram
 from engine.speculative.proposer import ProposeInputs, Proposer
 
@@ -27,25 +25,21 @@ log = logging.getLogger(__name__)
 
 
 class Drafter:
-    def __init__(self, cfg: EngineConfig, spec: SpecConfig | None, model_cfg: ModelConfig, target: LlamaForCausalLM,
-                 tp: TPContext, dtype: torch.dtype, device: torch.device, max_pos: int, num_kv_heads: int,
-                 target_cache):
-        """spec: None for the k = 0 drafter; target_cache: callable -> the target's KV cache tensor
-        (allocated after construction)."""
+    def __init__(self, spec: SpecConfig | None, target: DraftTarget):
+        """spec: None for the k = 0 drafter; target: what the draft network is built beside."""
         self.spec = spec
         self.k = spec.k if spec is not None else 0
         self.method = spec.method if spec is not None else None  # what a hand-over names
-        self.device = device
-        self.vocab_size = model_cfg.vocab_size
-        self._target_cache = target_cache
+        self.device = target.device
+        self.vocab_size = target.model_cfg.vocab_size
+        self._target_cache = target.kv_cache
         self.draft_cache: torch.Tensor | None = None  # a cache of its own when the draft's KV shape differs
         self.proposer: Proposer | None = None
         self.draft_kv_shape: tuple[int, int] | None = None  # (kv heads, head dim) of the draft layers
         self.shares_cache = True
         if spec is not None and spec.uses_model:
-            self.proposer, self.draft_kv_shape, self.shares_cache = load_proposer(
-                spec, cfg, model_cfg, target, tp, dtype, device, max_pos, num_kv_heads, self.cache)
-        self.num_slots = cfg.max_num_seqs
+            self.proposer, self.draft_kv_shape, self.shares_cache = load_proposer(spec, target, self.cache)
+        self.num_slots = target.cfg.max_num_seqs
         self._free_slots = deque(range(self.num_slots))
         self._slot_of: dict[str, int] = {}
         self.draft_probs: torch.Tensor | None = None  # [slots + 1, k, V] (last row: scratch), on first sampled request

@@ -6,6 +6,8 @@ shape; a head made for another target) is a ModelLoadError that names it.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -24,10 +26,28 @@ from engine.speculative.token_map import read_token_map
 log = logging.getLogger(__name__)
 
 
-def load_proposer(spec: SpecConfig, cfg: EngineConfig, model_cfg: ModelConfig, target: LlamaForCausalLM,
-                  tp: TPContext, dtype: torch.dtype, device: torch.device, max_pos: int, num_kv_heads: int,
-                  kv_cache_ref) -> tuple[Proposer, tuple[int, int], bool]:
-    """-> (proposer, (kv heads, head dim) of its KV layers, whether they extend the target's cache)."""
+@dataclass(frozen=True, slots=True)
+class DraftTarget:
+    """The target a drafter drafts for, as the model runner built it: what a draft network is built beside
+    (a head shares its embeddings and LM head) and sized by."""
+
+    cfg: EngineConfig
+    model_cfg: ModelConfig
+    model: LlamaForCausalLM
+    tp: TPContext  # attention's sharding, which the draft network's follows
+    dtype: torch.dtype
+    device: torch.device
+    max_pos: int  # the rope table's length (draft chains run past the last token)
+    num_kv_heads: int  # the target's KV heads on this rank
+    kv_cache: Callable[[], torch.Tensor | None]  # the target's KV cache (allocated after the drafter)
+
+
+def load_proposer(spec: SpecConfig, target: DraftTarget, kv_cache_ref) -> tuple[Proposer, tuple[int, int], bool]:
+    """-> (proposer, (kv heads, head dim) of its KV layers, whether they extend the target's cache).
+    kv_cache_ref: callable -> the cache tensor holding the draft's layers."""
+    cfg, model_cfg, tp, dtype, device, max_pos = (target.cfg, target.model_cfg, target.tp, target.dtype, target.device,
+                                                  target.max_pos)
+    num_kv_heads, target = target.num_kv_heads, target.model
     draft_dir = spec.draft or cfg.model
     if spec.method == "draft_model":
         dcfg = ModelConfig.from_dir(draft_dir)
