@@ -39,6 +39,9 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens per engine step (batched prompt chunks "
                                                                 "and decodes).")
     max_model_len: int | None = Field(None, ge=1, description="Prompt + output token limit; default: the model's.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of full blocks whose prefix another request "
+                                                          "already computed (docs/engine.md); --no-prefix-caching "
+                                                          "turns it off.")
     seed: int = Field(0, description="Base of the seeds of requests that bring none.")
     speculative_method: SpeculativeMethod = Field(
         "none", description="Speculative decoding method (one-model heads: mtp, eagle3; or ngram, draft_model).")

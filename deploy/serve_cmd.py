@@ -32,6 +32,8 @@ def parser() -> argparse.ArgumentParser:
                                                       "model's own head when a named model has one; else none)"),
         "tp": dict(default=None, help="tensor-parallel ranks per decode group (default: 2; 1 for an embedded "
                                       f"CPU deployment on fewer than {SMALL_CPU_CORES} cores, see docs/serving.md)")})
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="compute every prompt from its first token (same as --enable-prefix-caching false)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; 0.0.0.0 "
                                                        "exposes the API: set --api-key then)")
     ap.add_argument("--port", type=int, default=8000)
@@ -93,6 +95,8 @@ def tandem_config(args: argparse.Namespace):
     from deploy.flags import model_kwargs
 
     chosen = model_kwargs(args, TandemConfig)
+    if getattr(args, "no_prefix_caching", False):
+        chosen["enable_prefix_caching"] = False
     if args.tp is None:
         chosen["tp"] = default_tp(chosen.get("device", "cpu"), args.address)
     from engine.models.gguf import is_gguf

@@ -100,6 +100,12 @@ class BlockPool:
         self._hash_of[block] = block_hash
         return True
 
+    def forget(self, ids: list[int]) -> None:
+        """Blocks leaving the pool's keeping (set aside for the hand-over stock) stop being findable: their
+        next content will not be the one their hash names."""
+        for i in ids:
+            self._evict(i)
+
     def is_cached(self, block: int) -> bool:
         return self._hash_of[block] is not None
 
@@ -205,13 +211,16 @@ class BlockManager:
     def disown(self, request_id: str) -> list[int]:
         """Undo `adopt`: the request's blocks leave its table without returning to the pool."""
         self.num_slots.pop(request_id, None)
-        return self.tables.pop(request_id, [])
+        blocks = self.tables.pop(request_id, [])
+        self.pool.forget(blocks)
+        return blocks
 
     def swap(self, request_id: str, block_ids: list[int]) -> list[int]:
         """Replace the request's blocks by set-aside ones of the same count; returns the old (now set aside)."""
         old = self.tables[request_id]
         assert len(old) == len(block_ids), (len(old), len(block_ids))
         self.tables[request_id] = list(block_ids)
+        self.pool.forget(old)
         return old
 
     def table(self, request_id: str) -> list[int]:

@@ -213,3 +213,12 @@ def test_a_taken_port_fails_tandem_serve_with_the_reason():
     reason = next((line for line in out.splitlines() if line.startswith("tandem serve: the deployment failed")), out)
     assert reason.startswith("tandem serve: the deployment failed: router: OSError:") and \
         f"the router cannot serve the API on 127.0.0.1:{port}: Address already in use" in reason, reason
+
+
+def test_prefix_caching_is_on_unless_turned_off(tiny_model_dir):
+    on = tandem_config(parser().parse_args(["--model", tiny_model_dir]))
+    assert on.prefill().enable_prefix_caching and on.decode().enable_prefix_caching
+    for off in (["--no-prefix-caching"], ["--enable-prefix-caching", "false"]):
+        cfg = tandem_config(parser().parse_args(["--model", tiny_model_dir, *off]))
+        assert not cfg.prefill().enable_prefix_caching and not cfg.decode().enable_prefix_caching
+        assert not cfg.prefill().engine_config().enable_prefix_caching

@@ -143,3 +143,17 @@ def test_every_reference_returns():
     assert bm.pool.num_free == 64 and bm.pool.num_used == 0
     assert all(bm.pool.refs(b) == 0 for b in range(64))
     assert len(bm.pool.lookup(hashes_of(system))) == 4  # the shared system prompt survived every eviction
+
+
+def test_blocks_set_aside_for_the_stock_stop_being_findable():
+    """The hand-over stock reuses swapped-out and disowned blocks for other payloads: their hashes must go."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    h = hashes_of([1, 2, 3, 4], block_size=2)
+    bm.allocate("a", 4)
+    bm.cache_blocks("a", h, 4)
+    stock = bm.set_aside(2)
+    old = bm.swap("a", stock)
+    assert bm.pool.lookup(h) == [] and not any(bm.pool.is_cached(b) for b in old)
+    bm.cache_blocks("a", h, 4)
+    assert bm.pool.lookup(h) == stock
+    assert bm.disown("a") == stock and bm.pool.lookup(h) == []
