@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import (EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams,
                     UnsupportedModelError)
-from tests.engine.conftest import make_checkpoint
+from tests.support.checkpoints import make_checkpoint
 
 
 @pytest.mark.parametrize("kwargs,param", [

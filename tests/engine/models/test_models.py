@@ -10,7 +10,7 @@ from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import attention_context
 from engine.runner.batch import build_batch
-from tests.engine.conftest import ARCHS
+from tests.support.checkpoints import ARCHS, make_checkpoint
 
 PROMPT = [0, 17, 43, 99, 5, 250, 31, 7, 300, 12, 64, 128, 3, 77, 201]
 
@@ -63,8 +63,6 @@ def test_greedy_generation_matches_transformers(checkpoints, arch):
 
 def test_bf16_and_sharded_checkpoint(tmp_path):
     """A bf16 checkpoint split over several safetensors shards with an index loads and matches."""
-    from tests.engine.conftest import make_checkpoint
-
     hf = make_checkpoint(tmp_path, "llama", seed=3, dtype=torch.bfloat16, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     engine = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=32, block_size=4))
@@ -80,8 +78,6 @@ def test_bf16_and_sharded_checkpoint(tmp_path):
 
 
 def test_fp32_override_of_bf16_checkpoint(tmp_path):
-    from tests.engine.conftest import make_checkpoint
-
     make_checkpoint(tmp_path, "qwen2", seed=4, dtype=torch.bfloat16)
     engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=8))
     assert engine.runner.dtype == torch.float32 and engine.kv_cache.dtype == torch.float32
