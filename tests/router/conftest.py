@@ -1,8 +1,10 @@
 """`served`: the server the client-library suite runs against (issue 32): the session's tiny model
 (`tandem_server`), and, marked slow, the real default model as `tandem serve` runs it with no flags
 (SmolLM2-135M-Instruct, tests/support/served.py), so that the same cases judge the protocol on a model
-that writes real text. Session-scoped and parametrized: pytest runs every tiny case, then starts the
-SmolLM2 server once for its cases."""
+that writes real text. Module-scoped and parametrized: in each module pytest runs every tiny case, then
+starts the SmolLM2 server for its cases and stops it at the module's end. Not session-scoped: the server's
+processes run below pytest's, where tests/router/test_faults.py looks for the session's router replicas
+(a live SmolLM2 server there is a second router)."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from tests.support.served import DEFAULT_MODEL, default_model_server
 
 
-@pytest.fixture(scope="session", params=["tiny", pytest.param(DEFAULT_MODEL, marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["tiny", pytest.param(DEFAULT_MODEL, marks=pytest.mark.slow)])
 def served(request):
     """A deploy.testing.TandemServer-shaped handle (base_url, model, model_dir, openai())."""
     if request.param == "tiny":
