@@ -41,6 +41,18 @@ def group_spec(c: DecodeConfig) -> GroupSpec:
                      step_timeout_s=c.step_timeout_s)
 
 
+def _group_prefix_cache(reports, attention_dp: bool) -> dict[str, int]:
+    """The group's prefix-cache counters: under TP every rank holds the same blocks and admits alike, so rank
+    0's; under attention data parallelism each rank caches its own requests' blocks, so the sum."""
+    if not attention_dp:
+        return dict(reports[0].prefix_cache)
+    total: dict[str, int] = {}
+    for r in reports:
+        for name, n in r.prefix_cache:
+            total[name] = total.get(name, 0) + n
+    return total
+
+
 class DecodeServer:
     async def __init__(self, config: DecodeConfig | dict):
         self.config = config if isinstance(config, DecodeConfig) else DecodeConfig(**config)
@@ -52,6 +64,7 @@ class DecodeServer:
         self._wake = asyncio.Event()
         self._steps = 0
         self._step_seconds = 0.0  # inside the ranks (engine + commands), summed over steps
+        self._prefix_cache: dict[str, int] = {}  # the group's engine prefix-cache counters, from the last reports
         self._last_error: str | None = None
         self._lost: str | None = None  # an idle group found dead by check_health; the loop rebuilds it
         self._loop = asyncio.create_task(self._run())
@@ -217,6 +230,7 @@ class DecodeServer:
             self._steps += 1
             self._step_seconds += max(r.step_seconds for r in reports)
             self.ctrl.on_reports(reports)
+            self._prefix_cache = _group_prefix_cache(reports, self.spec.attention_dp)
 
     async def _recover(self, group: RankGroup, reason: str) -> None:
         log.error("decode group %s failed, rebuilding: %s", group.group_id, reason)
@@ -265,6 +279,7 @@ class DecodeServer:
             "handovers_committed_on_landing": self.ctrl.handovers_committed_on_landing,
             "grammar": dict(self.ctrl.grammar_stats),
             "overlapped_steps": self.ctrl.overlapped_steps,
+            "prefix_cache": dict(self._prefix_cache),
             "feed_batches": self._feed_batches,
             "feed_items": self._feed_items,
             "handover_seconds": [s for s, _, _ in handovers],
@@ -285,7 +300,8 @@ class DecodeServer:
                           max_num_seqs=s["max_num_seqs"], num_requests=s["num_requests"],
                           num_running=s["num_running"], kv_blocks_used=s["kv_blocks_used"],
                           kv_blocks_total=s["kv_blocks_total"], steps=s["steps"], dp_ranks=s["dp_ranks"],
-                          grammar=tuple(s["grammar"].items())).to_wire()
+                          grammar=tuple(s["grammar"].items()),
+                          prefix_cache=tuple(s["prefix_cache"].items())).to_wire()
 
     async def rank_pids(self) -> list[int]:
         group = await self._current_group()

@@ -21,6 +21,7 @@ from cluster.channel import RECEIVER, open_channel
 from cluster.faults import FaultPoints
 from cluster.groups import backend_for, build_group
 from cluster.protocol import Command, CommandKind, KVLayout, RankStep, StepReport, TokenDelta
+from cluster.protocol.load import prefix_cache_counts
 from cluster.rendezvous import StoreAddress, StoreServer, connect_store
 from cluster.settings import EngineSettings
 from cluster.step_link import StepListener
@@ -161,7 +162,8 @@ class DecodeRank:
             kv_blocks_used=used, kv_blocks_total=stats["kv_blocks_total"],
             num_running=stats["num_running"], step_seconds=time.perf_counter() - start,
             handover_seconds=tuple(timings), grammar=tuple(stats.get("grammar", {}).items()),
-            overlapped_steps=stats["overlapped_steps"], committed_on_landing=early)
+            overlapped_steps=stats["overlapped_steps"], committed_on_landing=early,
+            prefix_cache=prefix_cache_counts(stats))
 
     def _apply(self, cmd: Command, deferred: list[str], failed: list[tuple[str, str]]) -> None:
         eng, rid = self.engine, cmd.request_id

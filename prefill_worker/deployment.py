@@ -13,7 +13,7 @@ import torch
 from cluster.errors import ChannelError
 from cluster.faults import FaultPoints
 from cluster.protocol import DecodeTarget, ModelInfo, PrefillRequest, PrefillResult
-from cluster.protocol.load import PrefillLoad
+from cluster.protocol.load import PrefillLoad, prefix_cache_counts
 from cluster.runtime import replica_id
 from engine import LLMEngine
 from prefill_worker.config import PrefillConfig
@@ -97,6 +97,9 @@ class PrefillServer:
             "handovers_total": self.loop.sender.total,
             "handovers_by_transport": dict(self.loop.sender.by_transport),
             "grammar": dict(s.get("grammar", {})),
+            # query/hit tokens (running totals), cached/evicted blocks; {} with prefix caching off. A prompt's
+            # tokens computed here are its query tokens less its hit tokens.
+            "prefix_cache": dict(prefix_cache_counts(s)),
             "handovers": [(t.pack_seconds, t.answer_seconds, t.payload_seconds, t.payload_bytes) for t in timings],
         }
 
@@ -113,7 +116,8 @@ class PrefillServer:
                            handovers_queued=s["handovers_queued"], handovers_total=s["handovers_total"],
                            kv_blocks_used=s["kv_blocks_used"], kv_blocks_total=s["kv_blocks_total"],
                            grammar=tuple(s["grammar"].items()),
-                           handovers_by_transport=tuple(s["handovers_by_transport"].items())).to_wire()
+                           handovers_by_transport=tuple(s["handovers_by_transport"].items()),
+                           prefix_cache=tuple(s["prefix_cache"].items())).to_wire()
 
     def __del__(self):
         loop = getattr(self, "loop", None)

@@ -140,6 +140,7 @@ class Router:
                 queue = s.get("num_prompts", 0) if role == "prefill" else s.get("num_requests", 0) - s.get("num_running", 0)
                 self.metrics.worker(role, replica, s.get("kv_blocks_used", 0), s.get("kv_blocks_total", 0), queue)
                 self.metrics.grammar(role, replica, s.get("grammar") or {})
+                self.metrics.prefix_cache(role, replica, s.get("prefix_cache") or {})
                 if role == "decode":
                     self.metrics.dp_ranks(replica, s.get("dp_ranks"))
                 else:

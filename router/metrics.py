@@ -1,5 +1,5 @@
 """Prometheus metrics of the router (GET /metrics): requests, TTFT, inter-token latency, tokens,
-queue length, and the KV usage the workers report. One private registry per router replica."""
+queue length, and the KV usage and prefix-cache counters the workers report. One private registry per router replica."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -60,10 +60,12 @@ class RouterMetrics:
         self.handover_bw = Gauge("tandem_handover_bytes_per_second_recent", "KV hand-over bandwidth of recent "
                                  "requests (decode side).", ["model"], registry=r).labels(**labels)
 
-        self._dp_ranks: dict[str, tuple] = {}
-        self._transports: dict[str, set[str]] = {}  # prefill replica -> transports it has reported  # decode replica -> its per-rank (placed, used, total, running)
+        self._dp_ranks: dict[str, tuple] = {}  # decode replica -> its per-rank (placed, used, total, running)
+        self._transports: dict[str, set[str]] = {}  # prefill replica -> transports it has reported
         self._workers: dict[tuple[str, str], set[str]] = {}  # (role, replica) -> grammar events it reported
+        self._prefix_cache: dict[tuple[str, str], dict[str, int]] = {}  # (role, replica) -> its engine's counters
         r.register(_DPRankCollector(self))
+        r.register(_PrefixCacheCollector(self))
 
     def dp_ranks(self, replica: str, ranks) -> None:
         """A decode replica's per-rank load (its stats' `dp_ranks`)."""
@@ -80,6 +82,7 @@ class RouterMetrics:
                 gauge.remove(model, role, key[1])
             for event in events:
                 self.grammar_events.remove(model, role, key[1], event)
+            self._prefix_cache.pop(key, None)
             if role == "decode":
                 self._dp_ranks.pop(key[1], None)
             for transport in self._transports.pop(key[1], set()):
@@ -89,6 +92,14 @@ class RouterMetrics:
         self._workers.setdefault((role, replica), set()).update(counts)
         for event, n in counts.items():
             self.grammar_events.labels(model=self._labels["model"], role=role, replica=replica, event=event).set(n)
+
+    def prefix_cache(self, role: str, replica: str, counts: dict[str, int]) -> None:
+        """A worker's prefix-cache counters (its stats' `prefix_cache`; empty with prefix caching off)."""
+        self._workers.setdefault((role, replica), set())
+        if counts:
+            self._prefix_cache[(role, replica)] = dict(counts)
+        else:
+            self._prefix_cache.pop((role, replica), None)
 
     def transports(self, replica: str, counts: dict[str, int]) -> None:
         self._transports.setdefault(replica, set()).update(counts)  # registered by `grammar` as a worker
@@ -144,3 +155,35 @@ class _DPRankCollector:
         yield placed
         yield used
         yield running
+
+
+class _PrefixCacheCollector:
+    """Per worker replica: prompt tokens looked up in its engine's prefix cache and tokens reused (counters,
+    the worker's own running totals), cached blocks (a gauge: free blocks a next prompt may reuse) and blocks
+    evicted. A decode group reports rank 0's engine (under attention data parallelism, the sum of its ranks);
+    its hits come only from requests recomputed after a preemption, as hand-overs arrive with their KV."""
+
+    def __init__(self, metrics: RouterMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        model = self.metrics._labels["model"]
+        labels = ["model", "role", "replica"]
+        queries = CounterMetricFamily("tandem_prefix_cache_queries_tokens", "Prompt tokens looked up in the "
+                                      "prefix cache at admission, per worker replica.", labels=labels)
+        hits = CounterMetricFamily("tandem_prefix_cache_hits_tokens", "Prompt tokens whose KV the prefix cache "
+                                   "supplied (not computed), per worker replica.", labels=labels)
+        evicted = CounterMetricFamily("tandem_prefix_cache_evicted_blocks", "Cached blocks reused for new KV, "
+                                      "per worker replica.", labels=labels)
+        cached = GaugeMetricFamily("tandem_prefix_cache_cached_blocks", "KV blocks findable in the prefix cache, "
+                                   "per worker replica (free ones among them count as free KV).", labels=labels)
+        for (role, replica), c in self.metrics._prefix_cache.items():
+            key = [model, role, replica]
+            queries.add_metric(key, c.get("query_tokens", 0))
+            hits.add_metric(key, c.get("hit_tokens", 0))
+            evicted.add_metric(key, c.get("evicted_blocks", 0))
+            cached.add_metric(key, c.get("cached_blocks", 0))
+        yield queries
+        yield hits
+        yield evicted
+        yield cached

@@ -13,7 +13,17 @@ from dataclasses import dataclass, fields
 from cluster.errors import ProtocolError, ProtocolVersionError
 from cluster.protocol import wire
 
-ROUTING_STATS_VERSION = 1  # bump on any change to the fields below
+ROUTING_STATS_VERSION = 2  # bump on any change to the fields below
+
+# The engine's prefix-cache figures a worker reports (engine stats()["prefix_cache"], less its hit rate):
+# running totals of prompt tokens looked up and reused, and the pool's cached and evicted blocks.
+PREFIX_CACHE_COUNTS = ("query_tokens", "hit_tokens", "cached_blocks", "evicted_blocks")
+
+
+def prefix_cache_counts(engine_stats: dict) -> tuple[tuple[str, int], ...]:
+    """An engine's prefix-cache counters as (name, count) pairs; () with prefix caching off."""
+    pc = engine_stats.get("prefix_cache")
+    return () if pc is None else tuple((name, pc[name]) for name in PREFIX_CACHE_COUNTS)
 
 
 def _counts(value, name: str, field: str) -> tuple[tuple[str, int], ...]:
@@ -71,12 +81,13 @@ class PrefillLoad(_Load):
     kv_blocks_total: int
     grammar: tuple[tuple[str, int], ...]  # the engine's grammar counters (compiles, cache hits, ...)
     handovers_by_transport: tuple[tuple[str, int], ...]  # gloo, nccl, ipc: what carried the payloads
+    prefix_cache: tuple[tuple[str, int], ...] = ()  # PREFIX_CACHE_COUNTS of its engine; empty with prefix caching off
 
     ROLE = "prefill"
     READERS = {"replica": wire.text, "max_num_batched_tokens": wire.integer, "num_prompts": wire.integer,
                "prompt_tokens_waiting": wire.integer, "handovers_queued": wire.integer,
                "handovers_total": wire.integer, "kv_blocks_used": wire.integer, "kv_blocks_total": wire.integer,
-               "grammar": _counts, "handovers_by_transport": _counts}
+               "grammar": _counts, "handovers_by_transport": _counts, "prefix_cache": _counts}
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +103,13 @@ class DecodeLoad(_Load):
     steps: int
     dp_ranks: tuple[tuple[int, int, int, int], ...]  # per rank: (placed since start, KV used, KV total, running)
     grammar: tuple[tuple[str, int], ...]
+    prefix_cache: tuple[tuple[str, int], ...] = ()  # PREFIX_CACHE_COUNTS of the group (summed over ADP ranks)
 
     ROLE = "decode"
     READERS = {"replica": wire.text, "group_id": wire.text_or_none, "last_error": wire.text_or_none,
                "max_num_seqs": wire.integer, "num_requests": wire.integer, "num_running": wire.integer,
                "kv_blocks_used": wire.integer, "kv_blocks_total": wire.integer, "steps": wire.integer,
-               "dp_ranks": _rank_loads, "grammar": _counts}
+               "dp_ranks": _rank_loads, "grammar": _counts, "prefix_cache": _counts}
 
 
 LOADS = {"prefill": PrefillLoad, "decode": DecodeLoad}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from cluster.protocol import wire
 
-STEP_LINK_VERSION = 1  # bump on any change to a WIRE below (exchanged when a step link opens)
+STEP_LINK_VERSION = 2  # bump on any change to a WIRE below (exchanged when a step link opens)
 
 
 class CommandKind(enum.Enum):
@@ -132,20 +132,23 @@ class StepReport:
     grammar: tuple[tuple[str, int], ...] = field(default=())  # the engine's grammar counters (compiles, ...)
     overlapped_steps: int = 0  # the engine's steps launched before its previous step was read (async scheduling)
     committed_on_landing: int = 0  # stocked hand-overs a one-rank group committed itself (DecodeRank._commit_landed)
+    # The engine's prefix-cache counters (query_tokens, hit_tokens, cached_blocks, evicted_blocks); empty when off.
+    prefix_cache: tuple[tuple[str, int], ...] = field(default=())
 
     WIRE = ("tp_rank", "deltas", "arrived", "landed", "failed", "deferred", "kv_blocks_used", "kv_blocks_total",
             "num_running", "step_seconds", "handover_seconds", "reserved", "grammar", "overlapped_steps",
-            "committed_on_landing")
+            "committed_on_landing", "prefix_cache")
 
     def to_wire(self) -> tuple:
         return (self.tp_rank, tuple(d.to_wire() for d in self.deltas), self.arrived, self.landed, self.failed,
                 self.deferred, self.kv_blocks_used, self.kv_blocks_total, self.num_running, self.step_seconds,
-                self.handover_seconds, self.reserved, self.grammar, self.overlapped_steps, self.committed_on_landing)
+                self.handover_seconds, self.reserved, self.grammar, self.overlapped_steps, self.committed_on_landing,
+                self.prefix_cache)
 
     @staticmethod
     def from_wire(raw) -> "StepReport":
         (tp_rank, deltas, arrived, landed, failed, deferred, used, total, running, step_s, handover_s, reserved,
-         grammar, overlapped, committed) = wire.record(raw, "StepReport", StepReport.WIRE)
+         grammar, overlapped, committed, prefix_cache) = wire.record(raw, "StepReport", StepReport.WIRE)
         n = "StepReport"
         return StepReport(
             tp_rank=wire.integer(tp_rank, n, "tp_rank"),
@@ -160,7 +163,9 @@ class StepReport:
             reserved=wire.texts(reserved, n, "reserved"),
             grammar=tuple(_pair(g, "grammar", wire.integer) for g in wire.array(grammar, n, "grammar")),
             overlapped_steps=wire.integer(overlapped, n, "overlapped_steps"),
-            committed_on_landing=wire.integer(committed, n, "committed_on_landing"))
+            committed_on_landing=wire.integer(committed, n, "committed_on_landing"),
+            prefix_cache=tuple(_pair(c, "prefix_cache", wire.integer)
+                               for c in wire.array(prefix_cache, n, "prefix_cache")))
 
 
 def _pair(raw, field_name: str, second) -> tuple:

@@ -10,7 +10,8 @@ import pytest
 from cluster.errors import ProtocolError, ProtocolVersionError
 from cluster.protocol.load import ROUTING_STATS_VERSION, DecodeLoad, PrefillLoad
 
-PREFILL = PrefillLoad("p1", 2048, 3, 700, 1, 40, 12, 256, (("compiles", 2), ("hits", 9)), (("gloo", 40),))
+PREFILL = PrefillLoad("p1", 2048, 3, 700, 1, 40, 12, 256, (("compiles", 2), ("hits", 9)), (("gloo", 40),),
+                      (("cached_blocks", 4), ("evicted_blocks", 0), ("hit_tokens", 48), ("query_tokens", 80)))
 DECODE = DecodeLoad("d1", "g7", None, 64, 5, 4, 30, 512, 1234, ((3, 10, 256, 2), (2, 20, 256, 2)), (("hits", 1),))
 REBUILDING = DecodeLoad("d2", None, "rank 1 died", 64, 0, 0, 0, 0, 0, (), ())
 

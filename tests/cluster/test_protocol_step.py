@@ -22,7 +22,8 @@ def full_report() -> StepReport:
         arrived=("d", "e"), landed=("f",), failed=(("g", "peer went away"),), deferred=("h",),
         kv_blocks_used=17, kv_blocks_total=256, num_running=3, step_seconds=0.0125,
         handover_seconds=(("f", 0.002, 0.0005, 4096),), reserved=("d",), grammar=(("compiles", 2), ("hits", 5)),
-        overlapped_steps=11, committed_on_landing=1)
+        overlapped_steps=11, committed_on_landing=1,
+        prefix_cache=(("query_tokens", 96), ("hit_tokens", 64), ("cached_blocks", 5), ("evicted_blocks", 0)))
 
 
 @pytest.mark.parametrize("kind", list(CommandKind))
@@ -64,6 +65,7 @@ def _with(record_wire: tuple, names: tuple[str, ...], field: str, value) -> tupl
     ("arrived", "a", "StepReport field 'arrived' must be an array"),
     ("failed", (("g",),), "StepReport failed must have 2 fields"),
     ("grammar", (("compiles", "2"),), "StepReport grammar field 'value' must be an int"),
+    ("prefix_cache", (("hit_tokens", 1.0),), "StepReport prefix_cache field 'value' must be an int"),
     ("handover_seconds", (("f", 0.1, 0.1, 1.5),), "StepReport handover_seconds field 'bytes' must be an int"),
     ("deltas", (("a", (1, "2"), False, None, ()),), "TokenDelta field 'token_ids' must be an array of ints"),
     ("deltas", (("a", (1,), False, "eos", ()),), "TokenDelta field 'finish_reason' must be one of"),
@@ -93,7 +95,7 @@ def test_a_malformed_step_names_its_field(raw, message):
 
 def test_a_report_one_field_longer_is_refused():
     """A field sent and never read is a protocol bug (the two sides disagree on the record), not a spare."""
-    with pytest.raises(ProtocolError, match="StepReport must have 15 fields"):
+    with pytest.raises(ProtocolError, match="StepReport must have 16 fields"):
         StepReport.from_wire(full_report().to_wire() + (0,))
 
 
