@@ -1,0 +1,89 @@
+"""Prefix caching through the served path (issue 34): requests that share a long prompt prefix, sent one
+after another to the session's application (prefix caching on, the default), get the greedy tokens of an
+application with it off; the prefill replica computes only each later prompt's uncached suffix (its stats and
+/metrics count the reused tokens exactly), and afterwards every KV block is free on both sides."""
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from cluster.testing import wait_for
+from deploy.metrics_probe import scrape, worker_value
+from deploy.testing import start_app, stop_app, wait_decode_settled
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+BLOCK = 16  # the served block size (EngineSettings.block_size)
+SHARED = 5 * BLOCK  # the shared prefix: five full blocks
+SUFFIXES = (7, 3, 12, 9)  # each request's own tail; the first one computes the prefix
+MAX_TOKENS = 12
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    """Token-id prompts, so that the shared prefix is exactly SHARED tokens (text could merge at the seam)."""
+    rng = random.Random(34)
+    prefix = [rng.randrange(3, vocab_size) for _ in range(SHARED)]
+    return [prefix + [rng.randrange(3, vocab_size) for _ in range(n)] for n in SUFFIXES]
+
+
+def _complete(server, prompt: list[int]) -> tuple[str, int]:
+    with server.openai(timeout=300) as client:
+        out = client.completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    return out.choices[0].text, out.usage.prompt_tokens
+
+
+def _prefill_counts(server) -> dict[str, int]:
+    return server.prefill_handle().stats.remote().result()["prefix_cache"]
+
+
+def _metrics(server) -> dict:
+    return scrape(httpx.get(f"{server.base_url}/metrics", timeout=30).text)
+
+
+def _all_blocks_free(server) -> None:
+    wait_decode_settled(server.app)
+    wait_for(lambda: not any(server.kv_blocks_in_use().values()), f"every KV block of {server.app} free")
+
+
+@pytest.fixture(scope="module")
+def no_cache(tandem_server):
+    server = start_app(tandem_server, "nocache", enable_prefix_caching=False)
+    yield server
+    stop_app("nocache")
+
+
+def test_shared_prefix_is_computed_once_and_changes_no_token(tandem_server, no_cache):
+    vocab = tandem_server.prefill_handle().model_info.remote().result().vocab_size
+    prompts = _prompts(vocab)
+
+    cached, computed = [], []
+    for prompt in prompts:
+        before = _prefill_counts(tandem_server)
+        text, prompt_tokens = _complete(tandem_server, prompt)
+        after = _prefill_counts(tandem_server)
+        queried = after["query_tokens"] - before["query_tokens"]
+        hits = after["hit_tokens"] - before["hit_tokens"]
+        assert queried == prompt_tokens == len(prompt)
+        cached.append(text)
+        computed.append(queried - hits)
+    # The first prompt computes everything; each later one only its own tail, the shared blocks reused.
+    assert computed == [SHARED + SUFFIXES[0]] + list(SUFFIXES[1:]), computed
+
+    uncached = [_complete(no_cache, p)[0] for p in prompts]
+    assert cached == uncached
+
+    samples = _metrics(tandem_server)  # the prefill replica's running totals, as its stats give them
+    hits = worker_value(samples, "tandem_prefix_cache_hits_tokens_total", "prefill")
+    assert hits == _prefill_counts(tandem_server)["hit_tokens"] >= SHARED * (len(prompts) - 1)
+    assert worker_value(samples, "tandem_prefix_cache_cached_blocks", "prefill") >= SHARED // BLOCK
+    assert any(n == "tandem_prefix_cache_queries_tokens_total" and ("role", "decode") in labels
+               for n, labels in samples), "the decode group's prefix-cache series"
+    off = _metrics(no_cache)
+    assert not any(n.startswith("tandem_prefix_cache_") for n, _ in off), "prefix caching off: no series"
+    assert _prefill_counts(no_cache) == {}
+
+    _all_blocks_free(tandem_server)
+    _all_blocks_free(no_cache)
