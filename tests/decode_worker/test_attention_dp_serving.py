@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from cluster.testing import wait_for
-from tests.integration.topologies import BY_NAME
+from tests.support.topologies import BY_NAME
 
 pytestmark = pytest.mark.ray
 
@@ -25,7 +25,7 @@ def adp_app(tandem_server, tmp_path_factory):
 
     from deploy.app import build_app
     from deploy.config import TandemConfig
-    from tests.engine.speculative.test_spec_heads import make_mtp_head
+    from tests.support.draft_heads import make_mtp_head
 
     head = make_mtp_head(tmp_path_factory.mktemp("adp") / "mtp", tandem_server.model_dir, seed=1)
     # The ADP row of the integration tests' topology table (its CPU twin), with a hand-over stock on top.

@@ -8,17 +8,11 @@ from decode_worker.deployment import group_spec
 from deploy.app import build_app
 from deploy.config import TandemConfig
 from deploy.serve_cmd import parser, tandem_config
-
-
-def _deployments(app) -> dict:
-    """name -> Deployment of the router application and the two it binds."""
-    router = app._bound_deployment
-    bound = [a._bound_deployment for a in router.init_args[:2]]
-    return {d.name: d for d in [router, *bound]}
+from tests.support.deployments import bound_deployments
 
 
 def test_defaults_place_by_device(tiny_model_dir):
-    d = _deployments(build_app(TandemConfig(model=tiny_model_dir)))
+    d = bound_deployments(build_app(TandemConfig(model=tiny_model_dir)))
     assert d["prefill"].ray_actor_options == {"num_cpus": 1.0, "num_gpus": 0.0, "resources": {}}
     assert d["decode"].ray_actor_options == d["router"].ray_actor_options == {"num_cpus": 0, "resources": {}}
     spec = group_spec(TandemConfig(model=tiny_model_dir).decode())
@@ -28,7 +22,7 @@ def test_defaults_place_by_device(tiny_model_dir):
 def test_resources_reach_replicas_and_rank_bundles(tiny_model_dir):
     cfg = TandemConfig(model=tiny_model_dir, prefill_num_cpus=2, prefill_resources={"tandem_prefill": 1},
                        rank_num_cpus=0.5, rank_resources={"tandem_decode": 1}, router_resources={"tandem_head": 0.1})
-    d = _deployments(build_app(cfg))
+    d = bound_deployments(build_app(cfg))
     assert d["prefill"].ray_actor_options == {"num_cpus": 2.0, "num_gpus": 0.0, "resources": {"tandem_prefill": 1}}
     assert d["router"].ray_actor_options == {"num_cpus": 0, "resources": {"tandem_head": 0.1}}
     assert d["decode"].ray_actor_options == {"num_cpus": 0, "resources": {"tandem_head": 0.1}}
@@ -38,10 +32,10 @@ def test_resources_reach_replicas_and_rank_bundles(tiny_model_dir):
 def test_gpu_shares_on_cuda(tiny_model_dir):
     """Prefill and a decode rank on one GPU: half each (issue 16's one-GPU topology)."""
     cfg = TandemConfig(model=tiny_model_dir, device="cuda", prefill_num_gpus=0.5, rank_num_gpus=0.5, tp=1)
-    assert _deployments(build_app(cfg))["prefill"].ray_actor_options["num_gpus"] == 0.5
+    assert bound_deployments(build_app(cfg))["prefill"].ray_actor_options["num_gpus"] == 0.5
     assert group_spec(cfg.decode()).resources.bundle() == {"CPU": 1.0, "GPU": 0.5}
     whole = TandemConfig(model=tiny_model_dir, device="cuda")
-    assert _deployments(build_app(whole))["prefill"].ray_actor_options["num_gpus"] == 1.0
+    assert bound_deployments(build_app(whole))["prefill"].ray_actor_options["num_gpus"] == 1.0
     assert group_spec(whole.decode()).resources.bundle() == {"CPU": 1.0, "GPU": 1.0}
 
 

@@ -1,4 +1,4 @@
-"""The whole served path per topology (tests/integration/topologies.py), through the openai client: a Serve
+"""The whole served path per topology (tests/support/topologies.py), through the openai client: a Serve
 app built from deploy/serve.yaml's args for the row, on CUDA where the machine has the GPUs the row needs,
 and as its CPU twin everywhere.
 
@@ -21,7 +21,7 @@ import pytest
 
 from cluster.testing import wait_for
 from deploy.testing import TandemServer
-from tests.integration.topologies import TOPOLOGIES, Topology
+from tests.support.topologies import TOPOLOGIES, Topology
 
 pytestmark = pytest.mark.ray
 
@@ -77,7 +77,7 @@ def served(request, tandem_server, tmp_path_factory):
 
     from deploy.app import build_app
     from deploy.config import TandemConfig
-    from tests.engine.speculative.test_spec_heads import make_mtp_head
+    from tests.support.draft_heads import make_mtp_head
 
     topology, device = request.param
     if topology.not_built:

@@ -8,8 +8,8 @@ import pytest
 from decode_worker.deployment import group_spec
 from deploy.app import build_app
 from deploy.config import TandemConfig
-from tests.deploy.test_app import _deployments
-from tests.integration.topologies import TOPOLOGIES, Topology
+from tests.support.deployments import bound_deployments
+from tests.support.topologies import TOPOLOGIES, Topology
 
 ROWS = [pytest.param(t, id=t.name) for t in TOPOLOGIES if not t.not_built]
 
@@ -17,7 +17,7 @@ ROWS = [pytest.param(t, id=t.name) for t in TOPOLOGIES if not t.not_built]
 @pytest.mark.parametrize("topology", ROWS)
 def test_cuda_row_asks_ray_for_the_gpus_it_needs(topology: Topology, tiny_model_dir):
     cfg = TandemConfig(**topology.serve_args("cuda", tiny_model_dir, tiny_model_dir))
-    prefill = _deployments(build_app(cfg))["prefill"]
+    prefill = bound_deployments(build_app(cfg))["prefill"]
     bundle = group_spec(cfg.decode()).resources.bundle()
     assert prefill.ray_actor_options["num_gpus"] == topology.prefill_gpus
     assert bundle["GPU"] == topology.rank_gpus

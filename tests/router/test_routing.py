@@ -94,9 +94,7 @@ def test_mtp_hand_over_carries_the_hidden_state_and_stays_lossless(tandem_server
     from deploy.app import build_app
     from deploy.config import TandemConfig
     from engine import LLM, SamplingParams
-    # The engine's own test builder of a random MTP head in DeepSeek-V3 layout (see the report: it
-    # would be better in an engine/testing module).
-    from tests.engine.speculative.test_spec_heads import make_mtp_head
+    from tests.support.draft_heads import make_mtp_head  # a random MTP head in DeepSeek-V3 layout
 
     head = make_mtp_head(tmp_path / "mtp", tandem_server.model_dir, seed=1)
     cfg = TandemConfig(model=tandem_server.model_dir, served_model_name="mtp", tp=2, num_kv_blocks=128,
