@@ -16,7 +16,7 @@ import pytest
 from bench.load_client import send_request
 from cluster.testing import wait_for
 from deploy.testing import start_app, stop_app
-from tests.prefill_worker.test_faults import served
+from tests.support.liveness import serves_completions
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -64,7 +64,7 @@ def test_decode_rank_killed_between_header_and_payload(armed):
     # The group died under the others too: they finished before, or failed with the same typed error.
     assert {o["outcome"] for o in others} <= {"completed", "typed_error"}, others
 
-    wait_for(lambda: served(armed), "the decode group is rebuilt and serves again", 300, 1.0)
+    wait_for(lambda: serves_completions(armed), "the decode group is rebuilt and serves again", 300, 1.0)
     after = decode.stats.remote().result()
     assert after["groups_started"] == before["groups_started"] + 1
     wait_for(lambda: not any(armed.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)
@@ -72,7 +72,7 @@ def test_decode_rank_killed_between_header_and_payload(armed):
 
 def test_payload_stalled_past_its_deadline_fails_that_request_only(armed):
     decode = armed.decode_handle()
-    wait_for(lambda: served(armed), "the armed app serves", 300, 1.0)
+    wait_for(lambda: serves_completions(armed), "the armed app serves", 300, 1.0)
     before = decode.stats.remote().result()
     marked = spec(armed, "Hello, how are you?", stream=True, request_id="fault-handover.send_payload-1")
     fault, others = asyncio.run(with_others(armed, marked))
@@ -80,7 +80,7 @@ def test_payload_stalled_past_its_deadline_fails_that_request_only(armed):
     assert "hand-over failed" in fault["detail"]["message"] and "gloo" not in fault["detail"]["message"], fault
     assert [o["outcome"] for o in others] == ["completed"] * len(others), others
 
-    assert served(armed)
+    assert serves_completions(armed)
     assert decode.stats.remote().result()["groups_started"] == before["groups_started"]  # no rebuild needed
     wait_for(lambda: not any(armed.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)
 
@@ -89,7 +89,7 @@ def test_prefill_killed_with_the_hand_over_still_queued(armed):
     """Regression: once the router had the first token it stopped watching the prefill, and the decode side
     waited for a header that could no longer come: the stream ended only at the decode side's header
     deadline (handover_timeout_s, 60 s), with a message about that deadline instead of the death."""
-    wait_for(lambda: served(armed), "the armed app serves", 300, 1.0)
+    wait_for(lambda: serves_completions(armed), "the armed app serves", 300, 1.0)
     prefill = armed.prefill_handle()
     before = prefill.stats.remote().result()
     body = {"model": armed.model, "prompt": "Hello, how are you?", "max_tokens": 32, "temperature": 0,
@@ -113,5 +113,5 @@ def test_prefill_killed_with_the_hand_over_still_queued(armed):
     assert events and "error" in events[-1], lines
     assert "prefill worker died" in events[-1]["error"]["message"], events[-1]
 
-    wait_for(lambda: served(armed), "Serve restarts the prefill replica and requests succeed", 300, 1.0)
+    wait_for(lambda: serves_completions(armed), "Serve restarts the prefill replica and requests succeed", 300, 1.0)
     wait_for(lambda: not any(armed.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)

@@ -12,17 +12,9 @@ import pytest
 from bench.faults import LONG_PROMPT
 from bench.load_client import kv_blocks_used, send_request
 from cluster.testing import wait_for
+from tests.support.liveness import serves_completions
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-def served(server) -> bool:
-    try:
-        out = server.openai(timeout=60).completions.create(model=server.model, prompt="Hello", max_tokens=4,
-                                                           temperature=0)
-    except Exception:  # noqa: BLE001 - any failure means "not yet"
-        return False
-    return out.usage.completion_tokens == 4
 
 
 def test_killed_prefill_replica_fails_its_requests_and_is_restarted(tandem_server):
@@ -50,7 +42,8 @@ def test_killed_prefill_replica_fails_its_requests_and_is_restarted(tandem_serve
     for o in errors:  # one line a client can act on (Ray's account of the death, with pids and addresses, is logged)
         assert "prefill worker died" in o["detail"]["message"] and "\n" not in o["detail"]["message"], o
 
-    wait_for(lambda: served(tandem_server), "Serve restarts the prefill replica and requests succeed", 300, 1.0)
+    wait_for(lambda: serves_completions(tandem_server), "Serve restarts the prefill replica and requests succeed",
+             300, 1.0)
     assert prefill.stats.remote().result()["pid"] != pid
     wait_for(lambda: not any(tandem_server.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)
     # /metrics follows the live replicas: the killed one's last figures are not reported beside its successor's

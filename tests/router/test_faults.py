@@ -13,7 +13,7 @@ import pytest
 from bench.faults import kill, replica_pids
 from bench.load_client import send_request
 from cluster.testing import wait_for
-from tests.prefill_worker.test_faults import served
+from tests.support.liveness import serves_completions
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -51,7 +51,7 @@ def test_killed_router_replica_ends_its_requests_and_is_restarted(tandem_server)
     most_per_step = tandem_server.config.num_speculative_tokens + 1
     assert ended["steps"] - at_kill["steps"] < MAX_TOKENS // most_per_step // 4, (ended["steps"], at_kill["steps"])
 
-    wait_for(lambda: served(tandem_server), "Serve restarts the router and requests succeed", 300, 1.0)
+    wait_for(lambda: serves_completions(tandem_server), "Serve restarts the router and requests succeed", 300, 1.0)
     assert replica_pids("router", os.getpid(), tandem_server.app) not in ([], pids)
     wait_for(lambda: not any(tandem_server.kv_blocks_in_use().values()), "KV blocks in use back to 0", 180, 0.5)
     # Ray's word on the router's death still reaches the decode replica's count (its link closed first).
