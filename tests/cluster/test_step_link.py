@@ -182,8 +182,11 @@ def test_a_replica_of_another_version_gets_the_ranks_hello_and_then_a_closed_lin
     sock.settimeout(5)
     sock.sendall(token + frame(wire.hello("step", STEP_LINK_VERSION + 7)))
     assert recv_frame(sock, "hello") == wire.hello("step", STEP_LINK_VERSION)
-    sock.sendall(frame((step(0).to_wire(), 0.0)))
-    assert sock.recv(1) == b""  # closed: the step was never run
+    try:  # the rank closes after its hello: under load the step's bytes may meet a closed socket (a reset)
+        sock.sendall(frame((step(0).to_wire(), 0.0)))
+        assert sock.recv(1) == b""  # closed: the step was never run
+    except ConnectionResetError:
+        pass
     sock.close()
     assert served == []
     listener.close()
