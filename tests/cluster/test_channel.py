@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 
 import pytest
 import torch
 
-from cluster.channel import RECEIVER, SENDER, KVChannel, TensorSpec, connect_channel, open_channel
+from cluster.channel import RECEIVER, TensorSpec, open_channel
 from cluster.errors import ChannelError
 from cluster.rendezvous import StoreServer
 from cluster.testing import returns
+from tests.support.channel import open_pair, transfer
 
 
 def pack_reference(kv: torch.Tensor, block_ids: list[int], heads: tuple[int, int] | None) -> torch.Tensor:
@@ -29,22 +29,6 @@ def random_cache(shape, dtype, gen) -> torch.Tensor:
     return raw.view(dtype).view(shape)
 
 
-def open_pair(preference: str = "auto", rx_preference: str | None = None):
-    server = StoreServer(host="127.0.0.1")
-    cid = uuid.uuid4().hex
-    ends: dict = {}
-
-    def _recv_end():
-        ends["rx"] = open_channel(server.store, cid, RECEIVER, connect_timeout_s=10,
-                                  preference=rx_preference or preference)
-
-    t = threading.Thread(target=_recv_end)
-    t.start()
-    tx = connect_channel(server.address, cid, SENDER, connect_timeout_s=10, preference=preference)
-    t.join(10)
-    return tx, ends["rx"]
-
-
 # Every channel test runs over gloo and over shared memory (the CPU twin of CUDA IPC on one GPU).
 @pytest.fixture(params=["network", "ipc"], ids=["gloo", "shm"])
 def channel_pair(request):
@@ -53,26 +37,6 @@ def channel_pair(request):
     yield tx, rx
     tx.close()
     rx.close()
-
-
-def transfer(tx: KVChannel, rx: KVChannel, header: dict, tensors: list[torch.Tensor], accept: bool = True):
-    got: dict = {}
-
-    def _receive():
-        msg = rx.recv_header()
-        got["msg"] = msg
-        rx.answer(accept)
-        if accept:
-            got["payload"] = rx.recv_payload(msg)
-
-    t = threading.Thread(target=_receive)
-    t.start()
-    tx.send_header(header, tensors)
-    if tx.wait_answer(timeout_s=10):
-        tx.send_payload(tensors)
-    t.join(10)
-    assert not t.is_alive()
-    return got
 
 
 LAYOUTS = [

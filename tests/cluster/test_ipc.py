@@ -15,7 +15,7 @@ import torch
 from cluster.errors import ChannelError
 from cluster.ipc import Place, choose_transport
 from cluster.testing import wait_for
-from tests.cluster.test_channel import open_pair, transfer
+from tests.support.channel import open_pair, transfer
 
 HOST_A, HOST_B = "node-a/boot-1", "node-b/boot-2"
 
