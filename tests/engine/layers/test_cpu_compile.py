@@ -4,7 +4,7 @@ import torch
 
 from engine.layers import cpu_compile
 from engine.layers.packed_gemm import PackedGemm, pack_cpu_gemms
-from tests.engine.layers.test_packed_gemm import Tiny
+from tests.support.tiny_linear import TinyLinearModel
 
 
 def test_a_failed_compile_leaves_every_matmul_eager(monkeypatch, caplog):
@@ -20,7 +20,7 @@ def test_a_failed_compile_leaves_every_matmul_eager(monkeypatch, caplog):
 
     monkeypatch.setattr(compile_fx, "compile_fx", fail)
     monkeypatch.setattr(cpu_compile._State, "disabled", None)
-    model = Tiny()
+    model = TinyLinearModel()
     pack_cpu_gemms(model)
     ids = torch.tensor([1, 2, 3])
     with caplog.at_level("WARNING"):

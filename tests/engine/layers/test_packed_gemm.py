@@ -2,36 +2,14 @@
 import torch
 import torch.nn.functional as F
 
-from engine.distributed.parallel import TPContext
-from engine.layers.linear import ColumnParallelLinear, Embedding, LMHead, RowParallelLinear
 from engine.layers.packed_gemm import PackedGemm, pack_cpu_gemms, warm_up
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        gen = torch.Generator().manual_seed(0)
-        self.up = ColumnParallelLinear(32, 96, True, TPContext())
-        self.down = RowParallelLinear(96, 32, True, TPContext())  # its bias comes after the (trivial) reduce
-        self.embed = Embedding(64, 32)
-        self.head = LMHead(64, 32)
-        self.head.weight = self.embed.weight  # tied
-        for p in self.parameters():
-            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-
-    def forward(self, ids):
-        return self.head(self.down(self.up(self.embed(ids))))
-
-    def reference(self, ids):
-        x = F.linear(self.embed.weight[ids], self.up.weight, self.up.bias)
-        x = F.linear(x, self.down.weight) + self.down.bias
-        return F.linear(x, self.embed.weight)
+from tests.support.tiny_linear import TinyLinearModel
 
 
 def test_packed_model_matches_eager_at_every_row_count():
     """Bucketed row counts (exact and zero-padded), the row-parallel bias added once, a tied head packed
     once; more rows than the largest bucket stay eager."""
-    model = Tiny()
+    model = TinyLinearModel()
     assert pack_cpu_gemms(model) == 3  # up, down, the head (the embedding is a lookup)
     assert pack_cpu_gemms(model) == 3  # idempotent
     warm_up(model, (1, 4))
