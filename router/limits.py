@@ -26,7 +26,7 @@ UNSUPPORTED = {
 # Fields that change nothing in the output, accepted and ignored: bookkeeping (metadata, store, ...), cache and
 # scheduling hints.
 NO_OP = frozenset({"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id",
-                   "priority", "cache_salt"})
+                   "priority"})
 
 
 def check_request(body, settings: RouterSettings, vocab_size: int, chat: bool) -> None:

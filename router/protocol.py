@@ -40,6 +40,8 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = Field(None, description="Penalty in [-2, 2] on tokens already present.")
     frequency_penalty: float | None = Field(None, description="Penalty in [-2, 2] scaled by token counts.")
     repetition_penalty: float | None = Field(None, description="Multiplicative penalty (> 0) on seen tokens.")
+    cache_salt: str | None = Field(None, description="vLLM's: requests share cached prompt blocks only with requests "
+                                                     "of the same salt (tenants isolated from each other's prefixes).")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     spaces_between_special_tokens: bool = Field(True, description="vLLM's; the router's fast tokenizers never put "
@@ -77,7 +79,7 @@ class SamplingFields(BaseModel):
                    "skip_special_tokens": self.skip_special_tokens,
                    "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": logprobs}
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+                     "repetition_penalty", "cache_salt"):
             value = getattr(self, name)
             if value is not None:
                 p[name] = value

@@ -87,3 +87,30 @@ def test_shared_prefix_is_computed_once_and_changes_no_token(tandem_server, no_c
 
     _all_blocks_free(tandem_server)
     _all_blocks_free(no_cache)
+
+
+def test_a_cache_salt_shares_blocks_only_within_its_tenant(tandem_server):
+    """vLLM's cache_salt through the API: a salted request reuses nothing of unsalted or other-salted prompts, and
+    a second request of its own salt reuses its blocks; the salt changes no token."""
+    vocab = tandem_server.prefill_handle().model_info.remote().result().vocab_size
+    rng = random.Random(3434)
+    prompt = [rng.randrange(3, vocab) for _ in range(SHARED + 5)]
+
+    def computed(salt: str | None) -> tuple[int, str]:
+        before = _prefill_counts(tandem_server)
+        with tandem_server.openai(timeout=300) as client:
+            out = client.completions.create(model=tandem_server.model, prompt=prompt, max_tokens=4, temperature=0,
+                                            extra_body={"cache_salt": salt} if salt else None)
+        after = _prefill_counts(tandem_server)
+        return (after["query_tokens"] - before["query_tokens"]) - (after["hit_tokens"] - before["hit_tokens"]), \
+            out.choices[0].text
+
+    plain = computed(None)
+    assert plain[0] == len(prompt)  # a prompt nobody sent before
+    first_a, second_a, first_b = computed("tenant-a"), computed("tenant-a"), computed("tenant-b")
+    assert first_a[0] == len(prompt) and first_b[0] == len(prompt)  # nothing shared across salts
+    assert second_a[0] == len(prompt) - SHARED  # its own tenant's blocks are reused
+    assert plain[1] == first_a[1] == second_a[1] == first_b[1]
+    bad = httpx.post(f"{tandem_server.base_url}/v1/completions", timeout=60, json={
+        "model": tandem_server.model, "prompt": "hi", "max_tokens": 1, "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt", bad.text
