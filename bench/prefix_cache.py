@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-compile", default="off", choices=("off", "gemm", "layers"))
     ap.add_argument("--name", default="prefix_cache_cpu")
     args = ap.parse_args(argv)
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     target = str(resolve("smollm2-135m-instruct").target)
     systems = {on: LLM(target, max_num_seqs=args.concurrency, num_kv_blocks=2048, block_size=16,
-                       enable_prefix_caching=on, cpu_compile="layers") for on in (True, False)}
+                       enable_prefix_caching=on, cpu_compile=args.cpu_compile) for on in (True, False)}
     prompts = shared_workload(systems[True].tokenizer, args.requests)
     for llm in systems.values():
         llm.generate([prompts[0][:64]], None)  # warm-up (compiles); a prefix no workload request shares
