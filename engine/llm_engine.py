@@ -328,12 +328,15 @@ class LLMEngine:
             return None
         st = self.prefix_cache.stats
         return {"query_tokens": st.queries, "hit_tokens": st.hits, "hit_rate": st.hit_rate,
-                "cached_blocks": self.blocks.pool.num_cached, "evicted_blocks": self.blocks.pool.num_evicted}
+                "cached_blocks": self.blocks.pool.num_cached, "evicted_blocks": self.blocks.pool.num_evicted,
+                "deferred_admissions": st.deferred}
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.remove(req)
         if self.prefix_cache is not None and status is not RequestStatus.FINISHED_ERROR:
             self.prefix_cache.progress(req)  # its answer's blocks too: a next turn starts with them
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(req)
         self.blocks.free(req.request_id)
         self.drafter.release(req.request_id)
         self.guided.release(req.request_id)

@@ -163,13 +163,14 @@ class BlockManager:
         self.num_slots[request_id] = len(hits) * self.block_size
         return len(hits) * self.block_size
 
-    def cache_blocks(self, request_id: str, hashes: list[int], num_final_tokens: int) -> int:
+    def cache_blocks(self, request_id: str, hashes: list[int], num_final_tokens: int, start: int = 0) -> int:
         """Register the request's full blocks whose KV is final (every slot below `num_final_tokens`
-        written for good, the draft head's included) under their hashes; -> blocks newly registered."""
+        written for good, the draft head's included) under their hashes, from block `start` (those before
+        it were registered already); -> blocks newly registered."""
         table = self.tables.get(request_id, ())
         n = min(num_final_tokens // self.block_size, len(hashes), len(table))
         new = 0
-        for b in range(n):
+        for b in range(start, n):
             if not self.pool.is_cached(table[b]):
                 new += self.pool.register(table[b], hashes[b])
         return new

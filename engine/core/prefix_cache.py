@@ -13,6 +13,11 @@ Two hooks, both host bookkeeping with no tensors:
 
 Grammar state is per request and not cached; preemption frees a request's references (free blocks stay
 cached), so a preempted request usually gets its own prefix back on re-admission.
+
+In-batch sharing (SGLang defers in the same spirit): requests that arrive together with the same prefix would
+all compute it, none being cached yet. A request whose next uncached block is being computed right now by a
+running request waits (`admit` says DEFER) and is admitted once that block is registered, as a hit: the
+prefix is computed once (this is also how `n` children of one prompt share it).
 """
 from __future__ import annotations
 
@@ -20,13 +25,16 @@ from dataclasses import dataclass
 
 from engine.core.block_manager import BlockManager
 from engine.core.prefix_hash import extend_hashes, namespace_hash
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
+
+DEFER = -1  # admit(): not now, a running request is computing this one's next blocks
 
 
 @dataclass(slots=True)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at admission
     hits: int = 0  # of those, tokens whose KV was reused
+    deferred: int = 0  # admissions put off until a running request's blocks were cached
 
     @property
     def hit_rate(self) -> float | None:
@@ -41,22 +49,41 @@ class PrefixCache:
         self.draft_lag = draft_lag
         self.stats = PrefixCacheStats()
         self._namespaces: dict[str | None, int] = {}
+        self._computing: dict[int, Request] = {}  # hash of a block not cached yet -> the running request computing it
 
     def admit(self, req: Request) -> int:
-        """Start a block-less request at its longest cached prefix; -> tokens reused."""
+        """Start a block-less request at its longest cached prefix; -> tokens reused, or DEFER when a running
+        request is computing its next block (it is admitted later, with that block as a hit)."""
         if self.blocks.table(req.request_id) or req.num_computed_tokens:
             return 0
-        hashes = self._hashes(req)
-        reused = self.blocks.allocate_cached(req.request_id, hashes, max_blocks=(req.num_tokens - 1) // self.block_size)
+        usable = self._hashes(req)[: (req.num_tokens - 1) // self.block_size]
+        hit = len(self.blocks.pool.lookup(usable))
+        if hit < len(usable) and self._being_computed(usable[hit], req):
+            self.stats.deferred += 1
+            return DEFER
+        reused = self.blocks.allocate_cached(req.request_id, usable, max_blocks=len(usable))
         req.num_computed_tokens = reused
+        req.num_cached_blocks = reused // self.block_size
+        for h in usable[hit:]:  # the blocks this request computes; others with the same prefix wait for them
+            self._computing.setdefault(h, req)
         self.stats.queries += req.num_tokens
         self.stats.hits += reused
         return reused
 
+    def _being_computed(self, block_hash: int, req: Request) -> bool:
+        owner = self._computing.get(block_hash)
+        if owner is None or owner is req:
+            return False
+        if owner.status is not RequestStatus.RUNNING:  # finished, parked, preempted: it will not register it now
+            del self._computing[block_hash]
+            return False
+        return True
+
     def cancel(self, req: Request, reused: int) -> None:
         """Undo `admit` for a request that could not be admitted after all (its blocks go back)."""
+        self.forget(req)
         self.blocks.free(req.request_id)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_cached_blocks = 0
         self.stats.queries -= req.num_tokens
         self.stats.hits -= reused
 
@@ -65,7 +92,24 @@ class PrefixCache:
         final = req.num_computed_tokens - self.draft_lag
         if final < self.block_size:
             return 0
-        return self.blocks.cache_blocks(req.request_id, self._hashes(req), final)
+        done, upto = req.num_cached_blocks, final // self.block_size
+        if upto <= done:
+            return 0
+        hashes = self._hashes(req)
+        new = self.blocks.cache_blocks(req.request_id, hashes, final, start=done)
+        req.num_cached_blocks = upto
+        if self._computing:
+            for h in hashes[done:upto]:
+                if self._computing.get(h) is req:
+                    del self._computing[h]
+        return new
+
+    def forget(self, req: Request) -> None:
+        """The request stops computing (finished, preempted): nobody waits on its blocks any more."""
+        if self._computing:
+            for h in req.block_hashes[req.num_cached_blocks:]:
+                if self._computing.get(h) is req:
+                    del self._computing[h]
 
     def _hashes(self, req: Request) -> list[int]:
         salt = req.params.cache_salt

@@ -61,6 +61,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt followed by output
     num_computed_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of token_ids' full blocks (prefix caching)
+    num_cached_blocks: int = 0  # leading blocks of its table registered in the prefix cache (or found there)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (after token_ids)
     draft_hidden: torch.Tensor | None = None  # the draft head's input at the last prompt row (hand-over)
     status: RequestStatus = RequestStatus.WAITING

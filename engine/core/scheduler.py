@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.core.block_manager import BlockManager
-from engine.core.prefix_cache import PrefixCache
+from engine.core.prefix_cache import DEFER, PrefixCache
 from engine.core.request import Request, RequestStatus
 
 
@@ -158,6 +158,9 @@ class Scheduler:
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[j]
             reused = self.prefix_cache.admit(req) if self.prefix_cache is not None else 0
+            if reused == DEFER:  # a running request is computing its prefix: admitted later, as a hit
+                j += 1
+                continue
             remaining = req.num_tokens - req.num_computed_tokens
             n = self._until_grammar(req, min(remaining, budget))
             if n <= 0 or (n < remaining and not self.enable_chunked_prefill and not req.grammar_ready):
@@ -204,8 +207,10 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: drop the KV, keep the tokens (prompt and output so far)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(req)
         self.blocks.free(req.request_id)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_cached_blocks = 0
         req.spec_token_ids = []  # the recomputed prompt's last chunk samples anew, then drafts anew
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1

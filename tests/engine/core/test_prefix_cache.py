@@ -73,3 +73,38 @@ def test_a_bad_salt_is_refused_naming_the_field():
     for bad in ("", 7, "x" * 257):
         with pytest.raises(InvalidRequestError, match="cache_salt"):
             SamplingParams(cache_salt=bad)
+
+
+def test_a_request_waits_for_the_running_one_computing_its_prefix():
+    """Two arrivals with one prefix: the second is deferred while the first computes it, then admitted as a hit."""
+    from engine.core.prefix_cache import DEFER
+    from engine.core.request import RequestStatus
+
+    cache = PrefixCache(BlockManager(32, 4), "m")
+    system = list(range(100, 112))
+    a, b = _req("a", system + [1, 2]), _req("b", system + [3])
+    assert cache.admit(a) == 0
+    cache.blocks.allocate("a", a.num_tokens)
+    a.status = RequestStatus.RUNNING
+    assert cache.admit(b) == DEFER and cache.stats.deferred == 1
+    a.num_computed_tokens = 8  # a chunk: two of its three blocks are final
+    cache.progress(a)
+    assert cache.admit(b) == DEFER  # the third block is still being computed
+    a.num_computed_tokens = a.num_tokens
+    cache.progress(a)
+    assert cache.admit(b) == 12 and cache.blocks.table("b") == cache.blocks.table("a")[:3]
+
+
+def test_nobody_waits_on_a_request_that_stopped_computing():
+    from engine.core.request import RequestStatus
+
+    cache = PrefixCache(BlockManager(32, 4), "m")
+    a, b = _req("a", range(13)), _req("b", range(13))
+    cache.admit(a)
+    cache.blocks.allocate("a", 13)
+    a.status = RequestStatus.RUNNING
+    cache.forget(a)  # preempted or finished before its blocks were cached
+    assert cache.admit(b) == 0  # computes the prefix itself
+    c = _req("c", range(13))
+    a.status = RequestStatus.WAITING  # a finished/parked/preempted owner is not waited on either
+    assert cache.admit(c) != -1

@@ -114,3 +114,14 @@ def test_eviction_and_preemption_keep_outputs_and_free_every_block(llama_dir):
             assert engine.stats()["kv_blocks_used"] == 0
             assert engine.blocks.pool.num_free == 14
     assert outs[True] == outs[False]
+
+
+def test_requests_arriving_together_compute_their_shared_prefix_once(llama_dir):
+    """Sent in one batch (nothing cached yet), the later ones wait for the first one's prefix blocks and reuse them."""
+    cached, plain = _pair(llama_dir)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = _prompts(4)
+    assert [o.token_ids for o in cached.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    stats = cached.engine.stats()["prefix_cache"]
+    assert stats["hit_tokens"] == 3 * 32 and stats["deferred_admissions"] >= 3
+    _no_leaks(cached)
