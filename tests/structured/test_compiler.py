@@ -11,6 +11,7 @@ from structured.compiler import GrammarCompiler
 from structured.request import StructuredOutput
 from tests.support.grammar import closing_bias, walk_tokens
 from tests.support.tiny import VOCAB, tiny_tokenizer
+from tests.support.tool_calls import TOOL_SCHEMA, call_tag
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "kind": {"enum": ["cat", "dog"]},
@@ -140,24 +141,9 @@ def test_the_compiler_cache_is_bounded_by_xgrammar_bytes(tokenizer):
                               "llguidance_cache_hits": 0, "llguidance_deserializations": 0}
 
 
-TOOL_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
-               "required": ["city", "days"], "additionalProperties": False}
-
-
-def _call_tag(schema, text_around: bool = False) -> dict:
-    """A Hermes-style call of `weather` (router/tools.py builds these shapes from `tools`): exactly one
-    call, or (`text_around`) text with at least one call in it."""
-    call = {"type": "tag", "begin": '<tool_call>\n{"name": "weather", "arguments": ',
-            "content": {"type": "json_schema", "json_schema": schema}, "end": "}\n</tool_call>"}
-    if text_around:
-        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<tool_call>"],
-                                                      "tags": [call], "at_least_one": True}}
-    return {"type": "structural_tag", "format": call}
-
-
 @pytest.mark.parametrize("text_around", [False, True])
 def test_a_structural_tag_compiles_and_serializes(compiler, tokenizer, text_around):
-    tool = StructuredOutput(structural_tag=_call_tag(TOOL_SCHEMA, text_around))
+    tool = StructuredOutput(structural_tag=call_tag(TOOL_SCHEMA, text_around))
     assert tool.kind == "structural_tag" and tool.param == "tools" and not tool.is_compact_json
     assert StructuredOutput.from_dict(tool.to_dict()) == tool
     assert StructuredOutput(structural_tag=tool.canonical_source()).key() == tool.key()
@@ -171,8 +157,8 @@ def test_a_structural_tag_compiles_and_serializes(compiler, tokenizer, text_arou
 
 
 @pytest.mark.parametrize("tag", [
-    _call_tag({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}),  # unenforceable
-    _call_tag({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),  # does not compile
+    call_tag({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}),  # unenforceable
+    call_tag({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),  # does not compile
     {"type": "structural_tag", "format": {"type": "no_such_format"}},
 ])
 def test_bad_structural_tags_are_invalid_requests_blamed_on_tools(compiler, tag):

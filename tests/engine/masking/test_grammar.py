@@ -1,31 +1,24 @@
 """engine/masking/grammar.py: guided requests in the engine's step, with real xgrammar.
 
-The grammars here describe finite languages (enums, booleans, bounded regexes, choices), so even the
-random test model always completes them: every guided output must finish with "stop" and validate
-(jsonschema, re.fullmatch, membership). Speculative guided output must equal non-speculative guided
+The grammars (tests/support/guided.py) describe finite languages (enums, booleans, bounded regexes,
+choices), so even the random test model always completes them: every guided output must finish with
+"stop" and validate (jsonschema, re.fullmatch, membership). Speculative guided output must equal non-speculative guided
 output token for token (masks on verification rows and on draft steps keep it lossless), in mixed
 batches with unguided requests, with chunked prefill, and across a prefill -> decode hand-over.
 """
 from __future__ import annotations
 
 import json
-import re
 
 import jsonschema
 import pytest
 
 from engine import LLM, EngineConfig, HandoverRequest, InvalidRequestError, LLMEngine, SamplingParams, StructuredOutput
-from tests.engine.speculative.test_spec import _prompts, _spec
-from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.support.guided import GUIDES, guided_batch, guided_params, is_valid
+from tests.support.spec import random_prompts, spec_config
+from tests.support.tool_calls import TOOL_SCHEMA, call_tag
 
-SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"},
-                                           "size": {"enum": [1, 22, 333]}},
-          "required": ["kind", "ok", "size"], "additionalProperties": False}
-REGEX = "[a-c]{2}-[0-9]{2}"
-CHOICES = ["yes", "no", "maybe later"]
 NO_LLGUIDANCE = {"llguidance_compiles": 0, "llguidance_cache_hits": 0, "llguidance_deserializations": 0}
-GUIDES = {"json_schema": StructuredOutput(json_schema=SCHEMA), "regex": StructuredOutput(regex=REGEX),
-          "choice": StructuredOutput(choice=CHOICES)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -33,36 +26,13 @@ def _one_thread(one_thread_module):
     """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
 
 
-def _valid(kind: str, text: str) -> bool:
-    if kind == "json_schema":
-        try:
-            jsonschema.validate(json.loads(text), SCHEMA)
-        except (json.JSONDecodeError, jsonschema.ValidationError):
-            return False
-        return True
-    if kind == "regex":
-        return re.fullmatch(REGEX, text) is not None
-    return text in CHOICES
-
-
-def _params(i: int, kind: str | None) -> SamplingParams:
-    sampled = i % 3 == 1
-    return SamplingParams(max_tokens=48, temperature=0.8 if sampled else 0.0, seed=7 + i,
-                          structured_output=GUIDES[kind] if kind else None)
-
-
-def _batch(n: int) -> tuple[list[list[int]], list[SamplingParams], list[str | None]]:
-    kinds = [list(GUIDES)[i % 3] if i % 4 != 3 else None for i in range(n)]  # every fourth is unguided
-    return _prompts(n, seed=21), [_params(i, k) for i, k in enumerate(kinds)], kinds
-
-
 def test_guided_outputs_complete_and_validate(llama_dir):
-    prompts, params, kinds = _batch(8)
+    prompts, params, kinds = guided_batch(8)
     llm = LLM(llama_dir, num_kv_blocks=512, block_size=4)
     outs = llm.generate(prompts, params)
     for o, kind in zip(outs, kinds):
         if kind is not None:
-            assert o.finish_reason == "stop" and _valid(kind, o.text), (kind, o.text)
+            assert o.finish_reason == "stop" and is_valid(kind, o.text), (kind, o.text)
     assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine.guided.grammar.states
 
 
@@ -71,16 +41,16 @@ def test_guided_outputs_complete_and_validate(llama_dir):
 def test_guided_speculation_equals_guided_plain_decoding(llama_dir, spec_drafts, method, chunked):
     """Greedy: token for token. Sampled: still complete and valid (rejection sampling against masked
     target and draft distributions)."""
-    prompts, params, kinds = _batch(8)
+    prompts, params, kinds = guided_batch(8)
     kw = dict(num_kv_blocks=512, block_size=4, max_num_batched_tokens=24 if chunked else 2048)
     ref = LLM(llama_dir, **kw).generate(prompts, params)
-    llm = LLM(llama_dir, speculative=_spec(method, 3, spec_drafts, llama_dir), **kw)
+    llm = LLM(llama_dir, speculative=spec_config(method, 3, spec_drafts, llama_dir), **kw)
     outs = llm.generate(prompts, params)
     for o, r, p, kind in zip(outs, ref, params, kinds):
         if p.temperature == 0:
             assert o.token_ids == r.token_ids, kind
         if kind is not None:
-            assert o.finish_reason == "stop" and _valid(kind, o.text), (kind, o.text)
+            assert o.finish_reason == "stop" and is_valid(kind, o.text), (kind, o.text)
     assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine.guided.grammar.states
 
 
@@ -92,7 +62,7 @@ def test_a_bad_grammar_is_refused_and_others_keep_running(llama_dir):
     naming the parameter and both backends' reasons, its blocks and matcher freed."""
     negation = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}  # item uniqueness: neither backend
     engine = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4))
-    engine.add_request("good", [5, 6, 7], _params(0, "regex"))
+    engine.add_request("good", [5, 6, 7], guided_params(0, "regex"))
     with pytest.raises(InvalidRequestError) as e:
         engine.add_request("refused", [5, 6, 7], SamplingParams(structured_output=StructuredOutput(
             json_schema=negation, compact=False)))
@@ -103,7 +73,7 @@ def test_a_bad_grammar_is_refused_and_others_keep_running(llama_dir):
     while engine.has_unfinished():
         done += [o for o in engine.step() if o.finished]
     by_id = {o.request_id: o for o in done}
-    assert sorted(by_id) == ["bad", "good", "neither"] and _valid("regex", by_id["good"].text)
+    assert sorted(by_id) == ["bad", "good", "neither"] and is_valid("regex", by_id["good"].text)
     bad, neither = by_id["bad"], by_id["neither"]
     assert bad.finish_reason == "error" and bad.token_ids == [] and isinstance(bad.error, InvalidRequestError)
     assert bad.error.param == "response_format" and "cannot compile" in bad.error.message
@@ -114,7 +84,7 @@ def test_a_bad_grammar_is_refused_and_others_keep_running(llama_dir):
 
 def test_abort_frees_the_matcher(llama_dir):
     engine = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4))
-    engine.add_request("r", [5, 6, 7], _params(0, "json_schema"))
+    engine.add_request("r", [5, 6, 7], guided_params(0, "json_schema"))
     engine.step()
     engine.abort("r")
     engine.step()
@@ -146,13 +116,13 @@ def _decode_handover(prefill, decode, h, request, compiled) -> list:
 def test_guided_request_survives_a_handover(llama_dir):
     """Prefill samples the first token under the grammar; the decode engine rebuilds the matcher from
     the hand-over's description (structured output and tokens) and continues to the same tokens."""
-    prompt, params = _prompts(1, seed=3)[0], _params(0, "json_schema")
+    prompt, params = random_prompts(1, seed=3)[0], guided_params(0, "json_schema")
     want = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompt, params)[0]
     prefill, decode, h = _prefilled(llama_dir, prompt, params)
     assert h.compiled_grammar is not None
     done = _decode_handover(prefill, decode, h, HandoverRequest.from_dict(h.request.to_dict()),  # wire forms
                             h.compiled_grammar)
-    assert done[0].token_ids == want.token_ids and _valid("json_schema", done[0].text)
+    assert done[0].token_ids == want.token_ids and is_valid("json_schema", done[0].text)
     assert not prefill.guided.grammar.states and not decode.guided.grammar.states
     assert prefill.stats()["grammar"]["compiles"] == 1
     assert decode.stats()["grammar"] == {"compiles": 0, "cache_hits": 0, "deserializations": 1, **NO_LLGUIDANCE}
@@ -164,11 +134,10 @@ def test_a_tool_call_grammar_is_compiled_on_prefill_and_deserialized_on_decode(l
     grammar over the wire format, and the decode engine loads it without compiling; the output is a
     call whose arguments validate."""
     from cluster.protocol import GrammarHandover, HandoverHeader, PayloadPart
-    from tests.structured.test_compiler import TOOL_SCHEMA, _call_tag
 
-    tool = StructuredOutput(structural_tag=_call_tag(TOOL_SCHEMA))
+    tool = StructuredOutput(structural_tag=call_tag(TOOL_SCHEMA))
     params = SamplingParams(max_tokens=80, temperature=0, structured_output=tool)
-    prompt = _prompts(1, seed=5)[0]
+    prompt = random_prompts(1, seed=5)[0]
     want = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompt, params)[0]
     prefill, decode, h = _prefilled(llama_dir, prompt, params)
     header = HandoverHeader(h.request, (PayloadPart.KV,), GrammarHandover.of(tool.key(), h.compiled_grammar,
@@ -201,14 +170,14 @@ def test_an_llguidance_schema_greedy_and_speculative_equal_and_validate(llama_di
     on verification rows and on draft steps, the matcher rolled back over rejected drafts) gives the
     same tokens, and every output validates."""
     assert StructuredOutput(json_schema=LLG_SCHEMA).plan.backend == "llguidance"
-    prompts = _prompts(6, seed=31)
+    prompts = random_prompts(6, seed=31)
     xgrammar = SamplingParams(max_tokens=48, temperature=0, structured_output=GUIDES["json_schema"])
     params = [_llg_params(i) if i % 2 == 0 else xgrammar if i % 3 else SamplingParams(max_tokens=24, temperature=0)
               for i in range(6)]
     kw = dict(num_kv_blocks=512, block_size=4)
     ref_llm = LLM(llama_dir, **kw)
     ref = ref_llm.generate(prompts, params)
-    spec = LLM(llama_dir, speculative=_spec(method, 3, spec_drafts, llama_dir), **kw)
+    spec = LLM(llama_dir, speculative=spec_config(method, 3, spec_drafts, llama_dir), **kw)
     outs = spec.generate(prompts, params)
     for i, (o, r) in enumerate(zip(outs, ref)):
         assert o.token_ids == r.token_ids, i
@@ -227,7 +196,7 @@ def test_an_llguidance_grammar_survives_a_handover(llama_dir):
     the single engine's tokens."""
     from cluster.protocol import GrammarHandover, HandoverHeader, PayloadPart
 
-    prompt, params = _prompts(1, seed=4)[0], _llg_params(0)
+    prompt, params = random_prompts(1, seed=4)[0], _llg_params(0)
     structured = params.structured_output
     want = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompt, params)[0]
     prefill, decode, h = _prefilled(llama_dir, prompt, params)

@@ -10,9 +10,8 @@ import torch
 
 from engine import LLM
 from engine.masking.host_func import HostFunctionError, HostFunctions
-from tests.engine.masking.test_grammar import _batch, _valid
-from tests.engine.speculative.test_spec import _graph_runs, _spec
-from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.support.guided import guided_batch, is_valid
+from tests.support.spec import spec_config, use_graphs
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -24,18 +23,18 @@ def _check(outs, ref, kinds, llm):
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     for o, kind in zip(outs, kinds):
         if kind is not None:
-            assert o.finish_reason == "stop" and _valid(kind, o.text), (kind, o.text)
+            assert o.finish_reason == "stop" and is_valid(kind, o.text), (kind, o.text)
     assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine.guided.grammar.states
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 def test_guided_steps_through_the_padded_graph_layout_equal_eager(llama_dir, spec_drafts, method):
-    prompts, params, kinds = _batch(8)
-    spec = _spec(method, 3, spec_drafts, llama_dir)
+    prompts, params, kinds = guided_batch(8)
+    spec = spec_config(method, 3, spec_drafts, llama_dir)
     kw = dict(num_kv_blocks=512, block_size=4, speculative=spec)
     ref = LLM(llama_dir, **kw).generate(prompts, params)
     llm = LLM(llama_dir, **kw)
-    graphs = _graph_runs(llm, capture=False)
+    graphs = use_graphs(llm, capture=False)
     outs = llm.generate(prompts, params)
     masked_runs = [key for key in graphs._captured if key[2]]
     assert masked_runs and graphs.num_runs > 2, "guided decode steps went through the graph path"
@@ -60,8 +59,8 @@ def test_captured_guided_step_replays_equal_eager(llama_dir, spec_drafts, method
     """The captured step with host-function mask fills, replayed for many steps and padded sizes, gives
     the eager guided step's tokens (cuda-python#790 reported captured host functions running only on the
     first replay: this would catch it)."""
-    prompts, params, kinds = _batch(8)
-    spec = _spec(method, 3, spec_drafts, llama_dir)
+    prompts, params, kinds = guided_batch(8)
+    spec = spec_config(method, 3, spec_drafts, llama_dir)
     kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, block_size=4, max_num_seqs=16, speculative=spec)
     ref = LLM(llama_dir, cuda_graphs=False, **kw).generate(prompts, params)
     llm = LLM(llama_dir, **kw)

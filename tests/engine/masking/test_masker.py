@@ -12,8 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.masking.masker import LogitsMasker, MaskRow
-from tests.engine.speculative.test_spec import _prompts, _spec
-from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.support.spec import random_prompts, spec_config
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -95,7 +94,7 @@ def test_masked_greedy_equals_transformers_with_the_same_constraint(llama_dir):
     """No speculation (k = 0): the first token after the prefill and every later one obey the mask,
     and the tokens are transformers' under the same constraint; an unconstrained neighbour in the
     batch is untouched."""
-    prompts = _prompts(3, seed=4)
+    prompts = random_prompts(3, seed=4)
     allowed = {"gen-0": _allowed(0), "gen-2": _allowed(2)}
     masker = AllowedTokensMasker(allowed, 384)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -114,14 +113,14 @@ def test_masks_constrain_verification_and_draft_rows(llama_dir, spec_drafts, met
     are masked: every draft a constrained request verifies is allowed (through d2t for EAGLE-3's
     smaller draft vocabulary). The target as its own draft accepts every draft, as unmasked."""
     n = 6
-    prompts = _prompts(n, seed=9)
+    prompts = random_prompts(n, seed=9)
     allowed = {f"gen-{i}": _allowed(10 + i) for i in range(n) if i != 1}
     params = [_params(i) for i in range(n)]
     plain = LLM(llama_dir, num_kv_blocks=512, block_size=4, logits_masker=AllowedTokensMasker(allowed, 384))
     ref = plain.generate(prompts, params)
     masker = AllowedTokensMasker(allowed, 384)
     llm = LLM(llama_dir, num_kv_blocks=512, block_size=4, logits_masker=masker,
-              speculative=_spec(method, 3, spec_drafts, llama_dir))
+              speculative=spec_config(method, 3, spec_drafts, llama_dir))
     outs = llm.generate(prompts, params)
     for i, (o, r) in enumerate(zip(outs, ref)):
         if f"gen-{i}" in allowed:
@@ -146,7 +145,7 @@ def test_draft_masks_switch(llama_dir):
     are then rejected wherever the constraint bans them, and the tokens stay the same."""
     from engine import SpecConfig
 
-    prompts, n = _prompts(3, seed=2), 3
+    prompts, n = random_prompts(3, seed=2), 3
     allowed = {f"gen-{i}": _allowed(30 + i) for i in range(n)}
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     runs = {}
@@ -166,8 +165,8 @@ def test_unconstrained_steps_skip_masking(llama_dir):
     """A masker that constrains nothing this step makes the step run without bitmasks."""
     masker = AllowedTokensMasker({}, 384)
     llm = LLM(llama_dir, num_kv_blocks=64, block_size=4, logits_masker=masker)
-    out = llm.generate(_prompts(1)[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
-    free = LLM(llama_dir, num_kv_blocks=64, block_size=4).generate(_prompts(1)[0],
+    out = llm.generate(random_prompts(1)[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    free = LLM(llama_dir, num_kv_blocks=64, block_size=4).generate(random_prompts(1)[0],
                                                                   SamplingParams(max_tokens=4, temperature=0,
                                                                                  ignore_eos=True))[0]
     assert out.token_ids == free.token_ids and masker.draft_fills == 0

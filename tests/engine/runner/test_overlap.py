@@ -9,8 +9,7 @@ import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine.runner.overlap import carry_blocker
-from tests.engine.speculative.test_spec import _prompts, _spec
-from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.support.spec import random_prompts, spec_config
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -40,9 +39,9 @@ def _clean(engine) -> None:
 @pytest.mark.parametrize("method", [None, "mtp", "eagle3", "draft_model", "self_draft"])
 @pytest.mark.parametrize("k,batch,seqs,chunked", [(1, 3, 64, True), (3, 9, 4, True), (3, 16, 64, False), (5, 6, 3, True)])
 def test_greedy_tokens_equal_synchronous_steps(llama_dir, spec_drafts, method, k, batch, seqs, chunked):
-    spec = _spec(method, k, spec_drafts, llama_dir) if method else None
+    spec = spec_config(method, k, spec_drafts, llama_dir) if method else None
     params = SamplingParams(max_tokens=17, temperature=0, ignore_eos=True)
-    sync, ahead, engine = _both(llama_dir, spec, _prompts(batch), params, max_num_seqs=seqs,
+    sync, ahead, engine = _both(llama_dir, spec, random_prompts(batch), params, max_num_seqs=seqs,
                                 max_num_batched_tokens=24 if chunked else 2048, enable_chunked_prefill=chunked)
     assert ahead == sync
     # most steps were launched before the previous one was read
@@ -54,9 +53,9 @@ def test_greedy_tokens_equal_synchronous_steps(llama_dir, spec_drafts, method, k
 def test_seeded_sampling_equals_synchronous_steps(llama_dir, spec_drafts, method):
     """Counter-based sampling draws by (seed, position): positions fixed up on the device give the same
     draws, and drafts are planned as a synchronous step would plan them."""
-    spec = _spec(method, 3, spec_drafts, llama_dir) if method else None
+    spec = spec_config(method, 3, spec_drafts, llama_dir) if method else None
     params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
-    sync, ahead, engine = _both(llama_dir, spec, _prompts(7, seed=3), params, max_num_seqs=4)
+    sync, ahead, engine = _both(llama_dir, spec, random_prompts(7, seed=3), params, max_num_seqs=4)
     assert ahead == sync and engine.num_overlapped_steps > 0
     _clean(engine)
 
@@ -64,8 +63,8 @@ def test_seeded_sampling_equals_synchronous_steps(llama_dir, spec_drafts, method
 def test_stops_inside_a_step_in_flight(llama_dir, spec_drafts):
     """A request that ends at step N already runs in N+1: those rows are dropped, the output ends where
     the synchronous one does (eos, stop token ids, stop strings, max_tokens)."""
-    spec = _spec("mtp", 3, spec_drafts, llama_dir)
-    prompts = _prompts(8, seed=5)
+    spec = spec_config("mtp", 3, spec_drafts, llama_dir)
+    prompts = random_prompts(8, seed=5)
     reference, _ = _run(llama_dir, spec, prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     stop_ids = sorted({r[4] for r in reference})[:3]
     for params in (SamplingParams(max_tokens=30, temperature=0, stop_token_ids=stop_ids),
@@ -77,12 +76,12 @@ def test_stops_inside_a_step_in_flight(llama_dir, spec_drafts):
 
 
 def test_abort_while_in_flight(llama_dir, spec_drafts):
-    spec = _spec("eagle3", 3, spec_drafts, llama_dir)
+    spec = spec_config("eagle3", 3, spec_drafts, llama_dir)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    reference, _ = _run(llama_dir, spec, _prompts(5), params)
+    reference, _ = _run(llama_dir, spec, random_prompts(5), params)
     engine = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=256, block_size=4, speculative=spec,
                                     async_scheduling=True))
-    for i, p in enumerate(_prompts(5)):
+    for i, p in enumerate(random_prompts(5)):
         engine.add_request(f"r{i}", p, params)
     done = {}
     for step in range(60):
@@ -105,9 +104,9 @@ def test_abort_while_in_flight(llama_dir, spec_drafts):
 def test_kv_pressure_falls_back_to_synchronous_steps(llama_dir, spec_drafts):
     """Too few blocks: planning ahead never preempts (it would free KV the running step writes); the engine
     reads the running step first and lets the synchronous scheduler preempt."""
-    spec = _spec("mtp", 4, spec_drafts, llama_dir)
+    spec = spec_config("mtp", 4, spec_drafts, llama_dir)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    sync, ahead, engine = _both(llama_dir, spec, _prompts(8), params, num_kv_blocks=40)
+    sync, ahead, engine = _both(llama_dir, spec, random_prompts(8), params, num_kv_blocks=40)
     assert ahead == sync
     _clean(engine)
 
@@ -117,13 +116,13 @@ def test_host_dependent_requests_step_synchronously(llama_dir, spec_drafts):
     before N+1 is planned: with such a request running, nothing is launched ahead; outputs stay equal."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     penalized = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3)
-    prompts = _prompts(4)
-    spec = _spec("mtp", 3, spec_drafts, llama_dir)
+    prompts = random_prompts(4)
+    spec = spec_config("mtp", 3, spec_drafts, llama_dir)
     for mixed, expect_overlap in (([params] * 4, True), ([params, penalized, params, params], False)):
         sync, ahead, engine = _both(llama_dir, spec, prompts, mixed)
         assert ahead == sync
         assert (engine.num_overlapped_steps > 0) == expect_overlap
-    sync, ahead, engine = _both(llama_dir, _spec("ngram", 3, spec_drafts, llama_dir), prompts, params)
+    sync, ahead, engine = _both(llama_dir, spec_config("ngram", 3, spec_drafts, llama_dir), prompts, params)
     assert ahead == sync and engine.num_overlapped_steps == 0
 
 
@@ -147,16 +146,16 @@ def test_handover_committed_while_a_step_is_in_flight(llama_dir, spec_drafts):
     """The decode side of a hand-over: a request reserved and committed between steps joins while another
     request's step is in flight (the engine reads that step first, drafts for the newcomer, then plans
     ahead again); both outputs equal the synchronous engine's."""
-    spec = _spec("mtp", 3, spec_drafts, llama_dir)
+    spec = spec_config("mtp", 3, spec_drafts, llama_dir)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    reference, _ = _run(llama_dir, spec, _prompts(2), params)
+    reference, _ = _run(llama_dir, spec, random_prompts(2), params)
     prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4, speculative=spec))
     decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4, speculative=spec,
                                     async_scheduling=True))
-    decode.add_request("a", _prompts(2)[0], params)
+    decode.add_request("a", random_prompts(2)[0], params)
     outs = decode.step() + decode.step() + decode.step()
     assert decode._inflight is not None
-    prefill.add_request("r", _prompts(2)[1], params, prefill_only=True)
+    prefill.add_request("r", random_prompts(2)[1], params, prefill_only=True)
     while prefill.requests["r"].status.value != "parked":
         prefill.step()
     h = prefill.take_handover("r")
@@ -177,10 +176,10 @@ def test_handover_committed_while_a_step_is_in_flight(llama_dir, spec_drafts):
 def test_cuda_async_scheduling_equals_synchronous(llama_dir, spec_drafts, graphs):
     """On a GPU the launch really returns before the step ends: graph replays (their static outputs copied
     before the next replay) and eager steps give the synchronous tokens, greedy and seeded."""
-    spec = _spec("mtp", 3, spec_drafts, llama_dir)
+    spec = spec_config("mtp", 3, spec_drafts, llama_dir)
     for params in (SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
                    SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)):
-        sync, ahead, engine = _both(llama_dir, spec, _prompts(6), params, device="cuda", cuda_graphs=graphs,
+        sync, ahead, engine = _both(llama_dir, spec, random_prompts(6), params, device="cuda", cuda_graphs=graphs,
                                     max_num_seqs=4)
         assert ahead == sync and engine.num_overlapped_steps > 0
         _clean(engine)

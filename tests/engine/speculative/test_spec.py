@@ -3,13 +3,13 @@ tokens of the engine without speculation (and of transformers); stops inside acc
 output exactly there; aborts and preemption leave no KV behind; hand-overs carry the draft state."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.support.draft_heads import reference_drafts
+from tests.support.spec import greedy_params, random_prompts, spec_config, use_graphs
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread(one_thread_module):
@@ -17,28 +17,6 @@ def _one_thread(one_thread_module):
 
 
 METHODS = ["mtp", "eagle3", "ngram", "draft_model", "self_draft"]
-
-
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """Varied lengths; some with repeats so that prompt lookup finds n-grams."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        p = [rng.randrange(3, 380) for _ in range(rng.randrange(3, 30))]
-        if i % 2:
-            p = p + p[: rng.randrange(2, 8)] + p
-        out.append(p)
-    return out
-
-
-def _spec(method: str, k: int, drafts: dict, llama_dir: str) -> SpecConfig:
-    if method == "self_draft":  # the target as its own draft model: every draft is accepted
-        return SpecConfig(method="draft_model", k=k, draft=llama_dir)
-    return SpecConfig(method=method, k=k, draft=drafts[method])
-
-
-def _greedy(max_tokens=20, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +28,7 @@ def reference(llama_dir):
     def get(n: int, seed: int = 0, max_tokens: int = 20):
         key = (n, seed, max_tokens)
         if key not in memo:
-            memo[key] = [o.token_ids for o in llm.generate(_prompts(n, seed), _greedy(max_tokens))]
+            memo[key] = [o.token_ids for o in llm.generate(random_prompts(n, seed), greedy_params(max_tokens))]
         return memo[key]
 
     return get
@@ -61,8 +39,8 @@ def reference(llama_dir):
                                              (5, 16, True), (5, 2, False), (8, 3, True)])
 def test_greedy_equals_no_speculation(llama_dir, spec_drafts, reference, method, k, batch, chunked):
     llm = LLM(llama_dir, num_kv_blocks=512, block_size=4, max_num_batched_tokens=48 if chunked else 2048,
-              enable_chunked_prefill=chunked, speculative=_spec(method, k, spec_drafts, llama_dir))
-    outs = llm.generate(_prompts(batch), _greedy())
+              enable_chunked_prefill=chunked, speculative=spec_config(method, k, spec_drafts, llama_dir))
+    outs = llm.generate(random_prompts(batch), greedy_params())
     assert [o.token_ids for o in outs] == reference(batch)
     engine = llm.engine
     assert engine.stats()["kv_blocks_used"] == 0 and not engine.runner.drafter._slot_of
@@ -79,8 +57,8 @@ def test_greedy_equals_transformers(checkpoints, spec_drafts):
     path, hf = checkpoints["llama"]
     hf.generation_config.eos_token_id = None
     llm = LLM(path, num_kv_blocks=128, block_size=4, speculative=SpecConfig("eagle3", k=3, draft=spec_drafts["eagle3"]))
-    prompts = _prompts(3, seed=5)
-    for prompt, out in zip(prompts, llm.generate(prompts, _greedy(24))):
+    prompts = random_prompts(3, seed=5)
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy_params(24))):
         ids = torch.tensor([prompt])
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)[0, len(prompt):]
         assert out.token_ids == ref.tolist()
@@ -88,11 +66,12 @@ def test_greedy_equals_transformers(checkpoints, spec_drafts):
 
 def test_logprobs_and_penalties_match_no_speculation(llama_dir, spec_drafts):
     """Penalties count the drafts before each verified position; logprobs are the raw model's."""
-    params = _greedy(16, logprobs=2, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
-    prompts = _prompts(4, seed=2)
+    params = greedy_params(16, logprobs=2, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+    prompts = random_prompts(4, seed=2)
     ref = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompts, params)
     for method in ("self_draft", "ngram"):
-        llm = LLM(llama_dir, num_kv_blocks=128, block_size=4, speculative=_spec(method, 4, spec_drafts, llama_dir))
+        llm = LLM(llama_dir, num_kv_blocks=128, block_size=4,
+                  speculative=spec_config(method, 4, spec_drafts, llama_dir))
         for o, r in zip(llm.generate(prompts, params), ref):
             assert o.token_ids == r.token_ids
             assert [lp.token_id for lp in o.logprobs] == o.token_ids
@@ -104,7 +83,7 @@ def test_logprobs_and_penalties_match_no_speculation(llama_dir, spec_drafts):
 def test_seeded_sampling_with_prompt_lookup_equals_no_speculation(llama_dir):
     """Prompt-lookup drafts are verified against the target's own seeded draws, so a seeded request
     gets exactly the tokens it gets without speculation."""
-    prompts = _prompts(6, seed=3)
+    prompts = random_prompts(6, seed=3)
     params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(6)]
     ref = LLM(llama_dir, num_kv_blocks=256, block_size=4).generate(prompts, params)
     llm = LLM(llama_dir, num_kv_blocks=256, block_size=4, speculative=SpecConfig("ngram", k=4, prompt_lookup_min=2))
@@ -113,7 +92,7 @@ def test_seeded_sampling_with_prompt_lookup_equals_no_speculation(llama_dir):
 
 def test_first_sampled_token_is_the_plain_samplers(llama_dir, spec_drafts):
     """A request's first token (no drafts yet) is drawn with the sampler's own numbers."""
-    prompts = _prompts(8, seed=4)
+    prompts = random_prompts(8, seed=4)
     params = [SamplingParams(max_tokens=1, temperature=1.0, seed=i) for i in range(8)]
     ref = [o.token_ids for o in LLM(llama_dir, num_kv_blocks=128, block_size=4).generate(prompts, params)]
     llm = LLM(llama_dir, num_kv_blocks=128, block_size=4, speculative=SpecConfig("eagle3", 3, spec_drafts["eagle3"]))
@@ -123,22 +102,22 @@ def test_first_sampled_token_is_the_plain_samplers(llama_dir, spec_drafts):
 @pytest.mark.parametrize("method", ["self_draft", "mtp"])
 def test_stops_inside_accepted_drafts(llama_dir, spec_drafts, method):
     """EOS, stop ids, stop strings and max_tokens falling inside an accepted run end the output there."""
-    prompt = _prompts(1, seed=9)[0]
-    free = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate([prompt], _greedy(30))[0]
-    llm = LLM(llama_dir, num_kv_blocks=128, block_size=4, speculative=_spec(method, 5, spec_drafts, llama_dir))
+    prompt = random_prompts(1, seed=9)[0]
+    free = LLM(llama_dir, num_kv_blocks=128, block_size=4).generate([prompt], greedy_params(30))[0]
+    llm = LLM(llama_dir, num_kv_blocks=128, block_size=4, speculative=spec_config(method, 5, spec_drafts, llama_dir))
     stop_id = free.token_ids[7]
     cut = free.token_ids.index(stop_id) + 1
-    out = llm.generate([prompt], _greedy(30, stop_token_ids=[stop_id]))[0]
+    out = llm.generate([prompt], greedy_params(30, stop_token_ids=[stop_id]))[0]
     assert out.token_ids == free.token_ids[:cut] and out.finish_reason == "stop" and out.stop_reason == stop_id
     llm.engine.eos_token_ids = frozenset({stop_id})
     out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0))[0]
     assert out.token_ids == free.token_ids[:cut] and out.finish_reason == "stop"
     llm.engine.eos_token_ids = frozenset()
     for n in (1, 2, 7, 11):
-        out = llm.generate([prompt], _greedy(n))[0]
+        out = llm.generate([prompt], greedy_params(n))[0]
         assert out.token_ids == free.token_ids[:n] and out.finish_reason == "length"
     stop = free.text[8:11]
-    out = llm.generate([prompt], _greedy(30, stop=[stop]))[0]
+    out = llm.generate([prompt], greedy_params(30, stop=[stop]))[0]
     assert out.text == free.text[: free.text.index(stop)] and out.stop_reason == stop
     assert llm.engine.stats()["kv_blocks_used"] == 0
 
@@ -146,9 +125,9 @@ def test_stops_inside_accepted_drafts(llama_dir, spec_drafts, method):
 def test_abort_mid_generation_frees_everything(llama_dir, spec_drafts, reference):
     engine = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=256, block_size=4,
                                     speculative=SpecConfig("mtp", 3, spec_drafts["mtp"])))
-    prompts = _prompts(5)
+    prompts = random_prompts(5)
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, _greedy())
+        engine.add_request(f"r{i}", p, greedy_params())
     done = {}
     for step in range(30):
         if step == 3:
@@ -169,7 +148,7 @@ def test_abort_mid_generation_frees_everything(llama_dir, spec_drafts, reference
 def test_preemption_under_block_pressure(llama_dir, spec_drafts, reference):
     """Too few blocks for everyone's chains and lookahead: requests are preempted and recomputed."""
     llm = LLM(llama_dir, num_kv_blocks=40, block_size=4, speculative=SpecConfig("eagle3", 4, spec_drafts["eagle3"]))
-    outs = llm.generate(_prompts(8), _greedy())
+    outs = llm.generate(random_prompts(8), greedy_params())
     assert [o.token_ids for o in outs] == reference(8)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert llm.engine.stats()["kv_blocks_used"] == 0
@@ -180,14 +159,12 @@ def test_handover_carries_the_draft_state(checkpoints, llama_dir, spec_drafts, r
     """Prefill-only on one engine, hand-over (target and draft KV blocks, the head's hidden state),
     decode on another: same tokens; the first decode step already verifies k drafts, and the drafts
     after it are those of a from-scratch recomputation (the draft KV over the prompt arrived)."""
-    from tests.engine.speculative.test_spec_heads import reference_drafts
-
-    spec = _spec(method, 3, spec_drafts, llama_dir)
+    spec = spec_config(method, 3, spec_drafts, llama_dir)
     prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4, speculative=spec))
     decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4, speculative=spec))
-    prompt = _prompts(2)[1]
-    prefill.add_request("other", _prompts(2)[0], _greedy())  # decodes in the same steps as the prefill
-    prefill.add_request("r", prompt, _greedy(), prefill_only=True)
+    prompt = random_prompts(2)[1]
+    prefill.add_request("other", random_prompts(2)[0], greedy_params())  # decodes in the same steps as the prefill
+    prefill.add_request("r", prompt, greedy_params(), prefill_only=True)
     others = []
     while prefill.requests["r"].status.value != "parked":
         others += prefill.step()
@@ -222,7 +199,7 @@ def test_handover_between_mismatched_caches_is_refused(llama_dir, spec_drafts):
     prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=32, block_size=4))
     decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=32, block_size=4,
                                     speculative=SpecConfig("mtp", 2, spec_drafts["mtp"])))
-    prefill.add_request("r", [5, 6, 7], _greedy(), prefill_only=True)
+    prefill.add_request("r", [5, 6, 7], greedy_params(), prefill_only=True)
     prefill.step()
     with pytest.raises(InvalidRequestError, match="cache layers"):
         decode.reserve(prefill.take_handover("r").request)
@@ -234,21 +211,15 @@ def _mixed_params(n: int) -> list[SamplingParams]:
                            seed=50 + i, ignore_eos=True, logprobs=1 if i == 4 else None) for i in range(n)]
 
 
-def _graph_runs(llm: LLM, capture: bool, max_batch: int = 8) -> int:
-    runner = llm.engine.runner
-    runner.use_graphs(max_batch, capture=capture)
-    return runner.graphs
-
-
 @pytest.mark.parametrize("method", ["eagle3", "self_draft", "ngram"])
 def test_padded_decode_layout_equals_eager(llama_dir, spec_drafts, method):
     """The CUDA-graph layout (k+1 rows per request, idle requests up to a captured size, fixed-width
     block tables, static input buffers) gives the eager step's tokens; run here without capture."""
-    prompts, params = _prompts(11, seed=6), _mixed_params(11)
-    spec = _spec(method, 3, spec_drafts, llama_dir)
+    prompts, params = random_prompts(11, seed=6), _mixed_params(11)
+    spec = spec_config(method, 3, spec_drafts, llama_dir)
     eager = LLM(llama_dir, num_kv_blocks=256, block_size=4, speculative=spec).generate(prompts, params)
     llm = LLM(llama_dir, num_kv_blocks=256, block_size=4, speculative=spec)
-    graphs = _graph_runs(llm, capture=False)
+    graphs = use_graphs(llm, capture=False)
     outs = llm.generate(prompts, params)
     assert graphs.num_runs > 2
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
@@ -261,11 +232,11 @@ def test_cuda_graph_replay_equals_eager(llama_dir, spec_drafts, method):
     """On CUDA: the captured speculative step, replayed with new inputs for padded batch sizes, gives
     the tokens of the same padded step run eagerly (greedy and seeded sampling, drafts, logprobs),
     and those of the unpadded eager step."""
-    prompts, params = _prompts(11, seed=6), _mixed_params(11)
-    spec = _spec(method, 3, spec_drafts, llama_dir)
+    prompts, params = random_prompts(11, seed=6), _mixed_params(11)
+    spec = spec_config(method, 3, spec_drafts, llama_dir)
     kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, block_size=4, max_num_seqs=16)
     eager_llm = LLM(llama_dir, speculative=spec, **kw)
-    _graph_runs(eager_llm, capture=False, max_batch=16)
+    use_graphs(eager_llm, capture=False, max_batch=16)
     eager = eager_llm.generate(prompts, params)
     llm = LLM(llama_dir, speculative=spec, **kw)
     graphs = llm.engine.runner.graphs
@@ -285,12 +256,12 @@ def test_cuda_graph_replay_equals_eager(llama_dir, spec_drafts, method):
 def test_handovers_beyond_max_num_seqs(llama_dir, spec_drafts, reference):
     """Committed hand-overs join the running batch whatever max_num_seqs says; the draft state
     (distribution slots) grows for them."""
-    spec = _spec("self_draft", 3, spec_drafts, llama_dir)
+    spec = spec_config("self_draft", 3, spec_drafts, llama_dir)
     prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=128, block_size=4, speculative=spec))
     decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=128, block_size=4, max_num_seqs=2,
                                     speculative=spec))
-    prompts = _prompts(5)
-    params = [_greedy()] * 4 + [SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)]
+    prompts = random_prompts(5)
+    params = [greedy_params()] * 4 + [SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)]
     for i, (p, sp) in enumerate(zip(prompts, params)):
         prefill.add_request(f"r{i}", p, sp, prefill_only=True)
     while any(r.status.value != "parked" for r in prefill.requests.values()):
@@ -319,8 +290,8 @@ def test_draft_model_with_another_kv_shape_keeps_its_own_cache(checkpoints, llam
     spec = llm.engine.runner.drafter
     assert not spec.shares_cache and spec.draft_cache.shape[4] == 1
     assert llm.engine.kv_cache.shape[0] == 2  # the target's layers only
-    assert [o.token_ids for o in llm.generate(_prompts(5), _greedy())] == reference(5)
-    llm.engine.add_request("r", [5, 6, 7], _greedy(), prefill_only=True)
+    assert [o.token_ids for o in llm.generate(random_prompts(5), greedy_params())] == reference(5)
+    llm.engine.add_request("r", [5, 6, 7], greedy_params(), prefill_only=True)
     llm.engine.step()
     with pytest.raises(InvalidRequestError, match="cache of its own"):
         llm.engine.take_handover("r")

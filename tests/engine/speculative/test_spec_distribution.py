@@ -8,12 +8,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from engine import LLM, SamplingParams, SpecConfig
-from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.support.distribution import PROMPT, fits
 
-PROMPT = [17, 43, 99, 5, 250, 31, 17, 43, 99, 5]  # repeats, so that prompt lookup drafts something
 N = 3000
 
 
@@ -49,35 +47,6 @@ def exact(checkpoints):
     return get
 
 
-def _fits(samples: np.ndarray, probs: torch.Tensor) -> float:
-    """p-value of a chi-square test; bins with expected count < 5 are pooled into one."""
-    counts = np.bincount(samples, minlength=probs.numel()).astype(float)
-    expected = probs.numpy() * len(samples)
-    assert counts[expected == 0].sum() == 0, "a token with probability 0 was emitted"
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
-
-
-@pytest.fixture(scope="module")
-def near_draft(llama_dir, tmp_path_factory):
-    """The target with noise on its weights: a draft model whose distribution is close to the target's
-    but not equal, so that verification accepts some drafts and rejects others."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    path = tmp_path_factory.mktemp("near_draft")
-    shutil.copytree(llama_dir, path, dirs_exist_ok=True)
-    g = torch.Generator().manual_seed(0)
-    tensors = {name: t if "norm" in name else t + 0.3 * t.std() * torch.randn(t.shape, generator=g)
-               for name, t in load_file(str(path / "model.safetensors")).items()}
-    save_file(tensors, str(path / "model.safetensors"))
-    return str(path)
-
-
 def _sample(llm: LLM, temperature: float, top_k: int):
     # max_tokens 3: the second token is then verified against one draft (the room left for drafts).
     params = [SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, seed=1000 + i, ignore_eos=True)
@@ -106,8 +75,8 @@ def test_first_and_second_tokens_follow_the_target(llama_dir, spec_drafts, near_
               speculative=spec)
     first, second, metrics = _sample(llm, temperature, top_k)
     p1, p2 = exact(temperature, top_k)
-    assert _fits(first, p1) > 1e-3
-    assert _fits(second, p2) > 1e-3
+    assert fits(first, p1) > 1e-3
+    assert fits(second, p2) > 1e-3
     verified = [m for m in metrics if m.num_draft_tokens]  # second token verified against a draft
     if method in ("eagle3", "mtp", "draft_model", "mtp_token_map"):
         assert len(verified) == N

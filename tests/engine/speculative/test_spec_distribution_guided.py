@@ -10,8 +10,7 @@ import torch
 from scipy import stats
 
 from engine import LLM, SamplingParams, SpecConfig, StructuredOutput
-from tests.engine.speculative.test_spec_distribution import PROMPT, _fits, near_draft  # noqa: F401  (fixture)
-from tests.engine.speculative.test_spec_heads import spec_drafts  # noqa: F401  (fixture)
+from tests.support.distribution import PROMPT, fits
 from tests.support.tiny import VOCAB
 
 N = 2000
@@ -96,8 +95,8 @@ def test_guided_no_spec_follows_the_masked_target(no_spec_samples, exact_masked)
     first, second, _ = no_spec_samples
     p1, p2 = exact_masked(1.0)
     assert (p1 > 0).sum() > 20 and (p2 > 0).sum() > 20  # many tokens allowed: a real test of the shape
-    assert _fits(first, p1) > 1e-3
-    assert _fits(second, p2) > 1e-3
+    assert fits(first, p1) > 1e-3
+    assert fits(second, p2) > 1e-3
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle3", "mtp"])
@@ -108,8 +107,8 @@ def test_guided_spec_keeps_the_masked_distribution(llama_dir, spec_drafts, near_
               speculative=SpecConfig(method=method, k=3, draft=drafts[method]))
     first, second, metrics = _sample(llm, 1.0)
     p1, p2 = exact_masked(1.0)
-    assert _fits(first, p1) > 1e-3
-    assert _fits(second, p2) > 1e-3  # the second token was verified against a (masked) draft
+    assert fits(first, p1) > 1e-3
+    assert fits(second, p2) > 1e-3  # the second token was verified against a (masked) draft
     assert sum(bool(m.num_draft_tokens) for m in metrics) == N
     assert _same_distribution(second, no_spec_samples[1]) > 1e-3
     if method == "draft_model":  # rejection sampling both accepted and rejected first drafts

@@ -15,9 +15,9 @@ import torch
 from engine import LLM, SamplingParams, SpecConfig
 from engine.errors import ModelLoadError
 from engine.speculative.token_map import read_token_map
-from tests.engine.masking.test_grammar import _batch, _valid
-from tests.engine.speculative.test_spec import _greedy, _prompts
-from tests.engine.speculative.test_spec_heads import make_eagle3_head, spec_drafts  # noqa: F401  (fixture)
+from tests.support.draft_heads import make_eagle3_head, make_mtp_head
+from tests.support.guided import guided_batch, is_valid
+from tests.support.spec import greedy_params, random_prompts
 from tests.support.tiny import VOCAB
 
 # The map of the engine tests: a third of the vocabulary, so that some of the head's favourite tokens
@@ -108,14 +108,14 @@ def test_a_head_with_a_map_drafts_only_its_ids_and_greedy_output_is_unchanged(ll
     draft = spec_drafts["mtp"] if method == "mtp" else str(make_eagle3_head(tmp_path / "e3", llama_dir, seed=3,
                                                                             draft_vocab=None))
     kind = method.removesuffix("_full_vocab")
-    prompts = _prompts(6, seed=11)
-    ref = LLM(llama_dir, num_kv_blocks=256, block_size=4).generate(prompts, _greedy(24))
+    prompts = random_prompts(6, seed=11)
+    ref = LLM(llama_dir, num_kv_blocks=256, block_size=4).generate(prompts, greedy_params(24))
     llm = LLM(llama_dir, num_kv_blocks=256, block_size=4,
               speculative=SpecConfig(method=kind, k=3, draft=draft, token_map=token_map))
     head = llm.engine.runner.proposer.head
     assert head.vocab_head().weight.shape[0] == len(MAP_IDS) and head.draft_vocab_size == len(MAP_IDS)
     drafts = _recorded_drafts(llm)
-    outs = llm.generate(prompts, _greedy(24))
+    outs = llm.generate(prompts, greedy_params(24))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     drafted = torch.cat([d.flatten() for d in drafts]).unique()
     assert set(drafted.tolist()) <= set(MAP_IDS)
@@ -130,7 +130,7 @@ def test_a_head_with_a_map_drafts_only_its_ids_and_greedy_output_is_unchanged(ll
 
 def test_guided_output_with_a_map_equals_guided_plain_decoding(llama_dir, spec_drafts, token_map):
     """The draft steps' grammar masks go through the map (its d2t), as for an EAGLE-3 draft vocabulary."""
-    prompts, params, kinds = _batch(8)
+    prompts, params, kinds = guided_batch(8)
     ref = LLM(llama_dir, num_kv_blocks=512, block_size=4).generate(prompts, params)
     llm = LLM(llama_dir, num_kv_blocks=512, block_size=4,
               speculative=SpecConfig(method="mtp", k=3, draft=spec_drafts["mtp"], token_map=token_map))
@@ -138,7 +138,7 @@ def test_guided_output_with_a_map_equals_guided_plain_decoding(llama_dir, spec_d
         if p.temperature == 0:
             assert o.token_ids == r.token_ids, kind
         if kind is not None:
-            assert o.finish_reason == "stop" and _valid(kind, o.text), (kind, o.text)
+            assert o.finish_reason == "stop" and is_valid(kind, o.text), (kind, o.text)
 
 
 def test_a_head_with_a_vocabulary_of_its_own_refuses_a_map(llama_dir, spec_drafts, token_map):
@@ -150,8 +150,6 @@ def test_a_head_with_a_vocabulary_of_its_own_refuses_a_map(llama_dir, spec_draft
 def test_the_targets_lm_head_is_untouched(llama_dir, token_map, tmp_path):
     """An MTP checkpoint without shared_head.head drafts through the target's LM head: the map copies its
     rows into a head of the MTP's own, and the target keeps all of its vocabulary."""
-    from tests.engine.speculative.test_spec_heads import make_mtp_head
-
     draft = make_mtp_head(tmp_path / "mtp", llama_dir, seed=1, shared=False)
     plain = LLM(llama_dir, num_kv_blocks=64, block_size=4)
     llm = LLM(llama_dir, num_kv_blocks=64, block_size=4,
@@ -161,6 +159,6 @@ def test_the_targets_lm_head_is_untouched(llama_dir, token_map, tmp_path):
     assert head is not target_head and target_head.weight.shape[0] == VOCAB
     torch.testing.assert_close(target_head.weight, plain.engine.runner.model.lm_head.weight, rtol=0, atol=0)
     torch.testing.assert_close(head.weight, target_head.weight[MAP_IDS], rtol=0, atol=0)
-    prompts = _prompts(3, seed=12)
-    assert ([o.token_ids for o in llm.generate(prompts, _greedy(16))]
-            == [o.token_ids for o in plain.generate(prompts, _greedy(16))])
+    prompts = random_prompts(3, seed=12)
+    assert ([o.token_ids for o in llm.generate(prompts, greedy_params(16))]
+            == [o.token_ids for o in plain.generate(prompts, greedy_params(16))])
