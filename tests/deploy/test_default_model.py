@@ -4,13 +4,10 @@ response format (valid against the schema) and a forced tool call (its arguments
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 
 import pytest
+
+from tests.support.served import tandem_serve
 
 pytestmark = pytest.mark.slow
 
@@ -25,36 +22,16 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def served(smollm2_dir):
-    from cluster.rendezvous import free_port_on
-
-    port = free_port_on("127.0.0.1")
-    ray_tmp = tempfile.mkdtemp(prefix="tandem-default-")
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--port", str(port), "--num-cpus", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "RAY_TMPDIR": ray_tmp})
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("Ctrl-C stops serving") or "deployment failed" in line:
-                break
-        assert proc.poll() is None and lines[-1].startswith("Ctrl-C"), "".join(lines[-40:])
-        yield port, "".join(lines)
-    finally:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    """`tandem serve` with no flags (smollm2_dir: the default model's conversion is cached before it starts)."""
+    with tandem_serve() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def client(served):
     from openai import OpenAI
 
-    return OpenAI(base_url=f"http://127.0.0.1:{served[0]}/v1", api_key="none", timeout=300)
+    return OpenAI(base_url=f"{served.base_url}/v1", api_key="none", timeout=300)
 
 
 def test_the_default_is_smollm2(client):

@@ -6,15 +6,12 @@ then refuse a caller without Ray's token."""
 from __future__ import annotations
 
 import ipaddress
-import os
-import shutil
 import socket
-import subprocess
-import sys
-import tempfile
 
 import psutil
 import pytest
+
+from tests.support.served import tandem_serve
 
 pytestmark = pytest.mark.slow
 
@@ -71,26 +68,13 @@ def _refuses_without_token(host: str, port: int) -> bool:
 def test_every_listener_of_tandem_serve_is_on_loopback(tiny_model_dir):
     import httpx
 
-    from cluster.rendezvous import free_port_on
-
-    port = free_port_on("127.0.0.1")
-    ray_tmp = tempfile.mkdtemp(prefix="tandem-exposure-")
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--model", tiny_model_dir, "--port", str(port),
-                             "--num-cpus", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "RAY_TMPDIR": ray_tmp})
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("Ctrl-C stops serving") or "deployment failed" in line:
-                break
-        assert proc.poll() is None and lines[-1].startswith("Ctrl-C"), "".join(lines[-40:])
+    with tandem_serve("--model", tiny_model_dir) as server:
         # A request first: the hand-over channel and its gloo pairs exist only once one has crossed.
-        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["id"]
-        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+        model = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+        answer = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
             "model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
         assert answer.status_code == 200, answer.text
-        listeners = _listeners(proc.pid)
+        listeners = _listeners(server.pid)
         names = {name for name, _, _ in listeners}
         assert len(listeners) >= 8 and {"gcs_server", "raylet"} <= names, listeners  # the whole tree was seen
         exposed = [entry for entry in listeners if not _loopback(entry[1])]
@@ -103,11 +87,3 @@ def test_every_listener_of_tandem_serve_is_on_loopback(tiny_model_dir):
         knocked = [(host, p) for host in outside for _, _, p in listeners
                    if p not in credentialed and _answers(host, p)]
         assert not knocked, f"answered from the network: {knocked}"
-    finally:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-        shutil.rmtree(ray_tmp, ignore_errors=True)

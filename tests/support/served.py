@@ -1,6 +1,6 @@
-"""`tandem serve` with no flags (the default model, SmolLM2-135M-Instruct) in a process of its own, with a Ray
-of its own, as a user starts it: for the slow conformance runs of the client-library suite against the real
-model (tests/router/conftest.py's `served`)."""
+"""`tandem serve` in a process of its own, with a Ray of its own, as a user starts it: the default model
+(SmolLM2-135M-Instruct) for the slow conformance runs of the client-library suite (tests/router/conftest.py's
+`served`) and tests/deploy/test_default_model.py, any model for tests/deploy/test_exposure.py."""
 from __future__ import annotations
 
 import contextlib
@@ -9,21 +9,33 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from typing import Iterator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+@dataclass(frozen=True)
+class ServeProcess:
+    port: int
+    pid: int  # the `tandem serve` process: its descendants are the whole deployment (embedded Ray included)
+    startup: str  # what it printed until it served
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
 @contextlib.contextmanager
-def default_model_server(num_cpus: int = 4) -> Iterator[str]:
-    """Serve the default model until the block exits; yields its base URL (http://127.0.0.1:PORT). Raises
-    AssertionError with the server's last output lines if it does not come up."""
+def tandem_serve(*flags: str, num_cpus: int = 4) -> Iterator[ServeProcess]:
+    """`tandem serve FLAGS` until the block exits. Raises AssertionError with the server's last output lines if
+    it does not come up. Ray's socket paths must fit in 107 bytes: its temp dir is a short one, not pytest's."""
     from cluster.rendezvous import free_port_on
 
     port = free_port_on("127.0.0.1")
-    ray_tmp = tempfile.mkdtemp(prefix="tandem-default-")
+    ray_tmp = tempfile.mkdtemp(prefix="tandem-serve-")
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--port", str(port),
-                             "--num-cpus", str(num_cpus)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--num-cpus", str(num_cpus), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "RAY_TMPDIR": ray_tmp})
     lines: list[str] = []
     try:
@@ -32,7 +44,7 @@ def default_model_server(num_cpus: int = 4) -> Iterator[str]:
             if line.startswith("Ctrl-C stops serving") or "deployment failed" in line:
                 break
         assert proc.poll() is None and lines and lines[-1].startswith("Ctrl-C"), "".join(lines[-40:])
-        yield f"http://127.0.0.1:{port}"
+        yield ServeProcess(port, proc.pid, "".join(lines))
     finally:
         proc.terminate()
         try:
@@ -41,3 +53,10 @@ def default_model_server(num_cpus: int = 4) -> Iterator[str]:
             proc.kill()
             proc.communicate()
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def default_model_server(num_cpus: int = 4) -> Iterator[str]:
+    """Serve the default model (no flags) until the block exits; yields its base URL."""
+    with tandem_serve(num_cpus=num_cpus) as server:
+        yield server.base_url
