@@ -17,7 +17,9 @@ cached), so a preempted request usually gets its own prefix back on re-admission
 In-batch sharing (SGLang defers in the same spirit): requests that arrive together with the same prefix would
 all compute it, none being cached yet. A request whose next uncached block is being computed right now by a
 running request waits (`admit` says DEFER) and is admitted once that block is registered, as a hit: the
-prefix is computed once (this is also how `n` children of one prompt share it).
+prefix is computed once (this is also how `n` children of one prompt share it). Waiting costs the request a
+step or more of latency, so it waits only for a shared run of at least `min_wait_tokens` (SGLang checks a
+threshold too): a chat template's few shared tokens are cheaper to compute again than to wait for.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from engine.core.prefix_hash import extend_hashes, namespace_hash
 from engine.core.request import Request, RequestStatus
 
 DEFER = -1  # admit(): not now, a running request is computing this one's next blocks
+MIN_WAIT_TOKENS = 128  # the shortest shared run being computed that a request waits for
 
 
 @dataclass(slots=True)
@@ -42,8 +45,9 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, blocks: BlockManager, model: str, draft_lag: int = 0):
+    def __init__(self, blocks: BlockManager, model: str, draft_lag: int = 0, min_wait_tokens: int = MIN_WAIT_TOKENS):
         self.blocks = blocks
+        self.min_wait_blocks = max(1, -(-min_wait_tokens // blocks.block_size))
         self.block_size = blocks.block_size
         self.model = model
         self.draft_lag = draft_lag
@@ -58,7 +62,7 @@ class PrefixCache:
             return 0
         usable = self._hashes(req)[: (req.num_tokens - 1) // self.block_size]
         hit = len(self.blocks.pool.lookup(usable))
-        if hit < len(usable) and self._being_computed(usable[hit], req):
+        if self._worth_waiting(usable, hit, req):
             self.stats.deferred += 1
             return DEFER
         reused = self.blocks.allocate_cached(req.request_id, usable, max_blocks=len(usable))
@@ -69,6 +73,11 @@ class PrefixCache:
         self.stats.queries += req.num_tokens
         self.stats.hits += reused
         return reused
+
+    def _worth_waiting(self, usable: list[int], hit: int, req: Request) -> bool:
+        """Running requests are computing at least min_wait_blocks of this request's next blocks."""
+        end = hit + self.min_wait_blocks
+        return end <= len(usable) and all(self._being_computed(h, req) for h in usable[hit:end])
 
     def _being_computed(self, block_hash: int, req: Request) -> bool:
         owner = self._computing.get(block_hash)

@@ -80,7 +80,7 @@ def test_a_request_waits_for_the_running_one_computing_its_prefix():
     from engine.core.prefix_cache import DEFER
     from engine.core.request import RequestStatus
 
-    cache = PrefixCache(BlockManager(32, 4), "m")
+    cache = PrefixCache(BlockManager(32, 4), "m", min_wait_tokens=4)
     system = list(range(100, 112))
     a, b = _req("a", system + [1, 2]), _req("b", system + [3])
     assert cache.admit(a) == 0
@@ -98,7 +98,7 @@ def test_a_request_waits_for_the_running_one_computing_its_prefix():
 def test_nobody_waits_on_a_request_that_stopped_computing():
     from engine.core.request import RequestStatus
 
-    cache = PrefixCache(BlockManager(32, 4), "m")
+    cache = PrefixCache(BlockManager(32, 4), "m", min_wait_tokens=4)
     a, b = _req("a", range(13)), _req("b", range(13))
     cache.admit(a)
     cache.blocks.allocate("a", 13)
@@ -108,3 +108,16 @@ def test_nobody_waits_on_a_request_that_stopped_computing():
     c = _req("c", range(13))
     a.status = RequestStatus.WAITING  # a finished/parked/preempted owner is not waited on either
     assert cache.admit(c) != -1
+
+
+def test_a_short_shared_run_is_computed_again_rather_than_waited_for():
+    """A chat template's few shared tokens: waiting a step costs more than computing them."""
+    from engine.core.request import RequestStatus
+
+    cache = PrefixCache(BlockManager(64, 4), "m", min_wait_tokens=16)
+    a = _req("a", list(range(8)) + [50] * 20)
+    cache.admit(a)
+    cache.blocks.allocate("a", a.num_tokens)
+    a.status = RequestStatus.RUNNING
+    assert cache.admit(_req("b", list(range(8)) + [60] * 20)) == 0  # two shared blocks (8 tokens) < 16: no wait
+    assert cache.admit(_req("c", list(range(8)) + [50] * 20)) == -1  # the whole prompt, 6 blocks: it waits

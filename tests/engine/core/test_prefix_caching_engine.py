@@ -120,8 +120,9 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(llama_dir):
     """Sent in one batch (nothing cached yet), the later ones wait for the first one's prefix blocks and reuse them."""
     cached, plain = _pair(llama_dir)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    prompts = _prompts(4)
+    system = [(11 * i) % 190 + 5 for i in range(150)]  # 9 full blocks: long enough to wait for (MIN_WAIT_TOKENS)
+    prompts = [system + p[len(SYSTEM):] for p in _prompts(4)]
     assert [o.token_ids for o in cached.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
     stats = cached.engine.stats()["prefix_cache"]
-    assert stats["hit_tokens"] == 3 * 32 and stats["deferred_admissions"] >= 3
+    assert stats["hit_tokens"] == 3 * 144 and stats["deferred_admissions"] >= 3
     _no_leaks(cached)
