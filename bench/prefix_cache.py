@@ -56,26 +56,24 @@ def run(llm, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dic
 
     engine = llm.engine
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    ttft, outputs, tokens = [], {}, 0
+    ttft, outputs, tokens = [], [None] * len(prompts), 0
     start = time.perf_counter()
     for lo in range(0, len(prompts), concurrency):
-        arrival, first = {}, {}
+        index, arrival, first = {}, {}, {}
         for i in range(lo, min(lo + concurrency, len(prompts))):
             rid = f"q{i}-{time.perf_counter_ns()}"
-            arrival[rid] = time.perf_counter()
+            index[rid], arrival[rid] = i, time.perf_counter()
             engine.add_request(rid, prompts[i], params)
-            outputs[rid] = i
         while engine.has_unfinished():
             for out in engine.step():
                 if out.request_id not in first and out.token_ids:
                     first[out.request_id] = time.perf_counter()
                 if out.finished:
                     tokens += len(out.token_ids)
-                    outputs[out.request_id] = (outputs[out.request_id], list(out.token_ids))
+                    outputs[index[out.request_id]] = list(out.token_ids)
         ttft += [first[r] - arrival[r] for r in arrival]
     seconds = time.perf_counter() - start
-    ordered = [t for _, t in sorted(v for v in outputs.values())]
-    return {"ttft_p50_s": statistics.median(ttft), "tok_s": tokens / seconds, "outputs": ordered}
+    return {"ttft_p50_s": statistics.median(ttft), "tok_s": tokens / seconds, "outputs": outputs}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,7 +95,7 @@ def tandem_config(args: argparse.Namespace):
     from deploy.flags import model_kwargs
 
     chosen = model_kwargs(args, TandemConfig)
-    if getattr(args, "no_prefix_caching", False):
+    if args.no_prefix_caching:
         chosen["enable_prefix_caching"] = False
     if args.tp is None:
         chosen["tp"] = default_tp(chosen.get("device", "cpu"), args.address)
