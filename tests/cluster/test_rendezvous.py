@@ -36,11 +36,11 @@ def test_peers_with_the_secret_meet_and_a_strangers_writes_change_nothing():
     stranger = _stranger(server.address)
     for key in ("hello/0", "hello/1", "tp/hello/1", "0", "1"):  # the plain names a group would use
         stranger.set(key, b"203.0.113.9:1")
-    peer = connect_store(server.address, timeout_s=5)
-    done = threading.Thread(target=handshake, args=(server.store, 0, 2, 5.0))
+    peer = connect_store(server.address, timeout_s=30)
+    done = threading.Thread(target=handshake, args=(server.store, 0, 2, 30.0))
     done.start()
-    handshake(peer, 1, 2, 5.0)
-    done.join(5)
+    handshake(peer, 1, 2, 30.0)
+    done.join(30)
     assert not done.is_alive()
     peer.set("addr/1", b"127.0.0.1:4242")
     assert server.store.get("addr/1") == b"127.0.0.1:4242"
