@@ -23,7 +23,8 @@ from router.errors import APIError, install, invalid
 from router.decode_feed import DecodeFeeds
 from router.generation import Generation
 from router.ingress import ApiServer, unless_client_leaves
-from router.limits import check_request
+from router.limits import check_request, check_unicode
+from router.choices import Choices, child_seed, start_all
 from router.output import ResponseWriter
 from router.metrics import RouterMetrics
 from router.metrics_server import start_metrics_server
@@ -157,25 +158,27 @@ class Router:
         self._check_model(body.model)
         check_request(body, self.cfg, self.info.vocab_size, chat=False)
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise invalid("batched prompts are not supported; send one prompt per request", "prompt")
-            prompt = prompt[0]
+        # A list of strings or of token lists is a batch: one choice per prompt (times n), indexed in order.
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
         if body.suffix:
             raise invalid("suffix is not supported", "suffix")
+        if body.logprobs is not None and not 0 <= body.logprobs <= self.cfg.max_logprobs:
+            raise invalid(f"logprobs must be between 0 and {self.cfg.max_logprobs}, got {body.logprobs}", "logprobs")
+        prompts = [self._completion_prompt(p, body.echo) for p in batch]
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        return await self._generate(body, request, prompts, max_tokens, body.logprobs, chat=False)
+
+    def _completion_prompt(self, prompt: str | list[int], echo: bool) -> tuple[list[int], str]:
+        """One prompt of a completions request: (its token ids, the text echo prepends or "")."""
         if isinstance(prompt, str):
+            check_unicode(prompt, "prompt")
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = list(prompt)
             bad = [t for t in prompt_ids if not 0 <= t < self.info.vocab_size]
             if bad:
                 raise invalid(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.info.vocab_size})", "prompt")
-        if body.logprobs is not None and not 0 <= body.logprobs <= self.cfg.max_logprobs:
-            raise invalid(f"logprobs must be between 0 and {self.cfg.max_logprobs}, got {body.logprobs}", "logprobs")
-        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)) if body.echo else ""
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        return await self._generate(body, request, prompt_ids, max_tokens, body.logprobs, chat=False,
-                                    echo=echo)
+        return prompt_ids, (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)) if echo else ""
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -210,7 +213,7 @@ class Router:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           max(1, self.info.max_model_len - len(prompt_ids)))
-        return await self._generate(body, request, prompt_ids, max_tokens, logprobs, chat=True,
+        return await self._generate(body, request, [(prompt_ids, "")], max_tokens, logprobs, chat=True,
                                     tools=tools if tools is not None and tools.constrains else None,
                                     whole_as=whole_as, stream_as=stream_as)
 
@@ -225,8 +228,6 @@ class Router:
 
     # ------------------------------------------------------------------ shared path
     def _validate(self, body, prompt_ids: list[int], max_tokens: int, logprobs: int | None) -> dict:
-        if body.n != 1:
-            raise invalid("only n=1 is supported", "n")
         if not prompt_ids:
             raise invalid("the prompt is empty", "prompt")
         limit = self.info.max_model_len
@@ -245,41 +246,65 @@ class Router:
             raise APIError.from_tandem(e) from e
         return params
 
-    async def _generate(self, body, request: Request, prompt_ids: list[int], max_tokens: int,
-                        logprobs: int | None, chat: bool, echo: str = "", tools=None, whole_as=None, stream_as=None):
-        """whole_as / stream_as: reshape the whole body / the SSE stream (the Responses API's)."""
+    def _check_choices(self, body, num_prompts: int) -> int:
+        """How many engine requests the response needs (prompts times n); a 400 if it could never fit."""
+        if body.n < 1:
+            raise invalid(f"n must be at least 1, got {body.n}", "n")
+        count = num_prompts * body.n
+        if count > self.cfg.max_inflight:
+            raise invalid(f"{num_prompts} prompt(s) times n={body.n} is {count} completions; this server runs at "
+                          f"most {self.cfg.max_inflight} at once", "n" if body.n > 1 else "prompt")
+        return count
+
+    async def _generate(self, body, request: Request, prompts: list[tuple[list[int], str]], max_tokens: int,
+                        logprobs: int | None, chat: bool, tools=None, whole_as=None, stream_as=None):
+        """prompts: (token ids, echoed text) each; whole_as / stream_as: reshape the whole body / the SSE
+        stream (the Responses API's)."""
         arrival = time.monotonic()
         endpoint = "chat" if chat else "completions"
         try:
-            params = self._validate(body, prompt_ids, max_tokens, logprobs)
+            count = self._check_choices(body, len(prompts))
+            params = [self._validate(body, ids, max_tokens, logprobs) for ids, _ in prompts]
         except APIError as e:
             self.metrics.request_done(endpoint, e.status)
             raise
-        if self.inflight >= self.cfg.max_inflight:
+        if self.inflight + count > self.cfg.max_inflight:
             self.metrics.rejected.inc()
             self.metrics.request_done(endpoint, 429)
             raise APIError(429, f"the server is at its queue bound ({self.cfg.max_inflight} requests); retry later",
                            "rate_limit_error", code="overloaded")
         # Serve's proxy gives every request an id (the client's X-Request-Id if it sent one): reuse it so
-        # the router's, the workers' and Serve's logs name the same request.
+        # the router's, the workers' and Serve's logs name the same request; a response of several choices
+        # sends each as `<id>-<index>`.
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
-        gen = Generation(self.prefill, self.feeds, rid, prompt_ids, params)
-        self.inflight += 1
-        self.waiting_first += 1
+        children = []  # (choice index, prompt index, Generation)
+        for p, ((ids, _), prompt_params) in enumerate(zip(prompts, params)):
+            for sample in range(body.n):
+                index = p * body.n + sample
+                child = dict(prompt_params)
+                if "seed" in child:
+                    child["seed"] = child_seed(child["seed"], sample)
+                children.append((index, p, Generation(self.prefill, self.feeds, rid if count == 1 else f"{rid}-{index}",
+                                                      ids, child)))
+        self.inflight += count
+        self.waiting_first += count
         self._gauges()
         try:
-            await gen.start()
+            await start_all([gen for _, _, gen in children])
         except BaseException as e:
-            self.inflight -= 1
-            self.waiting_first -= 1
+            self.inflight -= count
+            self.waiting_first -= count
             self._gauges()
             if isinstance(e, APIError):
                 self.metrics.request_done(endpoint, e.status)
             raise
-        self.waiting_first -= 1
+        self.waiting_first -= count
         self.metrics.ttft.observe(time.monotonic() - arrival)
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
-        out = ResponseWriter(self, body, gen, rid, chat, echo, logprobs, prompt_ids, arrival, endpoint, tools)
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in prompts))
+        writers = [ResponseWriter(self, body, gen, rid, chat, prompts[p][1], logprobs, prompts[p][0], tools, index)
+                   for index, p, gen in children]
+        out = Choices(self, writers, sum(len(ids) for ids, _ in prompts), rid, chat, arrival, endpoint,
+                      body.stream_options if body.stream else None)
         headers = {"X-Request-Id": rid}
         if body.stream:
             events = out.sse() if stream_as is None else stream_as(out.sse())
@@ -296,3 +321,4 @@ class Router:
     def _gauges(self) -> None:
         self.metrics.running.set(self.inflight)
         self.metrics.queue.set(self.waiting_first)
+

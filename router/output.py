@@ -1,6 +1,6 @@
-"""ResponseWriter: turns a Generation's token events into the HTTP response (JSON or SSE): incremental
-text, stop strings, logprobs, tool calls (router/tool_parser.py), usage, and the router's per-request
-metrics."""
+"""ResponseWriter: turns one choice's Generation (its token events) into that choice of the HTTP response:
+incremental text, stop strings, logprobs, tool calls (router/tool_parser.py), usage, and the router's
+per-choice metrics. router/choices.py puts the choices of one response together (n > 1, batched prompts)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,26 +15,27 @@ from structured.output_check import output_violation
 
 
 class ResponseWriter:
-    """Turns a Generation's token events into the response: text deltas, stop strings, usage."""
+    """Turns one choice's token events into its part of the response: text deltas, stop strings, usage.
+    `index`: the choice's place in `choices` (prompt index * n + sample index, as OpenAI numbers them)."""
 
     def __init__(self, router, body, gen: Generation, rid: str, chat: bool, echo: str,
-                 logprobs: int | None, prompt_ids: list[int], arrival: float, endpoint: str, tools=None):
+                 logprobs: int | None, prompt_ids: list[int], tools=None, index: int = 0):
         self.router, self.body, self.gen, self.rid, self.chat, self.echo = router, body, gen, rid, chat, echo
+        self.index = index
         self.model = router.cfg.served_model_name
         self.created = R.now()
         self.det = IncrementalDetokenizer(router.tokenizer, prompt_ids, gen.params.get("stop"),
                                           body.include_stop_str_in_output, body.skip_special_tokens)
         self.lp = R.LogprobsBuilder(router.token_text, chat) if logprobs is not None else None
         self.usage = R.Usage(prompt_tokens=len(prompt_ids))
-        self.arrival, self.endpoint = arrival, endpoint
         self.tools = tools  # router.tools.ToolRequest constraining the output to calls, or None
         self.finish_reason: str | None = None
         # judged at the end unless the client's own stop tokens may cut it (stop strings end in piece.stop)
         self._structured = None if gen.params.get("stop_token_ids") else gen.params.get("structured_output")
         self._text: list[str] = []  # the generated text so far, judged when its grammar finishes it
         self._last_token_time: float | None = None
-        self._usage_at_end = self._usage_always = False  # streaming: set by sse()
         self._closed = False
+        self.status: int | None = None  # this choice's outcome once it ended (200, 499, an error's status)
         self.echo_lp = self._echo_logprobs(prompt_ids) if echo and self.lp is not None else None
 
     async def deltas(self):
@@ -110,6 +111,7 @@ class ResponseWriter:
                            "structured_output_violation")
 
     async def collect(self) -> dict:
+        """This choice's entry of a whole (non-streamed) response's `choices`. Raises APIError."""
         status = 500
         try:
             text = "".join([t async for t, _ in self.deltas()])
@@ -126,68 +128,56 @@ class ResponseWriter:
         text = self.echo + text
         lp = self.lp.body() if self.lp is not None else None
         if not self.chat:
-            return R.completion_body(self.rid, self.model, self.created, text, self.finish_reason, self.usage, lp)
+            return R.completion_choice(self.index, text, self.finish_reason, lp)
         if self.tools is None:
-            return R.chat_body(self.rid, self.model, self.created, text, self.finish_reason, self.usage, lp)
+            return R.chat_choice(self.index, text, self.finish_reason, lp)
         parsed = parse_tool_calls(text, self.tools.names)
         if parsed.tool_calls and self.finish_reason == "stop":
             self.finish_reason = "tool_calls"
-        return R.chat_body(self.rid, self.model, self.created, parsed.content, self.finish_reason, self.usage, lp,
-                           [c.body() for c in parsed.tool_calls])
+        return R.chat_choice(self.index, parsed.content, self.finish_reason, lp, [c.body() for c in parsed.tool_calls])
 
-    async def sse(self):
-        opts = self.body.stream_options
-        self._usage_at_end = opts is not None and opts.include_usage
-        # vLLM's continuous_usage_stats: with include_usage, every chunk also carries the usage so far
-        self._usage_always = self._usage_at_end and opts.continuous_usage_stats
+    async def chunks(self):
+        """This choice's stream chunks (dicts: the role or echo first, the deltas, the finish_reason last).
+        Raises APIError; the caller formats the chunks and adds usage (router/choices.py)."""
         status = 499  # until the stream completes: a client that goes away cancels this generator
         try:
             if self.chat:
-                yield self._sse(R.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""},
-                                             None))
+                yield R.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None,
+                                   index=self.index)
             elif self.echo:
-                yield self._sse(R.completion_chunk(self.rid, self.model, self.created, self.echo, None, self.echo_lp))
+                yield R.completion_chunk(self.rid, self.model, self.created, self.echo, None, self.echo_lp,
+                                         index=self.index)
             calls = ToolCallStream(self.tools.names) if self.chat and self.tools is not None else None
             try:
                 async for text, lp in self.deltas():
                     if calls is None:
-                        yield self._sse(self._chunk(text, None, lp))
+                        yield self._chunk(text, None, lp)
                         continue
                     deltas = calls.push(text)
                     if lp and not deltas:
                         deltas = [{}]  # logprobs of tokens still held back
                     for i, delta in enumerate(deltas):
-                        yield self._sse(R.chat_chunk(self.rid, self.model, self.created, delta, None,
-                                                     lp if i == 0 else None))
+                        yield R.chat_chunk(self.rid, self.model, self.created, delta, None, lp if i == 0 else None,
+                                           index=self.index)
                 if calls is not None:
                     for delta in calls.finish():
-                        yield self._sse(R.chat_chunk(self.rid, self.model, self.created, delta, None))
+                        yield R.chat_chunk(self.rid, self.model, self.created, delta, None, index=self.index)
                     if calls.calls and self.finish_reason == "stop":
                         self.finish_reason = "tool_calls"
             except APIError as e:
                 status = e.status
-                yield e.sse()
-                yield R.SSE_DONE
-                return
-            yield self._sse(self._chunk("", self.finish_reason, None))
-            if self._usage_at_end:
-                yield R.sse(R.usage_chunk(self.rid, self.model, self.created, self.chat, self.usage))
-            yield R.SSE_DONE
+                raise
+            yield self._chunk("", self.finish_reason, None)
             status = 200
         finally:
             self.gen.cancel()
             self._done(status)
 
-    def _sse(self, chunk: dict) -> str:
-        if self._usage_always:
-            chunk["usage"] = self.usage.body()
-        return R.sse(chunk)
-
     def _chunk(self, text: str, finish_reason: str | None, lp: dict | None) -> dict:
         if self.chat:
             return R.chat_chunk(self.rid, self.model, self.created, {"content": text} if text or not finish_reason
-                                else {}, finish_reason, lp)
-        return R.completion_chunk(self.rid, self.model, self.created, text, finish_reason, lp)
+                                else {}, finish_reason, lp, index=self.index)
+        return R.completion_chunk(self.rid, self.model, self.created, text, finish_reason, lp, index=self.index)
 
     def __del__(self):
         # A streaming response whose client left before its first byte is never iterated, so its
@@ -197,16 +187,16 @@ class ResponseWriter:
             self._done(499)
 
     def _done(self, status: int) -> None:
+        """The choice's own accounting (one engine request in flight); the response's is router/choices.py's."""
         if self._closed:
             return
         self._closed = True
+        self.status = status
         r = self.router
         r.inflight -= 1
         r._gauges()
-        r.metrics.request_done(self.endpoint, status)
         if status == 200:
             r.metrics.finished(self.finish_reason)
-            r.metrics.e2e.observe(time.monotonic() - self.arrival)
 
 
 def push_each(det: IncrementalDetokenizer, token_text, token_ids, base: int) -> tuple[str, str | None, list[int]]:

@@ -31,7 +31,8 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(None, description="Nucleus sampling mass in (0, 1].")
     top_k: int | None = Field(None, description="Sample among the k most likely tokens; -1 or 0 is off.")
     min_p: float | None = Field(None, description="Drop tokens below min_p times the top probability.")
-    n: int = Field(1, description="Completions per prompt; only 1 is supported.")
+    n: int = Field(1, description="Completions per prompt, sampled independently (with a seed: seed + i for the "
+                                  "i-th); they share the prompt's cached blocks. best_of is not supported.")
     stream: bool = Field(False, description="Stream the output as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options (include_usage).")
     stop: str | list[str] | None = Field(None, description="Up to 4 strings that end the output (excluded).")
@@ -99,7 +100,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="The prompt: text or token ids (a list holding one prompt is accepted too).")
+        description="The prompt: text or token ids; a list of them is a batch, choices indexed prompt * n + i.")
     logprobs: int | None = Field(None, description="Return the log-probabilities of the top n tokens (0-20).")
     echo: bool = Field(False, description="Prepend the prompt to the returned text (with logprobs: and its tokens' "
                                           "logprobs, the first token's null).")

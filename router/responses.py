@@ -55,15 +55,15 @@ def _by_likelihood(top: dict[str, float]) -> dict[str, float]:
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, index: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [completion_choice(index, text, finish_reason, logprobs)]}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(rid: str, model: str, created: int, chat: bool, usage: Usage) -> dict:
@@ -71,21 +71,22 @@ def usage_chunk(rid: str, model: str, created: int, chat: bool, usage: Usage) ->
             "model": model, "choices": [], "usage": usage.body()}
 
 
-def completion_body(rid: str, model: str, created: int, text: str, finish_reason: str | None, usage: Usage,
-                    logprobs: dict | None) -> dict:
-    body = completion_chunk(rid, model, created, text, finish_reason, logprobs)
-    body["usage"] = usage.body()
-    return body
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_body(rid: str, model: str, created: int, text: str | None, finish_reason: str | None, usage: Usage,
-              logprobs: dict | None, tool_calls: list[dict] | None = None) -> dict:
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+                tool_calls: list[dict] | None = None) -> dict:
     message = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": usage.body()}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def whole_body(rid: str, model: str, created: int, chat: bool, choices: list[dict], usage: Usage) -> dict:
+    """A whole (non-streamed) response: its choices in index order, usage over all of them."""
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage.body()}
 
 
 def sse(body: dict) -> str:

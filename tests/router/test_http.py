@@ -141,7 +141,7 @@ BAD = [
     ("negative temperature", {"model": "tiny", "prompt": "x", "temperature": -1}, "completions", "temperature"),
     ("top_p zero", {"model": "tiny", "prompt": "x", "top_p": 0}, "completions", "top_p"),
     ("zero max_tokens", {"model": "tiny", "prompt": "x", "max_tokens": 0}, "completions", "max_tokens"),
-    ("n=2", {"model": "tiny", "prompt": "x", "n": 2}, "completions", "n"),
+    ("n=0", {"model": "tiny", "prompt": "x", "n": 0}, "completions", "n"),
     ("token id out of vocab", {"model": "tiny", "prompt": [1, 2, 999999]}, "completions", "prompt"),
     ("wrong type", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, "completions", "max_tokens"),
     ("missing messages", {"model": "tiny"}, "chat/completions", "messages"),
