@@ -14,8 +14,9 @@ from router.policy import STATS_PERIOD_S
 from router.request_router import LoadAwareRequestRouter
 
 
-def _routing(role: str) -> RequestRouterConfig:
-    return RequestRouterConfig(request_router_class=LoadAwareRequestRouter, request_router_kwargs={"role": role},
+def _routing(role: str, prefix_aware: bool = True) -> RequestRouterConfig:
+    return RequestRouterConfig(request_router_class=LoadAwareRequestRouter,
+                               request_router_kwargs={"role": role, "prefix_aware": prefix_aware},
                                request_routing_stats_period_s=STATS_PERIOD_S)
 
 
@@ -30,7 +31,7 @@ def application(cfg: TandemConfig, api: tuple[str, int] | None = None) -> serve.
         PrefillServer, name="prefill", num_replicas=cfg.prefill_replicas,
         ray_actor_options={"num_cpus": cfg.prefill_num_cpus, "num_gpus": cfg.prefill_gpus(),
                            "resources": dict(cfg.prefill_resources)},
-        max_ongoing_requests=cfg.max_num_seqs * 2, request_router_config=_routing("prefill"),
+        max_ongoing_requests=cfg.max_num_seqs * 2, request_router_config=_routing("prefill", cfg.prefix_aware_routing),
         health_check_period_s=5, graceful_shutdown_timeout_s=5,
     ).bind(cfg.prefill().model_dump())
     # The decode replica itself only steers its rank actors (which hold the CPUs/GPUs and rank_resources); it

@@ -13,6 +13,7 @@ import torch
 from cluster.errors import ChannelError
 from cluster.faults import FaultPoints
 from cluster.protocol import DecodeTarget, ModelInfo, PrefillRequest, PrefillResult
+from cluster.protocol.block_filter import BlockFilter
 from cluster.protocol.load import PrefillLoad, prefix_cache_counts
 from cluster.runtime import replica_id
 from engine import LLMEngine
@@ -34,6 +35,8 @@ class PrefillServer:
         self.name = f"prefill-{uuid.uuid4().hex[:8]}"
         self.loop = PrefillLoop(self.engine, self.name, c.transfer_timeout_s, c.connect_timeout_s,
                                 c.handover_transport, FaultPoints(c.fault_points))
+        self._reports = 0  # routing stats reported (their report_seq)
+        self._filter: tuple[tuple[int, int], bytes] | None = None  # ((cached, evicted) counts, their BlockFilter)
 
     async def prefill(self, request: tuple, target: DecodeTarget) -> AsyncIterator[PrefillResult]:
         """A stream: the prompt's PrefillResult (its first token) as soon as it exists, then the end of the
@@ -109,15 +112,35 @@ class PrefillServer:
                 for t in list(self.loop.sender.timings)[-last:]]
 
     def record_routing_stats(self) -> dict:
-        """A PrefillLoad's wire form (cluster/protocol/load.py): Serve polls it and hands it to every router."""
+        """A PrefillLoad's wire form (cluster/protocol/load.py): Serve polls it and hands it to every router,
+        with this replica's prefix view (what its prefix cache holds) for cache-aware routing."""
         s = self.stats()
+        self._reports += 1
+        pc = self.engine.prefix_cache
         return PrefillLoad(replica=s["replica"], max_num_batched_tokens=s["max_num_batched_tokens"],
                            num_prompts=s["num_prompts"], prompt_tokens_waiting=s["prompt_tokens_waiting"],
                            handovers_queued=s["handovers_queued"], handovers_total=s["handovers_total"],
                            kv_blocks_used=s["kv_blocks_used"], kv_blocks_total=s["kv_blocks_total"],
                            grammar=tuple(s["grammar"].items()),
                            handovers_by_transport=tuple(s["handovers_by_transport"].items()),
-                           prefix_cache=tuple(s["prefix_cache"].items())).to_wire()
+                           prefix_cache=tuple(s["prefix_cache"].items()),
+                           block_size=0 if pc is None else pc.block_size, prefix_model="" if pc is None else pc.model,
+                           cached_blocks=self._cached_blocks(), report_seq=self._reports).to_wire()
+
+    def _cached_blocks(self) -> bytes:
+        """The BlockFilter of the prefix cache's blocks, built again only when the cache changed: every
+        registration changes the pool's cached count, every eviction its evicted count, so an unchanged pair
+        is an unchanged set."""
+        if self.engine.prefix_cache is None:
+            return b""
+        pool = self.engine.blocks.pool
+        key = (pool.num_cached, pool.num_evicted)
+        cached = self._filter
+        if cached is None or cached[0] != key:
+            # The engine thread registers blocks meanwhile: list() of a dict copies it under the GIL.
+            hashes = pool.cached_hashes()
+            cached = self._filter = (key, BlockFilter.build(hashes, len(hashes)).bits)
+        return cached[1]
 
     def __del__(self):
         loop = getattr(self, "loop", None)

@@ -32,6 +32,10 @@ class RouterSettings(BaseModel):
                                                                  "down, replaced), its open responses get this "
                                                                  "long to end before they are cut; within Serve's "
                                                                  "5 s graceful shutdown.")
+    prefix_aware_routing: bool = Field(True, description="Send each prompt to the prefill replica that holds "
+                                                         "the longest cached prefix of it, weighed against "
+                                                         "load (router/policy.py); false: by load alone, "
+                                                         "equal replicas in turn.")
     api_key: str | None = Field(None, repr=False, description=f"Bearer key every route but /health requires "
                                                               f"(HTTP 401 otherwise); default: ${API_KEY_ENV}, "
                                                               f"else no key.")

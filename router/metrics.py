@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from router.prefix_affinity import routing_counts
+
 disable_created_metrics()  # the *_created series only add noise to a scrape
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -66,6 +68,7 @@ class RouterMetrics:
         self._prefix_cache: dict[tuple[str, str], dict[str, int]] = {}  # (role, replica) -> its engine's counters
         r.register(_DPRankCollector(self))
         r.register(_PrefixCacheCollector(self))
+        r.register(_RoutingCollector(model))
 
     def dp_ranks(self, replica: str, ranks) -> None:
         """A decode replica's per-rank load (its stats' `dp_ranks`)."""
@@ -187,3 +190,32 @@ class _PrefixCacheCollector:
         yield hits
         yield evicted
         yield cached
+
+
+class _RoutingCollector:
+    """How this router chose prefill replicas (router/prefix_affinity.py): by prefix overlap, by load, or by
+    load because the balance guard overrode the overlap; when its prefix view could not be trusted and it
+    routed by load alone, why; and the prompt tokens it expected its choices to hold cached."""
+
+    def __init__(self, model: str):
+        self.model = model
+
+    def collect(self):
+        decisions = CounterMetricFamily("tandem_routing_decisions", "Prompts routed to a prefill replica, by "
+                                        "what decided: prefix (overlap and load), load (no replica held any of "
+                                        "the prompt) or balance (the load-imbalance guard overrode the overlap).",
+                                        labels=["model", "role", "outcome"])
+        fallbacks = CounterMetricFamily("tandem_routing_fallback", "Prompts routed by load alone because the "
+                                        "prefix view was not trusted: no_report, unreadable, stale or "
+                                        "replica_gone.", labels=["model", "role", "reason"])
+        expected = CounterMetricFamily("tandem_routing_expected_hit_tokens", "Prompt tokens the router expected "
+                                       "the chosen prefill replica to hold cached.", labels=["model", "role"])
+        counts = routing_counts()
+        for outcome in ("prefix", "load", "balance"):
+            decisions.add_metric([self.model, "prefill", outcome], counts.get(("decision", outcome), 0))
+        for reason in ("no_report", "unreadable", "stale", "replica_gone"):
+            fallbacks.add_metric([self.model, "prefill", reason], counts.get(("fallback", reason), 0))
+        expected.add_metric([self.model, "prefill"], counts.get(("expected_hit_tokens", ""), 0))
+        yield decisions
+        yield fallbacks
+        yield expected

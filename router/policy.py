@@ -1,4 +1,4 @@
-"""The routing policy: pick the prefill replica and the decode group with the least load.
+"""The routing policy: pick the prefill replica by prefix overlap and load, the decode group by load.
 
 Load comes from two places: each replica's `record_routing_stats()` (a PrefillLoad or DecodeLoad record's
 wire form, cluster/protocol/load.py: queued prompt tokens, KV usage, running requests; polled by Serve every
@@ -6,11 +6,36 @@ wire form, cluster/protocol/load.py: queued prompt tokens, KV usage, running req
 gap until the next poll. Scores are pure functions of those records so they can be tested alone;
 `LoadAwareRequestRouter` plugs them into Serve's request routing (router/request_router.py; it runs inside
 the router process, beside the handle).
+
+The prefill score (`rank_prefill`) is the replica's expected work, in tokens of prompt compute, once it
+also has this prompt (the shape of Dynamo's KV router cost: blocks to prefill plus blocks queued):
+
+    cost(r) = queued(r) + PROMPT_OVERHEAD_TOKENS * prompts(r) + HANDOVER_BATCHES * budget(r) * handovers(r)
+              + prompt tokens - OVERLAP_WEIGHT * overlap(r)         [then divided by budget(r): steps]
+
+- overlap(r): the prompt's leading tokens r holds or will hold (its reported cache, or prompts this router
+  sent there recently: router/prefix_affinity.py); 0 with prefix-aware routing off or a view not trusted;
+- queued(r): the larger of the prompt tokens this router sent r that are not done (less their overlap) and
+  r's reported queued prompt tokens less its cumulative hit share (other routers' prompts count there);
+- prompts(r): the larger of this router's requests open there and r's reported prompt count: a prompt
+  costs a step's fixed share besides its tokens.
+A cached token weighs OVERLAP_WEIGHT queued tokens (Dynamo's overlap weight): recomputing a prefix costs
+the deployment that compute for good, queueing behind it costs only this prompt's time. A cached prefix
+thus wins while the replica holding it has no more than OVERLAP_WEIGHT times that prefix's worth of work
+more than another; past that, a hot prefix spills to a second replica (which then caches it too). The
+weight above 1 is also what keeps prompts that share a new prefix together while the first of them is
+still computing it (the others wait for its blocks there, engine/core/prefix_cache.py): n > 1 children.
+A guard caps this for very long prefixes, as SGLang's balance thresholds and Ray Serve's imbalance
+threshold do: when the cheapest replica's queued work exceeds BALANCE_REL times the least loaded's plus
+BALANCE_ABS_BATCHES steps, overlap is ignored for that request.
+Ties (equal cost, e.g. idle replicas and no overlap) go to the replica this router chose longest ago, so
+load-only routing of equal replicas is round robin.
 """
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 from cluster.errors import ProtocolError
 from cluster.protocol.load import LOADS, DecodeLoad, PrefillLoad
@@ -20,6 +45,12 @@ log = logging.getLogger(__name__)
 STATS_PERIOD_S = 0.5
 REBUILDING_PENALTY = 100.0  # a decode replica rebuilding its rank group gets requests only if no other can
 UNKNOWN_MAX_NUM_SEQS = 64  # a decode replica not heard from yet: its in-flight requests weigh as on a default one
+DEFAULT_BUDGET = 2048  # a prefill replica not heard from yet: its step's token budget, as the default config's
+PROMPT_OVERHEAD_TOKENS = 64  # a prompt's fixed share of a step (scheduling, sampling, packing its hand-over)
+HANDOVER_BATCHES = 0.25  # a queued hand-over's share of a step (packing shares the CPU)
+OVERLAP_WEIGHT = 2.0
+BALANCE_ABS_BATCHES = 4.0
+BALANCE_REL = 2.0
 
 
 def load_of(role: str, stats: dict | None) -> PrefillLoad | DecodeLoad | None:
@@ -34,13 +65,57 @@ def load_of(role: str, stats: dict | None) -> PrefillLoad | DecodeLoad | None:
         return None
 
 
-def prefill_score(load: PrefillLoad | None, in_flight: int) -> float:
-    """Expected wait in units of 'one batch': queued prompt tokens over a step's token budget, plus
-    prompts this router sent since the stats were taken, plus pending hand-overs (they share the CPU)."""
-    if load is None:
-        return float(in_flight)
-    return (load.prompt_tokens_waiting / max(1, load.max_num_batched_tokens) + load.num_prompts + in_flight
-            + 0.25 * load.handovers_queued)
+@dataclass(frozen=True, slots=True)
+class PrefillCandidate:
+    """A prefill replica as the policy scores it for one prompt."""
+    replica: str
+    load: PrefillLoad | None  # its latest report; None before its first, or unreadable
+    in_flight: int  # this router's requests open there
+    own_tokens: int  # prompt tokens this router sent there that it computes (not cached) and are not done
+    matched_tokens: int  # the prompt's leading tokens it holds or will hold (0: unknown or none)
+    last_pick: int  # when this router last chose it (a pick count; -1 never): ties go to the oldest
+
+
+def budget(c: PrefillCandidate) -> int:
+    return max(1, c.load.max_num_batched_tokens) if c.load is not None else DEFAULT_BUDGET
+
+
+def uncached_waiting(load: PrefillLoad) -> int:
+    """Queued prompt tokens the replica will compute: its queue less its cumulative prefix hit share."""
+    counts = dict(load.prefix_cache)
+    queried = counts.get("query_tokens", 0)
+    hit_share = counts.get("hit_tokens", 0) / queried if queried else 0.0
+    return int(load.prompt_tokens_waiting * (1.0 - hit_share))
+
+
+def prefill_work(c: PrefillCandidate) -> float:
+    """The replica's queued work in tokens, before this prompt (see the module docstring)."""
+    if c.load is None:
+        return c.own_tokens + PROMPT_OVERHEAD_TOKENS * c.in_flight
+    queued = max(c.own_tokens, uncached_waiting(c.load))
+    prompts = max(c.in_flight, c.load.num_prompts)
+    return queued + PROMPT_OVERHEAD_TOKENS * prompts + HANDOVER_BATCHES * budget(c) * c.load.handovers_queued
+
+
+def prefill_cost(c: PrefillCandidate, prompt_tokens: int, use_overlap: bool = True) -> float:
+    """Steps of work the replica has once it also has this prompt."""
+    overlap = min(c.matched_tokens, prompt_tokens) if use_overlap else 0
+    return (prefill_work(c) + prompt_tokens - OVERLAP_WEIGHT * overlap) / budget(c)
+
+
+def rank_prefill(cands: list[PrefillCandidate], prompt_tokens: int) -> tuple[list[PrefillCandidate], str]:
+    """Candidates cheapest first, and the outcome: "prefix" (the first holds part of the prompt), "load"
+    (nobody holds any: least work first) or "balance" (the guard overrode the overlap)."""
+    def order(use_overlap: bool) -> list[PrefillCandidate]:
+        return sorted(cands, key=lambda c: (prefill_cost(c, prompt_tokens, use_overlap), c.last_pick, c.replica))
+
+    ranked = order(True)
+    if not ranked or ranked[0].matched_tokens <= 0:
+        return ranked, "load"
+    best, lightest = prefill_work(ranked[0]), min(prefill_work(c) for c in cands)
+    if best > BALANCE_REL * lightest + BALANCE_ABS_BATCHES * budget(ranked[0]):
+        return order(False), "balance"
+    return ranked, "prefix"
 
 
 def decode_score(load: DecodeLoad | None, in_flight: int) -> float:
@@ -61,7 +136,7 @@ def decode_unavailable(by_replica: dict[str, DecodeLoad | None]) -> str | None:
     return None
 
 
-_SCORES = {"prefill": prefill_score, "decode": decode_score}
+_SCORES = {"decode": decode_score}  # prefill replicas are ranked by rank_prefill (router/prefix_affinity.py)
 
 # Latest routing stats per role and replica, as seen by the routers of this process (for /metrics): their
 # wire forms, which the metrics page shows as they came.

@@ -1,7 +1,8 @@
 """LoadAwareRequestRouter: Serve's request-routing hook for the policy in router/policy.py.
 
-Serve pickles this module by value into every process that holds a handle, so it keeps no state of its
-own: scores and the per-replica load snapshot live in router.policy (pickled by reference).
+Serve pickles this module by value into every process that holds a handle, so it keeps no module state of
+its own: scores, the per-replica load snapshot and the routing counters live in router.policy and
+router.prefix_affinity (pickled by reference); the one instance per handle holds its PrefillRouting.
 """
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ from typing import Any
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from router.policy import load_of, record_stats, score_function
+from router.prefix_affinity import PrefillRouting, ReplicaState, prefill_prompt
 
 
 class LoadAwareRequestRouter(FIFOMixin, RequestRouter):
-    """Orders replicas by score (least loaded first); Serve then takes the first that accepts."""
+    """Orders replicas by score (prefill: prefix overlap and load; decode: load); Serve then takes the
+    first that accepts."""
 
-    def initialize_state(self, role: str = "decode", **kwargs: Any) -> None:
+    def initialize_state(self, role: str = "decode", prefix_aware: bool = True, **kwargs: Any) -> None:
         self.role = role
-        self._score = score_function(role)
+        self._score = score_function(role) if role != "prefill" else None
+        self._prefill = PrefillRouting(prefix_aware) if role == "prefill" else None
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -31,18 +35,39 @@ class LoadAwareRequestRouter(FIFOMixin, RequestRouter):
             chosen = [r for r in candidate_replicas if r.replica_id.unique_id == pinned]
             if chosen:
                 return [chosen]
-        scored = []
-        snapshot = {}
-        for r in candidate_replicas:
-            stats = r.routing_stats or {}
-            snapshot[r.replica_id.unique_id] = stats
-            in_flight = self.replica_queue_len_cache.get(r.replica_id) or 0
-            scored.append((self._score(load_of(self.role, stats), in_flight), r.replica_id.unique_id, r))
+        snapshot = {r.replica_id.unique_id: r.routing_stats or {} for r in candidate_replicas}
         record_stats(self.role, snapshot, replace=False)
+        if self._prefill is not None:
+            return self._rank_prefill(candidate_replicas, pending_request)
+        scored = []
+        for r in candidate_replicas:
+            in_flight = self.replica_queue_len_cache.get(r.replica_id) or 0
+            load = load_of(self.role, snapshot[r.replica_id.unique_id])
+            scored.append((self._score(load, in_flight), r.replica_id.unique_id, r))
         scored.sort(key=lambda x: (x[0], x[1]))
         return [[r] for _, _, r in scored]
 
+    def _rank_prefill(self, candidate_replicas: list[RunningReplica],
+                      pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        states = [ReplicaState(rid, r.routing_stats, self.replica_queue_len_cache.get(r.replica_id) or 0)
+                  for rid, r in by_id.items()]
+        prompt, key = None, None
+        if pending_request is not None:
+            prompt = prefill_prompt(pending_request.metadata.call_method, pending_request.args)
+            key = pending_request.metadata.internal_request_id
+        return [[by_id[rid]] for rid in self._prefill.rank(states, prompt, key)]
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        if self._prefill is not None:
+            self._prefill.completed(internal_request_id)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        record_stats(getattr(self, "role", "decode"),
-                     {r.replica_id.unique_id: (r.routing_stats or {}) for r in replicas}, replace=True)
+        stats = {r.replica_id.unique_id: (r.routing_stats or {}) for r in replicas}
+        record_stats(getattr(self, "role", "decode"), stats, replace=True)
+        prefill = getattr(self, "_prefill", None)
+        if prefill is not None:
+            for rid, s in stats.items():
+                prefill.observe(rid, load_of("prefill", s))
+            prefill.keep_only(set(stats))

@@ -12,8 +12,9 @@ from dataclasses import dataclass, fields
 
 from cluster.errors import ProtocolError, ProtocolVersionError
 from cluster.protocol import wire
+from cluster.protocol.block_filter import read_bits
 
-ROUTING_STATS_VERSION = 2  # bump on any change to the fields below
+ROUTING_STATS_VERSION = 3  # bump on any change to the fields below (3: a prefill replica's prefix view)
 
 # The engine's prefix-cache figures a worker reports (engine stats()["prefix_cache"], less its hit rate):
 # running totals of prompt tokens looked up and reused, and the pool's cached and evicted blocks.
@@ -82,12 +83,22 @@ class PrefillLoad(_Load):
     grammar: tuple[tuple[str, int], ...]  # the engine's grammar counters (compiles, cache hits, ...)
     handovers_by_transport: tuple[tuple[str, int], ...]  # gloo, nccl, ipc: what carried the payloads
     prefix_cache: tuple[tuple[str, int], ...] = ()  # PREFIX_CACHE_COUNTS of its engine; empty with prefix caching off
+    # Its prefix view, for cache-aware routing (router/prefix_affinity.py): a router hashes a prompt as this
+    # engine does (block_size tokens a block, namespaced by prefix_model and the request's cache salt) and
+    # looks the hashes up in cached_blocks, a BlockFilter's bits (cluster/protocol/block_filter.py). Block
+    # size 0 and no bits: prefix caching is off there.
+    block_size: int = 0
+    prefix_model: str = ""  # the model name the engine's block hashes are namespaced by
+    cached_blocks: bytes = b""
+    report_seq: int = 0  # counts this replica's reports: a router that sees it stand still knows its view is stale
 
     ROLE = "prefill"
     READERS = {"replica": wire.text, "max_num_batched_tokens": wire.integer, "num_prompts": wire.integer,
                "prompt_tokens_waiting": wire.integer, "handovers_queued": wire.integer,
                "handovers_total": wire.integer, "kv_blocks_used": wire.integer, "kv_blocks_total": wire.integer,
-               "grammar": _counts, "handovers_by_transport": _counts, "prefix_cache": _counts}
+               "grammar": _counts, "handovers_by_transport": _counts, "prefix_cache": _counts,
+               "block_size": wire.integer, "prefix_model": wire.text, "cached_blocks": read_bits,
+               "report_seq": wire.integer}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,23 @@
-"""Routing scores: the least loaded replica wins, and this router's in-flight requests count."""
+"""Routing scores: the least loaded replica wins, and this router's in-flight requests count; a prefill
+replica holding the prompt's prefix wins while its extra load stays below what the prefix saves, and the
+balance guard overrides it beyond that."""
 from cluster.protocol.load import DecodeLoad, PrefillLoad
-from router.policy import decode_score, decode_unavailable, load_of, prefill_score
+from router.policy import (BALANCE_ABS_BATCHES, OVERLAP_WEIGHT, PROMPT_OVERHEAD_TOKENS, PrefillCandidate,
+                           decode_score, decode_unavailable, load_of, prefill_work, rank_prefill, uncached_waiting)
 
 
-def prefill(waiting: int, prompts: int) -> PrefillLoad:
-    return PrefillLoad("p", 2048, prompts, waiting, 0, 0, 0, 100, (), ())
+def prefill(waiting: int, prompts: int, hits: tuple[int, int] | None = None) -> PrefillLoad:
+    counts = () if hits is None else (("hit_tokens", hits[0]), ("query_tokens", hits[1]))
+    return PrefillLoad("p", 2048, prompts, waiting, 0, 0, 0, 100, (), (), counts)
+
+
+def cand(name, load=None, in_flight=0, own=0, matched=0, last_pick=-1) -> PrefillCandidate:
+    return PrefillCandidate(name, load, in_flight, own, matched, last_pick)
+
+
+def order(cands, prompt_tokens):
+    ranked, outcome = rank_prefill(cands, prompt_tokens)
+    return [c.replica for c in ranked], outcome
 
 
 def decode(used: int, total: int, requests: int, group_id: str | None = "g1", last_error: str | None = None):
@@ -12,11 +25,49 @@ def decode(used: int, total: int, requests: int, group_id: str | None = "g1", la
 
 
 def test_prefill_prefers_fewer_queued_prompt_tokens_and_fewer_in_flight():
-    idle, busy = prefill(0, 0), prefill(4096, 3)
-    assert prefill_score(idle, 0) < prefill_score(busy, 0)
-    assert prefill_score(idle, 5) > prefill_score(idle, 0)
-    assert prefill_score(None, 0) == 0.0  # a replica without stats yet is not penalised
-    assert prefill_score(None, 2) == 2.0  # but this router's own requests there count
+    assert order([cand("a", prefill(4096, 3)), cand("b", prefill(0, 0))], 100) == (["b", "a"], "load")
+    assert order([cand("a", prefill(0, 0), in_flight=5), cand("b", prefill(0, 0))], 100)[0] == ["b", "a"]
+    assert prefill_work(cand("a")) == 0.0  # a replica without stats yet is not penalised
+    assert prefill_work(cand("a", in_flight=2, own=300)) == 300 + 2 * PROMPT_OVERHEAD_TOKENS  # but ours count
+
+
+def test_queued_tokens_are_discounted_by_the_replicas_hit_share_and_ours_cover_the_gap():
+    assert uncached_waiting(prefill(1000, 2, hits=(750, 1000))) == 250
+    assert uncached_waiting(prefill(1000, 2)) == 1000
+    # the report predates the 3,000 tokens this router just sent: its own count is the larger, and wins
+    assert prefill_work(cand("a", prefill(1000, 1), in_flight=1, own=3000)) == 3000 + PROMPT_OVERHEAD_TOKENS
+
+
+def test_equal_replicas_take_turns():
+    """Regression: ties went to the lowest replica id, so load-only routing of sequential prompts sent
+    them all to one replica."""
+    a, b = cand("a", prefill(0, 0), last_pick=7), cand("b", prefill(0, 0), last_pick=3)
+    assert order([a, b], 500) == (["b", "a"], "load")
+
+
+def test_the_replica_holding_the_prefix_wins_under_equal_load():
+    holder, other = cand("b", prefill(0, 0), matched=1024), cand("a", prefill(0, 0))
+    assert order([other, holder], 1100) == (["b", "a"], "prefix")
+
+
+def test_a_hot_prefix_spills_once_the_holder_is_busier_than_recomputing_it():
+    prefix = 1024
+    spill_at = OVERLAP_WEIGHT * prefix  # extra queued tokens at the holder that outweigh the prefix
+    near = cand("b", prefill(int(spill_at) - 200, 1), matched=prefix)
+    far = cand("b", prefill(int(spill_at) + 200, 1), matched=prefix)
+    idle = cand("a", prefill(0, 1))
+    assert order([idle, near], 1100)[0][0] == "b"
+    assert order([idle, far], 1100) == (["a", "b"], "load")
+
+
+def test_the_balance_guard_overrides_a_very_long_prefix():
+    prefix = 30_000  # recomputing it costs more than the holder's queue: only the guard moves the prompt
+    lightest = 1000
+    over = int(2.0 * lightest + BALANCE_ABS_BATCHES * 2048) + 1
+    holder = cand("b", prefill(over, 0), matched=prefix)
+    assert order([cand("a", prefill(lightest, 0)), holder], prefix + 50) == (["a", "b"], "balance")
+    holder = cand("b", prefill(over - 2, 0), matched=prefix)
+    assert order([cand("a", prefill(lightest, 0)), holder], prefix + 50) == (["b", "a"], "prefix")
 
 
 def test_decode_prefers_free_kv_then_fewer_requests():
