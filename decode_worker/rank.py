@@ -192,11 +192,13 @@ class DecodeRank:
         elif cmd.kind is CommandKind.ABORT:
             self._committed_early.discard(rid)
             eng.abort(rid)
+            eng.handovers.unpin(rid)  # a prefix pinned for a hand-over that will not come
             self.receiver.drop(rid)
         elif cmd.kind is CommandKind.DROP:
             if rid in self._committed_early:  # the replica no longer tracks it, but it runs here: end it
                 self._committed_early.discard(rid)
                 eng.abort(rid)
+            eng.handovers.unpin(rid)
             self.receiver.drop(rid)
 
     def _commit(self, rid: str, failed: list[tuple[str, str]]) -> None:
@@ -233,7 +235,7 @@ class DecodeRank:
             return True
         header, stocked = taken
         if rid in eng.requests:  # reserved in lockstep: its KV is in the stock's blocks, not in these
-            self.stock.give(eng.blocks.swap(rid, stocked))
+            self.stock.give(eng.blocks.swap(rid, stocked, start=header.request.reused_blocks))
             return True
         try:
             eng.reserve(header.request, _compiled(header), block_ids=stocked)

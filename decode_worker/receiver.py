@@ -235,7 +235,7 @@ class HandoverReceiver:
         req = header.request
         if self.stock is None or req.block_size != self.kv_cache.shape[3] or req.cache_layers != self.kv_cache.shape[0]:
             return None
-        return self.stock.take(-(-req.num_computed_tokens // req.block_size))
+        return self.stock.take(req.num_blocks - req.reused_blocks)  # the reused ones are pinned in the engine
 
     def _unstock(self, rid: str, arrival: _Arrival) -> None:
         """A stocked payload that did not land: its blocks go back to the stock."""

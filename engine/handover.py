@@ -6,6 +6,10 @@ side continues the same random stream), the logprobs already produced, and the c
 blocks are in. It is plain data: `to_dict`/`from_dict` give msgpack-able values, and `from_dict`
 rejects a malformed description with a typed error instead of building a broken request. The wire
 format around it (version, payload parts, grammar state) belongs to `cluster.protocol`.
+
+Prefix caching through the hand-over: the decode side may already hold the prompt's first blocks (its own
+prefix cache; it pinned them before the payload moved, engine/handovers.py `pin`). `reused_blocks` names how
+many: the payload then carries the blocks from that index on, and the receiver's table starts with its own.
 """
 from __future__ import annotations
 
@@ -33,6 +37,12 @@ class HandoverRequest:
     block_size: int
     cache_layers: int  # KV layers per block: the target's, then the draft's (speculation)
     speculative_method: str | None = None  # the prefill side's draft method; None without speculation
+    reused_blocks: int = 0  # leading prompt blocks the receiver holds already: the payload starts after them
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks covering the computed tokens: the reused ones, then the payload's."""
+        return -(-self.num_computed_tokens // self.block_size)
 
     def to_dict(self) -> dict:
         return {
@@ -46,6 +56,7 @@ class HandoverRequest:
             "block_size": self.block_size,
             "cache_layers": self.cache_layers,
             "speculative_method": self.speculative_method,
+            "reused_blocks": self.reused_blocks,
         }
 
     @staticmethod
@@ -65,6 +76,7 @@ class HandoverRequest:
                 block_size=_typed(d, "block_size", int),
                 cache_layers=_typed(d, "cache_layers", int),
                 speculative_method=d.get("speculative_method"),
+                reused_blocks=_typed(d, "reused_blocks", int),
             )
         except KeyError as e:
             raise InvalidRequestError(f"hand-over request description lacks field {e.args[0]!r}",
@@ -77,6 +89,12 @@ class HandoverRequest:
                 req.output_token_ids):
             raise InvalidRequestError(f"hand-over of {req.request_id!r} computes {req.num_computed_tokens} of "
                                       f"{len(req.prompt_token_ids)} prompt tokens", param="handover")
+        if req.block_size <= 0:
+            raise InvalidRequestError(f"hand-over block size must be positive, got {req.block_size}", param="handover")
+        if not 0 <= req.reused_blocks <= max_reusable_blocks(len(req.prompt_token_ids), req.block_size):
+            raise InvalidRequestError(f"hand-over of {req.request_id!r} reuses {req.reused_blocks} blocks of a "
+                                      f"{len(req.prompt_token_ids)}-token prompt in {req.block_size}-token blocks: "
+                                      f"the block holding its last token always travels", param="handover")
         return req
 
 
@@ -88,6 +106,24 @@ class Handover:
     block_ids: list[int]  # blocks holding the prompt's KV (target and draft layers), in order
     hidden: torch.Tensor | None = None  # [H_in] the draft head's input at the last prompt row (speculation)
     compiled_grammar: SerializedGrammar | None = None  # a guided request's compiled grammar, serialized
+
+    def reusing(self, reused_blocks: int) -> "Handover":
+        """This hand-over for a receiver that holds the prompt's first `reused_blocks` blocks (capped so that
+        the block holding the last prompt token, whose KV the receiver's first step extends, always travels)."""
+        n = max(0, min(reused_blocks, max_reusable_blocks(len(self.request.prompt_token_ids),
+                                                          self.request.block_size)))
+        return dataclasses.replace(self, request=dataclasses.replace(self.request, reused_blocks=n))
+
+    @property
+    def payload_block_ids(self) -> list[int]:
+        """The blocks whose KV travels: those past the reused ones, up to the last computed token."""
+        return self.block_ids[self.request.reused_blocks:self.request.num_blocks]
+
+
+def max_reusable_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Leading full blocks of a prompt a receiver may hold instead of receiving: all but the one with the last
+    prompt token (the same rule as the engine's prefix cache at admission)."""
+    return max(0, (num_prompt_tokens - 1) // block_size)
 
 
 def sampling_params_dict(params: SamplingParams) -> dict:

@@ -127,9 +127,7 @@ class HandoverSender:
     def _pack(self, handover: Handover, target: DecodeTarget) -> tuple[list[HandoverPayload], float]:
         """One payload per rank of `target`, in rank order."""
         start = time.perf_counter()
-        h = handover.request
-        n_blocks = -(-h.num_computed_tokens // h.block_size)
-        block_ids = handover.block_ids[:n_blocks]
+        block_ids = handover.payload_block_ids  # past the blocks the decode rank holds already (reused_blocks)
         by_slice: dict[tuple[int, int], torch.Tensor] = {}
         # With speculation the cache's extra layers hold the draft's KV (same heads, same slices), and the
         # draft head's input at the last prompt row travels along whole to every rank.

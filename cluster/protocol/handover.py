@@ -5,7 +5,8 @@ the payload tensors in order. For a hand-over the header frame carries `Handover
 
     msgpack map {
       "version": HANDOVER_VERSION,     # checked first: prefill and decode must speak the same protocol
-      "request": {...},                # engine.HandoverRequest.to_dict(): tokens, params, seed, cache layout
+      "request": {...},                # engine.HandoverRequest.to_dict(): tokens, params, seed, cache layout,
+                                       #   reused_blocks (leading blocks the receiver holds: "kv" starts after them)
       "parts":   ["kv", ...],          # the payload tensors' names, in the order they are sent
       "grammar": {...} | nil,          # GrammarHandover of a guided request: its backend and compiled grammar
     }
@@ -31,12 +32,14 @@ if TYPE_CHECKING:
     import torch
 
 # Bump on any change to the fields below or to HandoverRequest's (3: GrammarHandover.backend; 4: no "draft_kv"
-# part, which no draft ever sent: a draft keeping a cache of its own gets its part when one is built).
-HANDOVER_VERSION = 4
+# part, which no draft ever sent: a draft keeping a cache of its own gets its part when one is built;
+# 5: HandoverRequest.reused_blocks, the leading blocks the receiver holds already and the payload skips).
+HANDOVER_VERSION = 5
 
 
 class PayloadPart(str, enum.Enum):
-    KV = "kv"  # [L, 2, n, S, h, D] the request's blocks: the target's cache layers, then a cache-sharing draft's
+    KV = "kv"  # [L, 2, n, S, h, D] the request's blocks past its reused ones (n = num_blocks - reused_blocks): the
+    #            target's cache layers, then a cache-sharing draft's
     DRAFT_HIDDEN = "draft_hidden"  # [H_in] the draft head's input at the last prompt row (MTP, EAGLE-3)
 
 

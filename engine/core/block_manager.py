@@ -109,6 +109,10 @@ class BlockPool:
     def is_cached(self, block: int) -> bool:
         return self._hash_of[block] is not None
 
+    def hash_of(self, block: int) -> int | None:
+        """The hash a cached block is registered under (None: not cached)."""
+        return self._hash_of[block]
+
     def cached_hashes(self) -> list[int]:
         """Every hash this pool can serve now (what a replica reports for cache-aware routing)."""
         return list(self._cached)
@@ -209,18 +213,29 @@ class BlockManager:
         self.tables[request_id] = list(block_ids)
         self.num_slots[request_id] = num_slots
 
-    def disown(self, request_id: str) -> list[int]:
-        """Undo `adopt`: the request's blocks leave its table without returning to the pool."""
+    def disown(self, request_id: str, held: int = 0) -> list[int]:
+        """Undo `adopt`: the request's blocks leave its table without returning to the pool, except its first
+        `held` ones, which were references of its own (a pinned prefix, `attach`): those are given back."""
         self.num_slots.pop(request_id, None)
         blocks = self.tables.pop(request_id, [])
-        self.pool.forget(blocks)
-        return blocks
+        self.pool.give_back(list(reversed(blocks[:held])))
+        self.pool.forget(blocks[held:])
+        return blocks[held:]
 
-    def swap(self, request_id: str, block_ids: list[int]) -> list[int]:
-        """Replace the request's blocks by set-aside ones of the same count; returns the old (now set aside)."""
-        old = self.tables[request_id]
+    def attach(self, request_id: str, held: list[int]) -> None:
+        """A request (holding no table yet) starts with blocks it already holds a reference to (a hand-over's
+        prefix pinned on the decode side): its table covers their slots; `allocate` grows it past them."""
+        assert request_id not in self.tables, request_id
+        self.tables[request_id] = list(held)
+        self.num_slots[request_id] = len(held) * self.block_size
+
+    def swap(self, request_id: str, block_ids: list[int], start: int = 0) -> list[int]:
+        """Replace the request's blocks from index `start` on (those before are a reused prefix it keeps) by
+        set-aside ones of the same count; returns the old (now set aside)."""
+        table = self.tables[request_id]
+        old = table[start:]
         assert len(old) == len(block_ids), (len(old), len(block_ids))
-        self.tables[request_id] = list(block_ids)
+        table[start:] = block_ids
         self.pool.forget(old)
         return old
 

@@ -98,6 +98,8 @@ class PrefixCache:
 
     def progress(self, req: Request) -> int:
         """Register the request's blocks whose KV is now final; -> blocks newly cached."""
+        if req.status is RequestStatus.RESERVED:  # a hand-over whose KV has not landed: its blocks hold nothing yet
+            return 0
         final = req.num_computed_tokens - self.draft_lag
         if final < self.block_size:
             return 0
@@ -120,9 +122,16 @@ class PrefixCache:
                 if self._computing.get(h) is req:
                     del self._computing[h]
 
+    def prompt_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
+        """The chain hashes of a prompt's full blocks, as a request with that salt would have them (a decode
+        side looking up what it holds of a prompt before its hand-over comes)."""
+        return extend_hashes([], list(token_ids), self.block_size, self._namespace(cache_salt))
+
     def _hashes(self, req: Request) -> list[int]:
-        salt = req.params.cache_salt
+        return extend_hashes(req.block_hashes, req.token_ids, self.block_size, self._namespace(req.params.cache_salt))
+
+    def _namespace(self, salt: str | None) -> int:
         ns = self._namespaces.get(salt)
         if ns is None:
             ns = self._namespaces[salt] = namespace_hash(self.model, salt)
-        return extend_hashes(req.block_hashes, req.token_ids, self.block_size, ns)
+        return ns
