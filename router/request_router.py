@@ -58,6 +58,14 @@ class LoadAwareRequestRouter(FIFOMixin, RequestRouter):
             key = pending_request.metadata.internal_request_id
         return [[by_id[rid]] for rid in self._prefill.rank(states, prompt, key)]
 
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        """Which waiting call gets the replica just chosen. A prompt's replica was chosen for that prompt: it
+        goes to it (Serve's default, by request id), not to the oldest waiting call as FIFOMixin would, which
+        under a burst hands prompt A the replica holding prompt B's prefix. Decode calls stay FIFO."""
+        if getattr(self, "_prefill", None) is not None:
+            return RequestRouter._fulfill_next_pending_request(self, replica, request_metadata)
+        return FIFOMixin._fulfill_next_pending_request(self, replica, request_metadata)
+
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         if self._prefill is not None:
             self._prefill.completed(internal_request_id)

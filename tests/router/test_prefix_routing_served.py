@@ -2,10 +2,13 @@
 long prefix go to the replica that computed it. Each replica's reported BlockFilter holds the prefixes it
 computed, hashed as the router hashes them (the engine's model name and block size, from the report), and
 every later prompt is a full prefix hit on the replica its prefix lives on: the replicas' own hit counters
-count exactly (later prompts) x (prefix tokens), and /metrics counts the routing decisions as "prefix"."""
+count exactly (later prompts) x (prefix tokens), and /metrics counts the routing decisions as "prefix".
+Then a burst: prompts with two new prefixes sent all at once (as n > 1 children are) land together, each
+prefix computed once, before any report could say where it lives."""
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -22,6 +25,7 @@ pytestmark = pytest.mark.ray
 BLOCK = 16  # the served block size (EngineSettings.block_size)
 SHARED = 6 * BLOCK
 ROUNDS = 3  # prompts per prefix; the first computes it
+BURST_SHARED = 10 * BLOCK  # past the engine's MIN_WAIT_TOKENS: a prompt arriving while its prefix is computed waits
 
 
 def test_prompts_go_to_the_prefill_replica_holding_their_prefix(tandem_server):
@@ -40,13 +44,15 @@ def test_prompts_go_to_the_prefill_replica_holding_their_prefix(tandem_server):
             for prompt in prompts:
                 client.completions.create(model=server.model, prompt=prompt, max_tokens=2, temperature=0)
 
-        def reports():  # the replicas' reports after their last prefill (stats arrive every STATS_PERIOD_S)
-            loads = [PrefillLoad.from_wire(s) for s in router.routing_snapshot.remote().result()["prefill"].values()
-                     if s]
-            done = sum(dict(ld.prefix_cache).get("query_tokens", 0) for ld in loads)
-            return loads if len(loads) == 2 and done == sum(map(len, prompts)) else None
+        def reports(sent: int):  # the replicas' reports after their last prefill (stats arrive every STATS_PERIOD_S)
+            def ready():
+                loads = [PrefillLoad.from_wire(s) for s in router.routing_snapshot.remote().result()["prefill"].values()
+                         if s]
+                done = sum(dict(ld.prefix_cache).get("query_tokens", 0) for ld in loads)
+                return loads if len(loads) == 2 and done == sent else None
+            return wait_for(ready, "both prefill replicas report every prompt", poll_s=0.25)
 
-        loads = wait_for(reports, "both prefill replicas report every prompt", poll_s=0.25)
+        loads = reports(sum(map(len, prompts)))
         hits = {ld.replica: dict(ld.prefix_cache)["hit_tokens"] for ld in loads}
         assert sorted(hits.values()) == [(ROUNDS - 1) * SHARED] * 2, hits  # each prefix reused where it lives
         for prefix in prefixes:  # ... and only there: the router finds it in that replica's filter alone
@@ -58,5 +64,14 @@ def test_prompts_go_to_the_prefill_replica_holding_their_prefix(tandem_server):
         samples = scrape(httpx.get(f"{server.base_url}/metrics", timeout=30).text)
         decided = {labels: v for (name, labels), v in samples.items() if name == "tandem_routing_decisions_total"}
         assert decided[(("model", server.model), ("outcome", "prefix"), ("role", "prefill"))] == 2 * (ROUNDS - 1)
+
+        burst_prefixes = [[rng.randrange(3, vocab) for _ in range(BURST_SHARED)] for _ in range(2)]
+        burst = [burst_prefixes[i] + [rng.randrange(3, vocab) for _ in range(4)] for i in (0, 0, 1, 1, 1, 0)]
+        with server.openai(timeout=300) as client, ThreadPoolExecutor(len(burst)) as pool:
+            list(pool.map(lambda p: client.completions.create(model=server.model, prompt=p, max_tokens=2,
+                                                              temperature=0), burst))
+        after = reports(sum(map(len, prompts + burst)))
+        burst_hits = sum(dict(ld.prefix_cache)["hit_tokens"] for ld in after) - sum(hits.values())
+        assert burst_hits == 2 * 2 * BURST_SHARED, burst_hits  # each new prefix computed once, on one replica
     finally:
         stop_app("affinity")
