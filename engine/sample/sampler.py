@@ -46,6 +46,9 @@ class SamplingBatch:
     # how many more output tokens it must write before they may end it
     early_stop_block: torch.Tensor | None = None  # [N, V] bool
     min_tokens_left: torch.Tensor | None = None  # [N] int64
+    # [N] bool: the request gave its own seed, so its drafts are verified by coupling (engine/sample/verify.py):
+    # its output is the plain sampler's whatever the drafting schedule. None: no row is coupled.
+    coupled: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,13 @@ def _top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] -> [N] int64: the exponential race argmax(probs / E) on the STREAM_SAMPLE numbers of
+    (seed, position), the draw of the token at that position. The one definition of it: the sampler, the
+    verification of drafts and the drafters' coupled drafts all draw through it, so they agree bit for bit."""
+    return (probs / rng.exponential(seeds, positions, probs.shape[-1], rng.STREAM_SAMPLE)).argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch, mask: Callable[[torch.Tensor], None] | None = None) -> SamplerOutput:
     """logits [N, V] fp32 -> one token per row. mask: constrains the logits in place (a LogitsMasker's);
     logprobs stay those of the raw model."""
@@ -124,9 +134,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, mask: Callable[[torch.Tensor]
     if b.all_greedy:
         tokens = greedy
     else:
-        probs = processed_logits(logits, b).softmax(dim=-1)
-        noise = rng.exponential(b.seeds, b.positions, logits.shape[-1], rng.STREAM_SAMPLE)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = race(processed_logits(logits, b).softmax(dim=-1), b.seeds, b.positions)
         tokens = torch.where(b.temperature > 0, sampled, greedy)
     if raw_logprobs is None:
         return SamplerOutput(tokens, None, None, None)
@@ -161,6 +169,7 @@ def build_sampling(requests: list["Request"], positions: np.ndarray, size: int, 
         top_p=column([p.top_p for p in params], 1.0, torch.float32),
         min_p=column([p.min_p for p in params], 0.0, torch.float32),
         seeds=column([r.seed for r in requests], 0, torch.int64),
+        coupled=column([p.seed is not None for p in params], False, torch.bool),
         positions=torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(device, non_blocking=True),
         all_greedy=not sampling_rows,
         use_top_k=any(0 < p.top_k < vocab_size for p in sampling_rows),

@@ -1,12 +1,23 @@
-"""The engine's side of verification: logits processed exactly as the sampler does, then the kernels.
+"""The engine's side of verification: logits processed exactly as the sampler does, then the draft check.
 
 The target's logits at the k+1 positions of each chain go through the sampler's own processing
 (logit bias, grammar mask, penalties counted over the output plus the drafts before each position, then
-temperature, top-k, top-p, min-p), so p is the distribution a run without speculation samples from, and the
-verification kernels (kernels/verify.py) draw with the same counter-based numbers: a request with no
-drafts gets bit for bit the token the plain sampler would give it. Requests may carry fewer drafts
-than k (prompt lookup misses, the end of max_tokens); acceptance is cut at their count and the
-token after it is drawn from p, as the bonus would be.
+temperature, top-k, top-p, min-p), so p is the distribution a run without speculation samples from.
+Requests may carry fewer drafts than k (prompt lookup misses, the end of max_tokens); acceptance is cut
+at their count and the token after it is drawn from p, as the bonus would be.
+
+Two ways to check a sampled draft, chosen per request:
+  - coupled (a request with its own seed): the target's token at each chain position P is the plain
+    sampler's draw at P (the STREAM_SAMPLE race over p); a draft is accepted iff it equals that draw, the
+    first mismatch emits the draw, and with every draft accepted the bonus is the draw at P+k. The output is
+    then bit for bit the output without speculation, whatever the drafting schedule (k, batch, preemption,
+    resumption): the seed's promise. Drafters draw with the same numbers (engine/speculative/proposer.py),
+    so a draft whose q is near p lands on the same token (the Gumbel coupling);
+  - rejection sampling (kernels/verify.py; requests whose seed the engine drew): lossless in
+    distribution, with the optimal single-draft acceptance 1 - TV(p, q), but the token at a position depends
+    on whether it was checked as a draft, drawn as a residual or drawn plainly.
+Both run on the whole batch and rows pick theirs: fixed shapes, no host sync. bench/spec_coupling.py
+measures the acceptance of each.
 """
 from __future__ import annotations
 
@@ -16,8 +27,7 @@ from typing import Callable
 import torch
 
 from engine.sample.sampler import (SamplingBatch, apply_logit_bias, apply_penalties, block_early_stops,
-                                   processed_logits, sample)
-from kernels import rng
+                                   processed_logits, race, sample)
 from kernels.verify import verify_greedy, verify_rejection
 
 
@@ -39,6 +49,8 @@ def per_position(b: SamplingBatch, drafts: torch.Tensor) -> SamplingBatch:
     offsets = torch.arange(k1, device=drafts.device)
     fields = dict(temperature=rep(b.temperature), top_k=rep(b.top_k), top_p=rep(b.top_p), min_p=rep(b.min_p),
                   seeds=rep(b.seeds), positions=(b.positions[:, None] + offsets).reshape(-1))
+    if b.coupled is not None:
+        fields.update(coupled=rep(b.coupled))
     if b.logit_bias is not None:
         fields.update(logit_bias=rep(b.logit_bias))
     if b.early_stop_block is not None:  # each position one output token further
@@ -85,12 +97,18 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
         out, accepted = verify_greedy(flat.view(B, k1, V), drafts)
         dist = flat.view(B, k1, V)
     else:
+        greedy = flat.argmax(-1)  # [B * (k+1)] the sampler's token for greedy rows
         flat = processed_logits(flat, pb)
         # Processing is done: the kernel keeps greedy rows greedy and samples the rest from softmax(flat).
         temperature = (b.temperature > 0).to(torch.float32)
         out, accepted = verify_rejection(flat.view(B, k1, V), drafts, draft_probs, temperature,
                                          torch.zeros_like(b.top_k), torch.ones_like(b.top_p), b.seeds, b.positions,
                                          has_filters=False)
+        if b.coupled is not None:
+            draws = torch.where(pb.temperature > 0, race(flat.softmax(-1), pb.seeds, pb.positions), greedy)
+            coupled_out, coupled_accepted = verify_coupled(draws.view(B, k1), drafts)
+            out = torch.where(b.coupled[:, None], coupled_out, out)
+            accepted = torch.where(b.coupled, coupled_accepted.to(accepted.dtype), accepted)
         dist = flat.view(B, k1, V)
     accepted = accepted.to(torch.int64)
     if not full_drafts:
@@ -106,6 +124,23 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
     return Verified(tokens, accepted, token_lp, None, None)
 
 
+def verify_coupled(draws: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """draws [B, k+1] int64: the target's own token at each chain position (the sampler's draw there, the
+    argmax for greedy rows); drafts [B, k]. -> (tokens [B, k+1]: the drafts equal to the draws, then the
+    draw at the first mismatch, or the bonus draw, then -1; accepted [B] int64)."""
+    accepted = (draws[:, :-1] == drafts).to(torch.int64).cumprod(1).sum(1)
+    return _emit(drafts, accepted, draws.gather(1, accepted[:, None])[:, 0]), accepted
+
+
+def _emit(drafts: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """[B, k+1]: drafts [B, k] before accepted [B], last [B] at it, -1 after."""
+    B, k = drafts.shape
+    j = torch.arange(k + 1, device=drafts.device)[None, :]
+    padded = torch.cat([drafts, drafts.new_full((B, 1), -1)], 1)
+    a = accepted[:, None]
+    return torch.where(j < a, padded, torch.where(j == a, last[:, None], -1))
+
+
 def _cut_at_num_drafts(out, accepted, drafts, num_drafts, dist, b: SamplingBatch):
     """Acceptance past a request's own drafts does not count; the token after its last draft is then a
     draw from p at that position (greedy: the argmax; else the STREAM_SAMPLE race, as the sampler)."""
@@ -116,11 +151,6 @@ def _cut_at_num_drafts(out, accepted, drafts, num_drafts, dist, b: SamplingBatch
     at_n = dist.gather(1, n[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
     bonus = at_n.argmax(-1)
     if not b.all_greedy:
-        noise = rng.exponential(b.seeds, b.positions + n, V, rng.STREAM_SAMPLE)
-        sampled = (at_n.softmax(-1) / noise).argmax(-1)
-        bonus = torch.where(b.temperature > 0, sampled, bonus)
-    j = torch.arange(k1, device=out.device)[None, :]
+        bonus = torch.where(b.temperature > 0, race(at_n.softmax(-1), b.seeds, b.positions + n), bonus)
     last = torch.where(cut, bonus, out.gather(1, accepted[:, None])[:, 0])
-    padded = torch.cat([drafts, drafts.new_full((B, 1), -1)], 1)
-    a = accepted[:, None]
-    return accepted, torch.where(j < a, padded, torch.where(j == a, last[:, None], -1))
+    return accepted, _emit(drafts, accepted, last)

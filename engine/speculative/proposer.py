@@ -16,8 +16,7 @@ import torch
 from engine.layers.attention import AttentionMetadata, PagedAttention, attention_context
 from engine.models.draft_head import DraftHead
 from engine.models.llama import LlamaForCausalLM
-from engine.sample.sampler import SamplingBatch, processed_logits
-from kernels import rng
+from engine.sample.sampler import SamplingBatch, processed_logits, race
 from kernels._dispatch import use_triton
 from kernels.attention import plan_chain
 
@@ -75,9 +74,14 @@ def sample_drafts(logits: torch.Tensor, positions: torch.Tensor, s: SamplingBatc
                   draft_to_target: torch.Tensor | None, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft logits [B, Vd] -> (draft token in target ids [B], its distribution q over the target vocab
     [B, V] or None when every row is greedy). Sampled rows draw from the sampler's processed
-    distribution by the exponential race on the STREAM_DRAFT numbers of (seed, position); greedy rows
-    take the argmax. A request's logit bias applies to its drafts as to the target: q is then the
-    distribution its draft was drawn from, and verification against the biased target stays lossless."""
+    distribution by the exponential race on the target's own STREAM_SAMPLE numbers of (seed, position)
+    (a reduced draft vocabulary races at its target ids): the draft is the token the target would draw
+    there if its p were q, so a coupled verification (engine/sample/verify.py) accepts it whenever q is
+    near p. Rejection sampling stays lossless with these drafts: its acceptance test and residual draw have
+    streams of their own, and the numbers at a position reach an emitted token only through the one draft
+    (or the bonus, where no draft sits) that decides it. Greedy rows take the argmax.
+    A request's logit bias applies to its drafts as to the target: q is then the distribution its draft
+    was drawn from, and verification against the biased target stays lossless."""
     if s.logit_bias is not None:
         logits = logits + (s.logit_bias if draft_to_target is None else s.logit_bias[:, draft_to_target])
     if s.all_greedy:
@@ -87,9 +91,7 @@ def sample_drafts(logits: torch.Tensor, positions: torch.Tensor, s: SamplingBatc
         full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
         logits = full.index_copy_(1, draft_to_target, logits)
     q = processed_logits(logits, s).softmax(-1)  # [B, V]; greedy rows never read it
-    noise = rng.exponential(s.seeds, positions, vocab_size, rng.STREAM_DRAFT)
-    sampled = (q / noise).argmax(-1)
-    return torch.where(s.temperature > 0, sampled, logits.argmax(-1)), q
+    return torch.where(s.temperature > 0, race(q, s.seeds, positions), logits.argmax(-1)), q
 
 
 class Proposer(ABC):

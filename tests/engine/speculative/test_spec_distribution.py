@@ -1,6 +1,7 @@
 """Sampling with speculation draws from the target's distribution: the first and second generated
-tokens of many seeded requests, with and without speculation, against the exact distributions
-computed from transformers (chi-square goodness of fit at fixed seeds)."""
+tokens of many requests, with and without speculation, against the exact distributions
+computed from transformers (chi-square goodness of fit at fixed seeds). Requests with a seed are verified
+by coupling, those without by rejection sampling (engine/sample/verify.py): both are checked."""
 from __future__ import annotations
 
 import json
@@ -47,23 +48,24 @@ def exact(checkpoints):
     return get
 
 
-def _sample(llm: LLM, temperature: float, top_k: int):
+def _sample(llm: LLM, temperature: float, top_k: int, seeded: bool):
     # max_tokens 3: the second token is then verified against one draft (the room left for drafts).
-    params = [SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, seed=1000 + i, ignore_eos=True)
-              for i in range(N)]
+    params = [SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, seed=1000 + i if seeded else None,
+                             ignore_eos=True) for i in range(N)]
     outs = llm.generate([PROMPT] * N, params)
     tokens = np.array([o.token_ids for o in outs])
     return tokens[:, 0], tokens[:, 1], [o.metrics for o in outs]
 
 
-@pytest.mark.parametrize("method,temperature,top_k", [
-    (None, 1.0, 0), ("eagle3", 1.0, 0), ("draft_model", 1.0, 0), ("mtp", 1.0, 0), ("ngram", 1.0, 0),
-    ("draft_model", 0.8, 20), ("mtp_token_map", 1.0, 0),
+@pytest.mark.parametrize("method,temperature,top_k,seeded", [
+    (None, 1.0, 0, True), ("eagle3", 1.0, 0, True), ("draft_model", 1.0, 0, True), ("mtp", 1.0, 0, True),
+    ("ngram", 1.0, 0, True), ("draft_model", 0.8, 20, True), ("mtp_token_map", 1.0, 0, True),
+    ("draft_model", 1.0, 0, False), ("draft_model", 0.8, 20, False), ("mtp_token_map", 1.0, 0, False),
 ])
 def test_first_and_second_tokens_follow_the_target(llama_dir, spec_drafts, near_draft, exact, method, temperature,
-                                                   top_k, tmp_path):
+                                                   top_k, seeded, tmp_path):
     """mtp_token_map: the head drafts from half the vocabulary (engine/speculative/token_map.py), so its
-    draft distribution is zero on the other half: rejection sampling must still give the target's."""
+    draft distribution is zero on the other half: verification must still give the target's."""
     drafts = {**spec_drafts, "draft_model": near_draft, "mtp_token_map": spec_drafts["mtp"]}
     token_map = None
     if method == "mtp_token_map":
@@ -73,7 +75,7 @@ def test_first_and_second_tokens_follow_the_target(llama_dir, spec_drafts, near_
                                                   token_map=None if token_map is None else str(token_map))
     llm = LLM(llama_dir, num_kv_blocks=N * 5, block_size=4, max_num_seqs=512, max_num_batched_tokens=4096,
               speculative=spec)
-    first, second, metrics = _sample(llm, temperature, top_k)
+    first, second, metrics = _sample(llm, temperature, top_k, seeded)
     p1, p2 = exact(temperature, top_k)
     assert fits(first, p1) > 1e-3
     assert fits(second, p2) > 1e-3
@@ -82,6 +84,6 @@ def test_first_and_second_tokens_follow_the_target(llama_dir, spec_drafts, near_
         assert len(verified) == N
     elif method == "ngram":
         assert verified  # (prompt lookup finds the first token in the prompt only sometimes)
-    if method == "draft_model":  # rejection sampling both accepted and rejected first drafts
+    if method == "draft_model":  # verification both accepted and rejected first drafts
         accepted = sum(m.accepted_lengths[0] > 1 for m in metrics)
         assert N // 10 < accepted < N - N // 10, accepted
