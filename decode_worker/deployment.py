@@ -10,6 +10,8 @@ stream (`feed`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import collections
 import logging
@@ -78,20 +80,32 @@ class DecodeServer:
         self.links = FeedLinkServer(node_ip(), self._subscription, self._link_closed)
 
     # ------------------------------------------------------------------ requests and their router's feed
-    async def open(self, request_id: str, num_prompt_tokens: int = 0, caller: str | None = None):
+    async def open(self, request_id: str, num_prompt_tokens: int = 0, caller: str | None = None,
+                   prompt_token_ids: list[int] | None = None, cache_salt: str | None = None):
         """Expect a request's hand-over: a DecodeOpened (this replica, and the ranks the prefill sends to), or
         a StreamError. Its token deltas then go out on `caller`'s feed. num_prompt_tokens: the prompt's
         length (it weighs the placement); caller: the Serve actor name of the router (its death cancels
-        its requests)."""
+        its requests). prompt_token_ids (and the request's cache_salt): with prefix caching on, the ranks
+        that will own the request pin the leading blocks of it they hold (a lockstep PIN, answered within a
+        step or two) and the target says how many (DecodeTarget.reused_blocks): the prefill sends the rest."""
         group = await self._current_group(self.config.handover_timeout_s)
         if group is None:
             return StreamError(f"the decode group is restarting after a failure ({self._last_error}); retry")
         feed = self._feed(caller)
-        ranks = self.ctrl.expect(request_id, feed.sink(request_id), -(-num_prompt_tokens // self.config.block_size))
+        pin = None
+        if prompt_token_ids and self.config.enable_prefix_caching and len(prompt_token_ids) > self.config.block_size:
+            pin = (tuple(prompt_token_ids), cache_salt)
+        ranks = self.ctrl.expect(request_id, feed.sink(request_id), -(-num_prompt_tokens // self.config.block_size),
+                                 pin)
         self._callers_of[request_id] = caller or ""
         self.callers.opened(request_id, caller)
         self._wake.set()
-        return DecodeOpened(self.replica, group.target_for(ranks))
+        answered = self.ctrl.pin_answer(request_id)
+        if answered is not None:
+            await answered.wait()  # set by the ranks' answer, or by the request's end (a failure, a cancel)
+        target = group.target_for(ranks)
+        reused = self.ctrl.reused_blocks(request_id)
+        return DecodeOpened(self.replica, dataclasses.replace(target, reused_blocks=reused) if reused else target)
 
     async def feed_link(self, caller: str | None = None, replica: str | None = None) -> FeedLinkAddress:
         """Where `caller` reads its feed (cluster/feed_link.py): FeedBatches of (request id, TokenDelta |
@@ -277,9 +291,12 @@ class DecodeServer:
             "handovers_total": self.ctrl.handovers_total,
             "handovers_stocked": self.ctrl.handovers_stocked,
             "handovers_committed_on_landing": self.ctrl.handovers_committed_on_landing,
+            "handover_blocks_reused": self.ctrl.handover_blocks_reused,  # prompt blocks found pinned, not received
             "grammar": dict(self.ctrl.grammar_stats),
             "overlapped_steps": self.ctrl.overlapped_steps,
-            "prefix_cache": dict(self._prefix_cache),
+            # the group's engine counters, and the prompt blocks hand-overs did not carry (the ranks held them)
+            "prefix_cache": ({**self._prefix_cache, "handover_reused_blocks": self.ctrl.handover_blocks_reused}
+                             if self._prefix_cache else {}),
             "feed_batches": self._feed_batches,
             "feed_items": self._feed_items,
             "handover_seconds": [s for s, _, _ in handovers],

@@ -53,6 +53,7 @@ class DecodeRank:
         self._sent: dict[str, int] = {}  # request id -> output tokens already reported
         self._turns = StepTurns()  # runs the group's steps in order (several may be queued here)
         self._committed_early: set[str] = set()  # committed on landing, the replica's COMMIT still to come
+        self._pinned: list[tuple[str, int]] = []  # answers to this step's PINs: (request id, blocks held)
         self._link: StepListener | None = None
 
     # ------------------------------------------------------------------ setup
@@ -163,7 +164,11 @@ class DecodeRank:
             num_running=stats["num_running"], step_seconds=time.perf_counter() - start,
             handover_seconds=tuple(timings), grammar=tuple(stats.get("grammar", {}).items()),
             overlapped_steps=stats["overlapped_steps"], committed_on_landing=early,
-            prefix_cache=prefix_cache_counts(stats))
+            prefix_cache=prefix_cache_counts(stats), pinned=self._take_pinned())
+
+    def _take_pinned(self) -> tuple[tuple[str, int], ...]:
+        pinned, self._pinned = tuple(self._pinned), []
+        return pinned
 
     def _apply(self, cmd: Command, deferred: list[str], failed: list[tuple[str, str]]) -> None:
         eng, rid = self.engine, cmd.request_id
@@ -194,6 +199,13 @@ class DecodeRank:
             eng.abort(rid)
             eng.handovers.unpin(rid)  # a prefix pinned for a hand-over that will not come
             self.receiver.drop(rid)
+        elif cmd.kind is CommandKind.PIN:
+            try:
+                held = eng.handovers.pin(rid, list(cmd.prompt_token_ids), cmd.cache_salt)
+            except TandemError as e:  # its id is in use here (a replayed open): it reuses nothing
+                log.warning("cannot pin the prefix of %s: %s", rid, e)
+                held = 0
+            self._pinned.append((rid, held))
         elif cmd.kind is CommandKind.DROP:
             if rid in self._committed_early:  # the replica no longer tracks it, but it runs here: end it
                 self._committed_early.discard(rid)

@@ -40,12 +40,14 @@ class DecodeFeeds:
         self._readers: dict[str, asyncio.Task] = {}  # decode replica id -> the task reading its feed
         self._cancels: set = set()  # cancel calls in flight (kept referenced until they complete)
 
-    async def open(self, request_id: str, num_prompt_tokens: int) -> tuple[DecodeTarget, asyncio.Queue]:
+    async def open(self, request_id: str, num_prompt_tokens: int, prompt_token_ids: list[int] | None = None,
+                   cache_salt: str | None = None) -> tuple[DecodeTarget, asyncio.Queue]:
         """Raises APIError for a refusal of the decode side (its group is being rebuilt), or what the call
-        raised."""
+        raised. prompt_token_ids (and cache_salt): the decode ranks pin what they hold of the prompt and the
+        target says how many leading blocks the prefill may skip (DecodeTarget.reused_blocks)."""
         try:
-            opened: DecodeOpened | StreamError = await self.decode.open.remote(request_id, num_prompt_tokens,
-                                                                               self.caller)
+            opened: DecodeOpened | StreamError = await self.decode.open.remote(
+                request_id, num_prompt_tokens, self.caller, prompt_token_ids, cache_salt)
         except asyncio.CancelledError:
             # The client left while the decode side was opening it: it may be open there already, and which
             # replica holds it is not known; a cancel goes to whichever Serve picks (with one decode replica,

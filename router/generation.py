@@ -85,7 +85,8 @@ class Generation:
     async def start(self) -> PrefillResult:
         """Runs until the first token exists; raises APIError (nothing is left running then)."""
         try:
-            target, self._queue = await self.feeds.open(self.request_id, len(self.prompt_token_ids))
+            target, self._queue = await self.feeds.open(self.request_id, len(self.prompt_token_ids),
+                                                        self.prompt_token_ids, self.params.get("cache_salt"))
             request = PrefillRequest(self.request_id, tuple(self.prompt_token_ids), SamplingParams(**self.params))
             self._prefill_call = self.prefill.options(stream=True).prefill.remote(request.to_wire(), target)
             self.first = await self._prefill_call.__anext__()

@@ -180,16 +180,21 @@ class _PrefixCacheCollector:
                                       "per worker replica.", labels=labels)
         cached = GaugeMetricFamily("tandem_prefix_cache_cached_blocks", "KV blocks findable in the prefix cache, "
                                    "per worker replica (free ones among them count as free KV).", labels=labels)
+        reused = CounterMetricFamily("tandem_handover_blocks_reused", "Prompt KV blocks a decode replica's ranks "
+                                     "held already, so that its hand-overs did not carry them.", labels=labels)
         for (role, replica), c in self.metrics._prefix_cache.items():
             key = [model, role, replica]
             queries.add_metric(key, c.get("query_tokens", 0))
             hits.add_metric(key, c.get("hit_tokens", 0))
             evicted.add_metric(key, c.get("evicted_blocks", 0))
             cached.add_metric(key, c.get("cached_blocks", 0))
+            if "handover_reused_blocks" in c:
+                reused.add_metric(key, c["handover_reused_blocks"])
         yield queries
         yield hits
         yield evicted
         yield cached
+        yield reused
 
 
 class _RoutingCollector:

@@ -34,6 +34,9 @@ class DecodeTarget:
     ranks: tuple[RankEndpoint, ...]
     layout: KVLayout
     device: str  # "cpu" or "cuda": the channel backend follows it
+    # Leading prompt blocks the ranks pinned from their prefix caches for this request: the prefill sends the
+    # blocks after them (engine Handover.reusing), and the hand-over header names the count.
+    reused_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from cluster.protocol import wire
 
-STEP_LINK_VERSION = 2  # bump on any change to a WIRE below (exchanged when a step link opens)
+STEP_LINK_VERSION = 3  # bump on any change to a WIRE below (exchanged when a step link opens; 3: PIN, StepReport.pinned)
 
 
 class CommandKind(enum.Enum):
@@ -22,6 +22,7 @@ class CommandKind(enum.Enum):
     COMMIT = "commit"  # the payload landed on every rank: join the running batch
     ABORT = "abort"  # end the request, free its blocks
     DROP = "drop"  # refuse an arrived header (its request is gone): no payload is sent
+    PIN = "pin"  # an opened request: hold the leading prompt blocks the rank's prefix cache has, say how many
 
 
 _KINDS = {k.value: k for k in CommandKind}
@@ -31,17 +32,21 @@ _KINDS = {k.value: k for k in CommandKind}
 class Command:
     kind: CommandKind
     request_id: str
+    prompt_token_ids: tuple[int, ...] = ()  # PIN: the prompt whose cached leading blocks the rank holds
+    cache_salt: str | None = None  # PIN: the request's cache salt (blocks are shared within one salt only)
 
-    WIRE = ("kind", "request_id")
+    WIRE = ("kind", "request_id", "prompt_token_ids", "cache_salt")
 
     def to_wire(self) -> tuple:
-        return (self.kind.value, self.request_id)
+        return (self.kind.value, self.request_id, self.prompt_token_ids, self.cache_salt)
 
     @staticmethod
     def from_wire(raw) -> "Command":
-        kind, request_id = wire.record(raw, "Command", Command.WIRE)
+        kind, request_id, prompt, salt = wire.record(raw, "Command", Command.WIRE)
         wire.check(kind in _KINDS, "Command", "kind", f"one of {sorted(_KINDS)}", kind)
-        return Command(_KINDS[kind], wire.text(request_id, "Command", "request_id"))
+        return Command(_KINDS[kind], wire.text(request_id, "Command", "request_id"),
+                       wire.ints(prompt, "Command", "prompt_token_ids"),
+                       wire.text_or_none(salt, "Command", "cache_salt"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,21 +139,22 @@ class StepReport:
     committed_on_landing: int = 0  # stocked hand-overs a one-rank group committed itself (DecodeRank._commit_landed)
     # The engine's prefix-cache counters (query_tokens, hit_tokens, cached_blocks, evicted_blocks); empty when off.
     prefix_cache: tuple[tuple[str, int], ...] = field(default=())
+    pinned: tuple[tuple[str, int], ...] = field(default=())  # (request id, leading prompt blocks held) per PIN
 
     WIRE = ("tp_rank", "deltas", "arrived", "landed", "failed", "deferred", "kv_blocks_used", "kv_blocks_total",
             "num_running", "step_seconds", "handover_seconds", "reserved", "grammar", "overlapped_steps",
-            "committed_on_landing", "prefix_cache")
+            "committed_on_landing", "prefix_cache", "pinned")
 
     def to_wire(self) -> tuple:
         return (self.tp_rank, tuple(d.to_wire() for d in self.deltas), self.arrived, self.landed, self.failed,
                 self.deferred, self.kv_blocks_used, self.kv_blocks_total, self.num_running, self.step_seconds,
                 self.handover_seconds, self.reserved, self.grammar, self.overlapped_steps, self.committed_on_landing,
-                self.prefix_cache)
+                self.prefix_cache, self.pinned)
 
     @staticmethod
     def from_wire(raw) -> "StepReport":
         (tp_rank, deltas, arrived, landed, failed, deferred, used, total, running, step_s, handover_s, reserved,
-         grammar, overlapped, committed, prefix_cache) = wire.record(raw, "StepReport", StepReport.WIRE)
+         grammar, overlapped, committed, prefix_cache, pinned) = wire.record(raw, "StepReport", StepReport.WIRE)
         n = "StepReport"
         return StepReport(
             tp_rank=wire.integer(tp_rank, n, "tp_rank"),
@@ -165,7 +171,8 @@ class StepReport:
             overlapped_steps=wire.integer(overlapped, n, "overlapped_steps"),
             committed_on_landing=wire.integer(committed, n, "committed_on_landing"),
             prefix_cache=tuple(_pair(c, "prefix_cache", wire.integer)
-                               for c in wire.array(prefix_cache, n, "prefix_cache")))
+                               for c in wire.array(prefix_cache, n, "prefix_cache")),
+            pinned=tuple(_pair(p, "pinned", wire.integer) for p in wire.array(pinned, n, "pinned")))
 
 
 def _pair(raw, field_name: str, second) -> tuple:

@@ -23,12 +23,20 @@ def full_report() -> StepReport:
         kv_blocks_used=17, kv_blocks_total=256, num_running=3, step_seconds=0.0125,
         handover_seconds=(("f", 0.002, 0.0005, 4096),), reserved=("d",), grammar=(("compiles", 2), ("hits", 5)),
         overlapped_steps=11, committed_on_landing=1,
-        prefix_cache=(("query_tokens", 96), ("hit_tokens", 64), ("cached_blocks", 5), ("evicted_blocks", 0)))
+        prefix_cache=(("query_tokens", 96), ("hit_tokens", 64), ("cached_blocks", 5), ("evicted_blocks", 0)),
+        pinned=(("d", 3), ("e", 0)))
 
 
 @pytest.mark.parametrize("kind", list(CommandKind))
 def test_command_round_trip(kind):
     assert Command.from_wire(through_msgpack(Command(kind, "r1").to_wire())) == Command(kind, "r1")
+
+
+def test_pin_command_carries_the_prompt():
+    pin = Command(CommandKind.PIN, "r1", (5, 6, 7, 8, 9), "tenant-a")
+    assert Command.from_wire(through_msgpack(pin.to_wire())) == pin
+    with pytest.raises(ProtocolError, match="prompt_token_ids"):
+        Command.from_wire(through_msgpack(("pin", "r1", ["x"], None)))
 
 
 @pytest.mark.parametrize("commands", [(), (Command(CommandKind.COMMIT, "x"), Command(CommandKind.DROP, "y"))])
@@ -83,8 +91,10 @@ def test_a_malformed_report_names_its_field(field, value, message):
     ((((("reserve", "r"),), True, True)), "RankStep must have 4 fields"),
     (((("reserve", "r"),), True, True, 0, 0.0), "RankStep must have 4 fields"),
     ({"commands": ()}, "RankStep must be an array"),
-    (((("evict", "r"),), True, True, 0), "Command field 'kind' must be one of"),
-    (((("reserve", 7),), True, True, 0), "Command field 'request_id' must be a str"),
+    (((("evict", "r", (), None),), True, True, 0), "Command field 'kind' must be one of"),
+    (((("reserve", 7, (), None),), True, True, 0), "Command field 'request_id' must be a str"),
+    (((("reserve", "r"),), True, True, 0), "Command must have 4 fields"),
+    (((("pin", "r", (1,), 3),), True, True, 0), "Command field 'cache_salt'"),
     (((), "yes", True, 0), "RankStep field 'forward' must be a bool"),
     (((), True, True, None), "RankStep field 'seq' must be an int"),
 ])
@@ -95,7 +105,7 @@ def test_a_malformed_step_names_its_field(raw, message):
 
 def test_a_report_one_field_longer_is_refused():
     """A field sent and never read is a protocol bug (the two sides disagree on the record), not a spare."""
-    with pytest.raises(ProtocolError, match="StepReport must have 16 fields"):
+    with pytest.raises(ProtocolError, match="StepReport must have 17 fields"):
         StepReport.from_wire(full_report().to_wire() + (0,))
 
 
