@@ -1,7 +1,8 @@
 """Sampled guided decoding keeps the target's MASKED distribution with speculation on (issue 11): the
 first and second tokens of many seeded guided requests, with and without speculation (draft masks on),
 against the exact masked softmax computed from transformers and the grammar's own masks, and spec
-against no-spec directly (two-sample chi-square). The unguided version is test_spec_distribution.py."""
+against no-spec directly (two-sample chi-square). Unseeded requests too: theirs are verified by rejection
+sampling, seeded ones by coupling (engine/sample/verify.py). The unguided version is test_spec_distribution.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -67,9 +68,9 @@ def exact_masked(checkpoints):
     return get
 
 
-def _sample(llm: LLM, temperature: float):
-    params = [SamplingParams(max_tokens=3, temperature=temperature, seed=5000 + i, structured_output=GUIDE)
-              for i in range(N)]
+def _sample(llm: LLM, temperature: float, seeded: bool = True):
+    params = [SamplingParams(max_tokens=3, temperature=temperature, seed=5000 + i if seeded else None,
+                             structured_output=GUIDE) for i in range(N)]
     outs = llm.generate([PROMPT] * N, params)
     tokens = np.array([o.token_ids for o in outs])
     assert tokens.shape == (N, 3)
@@ -99,18 +100,19 @@ def test_guided_no_spec_follows_the_masked_target(no_spec_samples, exact_masked)
     assert fits(second, p2) > 1e-3
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3", "mtp"])
+@pytest.mark.parametrize("method,seeded", [("draft_model", True), ("eagle3", True), ("mtp", True),
+                                           ("draft_model", False)])
 def test_guided_spec_keeps_the_masked_distribution(llama_dir, spec_drafts, near_draft, exact_masked,
-                                                   no_spec_samples, method):
+                                                   no_spec_samples, method, seeded):
     drafts = {**spec_drafts, "draft_model": near_draft}
     llm = LLM(llama_dir, num_kv_blocks=N * 5, block_size=4, max_num_seqs=512, max_num_batched_tokens=4096,
               speculative=SpecConfig(method=method, k=3, draft=drafts[method]))
-    first, second, metrics = _sample(llm, 1.0)
+    first, second, metrics = _sample(llm, 1.0, seeded)
     p1, p2 = exact_masked(1.0)
     assert fits(first, p1) > 1e-3
     assert fits(second, p2) > 1e-3  # the second token was verified against a (masked) draft
     assert sum(bool(m.num_draft_tokens) for m in metrics) == N
     assert _same_distribution(second, no_spec_samples[1]) > 1e-3
-    if method == "draft_model":  # rejection sampling both accepted and rejected first drafts
+    if method == "draft_model":  # verification both accepted and rejected first drafts
         accepted = sum(m.accepted_lengths[0] > 1 for m in metrics)
         assert N // 10 < accepted < N - N // 10, accepted
