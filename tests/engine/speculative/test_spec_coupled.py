@@ -90,6 +90,21 @@ def test_seeded_outputs_survive_preemption(llama_dir, spec_drafts, near_draft, p
     assert llm.engine.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "near_draft"])
+def test_a_continuation_resumes_the_seeded_output(llama_dir, spec_drafts, near_draft, method):
+    """Issue 35's resumption: prompt + the tokens emitted so far, sent again with the same seed and the rest
+    of the budget, continues with exactly the tokens the uninterrupted request wrote (its positions are the
+    same; the drafting schedule is not)."""
+    llm = LLM(llama_dir, num_kv_blocks=512, block_size=4, speculative=spec(method, 3, spec_drafts, near_draft, llama_dir))
+    prompts = random_prompts(4, seed=12)
+    whole = [SamplingParams(max_tokens=24, temperature=0.9, seed=70 + i, ignore_eos=True) for i in range(4)]
+    full = [o.token_ids for o in llm.generate(prompts, whole)]
+    cut = [3, 7, 10, 1]
+    rest = [SamplingParams(max_tokens=24 - c, temperature=0.9, seed=70 + i, ignore_eos=True) for i, c in enumerate(cut)]
+    resumed = llm.generate([p + f[:c] for p, f, c in zip(prompts, full, cut)], rest)
+    assert [f[:c] + o.token_ids for f, c, o in zip(full, cut, resumed)] == full
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 def test_zoo_heads_keep_seeded_outputs_and_accept(zoo_dir, method):
