@@ -46,11 +46,6 @@ class Tracked:
     handover_seconds: float = 0.0  # payload receive time of the slowest rank
     unpack_seconds: float = 0.0
     handover_bytes: int = 0  # over all ranks
-    # Prefix caching through the hand-over: its ranks' answers to PIN (rank -> leading prompt blocks held), set
-    # once every rank answered (or the request ended); reused_blocks is what the prefill may skip.
-    pinned: dict[int, int] = field(default_factory=dict)
-    pin_answered: asyncio.Event | None = None
-    reused_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,15 +75,15 @@ class DecodeController:
         self.handovers_total = 0
         self.handovers_stocked = 0  # of those, reserved from the ranks' stocks (no lockstep RESERVE)
         self.handovers_committed_on_landing = 0  # of those, committed by a one-rank group itself (no COMMIT wait)
-        self.handover_blocks_reused = 0  # of committed hand-overs' blocks, those the ranks held already (PIN)
+        self.handover_blocks_reused = 0  # prompt blocks reserved hand-overs did not carry (the ranks held them: PIN)
 
     # ------------------------------------------------------------------ from streams
     def expect(self, request_id: str, sink: asyncio.Queue, prompt_blocks: int = 0,
                prompt: tuple[tuple[int, ...], str | None] | None = None) -> Placement:
         """A stream opened: track the request and place it. prompt_blocks: the KV blocks its prompt needs
         (the router knows the prompt's length), so that requests placed between two reports spread out.
-        prompt: (token ids, cache salt): its ranks PIN the leading blocks of it they hold, and `pin_answer`
-        says how many once they have answered."""
+        prompt: (token ids, cache salt): its ranks PIN the leading blocks of it they hold (the prefill asks
+        them how many before it packs the payload: DecodeRank.pinned)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already being decoded")
         ranks = self._place(prompt_blocks)
@@ -97,20 +92,11 @@ class DecodeController:
         t = Tracked(request_id, sink, time.monotonic() + self.handover_timeout_s, ranks, prompt_blocks)
         self.requests[request_id] = t
         if prompt is not None:
-            t.pin_answered = asyncio.Event()
             for rank in ranks:
                 self._commands[rank].append(Command(CommandKind.PIN, request_id, tuple(prompt[0]), prompt[1]))
         return ranks
 
-    def pin_answer(self, request_id: str) -> asyncio.Event | None:
-        """Set once the request's ranks said which leading blocks they hold (Tracked.reused_blocks), or once it
-        ended; None if it is not waiting for that."""
-        t = self.requests.get(request_id)
-        return t.pin_answered if t is not None else None
 
-    def reused_blocks(self, request_id: str) -> int:
-        t = self.requests.get(request_id)
-        return t.reused_blocks if t is not None else 0
 
     def _place(self, prompt_blocks: int) -> Placement:
         """Under TP every rank holds every request (its KV-head slice) and rank 0 reports the tokens all
@@ -134,7 +120,6 @@ class DecodeController:
         t = self.requests.get(request_id)
         if t is None:
             return
-        _answer_pin(t)
         if t.phase is Phase.EXPECTED:
             del self.requests[request_id]
             self._send(CommandKind.DROP, t)
@@ -186,8 +171,10 @@ class DecodeController:
             self.grammar_stats = dict(lead.grammar)
         for rep in reports:
             self.handovers_committed_on_landing += rep.committed_on_landing
-            for rid, held in rep.pinned:
-                self._on_pinned(rid, rep.tp_rank, held)
+            for rid, reused in rep.reused:
+                t = self.requests.get(rid)
+                if t is not None and rep.tp_rank == t.ranks[0]:  # under TP every rank reserved alike
+                    self.handover_blocks_reused += reused
             for rid, reason in rep.failed:
                 self._on_failed(rid, rep.tp_rank, reason)
             for rid in rep.arrived:
@@ -225,7 +212,6 @@ class DecodeController:
         """The group died: every stream ends with an error; the next group starts clean."""
         for t in list(self.requests.values()):
             t.sink.put_nowait(StreamError(message))
-            _answer_pin(t)
         self.requests.clear()
         self._commands = [[] for _ in range(self.tp_size)]
         self.num_running = 0
@@ -233,17 +219,6 @@ class DecodeController:
         self.rank_loads = [RankLoad() for _ in range(self.tp_size)]
 
     # ------------------------------------------------------------------ internals
-    def _on_pinned(self, rid: str, rank: int, held: int) -> None:
-        """A rank's answer to PIN. Under TP the ranks' pools are equal, so are their answers; the smallest
-        counts (a rank holding more gives the extra back when its RESERVE says how many the prefill skipped)."""
-        t = self.requests.get(rid)
-        if t is None or t.pin_answered is None or t.pin_answered.is_set():
-            return  # it ended meanwhile: the DROP or ABORT sent then unpins it
-        t.pinned[rank] = held
-        if set(t.pinned).issuperset(t.ranks):
-            t.reused_blocks = min(t.pinned[r] for r in t.ranks)
-            t.pin_answered.set()
-
     def _on_arrived(self, rid: str, rank: int, stocked: bool = False) -> None:
         t = self.requests.get(rid)
         if t is None or t.phase is not Phase.EXPECTED:
@@ -284,7 +259,6 @@ class DecodeController:
         self.handovers.append((t.handover_seconds, t.unpack_seconds, t.handover_bytes))
         self.handovers_total += 1
         self.handovers_stocked += not t.arrived
-        self.handover_blocks_reused += t.reused_blocks
         del self.handovers[:-512]
         t.phase = Phase.RUNNING
         self._send(CommandKind.COMMIT, t)
@@ -299,7 +273,6 @@ class DecodeController:
 
     def _fail(self, t: Tracked, message: str, kind: CommandKind) -> None:
         t.sink.put_nowait(StreamError(message))
-        _answer_pin(t)
         self.requests.pop(t.request_id, None)
         self._send(kind, t)
 
@@ -308,9 +281,3 @@ class DecodeController:
         rid = t if isinstance(t, str) else t.request_id
         for rank in (t.ranks if ranks is None else ranks):
             self._commands[rank].append(Command(kind, rid))
-
-
-def _answer_pin(t: Tracked) -> None:
-    """A request that ends while its opener waits for its ranks' PIN answers: the opener goes on (with 0)."""
-    if t.pin_answered is not None:
-        t.pin_answered.set()

@@ -86,8 +86,9 @@ class DecodeServer:
         a StreamError. Its token deltas then go out on `caller`'s feed. num_prompt_tokens: the prompt's
         length (it weighs the placement); caller: the Serve actor name of the router (its death cancels
         its requests). prompt_token_ids (and the request's cache_salt): with prefix caching on, the ranks
-        that will own the request pin the leading blocks of it they hold (a lockstep PIN, answered within a
-        step or two) and the target says how many (DecodeTarget.reused_blocks): the prefill sends the rest."""
+        that will own the request pin the leading blocks of it they hold (a lockstep PIN at the group's next
+        step) and the target says so (DecodeTarget.pinning): the prefill asks them how many before it packs the
+        payload, and sends the rest."""
         group = await self._current_group(self.config.handover_timeout_s)
         if group is None:
             return StreamError(f"the decode group is restarting after a failure ({self._last_error}); retry")
@@ -100,12 +101,8 @@ class DecodeServer:
         self._callers_of[request_id] = caller or ""
         self.callers.opened(request_id, caller)
         self._wake.set()
-        answered = self.ctrl.pin_answer(request_id)
-        if answered is not None:
-            await answered.wait()  # set by the ranks' answer, or by the request's end (a failure, a cancel)
         target = group.target_for(ranks)
-        reused = self.ctrl.reused_blocks(request_id)
-        return DecodeOpened(self.replica, dataclasses.replace(target, reused_blocks=reused) if reused else target)
+        return DecodeOpened(self.replica, dataclasses.replace(target, pinning=True) if pin else target)
 
     async def feed_link(self, caller: str | None = None, replica: str | None = None) -> FeedLinkAddress:
         """Where `caller` reads its feed (cluster/feed_link.py): FeedBatches of (request id, TokenDelta |

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -53,7 +54,11 @@ class DecodeRank:
         self._sent: dict[str, int] = {}  # request id -> output tokens already reported
         self._turns = StepTurns()  # runs the group's steps in order (several may be queued here)
         self._committed_early: set[str] = set()  # committed on landing, the replica's COMMIT still to come
-        self._pinned: list[tuple[str, int]] = []  # answers to this step's PINs: (request id, blocks held)
+        self._reused: list[tuple[str, int]] = []  # this step's reserves: (request id, blocks its hand-over reused)
+        # PIN answers for the prefill to read (`pinned`, on an actor thread): request id -> blocks held
+        self._pin_cv = threading.Condition()
+        self._pin_answers: dict[str, int] = {}
+        self._pin_abandoned: set[str] = set()  # asked for and not answered in time: a late PIN pins nothing
         self._link: StepListener | None = None
 
     # ------------------------------------------------------------------ setup
@@ -164,11 +169,31 @@ class DecodeRank:
             num_running=stats["num_running"], step_seconds=time.perf_counter() - start,
             handover_seconds=tuple(timings), grammar=tuple(stats.get("grammar", {}).items()),
             overlapped_steps=stats["overlapped_steps"], committed_on_landing=early,
-            prefix_cache=prefix_cache_counts(stats), pinned=self._take_pinned())
+            prefix_cache=prefix_cache_counts(stats), reused=self._take_reused())
 
-    def _take_pinned(self) -> tuple[tuple[str, int], ...]:
-        pinned, self._pinned = tuple(self._pinned), []
-        return pinned
+    def _take_reused(self) -> tuple[tuple[str, int], ...]:
+        reused, self._reused = tuple(self._reused), []
+        return reused
+
+    def pinned(self, request_id: str, timeout_s: float) -> int:
+        """The prefill asks before packing a hand-over: how many leading prompt blocks this rank pinned for it
+        (its PIN's answer). Waits for the PIN to be applied (the open queued it; the prefill's compute usually
+        outlasts it); 0 after timeout_s, and a PIN applied later then pins nothing (the payload carries all)."""
+        with self._pin_cv:
+            if not self._pin_cv.wait_for(lambda: request_id in self._pin_answers, timeout_s):
+                self._pin_abandoned.add(request_id)
+                return 0
+            return self._pin_answers.pop(request_id)
+
+    def _answer_pin(self, request_id: str, held: int | None) -> None:
+        """Record a PIN's answer for `pinned` (None: the request is reserved or gone, forget it)."""
+        with self._pin_cv:
+            if held is None:
+                self._pin_answers.pop(request_id, None)
+                self._pin_abandoned.discard(request_id)
+            else:
+                self._pin_answers[request_id] = held
+                self._pin_cv.notify_all()
 
     def _apply(self, cmd: Command, deferred: list[str], failed: list[tuple[str, str]]) -> None:
         eng, rid = self.engine, cmd.request_id
@@ -187,6 +212,7 @@ class DecodeRank:
                 failed.append((rid, f"cannot reserve: {e}"))
                 return
             self._sent[rid] = len(header.request.output_token_ids)
+            self._reserved(rid, header)
             if not self.receiver.is_stocked(rid):
                 self.receiver.provide_blocks(rid, block_ids)
         elif cmd.kind is CommandKind.COMMIT:
@@ -198,19 +224,24 @@ class DecodeRank:
             self._committed_early.discard(rid)
             eng.abort(rid)
             eng.handovers.unpin(rid)  # a prefix pinned for a hand-over that will not come
+            self._answer_pin(rid, None)
             self.receiver.drop(rid)
         elif cmd.kind is CommandKind.PIN:
-            try:
-                held = eng.handovers.pin(rid, list(cmd.prompt_token_ids), cmd.cache_salt)
-            except TandemError as e:  # its id is in use here (a replayed open): it reuses nothing
-                log.warning("cannot pin the prefix of %s: %s", rid, e)
-                held = 0
-            self._pinned.append((rid, held))
+            with self._pin_cv:
+                late = rid in self._pin_abandoned
+            held = 0
+            if not late:  # a late PIN would hold blocks nobody reserves or drops
+                try:
+                    held = eng.handovers.pin(rid, list(cmd.prompt_token_ids), cmd.cache_salt)
+                except TandemError as e:  # its id is in use here (a replayed open): it reuses nothing
+                    log.warning("cannot pin the prefix of %s: %s", rid, e)
+            self._answer_pin(rid, held)
         elif cmd.kind is CommandKind.DROP:
             if rid in self._committed_early:  # the replica no longer tracks it, but it runs here: end it
                 self._committed_early.discard(rid)
                 eng.abort(rid)
             eng.handovers.unpin(rid)
+            self._answer_pin(rid, None)
             self.receiver.drop(rid)
 
     def _commit(self, rid: str, failed: list[tuple[str, str]]) -> None:
@@ -257,9 +288,14 @@ class DecodeRank:
             failed.append((rid, f"cannot reserve: {e}"))
             return False
         self._sent[rid] = len(header.request.output_token_ids)
+        self._reserved(rid, header)
         self.stock.owed += len(stocked)
         self._refill_stock()
         return True
+
+    def _reserved(self, rid: str, header) -> None:
+        self._reused.append((rid, header.request.reused_blocks))
+        self._answer_pin(rid, None)
 
     def _refill_stock(self) -> None:
         """Top the stock up by what requests adopted from it, all or nothing (equal pools decide alike)."""

@@ -31,6 +31,10 @@ from kernels.kv_transfer import pack_kv
 
 log = logging.getLogger(__name__)
 
+# How long a decode rank may take to apply the PIN its open queued, once the prompt is prefilled (it is applied
+# at the group's next step; past this the whole prompt travels).
+PIN_WAIT_S = 2.0
+
 
 def _grammar(handover: Handover) -> GrammarHandover | None:
     structured = handover.request.params.structured_output
@@ -105,6 +109,7 @@ class HandoverSender:
             rid = handover.request.request_id
             released = False
             try:
+                handover = self._reusing(handover, target)
                 payloads, pack_s = self._pack(handover, target)
                 self.release(rid)
                 released = True
@@ -123,6 +128,19 @@ class HandoverSender:
             finally:
                 if not released:
                     self.release(rid)
+
+    def _reusing(self, handover: Handover, target: DecodeTarget) -> Handover:
+        """The hand-over without the leading blocks every rank of the target holds already (DecodeRank.pinned:
+        the smallest answer counts; a rank that pinned more gives the rest back at reserve)."""
+        if not target.pinning:
+            return handover
+        rid = handover.request.request_id
+        answers = [rank.actor.pinned.remote(rid, PIN_WAIT_S) for rank in target.ranks]
+        try:
+            held = ray.get(answers, timeout=PIN_WAIT_S + self.connect_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            held = [0]
+        return handover.reusing(min(held))
 
     def _pack(self, handover: Handover, target: DecodeTarget) -> tuple[list[HandoverPayload], float]:
         """One payload per rank of `target`, in rank order."""

@@ -136,8 +136,7 @@ class PrefillLoop:
         result = PrefillResult(out.request_id, list(out.token_ids), out.finished, out.finish_reason, logprobs,
                                queue_s, prefill_s, prompt_logprobs)
         if not out.finished:
-            handover = self.engine.take_handover(out.request_id).reusing(job.target.reused_blocks)
-            job.handed_over = self.sender.submit(handover, job.target)
+            job.handed_over = self.sender.submit(self.engine.take_handover(out.request_id), job.target)
         if not job.future.set_running_or_notify_cancel():
             return
         job.future.set_result(result)

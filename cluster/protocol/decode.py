@@ -34,9 +34,10 @@ class DecodeTarget:
     ranks: tuple[RankEndpoint, ...]
     layout: KVLayout
     device: str  # "cpu" or "cuda": the channel backend follows it
-    # Leading prompt blocks the ranks pinned from their prefix caches for this request: the prefill sends the
-    # blocks after them (engine Handover.reusing), and the hand-over header names the count.
-    reused_blocks: int = 0
+    # The ranks were told to pin the leading blocks of this request's prompt their prefix caches hold: before
+    # packing, the prefill asks them how many (DecodeRank.pinned) and sends the blocks after them (engine
+    # Handover.reusing); the hand-over header names the count.
+    pinning: bool = False
 
 
 @dataclass(frozen=True, slots=True)

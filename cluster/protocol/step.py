@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from cluster.protocol import wire
 
-STEP_LINK_VERSION = 3  # bump on any change to a WIRE below (exchanged when a step link opens; 3: PIN, StepReport.pinned)
+STEP_LINK_VERSION = 3  # bump on any change to a WIRE below (exchanged when a step link opens; 3: PIN, StepReport.reused)
 
 
 class CommandKind(enum.Enum):
@@ -139,22 +139,22 @@ class StepReport:
     committed_on_landing: int = 0  # stocked hand-overs a one-rank group committed itself (DecodeRank._commit_landed)
     # The engine's prefix-cache counters (query_tokens, hit_tokens, cached_blocks, evicted_blocks); empty when off.
     prefix_cache: tuple[tuple[str, int], ...] = field(default=())
-    pinned: tuple[tuple[str, int], ...] = field(default=())  # (request id, leading prompt blocks held) per PIN
+    reused: tuple[tuple[str, int], ...] = field(default=())  # (request id, blocks its hand-over reused) per reserve
 
     WIRE = ("tp_rank", "deltas", "arrived", "landed", "failed", "deferred", "kv_blocks_used", "kv_blocks_total",
             "num_running", "step_seconds", "handover_seconds", "reserved", "grammar", "overlapped_steps",
-            "committed_on_landing", "prefix_cache", "pinned")
+            "committed_on_landing", "prefix_cache", "reused")
 
     def to_wire(self) -> tuple:
         return (self.tp_rank, tuple(d.to_wire() for d in self.deltas), self.arrived, self.landed, self.failed,
                 self.deferred, self.kv_blocks_used, self.kv_blocks_total, self.num_running, self.step_seconds,
                 self.handover_seconds, self.reserved, self.grammar, self.overlapped_steps, self.committed_on_landing,
-                self.prefix_cache, self.pinned)
+                self.prefix_cache, self.reused)
 
     @staticmethod
     def from_wire(raw) -> "StepReport":
         (tp_rank, deltas, arrived, landed, failed, deferred, used, total, running, step_s, handover_s, reserved,
-         grammar, overlapped, committed, prefix_cache, pinned) = wire.record(raw, "StepReport", StepReport.WIRE)
+         grammar, overlapped, committed, prefix_cache, reused) = wire.record(raw, "StepReport", StepReport.WIRE)
         n = "StepReport"
         return StepReport(
             tp_rank=wire.integer(tp_rank, n, "tp_rank"),
@@ -172,7 +172,7 @@ class StepReport:
             committed_on_landing=wire.integer(committed, n, "committed_on_landing"),
             prefix_cache=tuple(_pair(c, "prefix_cache", wire.integer)
                                for c in wire.array(prefix_cache, n, "prefix_cache")),
-            pinned=tuple(_pair(p, "pinned", wire.integer) for p in wire.array(pinned, n, "pinned")))
+            reused=tuple(_pair(p, "reused", wire.integer) for p in wire.array(reused, n, "reused")))
 
 
 def _pair(raw, field_name: str, second) -> tuple:

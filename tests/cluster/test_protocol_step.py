@@ -24,7 +24,7 @@ def full_report() -> StepReport:
         handover_seconds=(("f", 0.002, 0.0005, 4096),), reserved=("d",), grammar=(("compiles", 2), ("hits", 5)),
         overlapped_steps=11, committed_on_landing=1,
         prefix_cache=(("query_tokens", 96), ("hit_tokens", 64), ("cached_blocks", 5), ("evicted_blocks", 0)),
-        pinned=(("d", 3), ("e", 0)))
+        reused=(("d", 3), ("e", 0)))
 
 
 @pytest.mark.parametrize("kind", list(CommandKind))

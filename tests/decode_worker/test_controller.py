@@ -9,10 +9,10 @@ from decode_worker.controller import DecodeController, Phase
 R, C, A, D = CommandKind.RESERVE, CommandKind.COMMIT, CommandKind.ABORT, CommandKind.DROP
 
 
-def report(rank, deltas=(), arrived=(), landed=(), failed=(), deferred=(), used=0, running=0, pinned=()):
+def report(rank, deltas=(), arrived=(), landed=(), failed=(), deferred=(), used=0, running=0, reused=()):
     return StepReport(tp_rank=rank, deltas=tuple(deltas), arrived=tuple(arrived), landed=tuple(landed),
                       failed=tuple(failed), deferred=tuple(deferred), kv_blocks_used=used, kv_blocks_total=64,
-                      num_running=running, step_seconds=0.0, pinned=tuple(pinned))
+                      num_running=running, step_seconds=0.0, reused=tuple(reused))
 
 
 def cmds(ctrl, now=0.0):
@@ -258,34 +258,26 @@ def test_a_one_rank_group_that_committed_on_landing_gets_its_first_tokens_delive
 P = CommandKind.PIN
 
 
-def test_pin_answer_is_the_smallest_of_its_ranks_and_counts_once_committed():
-    """An opened prompt is PINned on every rank of its placement; the opener's answer waits for all of them
-    (the smallest counts) and the reused blocks are counted when the hand-over commits."""
+def test_an_opened_prompt_is_pinned_on_its_ranks_and_reuse_counted_once():
+    """An opened prompt is PINned on every rank of its placement, before any other command for it; the blocks
+    its hand-over reused count once (the lead rank's reserve report), whichever path reserved it."""
     ctrl, q = DecodeController(tp_size=2), asyncio.Queue()
     ctrl.expect("a", q, prompt=((1, 2, 3, 4, 5, 6, 7, 8, 9), "salt"))
     steps = ctrl.next_step(0.0)
     assert [s.commands for s in steps] == [(Command(P, "a", (1, 2, 3, 4, 5, 6, 7, 8, 9), "salt"),)] * 2
-    answered = ctrl.pin_answer("a")
-    ctrl.on_reports([report(0, pinned=[("a", 2)]), report(1)])
-    assert not answered.is_set()
-    ctrl.on_reports([report(0), report(1, pinned=[("a", 1)])])
-    assert answered.is_set() and ctrl.reused_blocks("a") == 1
     ctrl.on_reports([report(0, arrived=["a"]), report(1, arrived=["a"])])
     assert cmds(ctrl) == [(R, "a")]
-    ctrl.on_reports([report(0, landed=["a"]), report(1, landed=["a"])])
-    assert cmds(ctrl) == [(C, "a")] and ctrl.handover_blocks_reused == 1
+    ctrl.on_reports([report(0, landed=["a"], reused=[("a", 2)]), report(1, landed=["a"], reused=[("a", 2)])])
+    assert cmds(ctrl) == [(C, "a")] and ctrl.handover_blocks_reused == 2
+    ctrl.cancel("a")
+    ctrl.on_reports([report(0, reused=[("a", 2)]), report(1)])  # a request no longer tracked counts nothing
+    assert cmds(ctrl) == [(A, "a")] and ctrl.handover_blocks_reused == 2
 
 
-def test_cancel_or_group_failure_while_pinning_answers_the_opener():
-    """The opener never waits for an answer that will not come; the DROP sent on cancel unpins on the ranks."""
+def test_a_request_cancelled_while_pinning_is_dropped_after_its_pin():
+    """The DROP (which unpins on the ranks) follows the PIN in the same rank's command list."""
     ctrl = DecodeController(tp_size=1)
     ctrl.expect("a", asyncio.Queue(), prompt=((1, 2, 3), None))
-    ctrl.expect("b", asyncio.Queue(), prompt=((1, 2, 3), None))
-    answered_a, answered_b = ctrl.pin_answer("a"), ctrl.pin_answer("b")
+    ctrl.expect("b", asyncio.Queue())
     ctrl.cancel("a")
-    assert answered_a.is_set() and cmds(ctrl) == [(P, "a"), (P, "b"), (D, "a")]
-    ctrl.on_reports([report(0, pinned=[("a", 3)])])  # the late answer of a cancelled request is ignored
-    assert ctrl.reused_blocks("a") == 0 and not answered_b.is_set()
-    ctrl.fail_all("gone")
-    assert answered_b.is_set() and ctrl.reused_blocks("b") == 0
-    assert ctrl.pin_answer("c") is None
+    assert cmds(ctrl) == [(P, "a"), (D, "a")]
