@@ -14,7 +14,7 @@ its prefill replicas: every round, the cold first one included, and from round 2
 ratios.
 
     python -m bench.prefix_routing [--prefixes 8] [--prefix-tokens 1000] [--rounds 4] [--concurrency 2]
-                                   [--replicas 2] [--kv-prefixes 5] [--new-tokens 4]
+                                   [--replicas 2] [--kv-prefixes 5] [--new-tokens 4] [--sequential]
 """
 from __future__ import annotations
 
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--kv-prefixes", type=float, default=5, help="prefixes one prefill replica's KV cache holds")
     ap.add_argument("--new-tokens", type=int, default=4)
+    ap.add_argument("--sequential", action="store_true", help="deploy and measure one application after the other "
+                                                                "(half the memory) instead of alternating rounds")
     ap.add_argument("--name", default="prefix_routing_cpu")
     args = ap.parse_args(argv)
 
@@ -127,32 +129,38 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(RayOptions(num_cpus=8, temp_dir=f"{tmp}/ray"))
     port = free_port_on("127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    for app, aware in APPS.items():
+    def deploy(app: str):
         cfg = TandemConfig(model=target, served_model_name="bench", prefill_replicas=args.replicas,
                            prefill_num_cpus=0.5, rank_num_cpus=0.5, tp=1, num_kv_blocks=blocks,
-                           max_num_seqs=max(4, args.concurrency), prefix_aware_routing=aware)
+                           max_num_seqs=max(4, args.concurrency), prefix_aware_routing=APPS[app])
         serve.run(build_app(cfg), name=app, route_prefix=f"/{app}")
-    routers = {app: serve.get_deployment_handle("router", app_name=app) for app in APPS}
+        return serve.get_deployment_handle("router", app_name=app)
 
-    async def measure():
-        ttft = {app: [] for app in APPS}
-        queried = {app: 0 for app in APPS}
-        per_round = {app: [] for app in APPS}  # counts after each round; the first entry: after the warm-up
+    ttft = {app: [] for app in APPS}
+    per_round = {app: [] for app in APPS}  # counts after each round; the first entry: after the warm-up
+
+    async def measure(routers: dict):
+        """Every round on each application of `routers`, alternating which goes first."""
+        queried = {}
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=1200) as http:
-            for app in APPS:  # warm-up: first steps, channels opened, on every replica (a prompt no round shares)
+            for app in routers:  # warm-up: first steps, channels opened, on every replica (a prompt no round shares)
                 warm = tokenizer("Warm-up.")["input_ids"]
                 await asyncio.gather(*[_ttft(http, app, warm + [i], 2) for i in range(2 * args.replicas)])
                 queried[app] = 2 * args.replicas * (len(warm) + 1)
                 per_round[app].append(await _prefix_counts(routers[app], args.replicas, queried[app]))
             for r, rnd in enumerate(rounds):
-                for app in (APPS if r % 2 == 0 else reversed(list(APPS))):
+                for app in (list(routers) if r % 2 == 0 else list(reversed(routers))):
                     prompts = [p for _, p in rnd]
                     ttft[app].append(await _round(http, app, prompts, args.concurrency, args.new_tokens))
                     queried[app] += sum(map(len, prompts))
                     per_round[app].append(await _prefix_counts(routers[app], args.replicas, queried[app]))
-        return ttft, per_round
 
-    ttft, per_round = asyncio.run(measure())
+    if args.sequential:  # one application at a time: half the memory, no pairing of rounds
+        for app in APPS:
+            asyncio.run(measure({app: deploy(app)}))
+            serve.delete(app)
+    else:
+        asyncio.run(measure({app: deploy(app) for app in APPS}))
     serve.shutdown()
 
     def hit_rate(app: str, since: int) -> float:
@@ -180,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     table.append("")
     table.append(f"Hit rate ratio {ratios['hit_rate_ratio_all']}x (all rounds), {ratios['hit_rate_ratio_warm']}x "
                  f"(rounds 2+); TTFT p50 {ratios['ttft_p50_speedup']}x lower with cache-aware routing.")
-    payload = {"model": "smollm2-135m-instruct", "device": device_name("cpu"), "prefixes": args.prefixes,
+    payload = {"model": "smollm2-135m-instruct", "device": device_name("cpu"), "sequential": args.sequential,
+               "prefixes": args.prefixes,
                "prompt_tokens_mean": round(prompt_tokens), "rounds": args.rounds, "concurrency": args.concurrency,
                "replicas": args.replicas, "num_kv_blocks": blocks, "new_tokens": args.new_tokens, "runs": rows,
                "ratios": ratios}
