@@ -15,7 +15,9 @@ and cancels the others (their blocks are freed on both sides).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+import uuid
 from typing import AsyncIterator
 
 from router import responses as R
@@ -117,7 +119,10 @@ class Choices:
 async def start_all(gens: list) -> None:
     """Start every choice's generation together (their prompts meet in the prefill replica's batch and
     prefix cache); if one fails, the others are cancelled and its error raised."""
-    tasks = [asyncio.ensure_future(g.start()) for g in gens]
+    if len(gens) == 1:
+        await gens[0].start()
+        return
+    tasks = [asyncio.ensure_future(_as_own_call(g.start())) for g in gens]
     try:
         await asyncio.gather(*tasks)
     except BaseException:
@@ -127,6 +132,20 @@ async def start_all(gens: list) -> None:
         for g in gens:
             g.cancel()
         raise
+
+
+async def _as_own_call(work):
+    """Run `work` (in its own task) with a Serve request context of its own. Serve copies the calling HTTP
+    request's internal id into every handle call made in its context, and its request routers index the
+    calls waiting for a replica by that id, the first of several equal ones only: the children of one
+    response would share it, and all but one could wait for a replica forever. The HTTP request id stays
+    (the logs still name the request)."""
+    from ray.serve import context
+
+    ctx = context._serve_request_context.get()
+    if ctx is not None:
+        context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=uuid.uuid4().hex))
+    return await work
 
 
 async def _merge(streams: list) -> AsyncIterator[dict]:

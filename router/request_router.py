@@ -62,8 +62,12 @@ class LoadAwareRequestRouter(FIFOMixin, RequestRouter):
         """Which waiting call gets the replica just chosen. A prompt's replica was chosen for that prompt: it
         goes to it (Serve's default, by request id), not to the oldest waiting call as FIFOMixin would, which
         under a burst hands prompt A the replica holding prompt B's prefix. Decode calls stay FIFO."""
-        if getattr(self, "_prefill", None) is not None:
+        if (getattr(self, "_prefill", None) is not None
+                and self._get_pending_request_matching_internal_request_id(request_metadata) is not None):
             return RequestRouter._fulfill_next_pending_request(self, replica, request_metadata)
+        # Serve indexes waiting calls by internal request id, the first of equal ids only (calls made in one
+        # request's context share its id unless the caller gives each its own, router/choices.py): a call
+        # not found by its id is served in arrival order, never left waiting.
         return FIFOMixin._fulfill_next_pending_request(self, replica, request_metadata)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
