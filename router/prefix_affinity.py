@@ -131,7 +131,10 @@ class PrefillRouting:
         self.clock = clock
         self.recent = RecentRoutes()
         self._lock = threading.Lock()  # Serve reports completions from its callbacks' thread
-        self._open: dict[str, tuple[str, int, float]] = {}  # request key -> (replica, tokens it computes, when)
+        # request key -> call -> (replica, tokens it computes, when). Calls made in one request's context share
+        # its key (Serve's internal request id) unless the caller gives each its own; a call routed again
+        # (Serve's backoff) replaces its own entry.
+        self._open: dict[str, dict[int, tuple[str, int, float]]] = {}
         self._seen: dict[str, tuple[int, float]] = {}  # replica -> (report_seq, when this router first saw it)
         self._last_pick: dict[str, int] = {}
         self._picks = 0
@@ -154,20 +157,31 @@ class PrefillRouting:
 
     def completed(self, request_key: str) -> None:
         with self._lock:
-            self._open.pop(request_key, None)
+            calls = self._open.get(request_key)
+            if calls:  # Serve names the request, not the call: the oldest of that request's calls is done
+                del calls[min(calls, key=lambda c: calls[c][2])]
+            if not calls:
+                self._open.pop(request_key, None)
 
     # ---- the choice
-    def rank(self, replicas: list[ReplicaState], prompt: PromptKey | None, request_key: str | None) -> list[str]:
-        """Replica ids, preferred first, for a prefill call (`prompt`), or for any other call (None: by load)."""
+    def rank(self, replicas: list[ReplicaState], prompt: PromptKey | None, request_key: str | None,
+             call: int = 0) -> list[str]:
+        """Replica ids, preferred first, for a prefill call (`prompt`), or for any other call (None: by load).
+        `call` tells apart calls under one request key (Serve's pending call's identity)."""
         loads = {r.replica: load_of("prefill", r.stats) for r in replicas}
         for r in replicas:
             self.observe(r.replica, loads[r.replica])
         with self._lock:
             now = self.clock()
-            self._open = {k: v for k, v in self._open.items() if now - v[2] < OPEN_MAX_S}
             own = Counter()
-            for replica, tokens, _ in self._open.values():
-                own[replica] += tokens
+            for key, calls in list(self._open.items()):
+                for c, (replica, tokens, when) in list(calls.items()):
+                    if now - when >= OPEN_MAX_S:
+                        del calls[c]
+                    elif (key, c) != (request_key, call):  # this call routed again: not in its own way
+                        own[replica] += tokens
+                if not calls:
+                    del self._open[key]
             matched, hashes = self._overlaps(replicas, loads, prompt, now)
             n_tokens = len(prompt.token_ids) if prompt is not None else 0
             cands = [PrefillCandidate(r.replica, loads[r.replica], r.in_flight, own[r.replica],
@@ -178,7 +192,7 @@ class PrefillRouting:
                 first = ranked[0]
                 self._picks += 1
                 self._last_pick[first.replica] = self._picks
-                self._open[request_key] = (first.replica, n_tokens - first.matched_tokens, now)
+                self._open.setdefault(request_key, {})[call] = (first.replica, n_tokens - first.matched_tokens, now)
                 if self.prefix_aware and hashes.get(first.replica):
                     self.recent.remember(first.replica, hashes[first.replica], now)
                 _count("decision", outcome)

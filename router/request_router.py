@@ -56,7 +56,7 @@ class LoadAwareRequestRouter(FIFOMixin, RequestRouter):
         if pending_request is not None:
             prompt = prefill_prompt(pending_request.metadata.call_method, pending_request.args)
             key = pending_request.metadata.internal_request_id
-        return [[by_id[rid]] for rid in self._prefill.rank(states, prompt, key)]
+        return [[by_id[rid]] for rid in self._prefill.rank(states, prompt, key, id(pending_request))]
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
         """Which waiting call gets the replica just chosen. A prompt's replica was chosen for that prompt: it

@@ -145,6 +145,25 @@ def test_this_routers_open_prompts_weigh_until_they_complete():
     assert routing.rank(states, prompt(list(range(60))), "s3")[0] == "a"  # equal again: a's turn
 
 
+def test_calls_sharing_a_request_key_each_count_until_each_completes():
+    """Calls made in one HTTP request's context share Serve's internal request id: one call's completion must
+    not drop the other's tokens, and a call routed again (Serve's backoff) is counted once."""
+    clock = Clock()
+    routing = PrefillRouting(prefix_aware=False, clock=clock)
+    states = [ReplicaState("a", report("a"), 0), ReplicaState("b", report("b"), 0)]
+    first = routing.rank(states, prompt(list(range(3000))), "same", call=1)[0]
+    clock.now += 1
+    first = routing.rank(states, prompt(list(range(3000))), "same", call=1)[0]  # routed again
+    clock.now += 1
+    second = routing.rank(states, prompt(list(range(5000, 8000))), "same", call=2)[0]
+    assert second != first  # the first call's 3,000 tokens count once, on its latest replica
+    routing.completed("same")  # the older call is done; the other is still open
+    clock.now += 1
+    # one request in flight on `first` as Serve counts it: lighter than 3,000 open tokens, heavier than nothing
+    states = [ReplicaState(s.replica, s.stats, int(s.replica == first)) for s in states]
+    assert routing.rank(states, prompt(list(range(10))), "small", call=3)[0] == first
+
+
 def test_with_prefix_awareness_off_equal_replicas_take_turns_whatever_they_hold():
     routing, before = PrefillRouting(prefix_aware=False, clock=Clock()), routing_counts()
     states = [ReplicaState("a", report("a", engine_cache(PREFIX + [1])), 0), ReplicaState("b", report("b"), 0)]
