@@ -4,7 +4,7 @@ leaks and hangs.
 The mix (per request, drawn from one seeded RNG): chat and completions, streamed and not, greedy and
 seeded sampling, guided (a JSON schema, a regex, a choice) and not; clients that disconnect mid-stream;
 clients with tiny timeouts; and bad requests (10% by default: the cheap body cases of the bad-input corpus
-tests/router/bad_inputs.jsonl, plus n > 1). At the end: every good request completed or got a typed
+tests/router/bad_inputs.jsonl, plus n = 0). At the end: every good request completed or got a typed
 error (the OpenAI error shape); no stream outlived its deadline; KV blocks in use back to 0 on every
 prefill and decode replica (read from /metrics); RSS growth of the server's process tree; latency p50/p99.
 
@@ -57,8 +57,8 @@ def draw(rng: random.Random, i: int, model: str, bad: list[dict], bad_share: flo
     roll = rng.random()
     if roll < bad_share:
         if rng.random() < 0.1:
-            return {"kind": "bad", "path": "/v1/completions", "stream": False, "name": "n > 1 (unsupported)",
-                    "body": {"model": model, "prompt": "Hi", "n": 2}, "expect": {"status": 400, "param": "n"}}
+            return {"kind": "bad", "path": "/v1/completions", "stream": False, "name": "n = 0",
+                    "body": {"model": model, "prompt": "Hi", "n": 0}, "expect": {"status": 400, "param": "n"}}
         case = rng.choice(bad)
         body = dict(case["body"])
         if body.get("model") == "tiny":  # the corpus's served name; unknown-model cases keep theirs
