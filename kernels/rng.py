@@ -23,7 +23,8 @@ GOLDEN = 0x9E3779B9
 STREAM_SAMPLE = 0  # sampling a token from the (target) distribution
 STREAM_ACCEPT = 1  # acceptance test u < p/q in rejection sampling
 STREAM_RESIDUAL = 2  # sampling from the residual max(0, p - q) after a rejection
-STREAM_DRAFT = 3  # sampling a draft token from the draft distribution
+STREAM_DRAFT = 3  # reserved: drafts now race on STREAM_SAMPLE at their target position (coupled drafts,
+#                   engine/speculative/proposer.py); kept so that the other streams' ids never move
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

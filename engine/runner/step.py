@@ -3,8 +3,10 @@
 1. target forward over every row (prompt chunks and [last token + k drafts] chains), capturing the
    hidden states the draft head reads;
 2. logits at each chain's k+1 columns, masked by the LogitsMasker when one runs;
-3. verification of each chain (greedy, or lossless rejection sampling against the draft
-   distributions kept from the previous step); with k = 0 that is plain sampling;
+3. verification of each chain (greedy; a request with its own seed by coupling: each position's token is
+   the plain sampler's own draw, a draft accepted iff equal, so the schedule never changes its output;
+   the others by lossless rejection sampling against the draft distributions kept from the previous
+   step; engine/sample/verify.py); with k = 0 that is plain sampling;
 4. the draft: its KV over all rows, then k drafts from each request's last verified row, each draft
    step masked too.
 
