@@ -13,6 +13,10 @@ from deploy.testing import wait_decode_settled
 
 pytestmark = pytest.mark.ray
 
+# A choice left waiting for a replica (Serve's routing by request id, router/choices.py) hangs its response:
+# fail in minutes, not at the client's default of ten.
+TIMEOUT_S = 180
+
 SAMPLED = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
 
 
@@ -21,7 +25,7 @@ def _alone(client, model, prompt, seed):
 
 
 def test_n_samples_equal_the_requests_that_ask_for_each_alone(tandem_server):
-    client, model = tandem_server.openai(), tandem_server.model
+    client, model = tandem_server.openai(timeout=TIMEOUT_S), tandem_server.model
     got = client.completions.create(model=model, prompt="The quick brown fox", n=3, seed=11, **SAMPLED)
     assert [c.index for c in got.choices] == [0, 1, 2]
     texts = [c.text for c in got.choices]
@@ -38,7 +42,7 @@ def test_n_samples_equal_the_requests_that_ask_for_each_alone(tandem_server):
 @pytest.mark.parametrize("prompts", [["Hello, how are you?", "lazy dog"], [[5, 9, 22, 41, 8], [120, 7, 3]]],
                          ids=["strings", "token-lists"])
 def test_batched_prompts_times_n_are_indexed_prompt_major(tandem_server, prompts):
-    client, model = tandem_server.openai(), tandem_server.model
+    client, model = tandem_server.openai(timeout=TIMEOUT_S), tandem_server.model
     got = client.completions.create(model=model, prompt=prompts, n=2, seed=3, echo=True, **SAMPLED)
     assert [c.index for c in got.choices] == [0, 1, 2, 3]
     for p, prompt in enumerate(prompts):
@@ -51,7 +55,7 @@ def test_batched_prompts_times_n_are_indexed_prompt_major(tandem_server, prompts
 
 
 def test_streamed_choices_put_together_equal_the_whole_response(tandem_server):
-    client, model = tandem_server.openai(), tandem_server.model
+    client, model = tandem_server.openai(timeout=TIMEOUT_S), tandem_server.model
     messages = [{"role": "user", "content": "Write a line about the sea."}]
     whole = client.chat.completions.create(model=model, messages=messages, n=3, seed=5, temperature=1.0,
                                            max_tokens=10)
@@ -76,7 +80,7 @@ def test_every_guided_choice_satisfies_its_schema(tandem_server):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},
               "required": ["name", "age"], "additionalProperties": False}
-    got = tandem_server.openai().chat.completions.create(
+    got = tandem_server.openai(timeout=TIMEOUT_S).chat.completions.create(
         model=tandem_server.model, messages=[{"role": "user", "content": "A person as JSON."}], n=3, seed=2,
         temperature=1.0, max_tokens=60,
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
@@ -89,7 +93,7 @@ def test_every_guided_choice_satisfies_its_schema(tandem_server):
 def test_a_stop_string_ends_only_its_own_choice(tandem_server):
     """Each choice's stop strings, detokenizer and cancellation are its own: one choice cut by a stop string
     does not end its siblings, and every choice is what it would be alone."""
-    client, model = tandem_server.openai(), tandem_server.model
+    client, model = tandem_server.openai(timeout=TIMEOUT_S), tandem_server.model
     alone = [_alone(client, model, "def add(a, b):", 40 + i) for i in range(4)]
     stop = next((t[2:4] for t in alone if len(t) > 4), None)
     assert stop, alone
