@@ -56,3 +56,36 @@ def test_the_first_error_ends_the_merge_and_closes_the_others():
     seen = asyncio.run(run())
     assert "f" in seen and "a" in seen
     assert sorted(closed) == ["a", "b"]
+
+
+def test_each_choice_calls_the_workers_with_a_serve_identity_of_its_own():
+    """Serve indexes calls waiting for a replica by the internal id of the request context they were made in,
+    first of equal ids only, and prefill routing hands a replica to the call with that id: the children of one
+    response, started in one HTTP request's context, would share it and all but one could wait forever (seen
+    under load). start_all gives each child's calls an id of its own and keeps the HTTP request id."""
+    from ray.serve import context
+
+    from router.choices import start_all
+
+    class Child:
+        seen = None
+
+        async def start(self):
+            await asyncio.sleep(0)
+            ctx = context._serve_request_context.get()
+            self.seen = (ctx.request_id, ctx._internal_request_id)
+
+        def cancel(self):
+            pass
+
+    async def run():
+        context._serve_request_context.set(context._RequestContext(request_id="http-1", _internal_request_id="same"))
+        children = [Child() for _ in range(3)]
+        await start_all(children)
+        return [c.seen for c in children], context._serve_request_context.get()._internal_request_id
+
+    seen, outer = asyncio.run(run())
+    assert [request_id for request_id, _ in seen] == ["http-1"] * 3
+    internal = [i for _, i in seen]
+    assert len(set(internal)) == 3 and "same" not in internal
+    assert outer == "same"  # the HTTP request's own context is untouched
