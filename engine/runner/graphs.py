@@ -39,7 +39,7 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 def sampling_mode(b: SamplingBatch) -> tuple:
     return (b.all_greedy, b.use_top_k, b.use_top_p, b.use_min_p, b.max_logprobs, b.repetition is not None,
-            b.logit_bias is not None, b.early_stop_block is not None)
+            b.logit_bias is not None, b.early_stop_block is not None, b.coupled is not None)
 
 
 def _copy_into(static, new) -> None:
@@ -195,6 +195,8 @@ class StepGraphs:
                          seen_mask=torch.zeros(size, lay.vocab_size, dtype=torch.bool, device=lay.device))
         if like.logit_bias is not None:
             flags.update(logit_bias=torch.zeros(size, lay.vocab_size, device=lay.device))
+        if like.coupled is not None:
+            flags.update(coupled=torch.zeros(size, dtype=torch.bool, device=lay.device))
         if like.early_stop_block is not None:
             flags.update(early_stop_block=torch.zeros(size, lay.vocab_size, dtype=torch.bool, device=lay.device),
                          min_tokens_left=torch.zeros(size, dtype=torch.int64, device=lay.device))
