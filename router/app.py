@@ -300,10 +300,11 @@ class Router:
             raise
         self.waiting_first -= count
         self.metrics.ttft.observe(time.monotonic() - arrival)
-        self.metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in prompts))
+        prompt_tokens = sum(len(ids) for ids, _ in prompts)  # each prompt once, however many samples it has
+        self.metrics.prompt_tokens.inc(prompt_tokens)
         writers = [ResponseWriter(self, body, gen, rid, chat, prompts[p][1], logprobs, prompts[p][0], tools, index)
                    for index, p, gen in children]
-        out = Choices(self, writers, sum(len(ids) for ids, _ in prompts), rid, chat, arrival, endpoint,
+        out = Choices(self, writers, prompt_tokens, rid, chat, arrival, endpoint,
                       body.stream_options if body.stream else None)
         headers = {"X-Request-Id": rid}
         if body.stream:

@@ -164,7 +164,8 @@ class _PrefixCacheCollector:
     """Per worker replica: prompt tokens looked up in its engine's prefix cache and tokens reused (counters,
     the worker's own running totals), cached blocks (a gauge: free blocks a next prompt may reuse) and blocks
     evicted. A decode group reports rank 0's engine (under attention data parallelism, the sum of its ranks);
-    its hits come only from requests recomputed after a preemption, as hand-overs arrive with their KV."""
+    its hits are requests recomputed after a preemption: the blocks a hand-over reuses from the decode cache are
+    counted apart (tandem_handover_blocks_reused_total)."""
 
     def __init__(self, metrics: RouterMetrics):
         self.metrics = metrics
