@@ -6,6 +6,7 @@ import os
 import platform
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,3 +56,24 @@ async def closed_loop(base_url: str, items: list, concurrency: int, one, timeout
         start = time.perf_counter()
         await asyncio.gather(*[client(http) for _ in range(concurrency)])
         return results, time.perf_counter() - start
+
+
+def start_local_serve() -> int:
+    """The served benchmarks' set-up: a local Ray of their own (its own temp dir, 8 logical CPUs) and Serve's
+    HTTP proxy on a free loopback port (returned); applications then go under route prefixes."""
+    from ray import serve
+
+    from cluster.rendezvous import free_port_on
+    from cluster.runtime import RayOptions, init_ray
+
+    init_ray(RayOptions(num_cpus=8, temp_dir=f"{tempfile.mkdtemp(prefix='tandem-bench-')}/ray"))
+    port = free_port_on("127.0.0.1")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+async def prefix_cache_counts(prefill) -> tuple[int, int] | None:
+    """(prompt tokens looked up, tokens reused) so far by a prefill deployment (its handle); None with prefix
+    caching off."""
+    pc = (await prefill.stats.remote()).get("prefix_cache") or {}
+    return (pc["query_tokens"], pc["hit_tokens"]) if pc else None

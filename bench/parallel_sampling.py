@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
 
 import httpx
 
-from bench.common import device_name, write_results
+from bench.common import device_name, prefix_cache_counts, start_local_serve, write_results
 
 SEED = 1234
 
@@ -51,8 +50,8 @@ async def _separate(http: httpx.AsyncClient, app: str, prompt: list[int], n: int
 async def _computed(handle) -> int | None:
     """Prompt tokens the prefill replica computed so far (looked up less reused); None with the cache off
     (it then computes every prompt whole)."""
-    pc = (await handle.stats.remote()).get("prefix_cache") or {}
-    return pc["query_tokens"] - pc["hit_tokens"] if pc else None
+    counts = await prefix_cache_counts(handle)
+    return None if counts is None else counts[0] - counts[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from bench.prefix_cache import shared_workload
-    from cluster.rendezvous import free_port_on
-    from cluster.runtime import RayOptions, init_ray
-    from deploy.app import build_app
-    from deploy.config import TandemConfig
+    from bench.prefix_cache_served import serve_cache_and_none
     from zoo.models import resolve
 
     target = str(resolve("smollm2-135m-instruct").target)
@@ -79,18 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = shared_workload(tokenizer, args.rounds + 1, args.prompt_tokens)
     # A fresh system prompt per round (its first line differs), so that no round starts with a warm cache.
     prompts = [[p[0], *tokenizer.encode(f"Round {i}. ", add_special_tokens=False), *p[1:]] for i, p in enumerate(prompts)]
-    tmp = tempfile.mkdtemp(prefix="tandem-bench-")
-    init_ray(RayOptions(num_cpus=8, temp_dir=f"{tmp}/ray"))
-    port = free_port_on("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    apps = {"cache": True, "nocache": False}
-    for app, on in apps.items():
-        # tp=1 as `tandem serve` runs it on a small CPU (SmolLM2's 9 heads do not split in two); no speculation,
-        # so that the draws compared are the plain sampler's. Without the cache N long prompts queue on one
-        # CPU prefill for longer than the default hand-over wait (60 s) under load: the bench waits longer.
-        cfg = TandemConfig(model=target, served_model_name="bench", enable_prefix_caching=on, num_kv_blocks=768,
-                           tp=1, handover_timeout_s=600)
-        serve.run(build_app(cfg), name=app, route_prefix=f"/{app}")
+    port = start_local_serve()
+    apps = serve_cache_and_none(target)  # no speculation: the draws compared are the plain sampler's
     handles = {app: serve.get_deployment_handle("prefill", app_name=app) for app in apps}
     ways = {"n": ("cache", _n_request), "separate": ("cache", _separate), "separate, no cache": ("nocache", _separate)}
 

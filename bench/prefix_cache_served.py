@@ -15,12 +15,11 @@ import argparse
 import asyncio
 import json
 import statistics
-import tempfile
 import time
 
 import httpx
 
-from bench.common import device_name, write_results
+from bench.common import device_name, prefix_cache_counts, start_local_serve, write_results
 
 
 async def _one(http: httpx.AsyncClient, app: str, prompt: list[int], new_tokens: int) -> tuple[float, str]:
@@ -52,6 +51,24 @@ async def _wave(http, app, prompts, new_tokens, concurrency) -> dict:
     return {"ttft_p50_s": statistics.median(ttft), "tok_s": len(prompts) * new_tokens / wall, "texts": texts}
 
 
+def serve_cache_and_none(target: str) -> dict[str, bool]:
+    """Two applications of `target` under /cache and /nocache (prefix caching on and off): tp=1 as `tandem serve`
+    runs SmolLM2 on a small CPU (its 9 heads do not split in two), no speculation; without the cache long
+    prompts queue on one CPU prefill past the default hand-over wait (60 s) under load, so the bench waits
+    longer. Returns {application: prefix caching on}."""
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.config import TandemConfig
+
+    apps = {"cache": True, "nocache": False}
+    for app, on in apps.items():
+        serve.run(build_app(TandemConfig(model=target, served_model_name="bench", enable_prefix_caching=on,
+                                         num_kv_blocks=768, tp=1, handover_timeout_s=600)),
+                  name=app, route_prefix=f"/{app}")
+    return apps
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=8)
@@ -65,29 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from bench.prefix_cache import shared_workload
-    from cluster.rendezvous import free_port_on
-    from cluster.runtime import RayOptions, init_ray
-    from deploy.app import build_app
-    from deploy.config import TandemConfig
     from zoo.models import resolve
 
     target = str(resolve("smollm2-135m-instruct").target)
     tokenizer = AutoTokenizer.from_pretrained(target)
     base = shared_workload(tokenizer, args.requests)
-    tmp = tempfile.mkdtemp(prefix="tandem-bench-")
-    init_ray(RayOptions(num_cpus=8, temp_dir=f"{tmp}/ray"))
-    port = free_port_on("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    apps = {"cache": True, "nocache": False}
-    for app, on in apps.items():  # tp=1 as `tandem serve` runs SmolLM2 on a small CPU; no speculation
-        serve.run(build_app(TandemConfig(model=target, served_model_name="bench", enable_prefix_caching=on,
-                                         num_kv_blocks=768, tp=1, handover_timeout_s=600)),
-                   name=app, route_prefix=f"/{app}")
+    port = start_local_serve()
+    apps = serve_cache_and_none(target)
     prefill = serve.get_deployment_handle("prefill", app_name="cache")
 
     async def counts():
-        pc = (await prefill.stats.remote()).get("prefix_cache") or {}
-        return pc.get("query_tokens", 0), pc.get("hit_tokens", 0)
+        return await prefix_cache_counts(prefill) or (0, 0)
 
     async def measure():
         rows = []

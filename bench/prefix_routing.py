@@ -23,12 +23,11 @@ import asyncio
 import json
 import random
 import statistics
-import tempfile
 import time
 
 import httpx
 
-from bench.common import device_name, write_results
+from bench.common import device_name, start_local_serve, write_results
 
 SEED = 34
 BLOCK = 16
@@ -114,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
     from transformers import AutoTokenizer
 
-    from cluster.rendezvous import free_port_on
-    from cluster.runtime import RayOptions, init_ray
     from deploy.app import build_app
     from deploy.config import TandemConfig
     from zoo.models import resolve
@@ -125,10 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = workload(tokenizer, args.prefixes, args.prefix_tokens, args.rounds)
     prompt_tokens = statistics.mean(len(p) for rnd in rounds for _, p in rnd)
     blocks = int(args.kv_prefixes * prompt_tokens / BLOCK) + 2 * args.concurrency
-    tmp = tempfile.mkdtemp(prefix="tandem-bench-")
-    init_ray(RayOptions(num_cpus=8, temp_dir=f"{tmp}/ray"))
-    port = free_port_on("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = start_local_serve()
     def deploy(app: str):
         cfg = TandemConfig(model=target, served_model_name="bench", prefill_replicas=args.replicas,
                            prefill_num_cpus=0.5, rank_num_cpus=0.5, tp=1, num_kv_blocks=blocks,
