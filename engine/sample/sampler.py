@@ -169,9 +169,10 @@ def build_sampling(requests: list["Request"], positions: np.ndarray, size: int, 
         top_p=column([p.top_p for p in params], 1.0, torch.float32),
         min_p=column([p.min_p for p in params], 0.0, torch.float32),
         seeds=column([r.seed for r in requests], 0, torch.int64),
-        # host fact, like all_greedy: a batch with no seeded request skips the coupled draw (engine/sample/verify.py)
+        # host fact, like all_greedy: a batch with no sampled seeded request skips the coupled draw (greedy rows
+        # are checked against the argmax either way; engine/sample/verify.py), and keeps the graph mode of one
         coupled=column([p.seed is not None for p in params], False, torch.bool)
-        if any(p.seed is not None for p in params) else None,
+        if any(p.seed is not None for p in sampling_rows) else None,
         positions=torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(device, non_blocking=True),
         all_greedy=not sampling_rows,
         use_top_k=any(0 < p.top_k < vocab_size for p in sampling_rows),
