@@ -14,8 +14,6 @@ from typing import Callable, TypeVar
 
 import pytest
 
-from cluster.runtime import RayOptions, init_ray, shutdown_ray
-
 _users = 0
 T = TypeVar("T")
 TEST_NUM_CPUS = int(os.environ.get("TANDEM_TEST_RAY_CPUS", "8"))  # logical: actors mostly wait
@@ -27,7 +25,11 @@ NODE_KINDS = {"tandem_head": 64, "tandem_prefill": 64, "tandem_decode": 64}
 @pytest.fixture(scope="session")
 def ray_session():
     global _users
+    # Imported here, not at the top: a GPU node given only the engine's packages (no Ray; docs/serving.md,
+    # "Tests on GPUs") still collects and runs the engine and kernel tests through tests/conftest.py.
     import ray
+
+    from cluster.runtime import RayOptions, init_ray, shutdown_ray
 
     if _users == 0 and not ray.is_initialized():
         temp_dir = tempfile.mkdtemp(prefix="tandem-ray-")
