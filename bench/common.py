@@ -15,6 +15,15 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def shared_data() -> Path:
+    """The public evaluation data (../shared/data beside the checkout): $TANDEM_DATA where set, e.g. on a GPU
+    node that got the checkout without the folder beside it."""
+    if os.environ.get("TANDEM_DATA"):
+        return Path(os.environ["TANDEM_DATA"])
+    beside = Path(__file__).resolve().parents[2] / "shared" / "data"
+    return beside if beside.is_dir() else Path("/work/shared/data")
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(0)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import device_name, write_results
+from bench.common import device_name, shared_data, write_results
 
 METHODS = ("mtp", "eagle3", "ngram", "draft_model")
 DRAFT_DIR = {"mtp": "mtp", "eagle3": "eagle3", "draft_model": "draft", "ngram": None}
@@ -36,9 +36,7 @@ def load_prompts(n: int) -> dict[str, list[str]]:
     from zoo.corpus import heldout_cases
     from zoo.prompts import BOS, json_schema_prompt
 
-    humaneval = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "humaneval" / "HumanEval.jsonl"
-    if not humaneval.is_file():
-        humaneval = Path("/work/shared/data/prompts/humaneval/HumanEval.jsonl")
+    humaneval = shared_data() / "prompts" / "humaneval" / "HumanEval.jsonl"
     code = [BOS + json.loads(line)["prompt"] for line in humaneval.read_text().splitlines()[:n]]
     return {"json": [json_schema_prompt(row["schema"]) for row in heldout_cases()[:n]], "humaneval": code}
 

@@ -69,7 +69,10 @@ class HostFunctions:
 
     def _run(self, fn: Callable[[], None]) -> None:
         try:
-            fn()
+            # Inference mode is per thread: the step's buffers were made under it, and CUDA runs this on its
+            # own driver thread, where an in-place write to them would raise outside it (seen on an H200).
+            with torch.inference_mode():
+                fn()
         except BaseException as e:  # noqa: BLE001 - CUDA would drop it; `check` raises it after the sync
             if self.error is None:
                 self.error = e

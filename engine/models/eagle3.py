@@ -86,7 +86,7 @@ class Eagle3Head(DraftHead):
         if tuple(d2t.shape) != (self.draft_vocab_size,) or d2t.is_floating_point():
             raise ModelLoadError(f"weight 'd2t' has shape {tuple(d2t.shape)} and dtype {d2t.dtype}, expected "
                                  f"({self.draft_vocab_size},) integers")
-        ids = torch.arange(self.draft_vocab_size) + d2t.long().cpu()
+        ids = torch.arange(self.draft_vocab_size, device="cpu") + d2t.long().cpu()  # on CPU under any default device
         if int(ids.min()) < 0 or int(ids.max()) >= target_vocab:
             raise ModelLoadError(f"weight 'd2t' maps draft ids outside the target vocabulary [0, {target_vocab})")
         self.draft_to_target.copy_(ids)

@@ -239,7 +239,7 @@ def test_store_kv_cuda(dtype):
 @pytest.mark.parametrize("q_lens,seq_lens", CASES + [([1, 1], [1500, 700])])
 @pytest.mark.parametrize("D", [64, 128, 80])
 def test_paged_attention_triton_cuda(num_splits, dtype, q_lens, seq_lens, D):
-    tol = dict(TOL, **{torch.float32: 1e-4})
+    tol = {**TOL, torch.float32: 1e-4}
     batch, dk, dv = make_batch(q_lens, seq_lens, 8, 2, D, 16, dtype, 2, "cuda")
     out = paged_attention_triton(**batch, scale=D**-0.5, max_q_len=max(q_lens), max_seq_len=max(seq_lens),
                                  num_splits=num_splits)

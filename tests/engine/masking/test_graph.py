@@ -53,6 +53,21 @@ def test_a_failing_host_function_fails_the_step_after_it_ran():
     host.sync()  # reported once
 
 
+def test_a_host_function_writes_inference_tensors_from_another_thread():
+    """CUDA runs host functions on a driver thread, outside the step's inference mode: writing the step's
+    buffers (inference tensors) must still work there."""
+    import threading
+
+    with torch.inference_mode():
+        flags = torch.ones(4, dtype=torch.int32)
+    host = HostFunctions(torch.device("cpu"))
+    worker = threading.Thread(target=host._run, args=(flags.zero_,))
+    worker.start()
+    worker.join()
+    host.check()
+    assert int(flags.sum()) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 def test_captured_guided_step_replays_equal_eager(llama_dir, spec_drafts, method):
