@@ -205,3 +205,14 @@ class LLGuidanceState(GrammarState):
     @property
     def terminated(self) -> bool:
         return self._ended
+
+    def jump_forward_string(self) -> str:
+        if self._ended:
+            return ""
+        forced = bytes(self.matcher.compute_ff_bytes())
+        for cut in range(min(4, len(forced)) + 1):  # a UTF-8 character cut at its end is not forced yet
+            try:
+                return forced[: len(forced) - cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+        return ""

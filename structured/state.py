@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 
 class GrammarState(ABC):
+    extra_mask: torch.Tensor | None = None  # [ceil(V/32)] int32 ANDed into every row the state fills
+
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """bitmask [R, ceil(V/32)] int32 on the CPU: row `row` := the tokens allowed next."""
@@ -34,6 +36,17 @@ class GrammarState(ABC):
     @abstractmethod
     def terminated(self) -> bool:
         """A stop token was accepted at the grammar's end."""
+
+    @abstractmethod
+    def jump_forward_string(self) -> str:
+        """The longest string every continuation of the grammar starts with from here (its forced
+        text, structured/forced.py); the state is unchanged."""
+
+    def admits(self, token_id: int) -> bool:
+        """The state's extra mask lets `token_id` through (the grammar itself decides in `accept`)."""
+        if self.extra_mask is None:
+            return True
+        return bool((int(self.extra_mask[token_id // 32]) >> (token_id % 32)) & 1)
 
 
 class XGrammarState(GrammarState):
@@ -58,3 +71,6 @@ class XGrammarState(GrammarState):
     @property
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+    def jump_forward_string(self) -> str:
+        return self.matcher.find_jump_forward_string()
