@@ -23,7 +23,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-METHODS = ("mtp", "eagle3", "ngram", "draft_model")
+METHODS = ("mtp", "eagle3", "ngram", "draft_model", "grammar")
 MAX_K = 8
 
 
@@ -48,6 +48,9 @@ class SpecConfig:
     - eagle3: an EAGLE-3 head in its authors' layout (`LlamaForCausalLMEagle3`); `draft` required.
     - ngram: prompt lookup over the prompt and the generated tokens; no model.
     - draft_model: a separate small causal LM with the target's tokenizer; `draft` required.
+    - grammar: no draft network and no lookup: a guided request drafts only the tokens its grammar
+      forces (`forced_drafts`), so they are verified in one step; unguided requests run plain steps
+      (with k+1 verification rows of room).
     """
 
     method: str
@@ -58,6 +61,11 @@ class SpecConfig:
     # Mask the draft network's own steps with the request's grammar (or other LogitsMasker), so its
     # drafts are valid and acceptance rises; off only to measure what it gains.
     draft_masks: bool = True
+    # Draft the tokens a guided request's grammar forces (structured/forced.py: its jump-forward string,
+    # retokenized canonically, and single admissible tokens) ahead of the method's own drafts: through
+    # the draft masks for a draft network (which then drafts on after them), in front of prompt lookup's
+    # drafts on the host. Off only to measure what it gains.
+    forced_drafts: bool = True
     # Dynamic k: the batch sizes at which the drafts verified per request drop by one (e.g. (16, 32, 64)
     # with k=3: 3 drafts below 16 requests, 2 from 16, 1 from 32, none from 64), because past some
     # batch the verification rows cost more than the accepted drafts save. The batch is the whole
@@ -92,8 +100,8 @@ class SpecConfig:
 
     @property
     def uses_model(self) -> bool:
-        """A draft network runs inside the step (everything but ngram)."""
-        return self.method != "ngram"
+        """A draft network runs inside the step (everything but ngram and grammar)."""
+        return self.method not in ("ngram", "grammar")
 
     @property
     def lookahead_slots(self) -> int:

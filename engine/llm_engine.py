@@ -79,7 +79,10 @@ class LLMEngine:
                                     self.max_model_len, cfg.detokenize, cfg.seed, self.requests)
         self.tokenizer, self.eos_token_ids = self.intake.tokenizer, self.intake.eos_token_ids
         # the engine's masker (logits_masker, or its grammars'), handed to each step it masks
-        self.guided = GuidedRequests(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids, logits_masker)
+        remap = getattr(self.drafter.proposer, "remap", None)  # grammar-forced drafts stay in the draft vocabulary
+        self.guided = GuidedRequests(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids, logits_masker,
+                                     cfg.speculative is not None and cfg.speculative.forced_drafts,
+                                     frozenset(remap.tolist()) if remap is not None else None)
         self.handovers = Handovers(self.requests, self.blocks, self.scheduler, self.drafter, self.guided,
                                    self.intake.new, cfg.block_size, self.runner.num_cache_layers)
         self._finished_unreported: list[Request] = []
@@ -266,7 +269,8 @@ class LLMEngine:
                     req.draft_hidden = res.first_hidden[b].clone()
             else:
                 req.spec_token_ids = self.drafter.next_drafts(req, res.drafts[b] if res.drafts else None,
-                                                              rejected=num_drafts - accepted)
+                                                              rejected=num_drafts - accepted,
+                                                              forced=self.guided.forced_drafts(req))
         if self.prefix_cache is not None:
             for s in scheduled:
                 if not s.request.status.finished:

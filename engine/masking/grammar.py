@@ -7,7 +7,11 @@ request's emitted output tokens. Per step (docs/architecture.md, "Grammar with s
     to fill rows 1..k and is rolled back. Rows after the first draft the grammar rejects stay
     unflagged: that draft is rejected anyway, so nothing after it is ever emitted;
   draft steps: the matcher advances through the tokens verification emitted and the drafts so far,
-    fills the next draft's row, and is rolled back;
+    fills the next draft's row, and is rolled back. With forced drafts (structured/forced.py), the
+    first draft step also finds the tokens the grammar forces from there (its jump-forward string,
+    retokenized canonically), and each draft step they cover gets a row that admits that one token:
+    the draft network drafts them, feeds them through its own chain like accepted tokens, and drafts
+    on after them (mask rows, not a second path, so the captured step is unchanged);
   after the step: the engine hands back the tokens it kept (accept) and the matcher advances for good.
 A request whose matcher has terminated (the grammar's end, with its stop token) finishes with "stop".
 A refused keyword is an InvalidRequestError from add_request at once; the compile itself runs on
@@ -26,6 +30,7 @@ import torch
 
 from engine.masking.masker import LogitsMasker, MaskRow
 from structured.compiler import GrammarCompiler
+from structured.forced import CONTEXT_TOKENS, ForcedTokenizer, forced_run
 from structured.request import SerializedGrammar, StructuredOutput, check_structured_enforceable
 from structured.state import GrammarState
 
@@ -33,11 +38,20 @@ log = logging.getLogger(__name__)
 
 
 class GrammarMasker(LogitsMasker):
-    def __init__(self, compiler: GrammarCompiler):
+    def __init__(self, compiler: GrammarCompiler, forced: ForcedTokenizer | None = None,
+                 draft_vocab: frozenset[int] | None = None):
+        """forced: retokenizes forced strings (None: no forced drafts); draft_vocab: the target ids the
+        draft network can draft (None: all): a forced token outside it is left to the ordinary mask."""
         self.compiler = compiler
+        self.forced = forced
+        self.draft_vocab = draft_vocab
         self.states: dict[str, GrammarState] = {}
+        self._tails: dict[str, tuple[int, ...]] = {}  # each request's last emitted tokens (retokenization context)
         self._rows: list[tuple[int, GrammarState, MaskRow]] = []  # (batch row, state, snapshot) this step
+        self._step_tails: dict[int, tuple[int, ...]] = {}  # batch row -> its tail, snapshotted by begin_step
+        self._runs: dict[int, list[int]] = {}  # batch row -> the forced run the draft steps follow this step
         self._cpu_rows: torch.Tensor | None = None  # [k+1, W] host scratch when the step's device is not the CPU
+        self._one_row: torch.Tensor | None = None  # [1, W] host scratch of forced runs' single-token checks
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, structured: StructuredOutput, output_token_ids: list[int] = (),
@@ -62,6 +76,7 @@ class GrammarMasker(LogitsMasker):
         for t in output_token_ids:
             state.accept(t)
         self.states[request_id] = state
+        self._tails[request_id] = tuple(output_token_ids[-CONTEXT_TOKENS:])
 
     def terminated(self, request_id: str) -> bool:
         state = self.states.get(request_id)
@@ -71,6 +86,7 @@ class GrammarMasker(LogitsMasker):
         state = self.states.get(request_id)
         if state is None:
             return
+        self._tails[request_id] = (self._tails.get(request_id, ()) + tuple(token_ids))[-CONTEXT_TOKENS:]
         for t in token_ids:
             if state.terminated:
                 break
@@ -80,15 +96,30 @@ class GrammarMasker(LogitsMasker):
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+        self._tails.pop(request_id, None)
+
+    def forced_drafts(self, request_id: str, limit: int) -> list[int]:
+        """Host, between steps: up to `limit` tokens the request's grammar forces next (its jump-forward
+        string's canonical tokens and single admissible tokens), for drafters without a draft network
+        (prompt lookup, or none) to verify as leading drafts. [] for an unconstrained request."""
+        state = self.states.get(request_id)
+        if self.forced is None or state is None or limit <= 0 or state.terminated:
+            return []
+        if self._one_row is None:
+            self._one_row = self.compiler.allocate_bitmask(1)
+        return forced_run(state, self.forced, limit, self._tails.get(request_id, ()), self._one_row)
 
     # ------------------------------------------------------------------ the step
     def begin_step(self, rows: tuple[MaskRow, ...]) -> bool:
         self._rows = [(b, self.states[r.request_id], r) for b, r in enumerate(rows)
                       if r.samples and r.request_id in self.states and not self.states[r.request_id].terminated]
+        self._step_tails = {b: self._tails.get(r.request_id, ()) for b, _, r in self._rows}
         return bool(self._rows)
 
     def end_step(self) -> None:
         self._rows = []
+        self._step_tails = {}
+        self._runs = {}
 
     def fill_verify(self, bitmask: torch.Tensor, flags: torch.Tensor) -> None:
         for b, state, row in self._rows:
@@ -117,23 +148,56 @@ class GrammarMasker(LogitsMasker):
         emitted_rows = emitted.tolist()
         accepted = num_accepted.tolist()
         draft_rows = torch.stack(drafts, 1).tolist() if drafts else None
+        if step == 0:
+            self._runs = {}
         for b, state, _ in self._rows:
-            path = emitted_rows[b][: accepted[b] + 1] + (draft_rows[b] if draft_rows is not None else [])
+            new = emitted_rows[b][: accepted[b] + 1]
+            so_far = draft_rows[b] if draft_rows is not None else []
+            run = self._runs.get(b, ())
+            if step < len(run) and so_far == run[:step]:  # inside the forced run: no matcher work
+                self._write_row(bitmask, b, lambda target, row, t=run[step]: _only(target, row, t))
+                flags[b] = True
+                continue
+            path = new + so_far
             n = 0
             for t in path:
                 if state.terminated or not state.accept(t):
                     break
                 n += 1
             if n == len(path) and not state.terminated:
-                on_cpu = bitmask.device.type == "cpu"
-                target = bitmask if on_cpu else self._scratch(bitmask.shape)
-                state.fill_bitmask(target, b)
-                if not on_cpu:
-                    bitmask[b].copy_(target[b])
+                if step == 0 and self.forced is not None:
+                    run = self._runs[b] = self._draftable(forced_run(
+                        state, self.forced, emitted.shape[1] - 1, (self._step_tails.get(b, ()) + tuple(new))))
+                if step == 0 and run:
+                    self._write_row(bitmask, b, lambda target, row, t=run[0]: _only(target, row, t))
+                else:
+                    self._write_row(bitmask, b, state.fill_bitmask)
                 flags[b] = True
             state.rollback(n)
+
+    def _draftable(self, run: list[int]) -> list[int]:
+        """The run up to its first token the draft network cannot draft (a reduced draft vocabulary)."""
+        if self.draft_vocab is None:
+            return run
+        n = next((i for i, t in enumerate(run) if t not in self.draft_vocab), len(run))
+        return run[:n]
+
+    def _write_row(self, bitmask: torch.Tensor, b: int, fill) -> None:
+        """fill(target, row) writes a CPU bitmask row; copied into bitmask[b] when that is on a device."""
+        on_cpu = bitmask.device.type == "cpu"
+        target = bitmask if on_cpu else self._scratch(bitmask.shape)
+        fill(target, b)
+        if not on_cpu:
+            bitmask[b].copy_(target[b])
 
     def _scratch(self, shape) -> torch.Tensor:
         if self._cpu_rows is None or tuple(self._cpu_rows.shape) != tuple(shape):
             self._cpu_rows = torch.zeros(tuple(shape), dtype=torch.int32)
         return self._cpu_rows
+
+
+def _only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Row `row` of a CPU bitmask := only `token_id` allowed."""
+    bitmask[row].zero_()
+    bit = 1 << (token_id % 32)
+    bitmask[row, token_id // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit

@@ -9,20 +9,27 @@ import concurrent.futures
 import logging
 import threading
 from concurrent.futures import Future
+from typing import Callable
 
 from engine.core.request import Request
 from engine.errors import InvalidRequestError
 from engine.masking.grammar import GrammarMasker
 from engine.masking.masker import LogitsMasker
 from structured.compiler import GrammarCompiler
+from structured.forced import ForcedTokenizer
 from structured.request import SerializedGrammar, StructuredOutput
 
 log = logging.getLogger(__name__)
 
 
 class GuidedRequests:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], masker: LogitsMasker | None):
-        """masker: a logits masker of the engine's own (then structured outputs are refused)."""
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], masker: LogitsMasker | None,
+                 forced_drafts: bool = False, draft_vocab: frozenset[int] | None = None):
+        """masker: a logits masker of the engine's own (then structured outputs are refused);
+        forced_drafts: speculation drafts the tokens grammars force (SpecConfig.forced_drafts);
+        draft_vocab: the target ids the draft network can draft (None: all)."""
+        self._forced_drafts = forced_drafts
+        self._draft_vocab = draft_vocab
         self.masker = masker  # what the engine's steps are masked by (None: no request is constrained)
         self.grammar: GrammarMasker | None = None  # made on the first guided request
         self._tokenizer = tokenizer
@@ -52,7 +59,8 @@ class GuidedRequests:
             if self.masker is not None:
                 raise InvalidRequestError("this engine runs a logits masker of its own; structured outputs need "
                                           "the built-in one", param="structured_output")
-            self.grammar = self.masker = GrammarMasker(self.compiler())
+            forced = ForcedTokenizer(self._tokenizer) if self._forced_drafts else None
+            self.grammar = self.masker = GrammarMasker(self.compiler(), forced, self._draft_vocab)
         return self.grammar
 
     def compiler(self) -> GrammarCompiler:
@@ -106,6 +114,13 @@ class GuidedRequests:
     def terminated(self, request_id: str) -> bool:
         """The request's grammar is complete (its output must end)."""
         return self.grammar is not None and self.grammar.terminated(request_id)
+
+    def forced_drafts(self, req: Request) -> Callable[[int], list[int]] | None:
+        """For a guided request: limit -> the tokens its grammar forces next, up to limit (GrammarMasker's
+        forced_drafts); None for an unguided one or without forced drafts."""
+        if self.grammar is None or not self._forced_drafts or req.params.structured_output is None:
+            return None
+        return lambda limit: self.grammar.forced_drafts(req.request_id, limit)
 
     def accept(self, request_id: str, token: int) -> None:
         if self.masker is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Callable
 
 import numpy as np
 import torch
@@ -121,19 +122,27 @@ class Drafter:
                                        device=self.device)
 
     # ------------------------------------------------------------------ drafts
-    def next_drafts(self, req: Request, step_drafts: list[int] | None, rejected: int = 0) -> list[int]:
+    def next_drafts(self, req: Request, step_drafts: list[int] | None, rejected: int = 0,
+                    forced: Callable[[int], list[int]] | None = None) -> list[int]:
         """The drafts a request carries into its next step: the draft network's, or prompt lookup's;
         never more than the request may still emit after the next step's own token, counted as if the
         step just read had accepted its `rejected` drafts too. That is the count a step planned before
         the previous one is read must use (engine/runner/overlap.py), so drafts, and with them seeded samples,
         are the same with and without async scheduling; it differs from the exact room only within k
-        tokens of max_tokens."""
+        tokens of max_tokens.
+        forced(limit): up to `limit` tokens the request's grammar forces next. A drafter without a draft
+        network drafts them first, then looks up after them; a draft network got them through its draft
+        masks inside the step (engine/masking/grammar.py), so its drafts already start with them."""
         room = min(self.k, draft_room(req, rejected))
         if room <= 0:  # always at k = 0
             return []
-        if self.proposer is None:
-            return propose_ngram(req.token_ids, room, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        return list(step_drafts[:room]) if step_drafts is not None else []
+        if self.proposer is not None:
+            return list(step_drafts[:room]) if step_drafts is not None else []
+        lead = forced(room) if forced is not None and self.spec.forced_drafts else []
+        if self.spec.method == "grammar" or len(lead) >= room:
+            return lead[:room]
+        return lead + propose_ngram(req.token_ids + lead, room - len(lead), self.spec.prompt_lookup_min,
+                                    self.spec.prompt_lookup_max)
 
     # ------------------------------------------------------------------ hand-over
     def arrive(self, req: Request, hidden: torch.Tensor | None) -> None:
