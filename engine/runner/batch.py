@@ -18,7 +18,8 @@ from engine.config import chain_margin
 from engine.core.block_manager import BlockManager, kv_slots
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import AttentionMetadata
-from engine.sample.sampler import SamplingBatch, build_sampling
+from engine.runner.staging import to_device
+from engine.sample.sampler import SamplingBatch, build_sampling, sampling_columns
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,9 @@ class StepBatch:
     # host copies for the update
     host_num_drafts: list[int]
     host_samples: list[bool]
+    # the packed buffer the host-built tensors above are views of (engine/runner/staging.py): a graph replay
+    # copies it in one go
+    staged: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,14 +133,20 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
         qsl[b + 1] = t
         seq_lens[b] = k1
 
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
-
+    # every array of the step and its sampling columns in one host-to-device copy (engine/runner/staging.py)
+    host = dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, tables=tables,
+                seq_lens=seq_lens, qsl=qsl, verify_rows=verify_rows, drafts=drafts, num_drafts=num_drafts,
+                next_tokens=next_tokens, samples=samples, slot_ids=slot_ids, slot_limit=slot_limit)
+    columns = sampling_columns([s.request for s in scheduled], first_pos, B)
+    staged, sent = to_device([*host.values(), *columns.values()], device)
+    on_dev, columns = dict(zip(host, sent)), dict(zip(columns, sent[len(host):]))
+    dev = on_dev.__getitem__
     max_seq_len = pad.max_seq_len if pad is not None else int(seq_lens.max())
-    attn = AttentionMetadata(kv_cache=kv_cache, slot_mapping=dev(slot_mapping), block_tables=dev(tables),
-                             seq_lens=dev(seq_lens), query_start_loc=dev(qsl), max_q_len=max(rows),
+    attn = AttentionMetadata(kv_cache=kv_cache, slot_mapping=dev("slot_mapping"), block_tables=dev("tables"),
+                             seq_lens=dev("seq_lens"), query_start_loc=dev("qsl"), max_q_len=max(rows),
                              max_seq_len=max_seq_len)
-    sampling = build_sampling([s.request for s in scheduled], first_pos, B, device, vocab_size)
+    sampling = build_sampling([s.request for s in scheduled], first_pos, B, device, vocab_size,
+                              columns=columns)
     n = len(scheduled)
     words = -(-vocab_size // 32)
     masks = dict(verify_bitmask=None, verify_mask_flags=None, draft_bitmask=None, draft_mask_flags=None)
@@ -146,12 +156,12 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
                      draft_bitmask=torch.zeros((B, words), dtype=torch.int32, device=device),
                      draft_mask_flags=torch.zeros(B, dtype=torch.bool, device=device))
     return StepBatch(
-        input_ids=dev(input_ids), positions=dev(positions), attn=attn, verify_rows=dev(verify_rows),
-        drafts=dev(drafts), num_drafts=dev(num_drafts), next_tokens=dev(next_tokens), samples=dev(samples),
-        slots=dev(slot_ids), slot_limit=dev(slot_limit), sampling=sampling, **masks,
+        input_ids=dev("input_ids"), positions=dev("positions"), attn=attn, verify_rows=dev("verify_rows"),
+        drafts=dev("drafts"), num_drafts=dev("num_drafts"), next_tokens=dev("next_tokens"), samples=dev("samples"),
+        slots=dev("slot_ids"), slot_limit=dev("slot_limit"), sampling=sampling, **masks,
         full_drafts=pad is None and bool((num_drafts[samples] == k).all()), propose=propose or pad is not None,
         chain_max_seq_len=max_seq_len + chain_margin(k),
-        host_num_drafts=num_drafts[:n].tolist(), host_samples=samples[:n].tolist())
+        host_num_drafts=num_drafts[:n].tolist(), host_samples=samples[:n].tolist(), staged=staged)
 
 
 def _tokens(req, lo: int, hi: int) -> list[int]:

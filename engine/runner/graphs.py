@@ -29,6 +29,7 @@ from engine.core.scheduler import ScheduledRequest
 from engine.masking.graph import StagedMasker
 from engine.masking.masker import LogitsMasker
 from engine.runner.batch import Padding, StepBatch, build_batch
+from engine.runner.staging import byte_offset, in_buffer, rebase
 from engine.runner.step import StepOutput
 from engine.sample.sampler import SamplingBatch
 
@@ -42,16 +43,33 @@ def sampling_mode(b: SamplingBatch) -> tuple:
             b.logit_bias is not None, b.early_stop_block is not None, b.coupled is not None)
 
 
-def _copy_into(static, new) -> None:
-    """Copy every tensor of `new` into the same field of `static` (dataclasses, recursively)."""
+def _tensor_pairs(static, new):
+    """(static tensor, new tensor) of every field, in dataclasses recursively; the KV cache is shared."""
     for f in dataclasses.fields(static):
         a, b = getattr(static, f.name), getattr(new, f.name)
         if f.name == "kv_cache":
             assert a is b
         elif isinstance(a, torch.Tensor):
-            a.copy_(b)
+            yield a, b
         elif dataclasses.is_dataclass(a):
-            _copy_into(a, b)
+            yield from _tensor_pairs(a, b)
+
+
+def _copy_into(static: StepBatch, new: StepBatch) -> None:
+    """Copy every tensor of `new` into the same field of `static`. The host-built inputs are views of one
+    packed buffer in both (engine/runner/staging.py): the common part of the buffers goes in one copy, and a
+    field only where it lies elsewhere in the two (a column one sampling mode adds, a tensor built apart)."""
+    sa, sb = static.staged, new.staged
+    n = min(sa.numel(), sb.numel())
+    sa[:n].copy_(sb[:n])
+    for a, b in _tensor_pairs(static, new):
+        if a is sa:
+            continue
+        off = byte_offset(a)
+        if (in_buffer(a, sa) and in_buffer(b, sb) and off == byte_offset(b) and a.dtype == b.dtype
+                and a.shape == b.shape and off + a.numel() * a.element_size() <= n):
+            continue  # copied with the buffer
+        a.copy_(b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,15 +244,19 @@ class StepGraphs:
         return cap
 
 
-def _clone(batch):
-    """A deep copy of a batch's tensors (the static buffers of a graph)."""
+def _clone(batch, staged: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """A deep copy of a batch's tensors (the static buffers of a graph), keeping the packed layout: the views
+    of the batch's staged buffer become the same views of its copy."""
+    if staged is None:
+        staged = (batch.staged, batch.staged.clone())
+    old, copy = staged
     changes = {}
     for f in dataclasses.fields(batch):
         v = getattr(batch, f.name)
         if isinstance(v, torch.Tensor) and f.name != "kv_cache":
-            changes[f.name] = v.clone()
+            changes[f.name] = copy if v is old else rebase(v, copy) if in_buffer(v, old) else v.clone()
         elif dataclasses.is_dataclass(v):
-            changes[f.name] = _clone(v)
+            changes[f.name] = _clone(v, staged)
     return replace(batch, **changes)
 
 

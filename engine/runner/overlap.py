@@ -26,11 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest
 from engine.runner.batch import StepBatch
+from engine.runner.staging import to_device
 
 
 @dataclass(slots=True)
@@ -95,11 +97,11 @@ def carry_inputs(batch: StepBatch, scheduled: list[ScheduledRequest], prev: InFl
             row_req.append(b)
             has_next.append(j < s.num_new_tokens - 1)
 
-    def dev(xs, dtype=torch.int64):  # without a sync: a blocking copy would wait for the running step
-        return torch.tensor(xs, dtype=dtype).to(device, non_blocking=True)
-
-    dst_rows, src, cur, src_req, row_req, has_next = (dev(dst_rows), dev(src), dev(cur), dev(src_req), dev(row_req),
-                                                      dev(has_next, torch.bool))
+    # one copy, without a sync: a blocking copy would wait for the running step
+    _, (dst_rows, src, cur, src_req, row_req, has_next) = to_device(
+        [np.array(dst_rows, dtype=np.int64), np.array(src, dtype=np.int64), np.array(cur, dtype=np.int64),
+         np.array(src_req, dtype=np.int64), np.array(row_req, dtype=np.int64), np.array(has_next, dtype=np.bool_)],
+        device)
 
     out = prev.launched.out
     accepted = out.num_accepted.index_select(0, src_req)  # [C]

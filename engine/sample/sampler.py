@@ -144,16 +144,37 @@ def sample(logits: torch.Tensor, b: SamplingBatch, mask: Callable[[torch.Tensor]
 
 
 # ------------------------------------------------------------------ building a batch
-def build_sampling(requests: list["Request"], positions: np.ndarray, size: int, device: torch.device,
-                   vocab_size: int) -> SamplingBatch:
-    """The requests' sampling parameters, padded with idle (greedy, penalty-free) rows up to `size`.
-    positions [size] int64: the sequence position of each row's first sampled token."""
+def sampling_columns(requests: list["Request"], positions: np.ndarray, size: int) -> dict[str, np.ndarray]:
+    """The per-row columns of a SamplingBatch as host arrays (padded with idle rows up to `size`), for the
+    caller to send to the device with the step's other inputs in one copy (engine/runner/staging.py)."""
     params = [r.params for r in requests]
     pad = size - len(requests)
 
-    def column(values: list, fill, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values + [fill] * pad, dtype=dtype).to(device, non_blocking=True)
+    def column(values: list, fill, dtype) -> np.ndarray:
+        return np.array(values + [fill] * pad, dtype=dtype)
 
+    columns = dict(temperature=column([p.temperature for p in params], 0.0, np.float32),
+                   top_k=column([p.top_k for p in params], 0, np.int64),
+                   top_p=column([p.top_p for p in params], 1.0, np.float32),
+                   min_p=column([p.min_p for p in params], 0.0, np.float32),
+                   seeds=column([r.seed for r in requests], 0, np.int64),
+                   positions=np.asarray(positions, dtype=np.int64))
+    # host fact, like all_greedy: a batch with no sampled seeded request skips the coupled draw (greedy rows
+    # are checked against the argmax either way; engine/sample/verify.py), and keeps the graph mode of one
+    if any(p.seed is not None and not p.greedy for p in params):
+        columns["coupled"] = column([p.seed is not None for p in params], False, np.bool_)
+    return columns
+
+
+def build_sampling(requests: list["Request"], positions: np.ndarray, size: int, device: torch.device,
+                   vocab_size: int, columns: dict[str, torch.Tensor] | None = None) -> SamplingBatch:
+    """The requests' sampling parameters, padded with idle (greedy, penalty-free) rows up to `size`.
+    positions [size] int64: the sequence position of each row's first sampled token. columns: the
+    `sampling_columns` of the same arguments, already on the device (else they are copied here)."""
+    if columns is None:
+        columns = {name: torch.from_numpy(a).to(device, non_blocking=True)
+                   for name, a in sampling_columns(requests, positions, size).items()}
+    params = [r.params for r in requests]
     sampling_rows = [p for p in params if not p.greedy]
     asked = [p.logprobs for p in params if p.logprobs is not None]
     penalties = {}
@@ -164,16 +185,8 @@ def build_sampling(requests: list["Request"], positions: np.ndarray, size: int, 
     if any(r.params.min_tokens > r.num_output_tokens and r.min_tokens_block for r in requests):
         penalties.update(_min_tokens_tensors(requests, size, vocab_size, device))
     return SamplingBatch(
-        temperature=column([p.temperature for p in params], 0.0, torch.float32),
-        top_k=column([p.top_k for p in params], 0, torch.int64),
-        top_p=column([p.top_p for p in params], 1.0, torch.float32),
-        min_p=column([p.min_p for p in params], 0.0, torch.float32),
-        seeds=column([r.seed for r in requests], 0, torch.int64),
-        # host fact, like all_greedy: a batch with no sampled seeded request skips the coupled draw (greedy rows
-        # are checked against the argmax either way; engine/sample/verify.py), and keeps the graph mode of one
-        coupled=column([p.seed is not None for p in params], False, torch.bool)
-        if any(p.seed is not None for p in sampling_rows) else None,
-        positions=torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(device, non_blocking=True),
+        temperature=columns["temperature"], top_k=columns["top_k"], top_p=columns["top_p"], min_p=columns["min_p"],
+        seeds=columns["seeds"], coupled=columns.get("coupled"), positions=columns["positions"],
         all_greedy=not sampling_rows,
         use_top_k=any(0 < p.top_k < vocab_size for p in sampling_rows),
         use_top_p=any(p.top_p < 1.0 for p in sampling_rows),
