@@ -9,11 +9,18 @@ A TCPStore answers any client that reaches it (torch has no credential for it), 
 "Exposure"):
 - the server listens on this node's address only: loopback in the embedded default (cluster/runtime.py
   keeps Ray on loopback there), never the wildcard address torch binds by itself;
-- every participant reads and writes through `SignedStore`: keys live under a namespace derived from a
-  per-store secret (handed to peers through Ray, whose control plane checks its token), and every value
-  carries an HMAC of its key and bytes. A stranger cannot find the keys, and a forged or replayed entry
-  (a value copied under another key, or from another store) is refused with `RendezvousForgeryError`
-  before anyone trusts the address in it.
+- every participant reads and writes through `SignedStore`, keyed by a per-store secret (handed to peers
+  through Ray, whose control plane checks its token): keys live under a namespace derived from the secret,
+  every value is encrypted and carries an HMAC of its key and ciphertext. A stranger can list the keys
+  (torch's TCPStore answers `list_keys` to anyone) but reads only ciphertext: no address, port or NCCL unique
+  id (whose bootstrap address and magic would let it into the group's set-up); and a forged or replayed entry
+  (a value copied under another key, or from another store) is refused with `RendezvousForgeryError` before
+  anyone trusts the address in it. What a stranger still can do is delete or overwrite entries: a group then
+  fails to form (a ChannelError, never a wrong peer), so on a cluster the stores stay inside its firewall.
+
+The cipher is HMAC-SHA256 in counter mode under a key derived from the secret, with a fresh 16-byte nonce per
+value (a PRF keystream: no dependency beyond the standard library; values are a few hundred bytes, written
+once per group).
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ if TYPE_CHECKING:
 
 SECRET_BYTES = 32
 MAC_BYTES = 32  # HMAC-SHA256
+NONCE_BYTES = 16  # per value: a keystream is never reused, even for a key written twice
 
 
 class RendezvousForgeryError(ChannelError):
@@ -99,28 +107,37 @@ def _signed_store_class():
     import torch.distributed as dist
 
     class _SignedStore(dist.Store):
-        """A store's keys under a secret namespace, each value followed by HMAC(secret, key, value)."""
+        """A store's keys under a secret namespace; each value stored as nonce + ciphertext + HMAC(secret, key,
+        nonce + ciphertext)."""
 
         def __init__(self, inner: dist.Store, secret: bytes):
             super().__init__()
             self._inner = inner
             self._secret = secret
+            self._cipher_key = hmac.new(secret, b"tandem-rendezvous-cipher", hashlib.sha256).digest()
             self._ns = hashlib.sha256(b"tandem-rendezvous-namespace/" + secret).hexdigest()[:32] + "/"
 
-        def _mac(self, key: str, value: bytes) -> bytes:
-            return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+        def _mac(self, key: str, sealed: bytes) -> bytes:
+            return hmac.new(self._secret, key.encode() + b"\0" + sealed, hashlib.sha256).digest()
+
+        def _xor_keystream(self, nonce: bytes, data: bytes) -> bytes:
+            blocks = b"".join(hmac.new(self._cipher_key, nonce + i.to_bytes(8, "big"), hashlib.sha256).digest()
+                              for i in range(-(-len(data) // 32)))
+            return (int.from_bytes(data, "big") ^ int.from_bytes(blocks[:len(data)], "big")).to_bytes(len(data), "big")
 
         def set(self, key: str, value) -> None:
             value = value.encode() if isinstance(value, str) else bytes(value)
-            self._inner.set(self._ns + key, value + self._mac(key, value))
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            sealed = nonce + self._xor_keystream(nonce, value)
+            self._inner.set(self._ns + key, sealed + self._mac(key, sealed))
 
         def get(self, key: str) -> bytes:
             raw = bytes(self._inner.get(self._ns + key))
-            value, mac = raw[:-MAC_BYTES], raw[-MAC_BYTES:]
-            if len(raw) < MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, value)):
+            sealed, mac = raw[:-MAC_BYTES], raw[-MAC_BYTES:]
+            if len(raw) < NONCE_BYTES + MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, sealed)):
                 raise RendezvousForgeryError(f"the rendezvous entry {key!r} is not signed with this store's secret "
                                              f"(forged, or copied from another key): refused")
-            return value
+            return self._xor_keystream(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:])
 
         def add(self, key: str, amount: int) -> int:  # counters carry no address: namespaced only
             return self._inner.add(self._ns + key, amount)

@@ -1,5 +1,6 @@
 """The rendezvous store: listens on its host alone, and only holders of its secret can read or write
-entries anyone trusts (a stranger's writes are invisible, a forged or replayed entry is refused)."""
+entries anyone trusts (a stranger's writes are invisible, what it lists and reads is ciphertext, a forged or
+replayed entry is refused)."""
 from __future__ import annotations
 
 import threading
@@ -79,13 +80,33 @@ def test_a_channel_forms_beside_a_stranger_in_the_store():
         ends["rx"].close()
 
 
+def test_a_stranger_lists_the_keys_but_reads_only_ciphertext():
+    """Regression (issue 39): torch's TCPStore answers `list_keys` to any client, so a stranger found the
+    namespaced keys and read every address (and would read an NCCL unique id) in clear."""
+    server = StoreServer(host="127.0.0.1")
+    secrets_written = {"addr/0": b"127.0.0.1:4242", "nccl/id": bytes(range(128)), "empty": b""}
+    for key, value in secrets_written.items():
+        server.store.set(key, value)
+    raw = _stranger(server.address)
+    (ns,) = {key.rsplit("/", 2)[0] for key in raw.list_keys() if key.endswith("addr/0")}
+    for key, value in secrets_written.items():
+        seen = bytes(raw.get(f"{ns}/{key}"))
+        assert len(seen) == 16 + len(value) + 32  # nonce, ciphertext, MAC
+        assert not value or value[:8] not in seen
+    server.store.set("addr/0", b"127.0.0.1:4242")
+    first = bytes(raw.get(f"{ns}/addr/0"))
+    server.store.set("addr/0", b"127.0.0.1:4242")
+    assert bytes(raw.get(f"{ns}/addr/0")) != first  # a fresh nonce: equal values do not show as equal
+    assert {key: server.store.get(key) for key in secrets_written} == secrets_written
+
+
 def test_a_forged_entry_is_refused_with_a_typed_error():
-    """Someone who learned the namespace (not the secret) overwrites an address: the reader refuses it."""
+    """A stranger lists the namespace (not the secret) and overwrites an address: the reader refuses it."""
     server = StoreServer(host="127.0.0.1")
     server.store.set("addr/0", b"127.0.0.1:4242")
     raw = _stranger(server.address)
-    ns = server.store._ns  # noqa: SLF001 - the attacker's knowledge, stated explicitly
-    raw.set(ns + "addr/0", b"203.0.113.9:4242" + b"\0" * 32)
+    (key,) = raw.list_keys()
+    raw.set(key, b"203.0.113.9:4242" + b"\0" * 48)
     with pytest.raises(RendezvousForgeryError, match="addr/0"):
         server.store.get("addr/0")
 
@@ -94,13 +115,15 @@ def test_a_replayed_entry_is_refused():
     """A genuine signed value copied under another key (or from another store) is not trusted there."""
     server, other = StoreServer(host="127.0.0.1"), StoreServer(host="127.0.0.1")
     server.store.set("addr/0", b"127.0.0.1:4242")
-    ns = server.store._ns  # noqa: SLF001
+    other.store.set("addr/0", b"127.0.0.1:4343")
     raw = _stranger(server.address)
-    genuine = raw.get(ns + "addr/0")
-    raw.set(ns + "addr/1", genuine)
+    (key,) = raw.list_keys()
+    genuine = raw.get(key)
+    raw.set(key.replace("addr/0", "addr/1"), genuine)
     with pytest.raises(RendezvousForgeryError):
         server.store.get("addr/1")
-    _stranger(other.address).set(other.store._ns + "addr/0", genuine)  # noqa: SLF001
+    other_raw = _stranger(other.address)
+    other_raw.set(other_raw.list_keys()[0], genuine)
     with pytest.raises(RendezvousForgeryError):
         other.store.get("addr/0")
 
