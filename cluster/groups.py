@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.errors import ChannelError
+from cluster.nccl_env import pin_nccl_sockets
 from cluster.rendezvous import handshake, node_ip
 
 IDLE_TIMEOUT = timedelta(days=7)
@@ -61,6 +62,9 @@ class NcclBackend(GroupBackend):
         self._device = device
 
     def build(self, store, rank, size, timeout):
+        # NCCL's bootstrap and socket transport on the interface of this node's address, as gloo's pairs are
+        # (cluster/nccl_env.py); NCCL reads it when the process's first communicator forms, i.e. here.
+        pin_nccl_sockets(node_ip())
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(store, rank, size, opts)
