@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
 
-SpeculativeMethod = Literal["none", "mtp", "eagle3", "ngram", "draft_model"]
+SpeculativeMethod = Literal["none", "mtp", "eagle3", "ngram", "draft_model", "grammar"]
 DEFAULT_SPECULATIVE_TOKENS = 3  # k when a method is chosen without one
 
 
@@ -44,7 +44,8 @@ class EngineSettings(BaseModel):
                                                           "turns it off.")
     seed: int = Field(0, description="Base of the seeds of requests that bring none.")
     speculative_method: SpeculativeMethod = Field(
-        "none", description="Speculative decoding method (one-model heads: mtp, eagle3; or ngram, draft_model).")
+        "none", description="Speculative decoding method (one-model heads: mtp, eagle3; or ngram, draft_model; or "
+                            "grammar: only the tokens a guided request's grammar forces, verified in one step).")
     draft: str | None = Field(None, description="Draft model or head directory for speculative decoding.")
     num_speculative_tokens: int = Field(0, ge=0, description=f"Draft tokens per step (k); 0 with a method means "
                                                              f"{DEFAULT_SPECULATIVE_TOKENS}.")
@@ -56,6 +57,9 @@ class EngineSettings(BaseModel):
         None, description="mtp, eagle3: a file of the target token ids the head may draft (JSON list, or a torch file "
                           "of a 1-d tensor as SGLang's --speculative-token-map): its LM head multiplies those rows "
                           "only. Pays where the vocabulary is large (100k+); outputs are unchanged.")
+    forced_drafts: bool = Field(True, description="With a speculative method: a guided request drafts the tokens "
+                                                  "its grammar forces (keys, punctuation, enum values) ahead of the "
+                                                  "method's own drafts; outputs are unchanged. Off only to measure it.")
     handover_transport: Literal["auto", "ipc", "network"] = Field(
         "auto", description="How KV payloads travel from prefill to decode: auto = CUDA IPC where both ends share "
                             "one GPU, NCCL between GPUs, gloo on CPU; ipc = also shared memory between processes "
@@ -96,6 +100,8 @@ class EngineSettings(BaseModel):
             return None
         spec = {"method": self.speculative_method, "k": self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
                 "draft": self.draft}
+        if not self.forced_drafts:
+            spec["forced_drafts"] = False
         if self.speculative_token_map:
             spec["token_map"] = self.speculative_token_map
         if self.dynamic_k:

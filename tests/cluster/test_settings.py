@@ -49,6 +49,13 @@ def test_bad_settings_are_refused_early(model_dir):
         EngineSettings(model=model_dir, speculative_method="ngram", speculative_token_map="map.json")
 
 
+def test_forced_drafts_and_the_grammar_method_reach_the_engines_spec_config(model_dir):
+    spec = EngineSettings(model=model_dir, speculative_method="grammar").engine_config().speculative
+    assert (spec.method, spec.k, spec.forced_drafts, spec.uses_model) == ("grammar", 3, True, False)
+    off = EngineSettings(model=model_dir, speculative_method="ngram", forced_drafts=False)
+    assert off.engine_config().speculative.forced_drafts is False
+
+
 def test_a_token_map_reaches_the_engines_spec_config(model_dir):
     settings = EngineSettings(model=model_dir, speculative_method="mtp", speculative_token_map="/maps/hot.json")
     assert settings.engine_config().speculative.token_map == "/maps/hot.json"
