@@ -6,8 +6,10 @@ again here, so that the test that runs them (tests/deploy/test_two_node.py) keep
 laptop-sized run changes, and why, is all in `start_argv`:
 - `ray stop` lines are skipped: on a shared machine it would stop every Ray on it; a local node is stopped
   by ending its own `ray start --block` process group (`LocalNode.stop`);
-- the fixed ports (6379, 8076) become free ones, and every address (the head's, each node's, the
-  dashboard's) loopback: several nodes (and other users' Rays) share this machine's ports;
+- the fixed ports (6379, 8076, the metrics ports) become free ones, and every address (the head's, each
+  node's, the dashboard's) the cluster's `host`: loopback by default; this machine's network address where a
+  test must see what a stranger on the network sees (tests/deploy/test_two_node_exposure.py). Several nodes
+  (and other users' Rays) share this machine's ports;
 - `--autoscaling-config` is dropped: no autoscaler here;
 - the node's resources, which the autoscaler passes from `available_node_types`, are given as flags, with
   the CPUs and the object store made small (logical CPUs; each node costs memory).
@@ -48,18 +50,25 @@ def custom_resources(cluster: dict, *node_types: str) -> dict[str, float]:
     return merged
 
 
+def _free_port() -> int:
+    return free_port_on("")  # free on every address: loopback and this machine's network address alike
+
+
 @dataclass(frozen=True)
 class NodePorts:
     """Every port a Ray node binds, chosen free, so that nodes on one machine do not collide."""
-    gcs: int  # the head's --port; workers join 127.0.0.1:gcs
-    dashboard: int = field(default_factory=lambda: free_port_on("127.0.0.1"))
-    own: dict[str, int] = field(default_factory=lambda: {name: free_port_on("127.0.0.1") for name in (
+    gcs: int  # the head's --port; workers join host:gcs
+    dashboard: int = field(default_factory=_free_port)
+    own: dict[str, int] = field(default_factory=lambda: {name: _free_port() for name in (
         "object-manager-port", "node-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
         "runtime-env-agent-port", "metrics-export-port", "ray-client-server-port")})
+    # The head's dashboard and autoscaler serve Prometheus metrics on ports Ray reads from these variables.
+    env: dict[str, int] = field(default_factory=lambda: {name: _free_port() for name in (
+        "DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")})
 
 
 def start_argv(cluster: dict, head: bool, ports: NodePorts, temp_dir: str, num_cpus: int,
-               resources: dict[str, float], object_store_bytes: int = 80 * 2**20) -> list[str]:
+               resources: dict[str, float], object_store_bytes: int = 80 * 2**20, host: str = "127.0.0.1") -> list[str]:
     """The YAML's `ray start` line for a head (or worker) node, adapted to run here (module docstring)."""
     lines = [shlex.split(line) for line in cluster["head_start_ray_commands" if head else "worker_start_ray_commands"]]
     lines = [(_env_prefix(words), words[len(_env_prefix(words)):]) for words in lines]
@@ -70,9 +79,12 @@ def start_argv(cluster: dict, head: bool, ports: NodePorts, temp_dir: str, num_c
                          f"the new step so that the two-node test runs it too")
     own = {f"--{name}": str(port) for name, port in ports.own.items()
            if head or name != "ray-client-server-port"}  # the client server is the head's
-    subst = {"--port": str(ports.gcs), "--address": f"127.0.0.1:{ports.gcs}", "--dashboard-host": "127.0.0.1",
+    subst = {"--port": str(ports.gcs), "--address": f"{host}:{ports.gcs}", "--dashboard-host": host,
              "--autoscaling-config": None, **own}
     env, words = starts[0]
+    env_ports = {name: str(port) for name, port in ports.env.items()} if head else {}
+    env = [f"{name}={env_ports.pop(name, value)}" for name, value in (word.split("=", 1) for word in env)]
+    env += [f"{name}={port}" for name, port in env_ports.items()]  # defaults that would collide
     argv = ["env", *env, RAY, "start"]  # `env`: the YAML's VAR=value prefix, then exec (the pid stays the node's)
     for token in words[2:]:
         name = token.partition("=")[0]
@@ -82,7 +94,7 @@ def start_argv(cluster: dict, head: bool, ports: NodePorts, temp_dir: str, num_c
             argv.append(f"{name}={subst[name]}")
     given = {token.partition("=")[0] for token in argv}
     argv += [f"{name}={port}" for name, port in own.items() if name not in given]  # defaults that would collide
-    argv += ["--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources)}",
+    argv += [f"--node-ip-address={host}", f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources)}",
              f"--object-store-memory={object_store_bytes}", "--disable-usage-stats", "--block"]
     if head:
         argv += [f"--dashboard-port={ports.dashboard}", "--include-dashboard=true"]
@@ -167,17 +179,19 @@ class LocalCluster:
     only over the dashboard's HTTP API and the `serve` CLI: no Ray driver in the calling process, so it can
     run beside the embedded Ray of a test session."""
 
-    def __init__(self, root: Path, env: dict[str, str], cluster: dict | None = None, num_cpus: int = 2):
-        self.root, self.cluster, self.num_cpus = root, cluster or load_cluster(), num_cpus
+    def __init__(self, root: Path, env: dict[str, str], cluster: dict | None = None, num_cpus: int = 2,
+                 host: str = "127.0.0.1"):
+        self.root, self.cluster, self.num_cpus, self.host = root, cluster or load_cluster(), num_cpus, host
         self.token = secrets.token_hex(32)  # this cluster's own, not ~/.ray/auth_token (Ray's token auth stays on)
         self.env = {**env, "RAY_AUTH_TOKEN": self.token, "RAY_AUTH_MODE": "token"}
-        self.gcs = free_port_on("127.0.0.1")
+        self.gcs = _free_port()
         self.nodes: dict[str, LocalNode] = {}
+        self.ports: dict[str, NodePorts] = {}
         self.dashboard = ""
 
     def start_head(self, *node_types: str) -> LocalNode:
         ports = NodePorts(self.gcs)
-        self.dashboard = f"http://127.0.0.1:{ports.dashboard}"
+        self.dashboard = f"http://{self.host}:{ports.dashboard}"
         return self._start("head", True, ports, ("head", *node_types))
 
     def start_worker(self, name: str, *node_types: str) -> LocalNode:
@@ -185,9 +199,11 @@ class LocalCluster:
 
     def _start(self, name: str, head: bool, ports: NodePorts, node_types: tuple[str, ...]) -> LocalNode:
         temp_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=self.root)
-        argv = start_argv(self.cluster, head, ports, temp_dir, self.num_cpus, custom_resources(self.cluster, *node_types))
+        argv = start_argv(self.cluster, head, ports, temp_dir, self.num_cpus, custom_resources(self.cluster, *node_types),
+                          host=self.host)
         node = LocalNode(argv, self.root / f"{Path(temp_dir).name}.log", self.env)
         self.nodes[name] = node
+        self.ports[name] = ports
         return node
 
     def get(self, path: str, timeout_s: float = 30.0):

@@ -8,49 +8,24 @@ rather than a hang, and the deployment serves again once a node with the same re
 The cluster is driven over HTTP and the `serve` CLI only, beside the session's embedded Ray."""
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from pathlib import Path
-
 import openai
 import pytest
 import yaml
 
 from cluster.rendezvous import free_port_on
 from cluster.testing import wait_for
-from deploy.local_cluster import LocalCluster
+from tests.support.cluster_serve import attempt as _try
+from tests.support.cluster_serve import local_cluster, serve_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Hello, how are you?", "The quick brown fox", "def add(a, b):"]
-
-
-def serve_config(model_dir: str, port: int) -> dict:
-    """deploy/serve.yaml as a user deploys it, with a tiny CPU model, small sizes and a loopback port."""
-    config = yaml.safe_load((REPO / "deploy" / "serve.yaml").read_text())
-    config["http_options"] = {"host": "127.0.0.1", "port": port}
-    (app,) = config["applications"]
-    app["args"].pop("dtype")  # the checkpoint's (float32)
-    app["args"].update(model=model_dir, device="cpu", prefill_replicas=1, max_num_seqs=8, num_kv_blocks=64,
-                       max_num_batched_tokens=256, max_inflight=16, handover_timeout_s=15, connect_timeout_s=10)
-    return config
 
 
 @pytest.fixture
 def cluster():
-    root = Path(tempfile.mkdtemp(prefix="tnd-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
-    local = LocalCluster(root, env={"PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"})
-    try:
+    with local_cluster() as local:
         yield local
-    finally:
-        for name, node in local.nodes.items():  # shown when the test fails
-            print(f"--- {name}: {' '.join(node.argv)}\n{node.log_tail()}")
-        local.stop()
-        left = [name for name, node in local.nodes.items() if node.alive()]
-        shutil.rmtree(root, ignore_errors=True)
-        assert not left, f"nodes still running after stop: {left}"
 
 
 def _node_of(actors: list[dict], class_prefix: str) -> set[str]:
@@ -109,13 +84,6 @@ def test_two_nodes_serve_deploy_lose_the_decode_node_and_recover(cluster, tiny_m
     greedy_matches()
     new_decode = {n for n, r in cluster.alive_nodes().items() if "tandem_decode" in r}
     assert _node_of(cluster.actors(), "DecodeRank") == new_decode and decode_node not in new_decode
-
-
-def _try(fn):
-    try:
-        return fn()
-    except Exception:  # noqa: BLE001 - not up yet
-        return None
 
 
 def _health(port: int):
