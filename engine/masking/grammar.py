@@ -49,7 +49,7 @@ class GrammarMasker(LogitsMasker):
         self._tails: dict[str, tuple[int, ...]] = {}  # each request's last emitted tokens (retokenization context)
         self._rows: list[tuple[int, GrammarState, MaskRow]] = []  # (batch row, state, snapshot) this step
         self._step_tails: dict[int, tuple[int, ...]] = {}  # batch row -> its tail, snapshotted by begin_step
-        self._runs: dict[int, list[int]] = {}  # batch row -> the forced run the draft steps follow this step
+        self._runs: dict[int, tuple[int, list[int]]] = {}  # batch row -> (first draft step, forced run) this step
         self._cpu_rows: torch.Tensor | None = None  # [k+1, W] host scratch when the step's device is not the CPU
         self._one_row: torch.Tensor | None = None  # [1, W] host scratch of forced runs' single-token checks
 
@@ -150,12 +150,14 @@ class GrammarMasker(LogitsMasker):
         draft_rows = torch.stack(drafts, 1).tolist() if drafts else None
         if step == 0:
             self._runs = {}
+        k = emitted.shape[1] - 1
         for b, state, _ in self._rows:
             new = emitted_rows[b][: accepted[b] + 1]
             so_far = draft_rows[b] if draft_rows is not None else []
-            run = self._runs.get(b, ())
-            if step < len(run) and so_far == run[:step]:  # inside the forced run: no matcher work
-                self._write_row(bitmask, b, lambda target, row, t=run[step]: _only(target, row, t))
+            start, run = self._runs.get(b, (0, []))
+            if start < step < start + len(run) and so_far[start:] == run[: step - start]:
+                # inside a forced run: no matcher work
+                self._write_row(bitmask, b, lambda target, row, t=run[step - start]: _only(target, row, t))
                 flags[b] = True
                 continue
             path = new + so_far
@@ -165,10 +167,12 @@ class GrammarMasker(LogitsMasker):
                     break
                 n += 1
             if n == len(path) and not state.terminated:
-                if step == 0 and self.forced is not None:
-                    run = self._runs[b] = self._draftable(forced_run(
-                        state, self.forced, emitted.shape[1] - 1, (self._step_tails.get(b, ()) + tuple(new))))
-                if step == 0 and run:
+                run = []
+                if self.forced is not None:  # a run may start at any draft step (after a drafted `",` say)
+                    context = self._step_tails.get(b, ()) + tuple(path)
+                    run = self._draftable(forced_run(state, self.forced, k - step, context))
+                    self._runs[b] = (step, run)
+                if run:
                     self._write_row(bitmask, b, lambda target, row, t=run[0]: _only(target, row, t))
                 else:
                     self._write_row(bitmask, b, state.fill_bitmask)
