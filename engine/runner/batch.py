@@ -48,9 +48,10 @@ class StepBatch:
     # host copies for the update
     host_num_drafts: list[int]
     host_samples: list[bool]
-    # the packed buffer the host-built tensors above are views of (engine/runner/staging.py): a graph replay
-    # copies it in one go
+    # the packed buffer the host-built tensors above are views of, and its layout (engine/runner/staging.py):
+    # a graph replay copies it in one go
     staged: torch.Tensor
+    staged_layout: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +139,8 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
                 seq_lens=seq_lens, qsl=qsl, verify_rows=verify_rows, drafts=drafts, num_drafts=num_drafts,
                 next_tokens=next_tokens, samples=samples, slot_ids=slot_ids, slot_limit=slot_limit)
     columns = sampling_columns([s.request for s in scheduled], first_pos, B)
-    staged, sent = to_device([*host.values(), *columns.values()], device)
+    staged = to_device([*host.values(), *columns.values()], device)
+    sent = staged.tensors
     on_dev, columns = dict(zip(host, sent)), dict(zip(columns, sent[len(host):]))
     dev = on_dev.__getitem__
     max_seq_len = pad.max_seq_len if pad is not None else int(seq_lens.max())
@@ -161,7 +163,8 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
         slots=dev("slot_ids"), slot_limit=dev("slot_limit"), sampling=sampling, **masks,
         full_drafts=pad is None and bool((num_drafts[samples] == k).all()), propose=propose or pad is not None,
         chain_max_seq_len=max_seq_len + chain_margin(k),
-        host_num_drafts=num_drafts[:n].tolist(), host_samples=samples[:n].tolist(), staged=staged)
+        host_num_drafts=num_drafts[:n].tolist(), host_samples=samples[:n].tolist(), staged=staged.buffer,
+        staged_layout=staged.layout)
 
 
 def _tokens(req, lo: int, hi: int) -> list[int]:

@@ -29,7 +29,7 @@ from engine.core.scheduler import ScheduledRequest
 from engine.masking.graph import StagedMasker
 from engine.masking.masker import LogitsMasker
 from engine.runner.batch import Padding, StepBatch, build_batch
-from engine.runner.staging import byte_offset, in_buffer, rebase
+from engine.runner.staging import in_buffer, rebase
 from engine.runner.step import StepOutput
 from engine.sample.sampler import SamplingBatch
 
@@ -55,21 +55,30 @@ def _tensor_pairs(static, new):
             yield from _tensor_pairs(a, b)
 
 
-def _copy_into(static: StepBatch, new: StepBatch) -> None:
-    """Copy every tensor of `new` into the same field of `static`. The host-built inputs are views of one
-    packed buffer in both (engine/runner/staging.py): the common part of the buffers goes in one copy, and a
-    field only where it lies elsewhere in the two (a column one sampling mode adds, a tensor built apart)."""
-    sa, sb = static.staged, new.staged
-    n = min(sa.numel(), sb.numel())
-    sa[:n].copy_(sb[:n])
+def _copy_fields(static, new) -> None:
+    """Copy every tensor of `new` into the same field of `static`, one by one (not the packed buffers)."""
     for a, b in _tensor_pairs(static, new):
-        if a is sa:
-            continue
-        off = byte_offset(a)
-        if (in_buffer(a, sa) and in_buffer(b, sb) and off == byte_offset(b) and a.dtype == b.dtype
-                and a.shape == b.shape and off + a.numel() * a.element_size() <= n):
-            continue  # copied with the buffer
-        a.copy_(b)
+        if a is not static.staged:
+            a.copy_(b)
+
+
+def _loose(batch, path: tuple[str, ...] = (), staged: torch.Tensor | None = None) -> list[tuple[str, ...]]:
+    """The field paths of the batch's tensors that are not views of its packed buffer."""
+    staged = batch.staged if staged is None else staged
+    paths = []
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        if isinstance(v, torch.Tensor) and f.name != "kv_cache" and v is not staged and not in_buffer(v, staged):
+            paths.append((*path, f.name))
+        elif dataclasses.is_dataclass(v):
+            paths += _loose(v, (*path, f.name), staged)
+    return paths
+
+
+def _field(batch, path: tuple[str, ...]) -> torch.Tensor:
+    for name in path:
+        batch = getattr(batch, name)
+    return batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +100,18 @@ class _Captured:
     inputs: StepBatch  # static tensors the graph reads
     output: StepOutput  # static tensors the graph writes
     graph: object | None  # torch.cuda.CUDAGraph (None: eager replay)
+    loose: list[tuple[str, ...]] = dataclasses.field(default_factory=list)  # inputs outside the packed buffer
+
+    def load(self, batch: StepBatch) -> None:
+        """Copy a batch into the static inputs: a batch laid out as the captured one (every step of this
+        size and sampling mode, in practice) in one copy of its packed buffer plus its loose tensors
+        (masks, penalties); any other layout field by field."""
+        if batch.staged_layout != self.inputs.staged_layout:
+            _copy_fields(self.inputs, batch)
+            return
+        self.inputs.staged.copy_(batch.staged)
+        for path in self.loose:
+            _field(self.inputs, path).copy_(_field(batch, path))
 
 
 class StepGraphs:
@@ -150,7 +171,7 @@ class StepGraphs:
         if cap is None:
             assert self.capture_on_demand, f"no graph captured for {key}"
             cap = self._capture(key, self._dummy(size, batch.sampling, masked))
-        _copy_into(cap.inputs, batch)
+        cap.load(batch)
         self.num_runs += 1
         staged = self.staged if masked else None
         if staged is not None:
@@ -224,7 +245,7 @@ class StepGraphs:
         inputs = _clone(batch)
         masker = self.staged if key[2] else None  # unbound while capturing: its host functions fill nothing
         if not self.capture:
-            cap = _Captured(inputs, None, None)
+            cap = _Captured(inputs, None, None, _loose(inputs))
         else:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -238,7 +259,7 @@ class StepGraphs:
             with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
                 output = self.step(inputs, masker)
             self._pool = graph.pool()
-            cap = _Captured(inputs, output, graph)
+            cap = _Captured(inputs, output, graph, _loose(inputs))
             log.info("captured the speculative step for batch %d, sampling mode %s, masked %s", *key)
         self._captured[key] = cap
         return cap

@@ -98,10 +98,10 @@ def carry_inputs(batch: StepBatch, scheduled: list[ScheduledRequest], prev: InFl
             has_next.append(j < s.num_new_tokens - 1)
 
     # one copy, without a sync: a blocking copy would wait for the running step
-    _, (dst_rows, src, cur, src_req, row_req, has_next) = to_device(
+    dst_rows, src, cur, src_req, row_req, has_next = to_device(
         [np.array(dst_rows, dtype=np.int64), np.array(src, dtype=np.int64), np.array(cur, dtype=np.int64),
          np.array(src_req, dtype=np.int64), np.array(row_req, dtype=np.int64), np.array(has_next, dtype=np.bool_)],
-        device)
+        device).tensors
 
     out = prev.launched.out
     accepted = out.num_accepted.index_select(0, src_req)  # [C]

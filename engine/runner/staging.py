@@ -12,6 +12,8 @@ keep the same layout (engine/runner/graphs.py), so a replay moves them in one de
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -47,15 +49,20 @@ class _PinnedRing:
 _rings: dict[torch.device, _PinnedRing] = {}
 
 
-def to_device(arrays: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The arrays on `device`, same shapes and dtypes (numpy's), through one host-to-device copy: the packed
-    uint8 buffer, and one view of it per array."""
+class Staged(NamedTuple):
+    buffer: torch.Tensor  # the packed uint8 buffer on the device
+    tensors: list[torch.Tensor]  # one view of it per array
+    layout: tuple[int, ...]  # each array's byte offset, then the size: equal layouts, equal views
+
+
+def to_device(arrays: list[np.ndarray], device: torch.device) -> Staged:
+    """The arrays on `device`, same shapes and dtypes (numpy's), through one host-to-device copy."""
     arrays = [np.ascontiguousarray(a) for a in arrays]
     offsets, total = layout(arrays)
     if device.type != "cuda":  # one packed buffer on a CPU too: the same views, so CPU tests cover them
         buf = torch.empty(total, dtype=torch.uint8)
         pack(arrays, offsets, buf.numpy())
-        return buf, views(buf, arrays, offsets)
+        return Staged(buf, views(buf, arrays, offsets), (*offsets, total))
     ring = _rings.get(device)
     if ring is None:
         ring = _rings[device] = _PinnedRing(device)
@@ -64,7 +71,7 @@ def to_device(arrays: list[np.ndarray], device: torch.device) -> tuple[torch.Ten
     dev = torch.empty(total, dtype=torch.uint8, device=device)
     dev.copy_(host[:total], non_blocking=True)
     ring.copied(i)
-    return dev, views(dev, arrays, offsets)
+    return Staged(dev, views(dev, arrays, offsets), (*offsets, total))
 
 
 def layout(arrays: list[np.ndarray]) -> tuple[list[int], int]:
@@ -96,12 +103,7 @@ def in_buffer(t: torch.Tensor, buf: torch.Tensor) -> bool:
     return t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
 
-def byte_offset(t: torch.Tensor) -> int:
-    """Where `t` starts in its storage (a packed buffer starts its storage), in bytes."""
-    return t.storage_offset() * t.element_size()
-
-
 def rebase(t: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     """The view of `buf` (another packed buffer of the same layout) that `t` is of its own buffer."""
-    off = byte_offset(t)
+    off = t.storage_offset() * t.element_size()  # a packed buffer starts its storage
     return buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
