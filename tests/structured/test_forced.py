@@ -144,3 +144,25 @@ def test_single_token():
     assert single_token(Fixed(torch.tensor([3, 0, 0, 0], dtype=torch.int32)), bits) is None
     assert single_token(Fixed(torch.tensor([1, 0, 1, 0], dtype=torch.int32)), bits) is None
     assert single_token(Fixed(torch.zeros(4, dtype=torch.int32)), bits) is None
+
+
+def test_llguidance_states_force_the_same_text(smollm2_tokenizer):
+    """A schema only llguidance enforces (multipleOf): its forced bytes give the same run as xgrammar's would."""
+    from structured import llguidance as llg
+
+    if not llg.available():
+        pytest.skip("llguidance is not installed")
+    compiler = _compiler(smollm2_tokenizer)
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
+                                               "w": {"type": "number", "multipleOf": 0.5}},
+              "required": ["kind", "w"], "additionalProperties": False}
+    structured = StructuredOutput(json_schema=schema)
+    state = compiler.new_state(compiler.compile(structured), structured)
+    assert isinstance(state, llg.LLGuidanceState)
+    forced = ForcedTokenizer(smollm2_tokenizer)
+    run = forced_run(state, forced, 16, (), compiler.allocate_bitmask(1))
+    # the string's last word ` "` is cut, then forced anyway: the mask admits no other token there
+    assert smollm2_tokenizer.decode(run) == '{"kind": "'
+    for t in smollm2_tokenizer.encode('{"kind": "cat", "w": ', add_special_tokens=False):
+        assert state.accept(t)
+    assert state.jump_forward_string() == ""  # a number: nothing forced

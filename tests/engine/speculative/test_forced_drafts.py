@@ -4,7 +4,8 @@ engine/speculative/drafter.py) on the zoo's trained target and heads, with real 
 Forced drafts are drafts: greedy and seeded sampled guided outputs equal guided outputs without speculation for
 every method (the draft heads get them through one-token draft masks and draft on after them; prompt lookup
 and `grammar` get them as leading drafts on the host), every finished output is valid against its schema, and
-they raise acceptance where the method alone cannot guess the grammar's text. Separately, how often a real
+they raise acceptance where the method alone cannot guess the grammar's text; unseeded sampling (rejection
+sampling against forced drafts) keeps each position's distribution. Separately, how often a real
 model's greedy tokens are the forced ones: the retokenization is exact against the tokenizer
 (tests/structured/test_forced.py); models sometimes write another tokenization of the same text.
 """
@@ -14,10 +15,12 @@ import json
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
 from engine import LLM, SamplingParams, SpecConfig, StructuredOutput
+from tests.support.tiny import VOCAB
 
 CASES = Path("/work/shared/data/jsonschemabench/cases")
 MAX_TOKENS = 48
@@ -145,3 +148,53 @@ def test_greedy_writes_the_forced_tokens_nearly_always_smollm2(smollm2_dir, sche
     llm.engine.guided.compiler().compile_timeout_s = None
     agree, total = _agreement(llm, [chat_ids(tokenizer, schema_prompt(s)) for s in schemas[:4]], schemas[:4])
     assert total > 20 and agree / total >= 0.85, (agree, total)
+
+
+# letters, then a forced `, the quick ` (the tiny tokenizer writes it `,`, ` the`, ` quick`, ` `), then letters:
+# where the forced run starts depends on how many letters were sampled, so every position mixes sampled and
+# forced tokens
+FORCED_GUIDE = StructuredOutput(regex="[a-z]{1,3}, the quick [a-z ]{12,20}")
+N = 1500
+
+
+def _sample_forced_guide(llm: LLM) -> np.ndarray:
+    from tests.support.distribution import PROMPT
+
+    params = [SamplingParams(max_tokens=6, temperature=1.0, structured_output=FORCED_GUIDE) for _ in range(N)]
+    outs = llm.generate([PROMPT] * N, params)
+    tokens = np.array([o.token_ids for o in outs])
+    assert tokens.shape == (N, 6)
+    return tokens
+
+
+def _same_distribution(a: np.ndarray, b: np.ndarray) -> float:
+    """p-value of a two-sample chi-square (contingency) test; tokens seen fewer than 10 times pooled."""
+    from scipy import stats
+
+    ca, cb = np.bincount(a, minlength=VOCAB), np.bincount(b, minlength=VOCAB)
+    big = (ca + cb) >= 10
+    table = np.array([np.append(ca[big], ca[~big].sum()), np.append(cb[big], cb[~big].sum())])
+    table = table[:, table.sum(0) > 0]
+    return stats.chi2_contingency(table).pvalue if table.shape[1] > 1 else 1.0
+
+
+@pytest.fixture(scope="module")
+def forced_guide_plain(llama_dir):
+    return _sample_forced_guide(LLM(llama_dir, num_kv_blocks=N * 6, block_size=4, max_num_seqs=512,
+                                    max_num_batched_tokens=4096))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "grammar"])
+def test_unseeded_sampling_with_forced_drafts_keeps_the_distribution(llama_dir, near_draft, forced_guide_plain,
+                                                                     method):
+    """Rejection sampling (no seed) against forced drafts: a draft network's forced draft was drawn from a
+    one-token draft mask (q is one-hot), prompt lookup's and `grammar`'s are deterministic; each emitted
+    position's distribution equals the plain engine's (two-sample chi-square), and forced drafts ran."""
+    spec = SpecConfig(method=method, k=3, draft=near_draft if method == "draft_model" else None)
+    llm = LLM(llama_dir, num_kv_blocks=N * 6, block_size=4, max_num_seqs=512, max_num_batched_tokens=4096,
+              speculative=spec)
+    tokens = _sample_forced_guide(llm)
+    for position in range(1, 6):
+        assert _same_distribution(tokens[:, position], forced_guide_plain[:, position]) > 1e-3, position
+    assert llm.engine.stats()["spec"]["mean_accepted_length"] > 1.3
