@@ -19,7 +19,10 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+
 from cluster.protocol import Command, CommandKind, RankStep, StepReport, StreamError, TokenDelta
+from cluster.protocol.block_filter import BlockFilter
+from engine.core.prefix_hash import extend_hashes, namespace_hash
 
 Placement = tuple[int, ...]  # the ranks that hold a request, in order; the first reports its tokens
 
@@ -48,6 +51,11 @@ class Tracked:
     handover_bytes: int = 0  # over all ranks
 
 
+# ADP placement by prefix: the rank holding a prompt's blocks gets it unless it is this share of its KV pool
+# busier than the least loaded rank (a popular prefix must not pile every request onto one rank).
+IMBALANCE_SHARE = 0.25
+
+
 @dataclass(frozen=True, slots=True)
 class RankLoad:
     """One rank's load as its last StepReport gave it."""
@@ -65,6 +73,9 @@ class DecodeController:
         self.requests: dict[str, Tracked] = {}
         self._commands: list[list[Command]] = [[] for _ in range(tp_size)]  # per rank, for the next step
         self.rank_loads = [RankLoad() for _ in range(tp_size)]
+        # ADP: what each rank's prefix cache holds (block size, hash namespace model, filter), from its reports
+        self.rank_views: list[tuple[int, str, BlockFilter] | None] = [None] * tp_size
+        self.placed_for_prefix = 0  # ADP placements that went to a rank for the prompt blocks it holds
         self.placed_total = [0] * tp_size  # requests placed on each rank since the controller started
         self.kv_blocks_used = 0  # over the group (each block counted once: under TP every rank holds a slice)
         self.kv_blocks_total = 0
@@ -86,7 +97,7 @@ class DecodeController:
         them how many before it packs the payload: DecodeRank.pinned)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already being decoded")
-        ranks = self._place(prompt_blocks)
+        ranks = self._place(prompt_blocks, prompt)
         for r in ranks:
             self.placed_total[r] += 1
         t = Tracked(request_id, sink, time.monotonic() + self.handover_timeout_s, ranks, prompt_blocks)
@@ -98,11 +109,14 @@ class DecodeController:
 
 
 
-    def _place(self, prompt_blocks: int) -> Placement:
+    def _place(self, prompt_blocks: int, prompt: tuple[tuple[int, ...], str | None] | None = None) -> Placement:
         """Under TP every rank holds every request (its KV-head slice) and rank 0 reports the tokens all
-        ranks compute. Under ADP one rank holds it: least KV in use, then fewest requests (TensorRT-LLM's
-        ADP router orders ranks by active tokens, then active requests). A rank's load is its last report
-        plus what was placed on it since and has not landed yet, so a burst between two steps spreads."""
+        ranks compute. Under ADP one rank holds it: the least loaded, counting against a rank twice each
+        leading prompt block it holds already (a held block takes no new memory and is not sent: the prefill
+        router's rule, router/policy.py rank_prefill), unless that rank is already busier than the
+        least loaded by more than IMBALANCE_SHARE of its pool; ties: fewest requests (TensorRT-LLM's ADP
+        router orders ranks by active tokens, then active requests), then rank. A rank's load is its last
+        report plus what was placed on it since and has not landed yet, so a burst between two steps spreads."""
         if not self.attention_dp:
             return tuple(range(self.tp_size))
         blocks = [load.kv_blocks_used for load in self.rank_loads]
@@ -112,8 +126,32 @@ class DecodeController:
                 blocks[t.ranks[0]] += t.prompt_blocks
             if t.phase is not Phase.RUNNING:
                 count[t.ranks[0]] += 1
-        best = min(range(self.tp_size), key=lambda r: (blocks[r], count[r], r))
-        return (best,)
+        ranks = range(self.tp_size)
+        least = min(ranks, key=lambda r: (blocks[r], count[r], r))
+        held = self._held_blocks(prompt) if prompt is not None else [0] * self.tp_size
+        best = min(ranks, key=lambda r: (blocks[r] - 2 * held[r], count[r], r))
+        total = self.rank_loads[best].kv_blocks_total
+        if best != least and blocks[best] - blocks[least] <= IMBALANCE_SHARE * total:
+            self.placed_for_prefix += 1
+            return (best,)
+        return (least,)
+
+    def _held_blocks(self, prompt: tuple[tuple[int, ...], str | None]) -> list[int]:
+        """Per rank: how many of the prompt's leading blocks its last prefix view holds (0 without one)."""
+        tokens, salt = prompt
+        held, hashes = [], {}
+        for view in self.rank_views:
+            if view is None or not view[0] or not view[2].bits:
+                held.append(0)
+                continue
+            block_size, model, filt = view
+            key = (block_size, model)
+            if key not in hashes:  # the ranks share one engine config: hashed once
+                usable = (len(tokens) - 1) // block_size  # the last prompt token is always computed
+                hashes[key] = extend_hashes([], list(tokens[:usable * block_size]), block_size,
+                                            namespace_hash(model, salt))
+            held.append(filt.leading_matches(hashes[key]))
+        return held
 
     def cancel(self, request_id: str) -> None:
         """The stream is gone (client disconnect, stop string, prefill failure)."""
@@ -154,6 +192,9 @@ class DecodeController:
 
     def on_reports(self, reports: list[StepReport]) -> None:
         self.rank_loads = [RankLoad(r.kv_blocks_used, r.kv_blocks_total, r.num_running) for r in reports]
+        for r, rep in enumerate(reports):
+            if rep.prefix_view is not None:
+                self.rank_views[r] = (rep.prefix_view[0], rep.prefix_view[1], BlockFilter(rep.prefix_view[2]))
         self.overlapped_steps = reports[0].overlapped_steps
         if self.attention_dp:  # each rank holds its own requests and blocks, and deserializes its own grammars
             self.kv_blocks_used = sum(r.kv_blocks_used for r in reports)
@@ -217,6 +258,7 @@ class DecodeController:
         self.num_running = 0
         self.kv_blocks_used = 0
         self.rank_loads = [RankLoad() for _ in range(self.tp_size)]
+        self.rank_views = [None] * self.tp_size  # a new group's caches start empty
 
     # ------------------------------------------------------------------ internals
     def _on_arrived(self, rid: str, rank: int, stocked: bool = False) -> None:

@@ -279,6 +279,7 @@ class DecodeServer:
             # per rank: (requests placed there since start, KV blocks in use, KV blocks, running requests)
             "dp_ranks": tuple((placed, load.kv_blocks_used, load.kv_blocks_total, load.num_running)
                               for placed, load in zip(self.ctrl.placed_total, self.ctrl.rank_loads)),
+            "dp_placed_for_prefix": self.ctrl.placed_for_prefix,  # placed on a rank for the prompt blocks it held
             "num_requests": len(self.ctrl.requests),
             "num_running": self.ctrl.num_running,
             "kv_blocks_used": self.ctrl.kv_blocks_used,

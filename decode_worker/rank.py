@@ -21,6 +21,7 @@ import torch
 from cluster.channel import RECEIVER, open_channel
 from cluster.faults import FaultPoints
 from cluster.groups import backend_for, build_group
+from cluster.prefix_view import PrefixView
 from cluster.protocol import Command, CommandKind, KVLayout, RankStep, StepReport, TokenDelta
 from cluster.protocol.load import prefix_cache_counts
 from cluster.rendezvous import StoreAddress, StoreServer, connect_store
@@ -60,6 +61,8 @@ class DecodeRank:
         self._pin_answers: dict[str, int] = {}
         self._pin_abandoned: set[str] = set()  # asked for and not answered in time: a late PIN pins nothing
         self._link: StepListener | None = None
+        # Rebuilt at most twice a second: a decoding rank registers blocks at almost every step.
+        self._view = PrefixView(min_interval_s=0.5)
 
     # ------------------------------------------------------------------ setup
     def address(self) -> StoreAddress:
@@ -169,7 +172,18 @@ class DecodeRank:
             num_running=stats["num_running"], step_seconds=time.perf_counter() - start,
             handover_seconds=tuple(timings), grammar=tuple(stats.get("grammar", {}).items()),
             overlapped_steps=stats["overlapped_steps"], committed_on_landing=early,
-            prefix_cache=prefix_cache_counts(stats), reused=self._take_reused())
+            prefix_cache=prefix_cache_counts(stats), reused=self._take_reused(), prefix_view=self._prefix_view(eng, idle=stats["num_running"] == 0))
+
+    def _prefix_view(self, eng, idle: bool) -> tuple[int, str, bytes] | None:
+        """Under ADP, what this rank's prefix cache holds, when that changed (the controller places requests by
+        it); under TP every rank holds the same requests, so there is nothing to choose."""
+        if not self.attention_dp:
+            return None
+        bits = self._view.changed(eng, force=idle)  # idle: no report may follow for a while
+        if bits is None:
+            return None
+        pc = eng.prefix_cache
+        return (0, "", b"") if pc is None else (pc.block_size, pc.model, bits)
 
     def _take_reused(self) -> tuple[tuple[str, int], ...]:
         reused, self._reused = tuple(self._reused), []

@@ -13,7 +13,7 @@ import torch
 from cluster.errors import ChannelError
 from cluster.faults import FaultPoints
 from cluster.protocol import DecodeTarget, ModelInfo, PrefillRequest, PrefillResult
-from cluster.protocol.block_filter import BlockFilter
+from cluster.prefix_view import PrefixView
 from cluster.protocol.load import PrefillLoad, prefix_cache_counts
 from cluster.runtime import replica_id
 from engine import LLMEngine
@@ -36,7 +36,7 @@ class PrefillServer:
         self.loop = PrefillLoop(self.engine, self.name, c.transfer_timeout_s, c.connect_timeout_s,
                                 c.handover_transport, FaultPoints(c.fault_points))
         self._reports = 0  # routing stats reported (their report_seq)
-        self._filter: tuple[tuple[int, int], bytes] | None = None  # ((cached, evicted) counts, their BlockFilter)
+        self._view = PrefixView()  # what its prefix cache holds, for cache-aware routing
 
     async def prefill(self, request: tuple, target: DecodeTarget) -> AsyncIterator[PrefillResult]:
         """A stream: the prompt's PrefillResult (its first token) as soon as it exists, then the end of the
@@ -128,19 +128,8 @@ class PrefillServer:
                            cached_blocks=self._cached_blocks(), report_seq=self._reports).to_wire()
 
     def _cached_blocks(self) -> bytes:
-        """The BlockFilter of the prefix cache's blocks, built again only when the cache changed: every
-        registration changes the pool's cached count, every eviction its evicted count, so an unchanged pair
-        is an unchanged set."""
-        if self.engine.prefix_cache is None:
-            return b""
-        pool = self.engine.blocks.pool
-        key = (pool.num_cached, pool.num_evicted)
-        cached = self._filter
-        if cached is None or cached[0] != key:
-            # The engine thread registers blocks meanwhile: list() of a dict copies it under the GIL.
-            hashes = pool.cached_hashes()
-            cached = self._filter = (key, BlockFilter.build(hashes, len(hashes)).bits)
-        return cached[1]
+        """The BlockFilter bits of the prefix cache's blocks (cluster/prefix_view.py)."""
+        return self._view.bits(self.engine)
 
     def __del__(self):
         loop = getattr(self, "loop", None)

@@ -13,8 +13,10 @@ import enum
 from dataclasses import dataclass, field
 
 from cluster.protocol import wire
+from cluster.protocol.block_filter import read_bits
 
-STEP_LINK_VERSION = 3  # bump on any change to a WIRE below (exchanged when a step link opens; 3: PIN, StepReport.reused)
+STEP_LINK_VERSION = 4  # bump on any change to a WIRE below (exchanged when a step link opens; 3: PIN, StepReport.reused;
+# 4: StepReport.prefix_view)
 
 
 class CommandKind(enum.Enum):
@@ -140,21 +142,25 @@ class StepReport:
     # The engine's prefix-cache counters (query_tokens, hit_tokens, cached_blocks, evicted_blocks); empty when off.
     prefix_cache: tuple[tuple[str, int], ...] = field(default=())
     reused: tuple[tuple[str, int], ...] = field(default=())  # (request id, blocks its hand-over reused) per reserve
+    # Under attention data parallelism, what the rank's prefix cache holds when that changed since its last report
+    # (else None): (block size, the model its block hashes are namespaced by, BlockFilter bits); the controller
+    # places a request on the rank holding its prefix (decode_worker/controller.py).
+    prefix_view: tuple[int, str, bytes] | None = None
 
     WIRE = ("tp_rank", "deltas", "arrived", "landed", "failed", "deferred", "kv_blocks_used", "kv_blocks_total",
             "num_running", "step_seconds", "handover_seconds", "reserved", "grammar", "overlapped_steps",
-            "committed_on_landing", "prefix_cache", "reused")
+            "committed_on_landing", "prefix_cache", "reused", "prefix_view")
 
     def to_wire(self) -> tuple:
         return (self.tp_rank, tuple(d.to_wire() for d in self.deltas), self.arrived, self.landed, self.failed,
                 self.deferred, self.kv_blocks_used, self.kv_blocks_total, self.num_running, self.step_seconds,
                 self.handover_seconds, self.reserved, self.grammar, self.overlapped_steps, self.committed_on_landing,
-                self.prefix_cache, self.reused)
+                self.prefix_cache, self.reused, self.prefix_view)
 
     @staticmethod
     def from_wire(raw) -> "StepReport":
         (tp_rank, deltas, arrived, landed, failed, deferred, used, total, running, step_s, handover_s, reserved,
-         grammar, overlapped, committed, prefix_cache, reused) = wire.record(raw, "StepReport", StepReport.WIRE)
+         grammar, overlapped, committed, prefix_cache, reused, view) = wire.record(raw, "StepReport", StepReport.WIRE)
         n = "StepReport"
         return StepReport(
             tp_rank=wire.integer(tp_rank, n, "tp_rank"),
@@ -172,7 +178,8 @@ class StepReport:
             committed_on_landing=wire.integer(committed, n, "committed_on_landing"),
             prefix_cache=tuple(_pair(c, "prefix_cache", wire.integer)
                                for c in wire.array(prefix_cache, n, "prefix_cache")),
-            reused=tuple(_pair(p, "reused", wire.integer) for p in wire.array(reused, n, "reused")))
+            reused=tuple(_pair(p, "reused", wire.integer) for p in wire.array(reused, n, "reused")),
+            prefix_view=None if view is None else _prefix_view(view))
 
 
 def _pair(raw, field_name: str, second) -> tuple:
@@ -187,3 +194,9 @@ def _timing(raw) -> tuple[str, float, float, int]:
     rid, recv_s, unpack_s, nbytes = wire.record(raw, name, ("request_id", "recv_s", "unpack_s", "bytes"))
     return (wire.text(rid, name, "request_id"), wire.number(recv_s, name, "recv_s"),
             wire.number(unpack_s, name, "unpack_s"), wire.integer(nbytes, name, "bytes"))
+
+
+def _prefix_view(raw) -> tuple[int, str, bytes]:
+    block_size, model, bits = wire.record(raw, "StepReport.prefix_view", ("block_size", "model", "bits"))
+    n = "StepReport.prefix_view"
+    return wire.integer(block_size, n, "block_size"), wire.text(model, n, "model"), read_bits(bits, n, "bits")

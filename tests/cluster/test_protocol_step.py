@@ -24,7 +24,7 @@ def full_report() -> StepReport:
         handover_seconds=(("f", 0.002, 0.0005, 4096),), reserved=("d",), grammar=(("compiles", 2), ("hits", 5)),
         overlapped_steps=11, committed_on_landing=1,
         prefix_cache=(("query_tokens", 96), ("hit_tokens", 64), ("cached_blocks", 5), ("evicted_blocks", 0)),
-        reused=(("d", 3), ("e", 0)))
+        reused=(("d", 3), ("e", 0)), prefix_view=(16, "smollm2", bytes(range(256)) * 4))
 
 
 @pytest.mark.parametrize("kind", list(CommandKind))
@@ -75,6 +75,8 @@ def _with(record_wire: tuple, names: tuple[str, ...], field: str, value) -> tupl
     ("grammar", (("compiles", "2"),), "StepReport grammar field 'value' must be an int"),
     ("prefix_cache", (("hit_tokens", 1.0),), "StepReport prefix_cache field 'value' must be an int"),
     ("handover_seconds", (("f", 0.1, 0.1, 1.5),), "StepReport handover_seconds field 'bytes' must be an int"),
+    ("prefix_view", (16, "m"), "StepReport.prefix_view must have 3 fields"),
+    ("prefix_view", (16, "m", b"\x01" * 3), "StepReport.prefix_view field 'bits' must be a power of two"),
     ("deltas", (("a", (1, "2"), False, None, ()),), "TokenDelta field 'token_ids' must be an array of ints"),
     ("deltas", (("a", (1,), False, "eos", ()),), "TokenDelta field 'finish_reason' must be one of"),
     ("deltas", (("a", (1,), 0, None, ()),), "TokenDelta field 'finished' must be a bool"),
@@ -105,7 +107,7 @@ def test_a_malformed_step_names_its_field(raw, message):
 
 def test_a_report_one_field_longer_is_refused():
     """A field sent and never read is a protocol bug (the two sides disagree on the record), not a spare."""
-    with pytest.raises(ProtocolError, match="StepReport must have 17 fields"):
+    with pytest.raises(ProtocolError, match="StepReport must have 18 fields"):
         StepReport.from_wire(full_report().to_wire() + (0,))
 
 

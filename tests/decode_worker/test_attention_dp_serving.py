@@ -119,6 +119,50 @@ def test_adp_hand_over_sends_whole_heads_to_one_rank(adp_app, tandem_server):
     assert not dropped and nbytes == kv + m.hidden_size * 4
 
 
+def test_adp_places_a_shared_prefix_on_the_rank_that_holds_it(adp_app, tandem_server):
+    """Issue 34: a prompt whose long prefix one rank cached goes to that rank where load alone would pick the
+    other (equal loads: rank 0), and its hand-over reuses those blocks (PIN); its greedy output equals the same
+    prompt under another cache salt, which shares nothing."""
+    import random
+    import threading
+
+    from deploy.testing import wait_decode_settled
+
+    base, _ = adp_app
+    vocab = tandem_server.prefill_handle().model_info.remote().result().vocab_size
+    rng = random.Random(3404)
+    shared = [rng.randrange(3, vocab) for _ in range(6 * 16)]
+    first, second = (shared + [rng.randrange(3, vocab) for _ in range(5)] for _ in range(2))
+
+    def complete(prompt, max_tokens=6, **extra) -> str:
+        with httpx.Client(base_url=base, timeout=120) as http:
+            r = http.post("/v1/completions", json={"model": "adp", "prompt": prompt, "max_tokens": max_tokens,
+                                                   "temperature": 0, "ignore_eos": True, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    def placed() -> list[int]:
+        return [p for p, *_ in _decode_stats()["dp_ranks"]]
+
+    wait_decode_settled("adp")
+    start = placed()
+    # a long request holds rank 0 (equal loads: the lowest rank) while `first` is placed: it goes to rank 1
+    busy = threading.Thread(target=complete, args=([rng.randrange(3, vocab) for _ in range(40)], 64))
+    busy.start()
+    wait_for(lambda: placed()[0] > start[0], "the long request placed on rank 0")
+    complete(first)
+    busy.join()
+    mid = [p for p, *_ in wait_decode_settled("adp")["dp_ranks"]]
+    assert mid == [start[0] + 1, start[1] + 1], (start, mid)
+    before = _decode_stats()
+    text = complete(second)
+    after = wait_decode_settled("adp")
+    assert [p for p, *_ in after["dp_ranks"]] == [mid[0], mid[1] + 1]  # rank 1, which holds the prefix
+    assert after["dp_placed_for_prefix"] == before["dp_placed_for_prefix"] + 1
+    assert after["handover_blocks_reused"] - before["handover_blocks_reused"] == 6
+    assert complete(second, cache_salt="nothing-shared") == text
+
+
 def test_adp_killed_rank_ends_requests_with_errors_and_the_group_recovers(adp_app):
     """A dead rank takes the group's MLP shard with it: every in-flight request of the group ends with an
     error (never a hang; the surviving rank's requests too, since its forward needs the dead shard), the

@@ -4,15 +4,17 @@ from __future__ import annotations
 import asyncio
 
 from cluster.protocol import Command, CommandKind, StepReport, StreamError, TokenDelta
+from cluster.protocol.block_filter import BlockFilter
+from engine.core.prefix_hash import extend_hashes, namespace_hash
 from decode_worker.controller import DecodeController, Phase
 
 R, C, A, D = CommandKind.RESERVE, CommandKind.COMMIT, CommandKind.ABORT, CommandKind.DROP
 
 
-def report(rank, deltas=(), arrived=(), landed=(), failed=(), deferred=(), used=0, running=0, reused=()):
+def report(rank, deltas=(), arrived=(), landed=(), failed=(), deferred=(), used=0, running=0, reused=(), view=None):
     return StepReport(tp_rank=rank, deltas=tuple(deltas), arrived=tuple(arrived), landed=tuple(landed),
                       failed=tuple(failed), deferred=tuple(deferred), kv_blocks_used=used, kv_blocks_total=64,
-                      num_running=running, step_seconds=0.0, reused=tuple(reused))
+                      num_running=running, step_seconds=0.0, reused=tuple(reused), prefix_view=view)
 
 
 def cmds(ctrl, now=0.0):
@@ -178,6 +180,45 @@ def test_adp_places_on_least_kv_then_fewest_requests():
     assert ctrl.expect("b", asyncio.Queue(), prompt_blocks=2) == (1,)
     assert ctrl.expect("c", asyncio.Queue(), prompt_blocks=1) == (2,)  # 6 vs 6 blocks: rank 2 runs fewer (2+1 < 3+1)
     assert ctrl.placed_total == [0, 1, 2]
+
+
+BS, MODEL = 4, "m"
+
+
+def view_of(*prompts, salt=None):
+    """A rank's prefix view holding every full block of `prompts` (hashed as its engine would)."""
+    hashes = []
+    for tokens in prompts:
+        hashes += extend_hashes([], list(tokens[: len(tokens) // BS * BS]), BS, namespace_hash(MODEL, salt))
+    return (BS, MODEL, BlockFilter.build(hashes, len(hashes)).bits)
+
+
+def test_adp_places_a_prompt_on_the_rank_holding_its_prefix_within_the_imbalance_guard():
+    shared = tuple(range(100, 141))  # 41 tokens: 10 reusable blocks of 4
+    ctrl = DecodeController(tp_size=3, attention_dp=True)
+    ctrl.on_reports([report(0, used=2), report(1, used=10, view=view_of(shared)), report(2, used=3)])
+    # rank 1 holds all 10 blocks: 10 - 2 * 10 < 2, though it is the busiest rank
+    assert ctrl.expect("a", asyncio.Queue(), prompt_blocks=11, prompt=(shared, None)) == (1,)
+    assert ctrl.placed_for_prefix == 1
+    # another salt is another namespace: nothing held, the least loaded rank
+    assert ctrl.expect("b", asyncio.Queue(), prompt_blocks=11, prompt=(shared, "s")) == (0,)
+    # an unrelated prompt, and a prompt without token ids, go by load
+    assert ctrl.expect("c", asyncio.Queue(), prompt_blocks=1, prompt=(tuple(range(41)), None)) == (2,)
+    assert ctrl.placed_for_prefix == 1
+
+
+def test_adp_prefix_placement_never_piles_past_the_imbalance_share():
+    shared = tuple(range(100, 141))
+    ctrl = DecodeController(tp_size=2, attention_dp=True)
+    # rank 1 is 17 blocks (> 0.25 x 64) busier than rank 0: its prefix does not outweigh that
+    ctrl.on_reports([report(0, used=0), report(1, used=17, view=view_of(shared))])
+    assert ctrl.expect("a", asyncio.Queue(), prompt_blocks=11, prompt=(shared, None)) == (0,)
+    # a view stays until a rank sends a new one; a group failure forgets it
+    ctrl.on_reports([report(0, used=0), report(1, used=12)])
+    assert ctrl.expect("b", asyncio.Queue(), prompt_blocks=11, prompt=(shared, None)) == (1,)
+    ctrl.fail_all("gone")
+    ctrl.on_reports([report(0, used=0), report(1, used=12)])
+    assert ctrl.expect("c", asyncio.Queue(), prompt_blocks=11, prompt=(shared, None)) == (0,)
 
 
 def test_adp_burst_between_reports_spreads_over_ranks():
