@@ -63,7 +63,7 @@ class Verdict(enum.Enum):
 class Knock:
     listener: Listener
     verdict: Verdict
-    detail: str = ""  # the HTTP status and path, the gRPC method, or what the store held
+    detail: str = ""  # the HTTP status per path, the gRPC method, or the store's key count
 
 
 def listeners(*root_pids: int) -> list[Listener]:
@@ -104,7 +104,7 @@ def answers(host: str, port: int) -> bool:
         return False
 
 
-def grpc_code(host: str, port: int, method: str, timeout_s: float = 5.0):
+def grpc_code(host: str, port: int, method: str, timeout_s: float = 15.0):
     """The status of one unary call with no credential (grpc.StatusCode.OK when it was served)."""
     import grpc
 
@@ -142,8 +142,8 @@ def _grpc_verdict(host: str, port: int) -> tuple[Verdict | None, str]:
 def http_status(host: str, port: int, path: str = "/") -> int | None:
     """The status of `GET path` with no credential; None when no HTTP/1 answer comes back."""
     try:
-        with socket.create_connection((host, port), timeout=3) as s:
-            s.settimeout(3)
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.settimeout(10)  # generous: a busy machine's servers answer late
             s.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}:{port}\r\n\r\n".encode())
             head = s.recv(64)
     except OSError:
@@ -171,13 +171,16 @@ class StoreView:
 
 
 # torch's TCPStore client waits without end for a listener that accepts and stays silent (a gloo pair), its
-# timeout notwithstanding: the client runs in a process of its own, ended when it overstays.
+# timeout notwithstanding: the client runs in a process of its own, which ends itself when the store has not
+# answered `timeout_s` after torch loaded (the load alone takes tens of seconds on a busy machine).
 _STORE_CLIENT = """
-import json, sys
+import json, os, sys, threading
 from datetime import timedelta
 import torch.distributed as dist
+threading.Timer(float(sys.argv[3]) + 5, os._exit, (3,)).start()
 store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), None, False, timedelta(seconds=float(sys.argv[3])))
-print(json.dumps({key: bytes(store.get(key)).hex() for key in store.list_keys()}))
+print(json.dumps({key: bytes(store.get(key)).hex() for key in store.list_keys()}), flush=True)
+os._exit(0)
 """
 
 
@@ -185,7 +188,7 @@ def store_view(host: str, port: int, timeout_s: float = 3.0) -> StoreView | None
     """What a TCPStore client without any secret lists and reads there; None when it is no TCPStore."""
     try:
         done = subprocess.run([sys.executable, "-c", _STORE_CLIENT, host, str(port), str(timeout_s)],
-                              capture_output=True, text=True, timeout=timeout_s + 20)
+                              capture_output=True, text=True, timeout=600)  # a backstop: the client times itself
     except subprocess.TimeoutExpired:
         return None
     if done.returncode != 0 or not done.stdout.strip():
