@@ -7,9 +7,9 @@ request's emitted output tokens. Per step (docs/architecture.md, "Grammar with s
     to fill rows 1..k and is rolled back. Rows after the first draft the grammar rejects stay
     unflagged: that draft is rejected anyway, so nothing after it is ever emitted;
   draft steps: the matcher advances through the tokens verification emitted and the drafts so far,
-    fills the next draft's row, and is rolled back. With forced drafts (structured/forced.py), the
-    first draft step also finds the tokens the grammar forces from there (its jump-forward string,
-    retokenized canonically), and each draft step they cover gets a row that admits that one token:
+    fills the next draft's row, and is rolled back. With forced drafts (structured/forced.py), a draft
+    step outside a forced run also finds the tokens the grammar forces from there (its jump-forward
+    string, retokenized canonically), and each draft step they cover gets a row that admits that one token:
     the draft network drafts them, feeds them through its own chain like accepted tokens, and drafts
     on after them (mask rows, not a second path, so the captured step is unchanged);
   after the step: the engine hands back the tokens it kept (accept) and the matcher advances for good.
