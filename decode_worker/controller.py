@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.protocol import Command, CommandKind, RankStep, StepReport, StreamError, TokenDelta
-from cluster.protocol.block_filter import BlockFilter
+from cluster.protocol.block_filter import BlockFilter, union
 from engine.core.prefix_hash import extend_hashes, namespace_hash
 
 Placement = tuple[int, ...]  # the ranks that hold a request, in order; the first reports its tokens
@@ -135,6 +135,14 @@ class DecodeController:
             self.placed_for_prefix += 1
             return (best,)
         return (least,)
+
+    def group_view(self) -> tuple[int, str, bytes]:
+        """What the group's prefix caches hold, for the router: (block size, hash namespace model, filter
+        bits), the union of its ranks' views (under TP rank 0's, which holds what every rank holds)."""
+        views = [v for v in self.rank_views if v is not None and v[0]]
+        if not views:
+            return 0, "", b""
+        return views[0][0], views[0][1], union([v[2].bits for v in views])
 
     def _held_blocks(self, prompt: tuple[tuple[int, ...], str | None]) -> list[int]:
         """Per rank: how many of the prompt's leading blocks its last prefix view holds (0 without one)."""

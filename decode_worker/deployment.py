@@ -316,7 +316,9 @@ class DecodeServer:
                           num_running=s["num_running"], kv_blocks_used=s["kv_blocks_used"],
                           kv_blocks_total=s["kv_blocks_total"], steps=s["steps"], dp_ranks=s["dp_ranks"],
                           grammar=tuple(s["grammar"].items()),
-                          prefix_cache=tuple(s["prefix_cache"].items())).to_wire()
+                          prefix_cache=tuple(s["prefix_cache"].items()),
+                          **dict(zip(("block_size", "prefix_model", "cached_blocks"), self.ctrl.group_view()))
+                          ).to_wire()
 
     async def rank_pids(self) -> list[int]:
         group = await self._current_group()

@@ -175,9 +175,10 @@ class DecodeRank:
             prefix_cache=prefix_cache_counts(stats), reused=self._take_reused(), prefix_view=self._prefix_view(eng, idle=stats["num_running"] == 0))
 
     def _prefix_view(self, eng, idle: bool) -> tuple[int, str, bytes] | None:
-        """Under ADP, what this rank's prefix cache holds, when that changed (the controller places requests by
-        it); under TP every rank holds the same requests, so there is nothing to choose."""
-        if not self.attention_dp:
+        """What this rank's prefix cache holds, when that changed: under ADP every rank's (the controller places
+        requests by it), under TP rank 0's (every rank holds the same blocks); the router routes by the
+        group's (DecodeLoad)."""
+        if not self.attention_dp and self.tp_rank != 0:
             return None
         bits = self._view.changed(eng, force=idle)  # idle: no report may follow for a while
         if bits is None:

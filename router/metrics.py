@@ -207,9 +207,10 @@ class _RoutingCollector:
         self.model = model
 
     def collect(self):
-        decisions = CounterMetricFamily("tandem_routing_decisions", "Prompts routed to a prefill replica, by "
-                                        "what decided: prefix (overlap and load), load (no replica held any of "
-                                        "the prompt) or balance (the load-imbalance guard overrode the overlap).",
+        decisions = CounterMetricFamily("tandem_routing_decisions", "Prompts routed to a prefill or decode "
+                                        "replica, by what decided: prefix (overlap and load), load (no replica "
+                                        "held any of the prompt, or the least loaded did) or balance (the "
+                                        "load-imbalance guard overrode the overlap).",
                                         labels=["model", "role", "outcome"])
         fallbacks = CounterMetricFamily("tandem_routing_fallback", "Prompts routed by load alone because the "
                                         "prefix view was not trusted: no_report, unreadable, stale or "
@@ -219,6 +220,7 @@ class _RoutingCollector:
         counts = routing_counts()
         for outcome in ("prefix", "load", "balance"):
             decisions.add_metric([self.model, "prefill", outcome], counts.get(("decision", outcome), 0))
+            decisions.add_metric([self.model, "decode", outcome], counts.get(("decode_decision", outcome), 0))
         for reason in ("no_report", "unreadable", "stale", "replica_gone"):
             fallbacks.add_metric([self.model, "prefill", reason], counts.get(("fallback", reason), 0))
         expected.add_metric([self.model, "prefill"], counts.get(("expected_hit_tokens", ""), 0))

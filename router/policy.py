@@ -1,4 +1,5 @@
-"""The routing policy: pick the prefill replica by prefix overlap and load, the decode group by load.
+"""The routing policy: pick the prefill replica by prefix overlap and load, the decode group by load and the
+prompt blocks its ranks hold (`rank_decode`).
 
 Load comes from two places: each replica's `record_routing_stats()` (a PrefillLoad or DecodeLoad record's
 wire form, cluster/protocol/load.py: queued prompt tokens, KV usage, running requests; polled by Serve every
@@ -38,6 +39,7 @@ import threading
 from dataclasses import dataclass
 
 from cluster.errors import ProtocolError
+from cluster.protocol.block_filter import BlockFilter
 from cluster.protocol.load import LOADS, DecodeLoad, PrefillLoad
 
 log = logging.getLogger(__name__)
@@ -127,6 +129,39 @@ def decode_score(load: DecodeLoad | None, in_flight: int) -> float:
             + (load.num_requests + in_flight) / max(1, load.max_num_seqs) + rebuilding)
 
 
+# A decode replica whose group holds a prompt's leading blocks pins them (the hand-over leaves them out and they
+# take no new KV): each held block counts against the replica's score twice its share of the KV pool, which
+# decode_score weighs 2 (rank_prefill's and the ADP placement's rule). Unless the holder's load score exceeds the
+# least loaded's by DECODE_BALANCE (a quarter of a pool's KV, or half a pool's worth of requests).
+DECODE_HELD_WEIGHT = 4.0
+DECODE_BALANCE = 0.5
+
+
+def rank_decode(cands: list[tuple[str, DecodeLoad | None, int]], prompt_hashes_of) -> tuple[list[str], str]:
+    """Decode replica ids best first, and what decided ("prefix", "load", "balance"). cands: (replica id, its
+    load or None, this router's requests in flight there); prompt_hashes_of(block_size, model) -> the
+    prompt's block hashes in that namespace, or None without a prompt (its open call carried none)."""
+    base = {rid: decode_score(load, n) for rid, load, n in cands}
+    held: dict[str, float] = {}
+    for rid, load, _ in cands:
+        if load is None or load.block_size <= 0 or not load.cached_blocks:
+            continue
+        hashes = prompt_hashes_of(load.block_size, load.prefix_model)
+        if hashes:
+            blocks = BlockFilter(load.cached_blocks).leading_matches(hashes)
+            if blocks:
+                held[rid] = DECODE_HELD_WEIGHT * blocks / max(1, load.kv_blocks_total)
+    by_load = sorted(base, key=lambda rid: (base[rid], rid))
+    if not held:
+        return by_load, "load"
+    ranked = sorted(base, key=lambda rid: (base[rid] - held.get(rid, 0.0), rid))
+    if ranked[0] == by_load[0]:
+        return ranked, "load"
+    if base[ranked[0]] > base[by_load[0]] + DECODE_BALANCE:
+        return by_load, "balance"
+    return ranked, "prefix"
+
+
 def decode_unavailable(by_replica: dict[str, DecodeLoad | None]) -> str | None:
     """Why no decode replica can take a request now (every one is rebuilding its rank group: a rank or its
     node was lost), or None; None too before any stats arrived."""
@@ -135,8 +170,6 @@ def decode_unavailable(by_replica: dict[str, DecodeLoad | None]) -> str | None:
         return f"no decode group is up; rebuilding after: {known[0].last_error}"
     return None
 
-
-_SCORES = {"decode": decode_score}  # prefill replicas are ranked by rank_prefill (router/prefix_affinity.py)
 
 # Latest routing stats per role and replica, as seen by the routers of this process (for /metrics): their
 # wire forms, which the metrics page shows as they came.
@@ -154,8 +187,3 @@ def record_stats(role: str, by_replica: dict[str, dict], replace: bool) -> None:
     with _latest_lock:
         _latest[role] = dict(by_replica) if replace else {**_latest.get(role, {}), **by_replica}
 
-
-def score_function(role: str):
-    if role not in _SCORES:
-        raise ValueError(f"unknown role {role!r}; expected one of {sorted(_SCORES)}")
-    return _SCORES[role]

@@ -37,7 +37,7 @@ MEMORY_S = 30.0  # how long a route is remembered: past queueing and the next re
 MAX_REMEMBERED = 1 << 16  # block hashes remembered per replica (oldest forgotten first)
 OPEN_MAX_S = 600.0  # a request whose completion never came (cancelled before dispatch) stops counting
 
-_counts: Counter = Counter()  # ("decision", outcome) / ("fallback", reason) / ("expected_hit_tokens", "")
+_counts: Counter = Counter()  # ("decision" | "decode_decision", outcome) / ("fallback", reason) / ("expected_hit_tokens", "")
 _counts_lock = threading.Lock()
 
 
@@ -45,6 +45,12 @@ def routing_counts() -> dict[tuple[str, str], int]:
     """This process's prefill routing counts since it started (for /metrics)."""
     with _counts_lock:
         return dict(_counts)
+
+
+def count_decode_decision(outcome: str) -> None:
+    """A decode replica chosen for a prompt: by the blocks its group holds ("prefix"), by load, or by the
+    balance guard (router/policy.py rank_decode)."""
+    _count("decode_decision", outcome)
 
 
 def _count(kind: str, key: str, n: int = 1) -> None:
@@ -70,6 +76,15 @@ def prefill_prompt(method: str, args: list) -> PromptKey | None:
         return None
     salt = raw[3].get("cache_salt")
     return PromptKey(raw[2], salt if isinstance(salt, str) else None)
+
+
+def decode_prompt(method: str, args: list) -> PromptKey | None:
+    """The prompt of a decode replica's `open(request id, prompt length, caller, prompt token ids, cache salt)`
+    call (decode_worker/deployment.py); None for other calls or one that carries no token ids."""
+    if method != "open" or len(args) < 4 or not isinstance(args[3], (list, tuple)) or not args[3]:
+        return None
+    salt = args[4] if len(args) > 4 and isinstance(args[4], str) else None
+    return PromptKey(tuple(args[3]), salt)
 
 
 def prompt_hashes(prompt: PromptKey, block_size: int, model: str) -> list[int]:

@@ -10,17 +10,18 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from router.policy import load_of, record_stats, score_function
-from router.prefix_affinity import PrefillRouting, ReplicaState, prefill_prompt
+from router.policy import load_of, rank_decode, record_stats
+from router.prefix_affinity import (PrefillRouting, ReplicaState, count_decode_decision, decode_prompt,
+                                    prefill_prompt, prompt_hashes)
 
 
 class LoadAwareRequestRouter(FIFOMixin, RequestRouter):
-    """Orders replicas by score (prefill: prefix overlap and load; decode: load); Serve then takes the
-    first that accepts."""
+    """Orders replicas by score (prefill: prefix overlap and load; decode: load and the prompt blocks its group
+    holds); Serve then takes the first that accepts."""
 
     def initialize_state(self, role: str = "decode", prefix_aware: bool = True, **kwargs: Any) -> None:
         self.role = role
-        self._score = score_function(role) if role != "prefill" else None
+        self.prefix_aware = prefix_aware
         self._prefill = PrefillRouting(prefix_aware) if role == "prefill" else None
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -39,13 +40,25 @@ class LoadAwareRequestRouter(FIFOMixin, RequestRouter):
         record_stats(self.role, snapshot, replace=False)
         if self._prefill is not None:
             return self._rank_prefill(candidate_replicas, pending_request)
-        scored = []
-        for r in candidate_replicas:
-            in_flight = self.replica_queue_len_cache.get(r.replica_id) or 0
-            load = load_of(self.role, snapshot[r.replica_id.unique_id])
-            scored.append((self._score(load, in_flight), r.replica_id.unique_id, r))
-        scored.sort(key=lambda x: (x[0], x[1]))
-        return [[r] for _, _, r in scored]
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        cands = [(rid, load_of(self.role, snapshot[rid]), self.replica_queue_len_cache.get(r.replica_id) or 0)
+                 for rid, r in by_id.items()]
+        prompt = None
+        if pending_request is not None and self.prefix_aware:
+            prompt = decode_prompt(pending_request.metadata.call_method, pending_request.args)
+        hashes: dict[tuple[int, str], list[int]] = {}
+
+        def hashes_of(block_size: int, model: str) -> list[int] | None:
+            if prompt is None:
+                return None
+            if (block_size, model) not in hashes:
+                hashes[block_size, model] = prompt_hashes(prompt, block_size, model)
+            return hashes[block_size, model]
+
+        ranked, outcome = rank_decode(cands, hashes_of)
+        if prompt is not None:
+            count_decode_decision(outcome)
+        return [[by_id[rid]] for rid in ranked]
 
     def _rank_prefill(self, candidate_replicas: list[RunningReplica],
                       pending_request: PendingRequest | None) -> list[list[RunningReplica]]:

@@ -71,6 +71,23 @@ class BlockFilter:
         return len(hashes)
 
 
+def union(filters: list[bytes]) -> bytes:
+    """One filter holding every block of `filters` (a decode group's ranks): each folded to the smallest size
+    and OR-ed. Folding is exact because a probe is its hash arithmetic masked by the size, a power of two: bit
+    p of a filter of M bits is bit p mod m of the same filter at m bits, m dividing M."""
+    import numpy as np
+
+    filters = [f for f in filters if f]
+    if not filters:
+        return b""
+    m = min(len(f) for f in filters) * 8
+    out = np.zeros(m, dtype=bool)
+    for f in filters:
+        bits = np.unpackbits(np.frombuffer(f, dtype=np.uint8), bitorder="little")
+        out |= bits.reshape(-1, m).any(axis=0).astype(bool)
+    return np.packbits(out, bitorder="little").tobytes()
+
+
 def read_bits(value, name: str, field: str) -> bytes:
     """A filter's wire form, checked: bytes whose bit count is 0 or a power of two in [MIN_BITS, MAX_BITS]."""
     wire.check(type(value) is bytes, name, field, "bytes (a block filter)", value)

@@ -14,7 +14,8 @@ from cluster.errors import ProtocolError, ProtocolVersionError
 from cluster.protocol import wire
 from cluster.protocol.block_filter import read_bits
 
-ROUTING_STATS_VERSION = 3  # bump on any change to the fields below (3: a prefill replica's prefix view)
+ROUTING_STATS_VERSION = 4  # bump on any change to the fields below (3: a prefill replica's prefix view;
+# 4: a decode replica's)
 
 # The engine's prefix-cache figures a worker reports (engine stats()["prefix_cache"], less its hit rate):
 # running totals of prompt tokens looked up and reused, and the pool's cached and evicted blocks.
@@ -115,12 +116,18 @@ class DecodeLoad(_Load):
     dp_ranks: tuple[tuple[int, int, int, int], ...]  # per rank: (placed since start, KV used, KV total, running)
     grammar: tuple[tuple[str, int], ...]
     prefix_cache: tuple[tuple[str, int], ...] = ()  # PREFIX_CACHE_COUNTS of the group (summed over ADP ranks)
+    # Its group's prefix view (PrefillLoad's three fields; under ADP the union of its ranks' filters): the
+    # router sends a prompt to the replica holding its prefix, whose rank then pins it (router/policy.py).
+    block_size: int = 0
+    prefix_model: str = ""
+    cached_blocks: bytes = b""
 
     ROLE = "decode"
     READERS = {"replica": wire.text, "group_id": wire.text_or_none, "last_error": wire.text_or_none,
                "max_num_seqs": wire.integer, "num_requests": wire.integer, "num_running": wire.integer,
                "kv_blocks_used": wire.integer, "kv_blocks_total": wire.integer, "steps": wire.integer,
-               "dp_ranks": _rank_loads, "grammar": _counts, "prefix_cache": _counts}
+               "dp_ranks": _rank_loads, "grammar": _counts, "prefix_cache": _counts,
+               "block_size": wire.integer, "prefix_model": wire.text, "cached_blocks": read_bits}
 
 
 LOADS = {"prefill": PrefillLoad, "decode": DecodeLoad}

@@ -55,3 +55,13 @@ def test_a_malformed_filter_is_refused_with_its_field(value, message):
     with pytest.raises(ProtocolError, match=f"field 'cached_blocks' {message}"):
         read_bits(value, "prefill routing stats", "cached_blocks")
     assert read_bits(b"", "s", "f") == b""
+
+
+def test_a_union_of_filters_of_different_sizes_holds_every_member():
+    from cluster.protocol.block_filter import union
+
+    small, large = _hashes(50, 1), _hashes(5000, 2)
+    merged = BlockFilter(union([BlockFilter.build(small, 50).bits, BlockFilter.build(large, 5000).bits, b""]))
+    assert len(merged.bits) == len(BlockFilter.build(small, 50).bits)  # folded to the smallest
+    assert all(h in merged for h in small + large)
+    assert union([]) == b"" and union([b""]) == b""

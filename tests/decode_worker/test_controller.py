@@ -322,3 +322,16 @@ def test_a_request_cancelled_while_pinning_is_dropped_after_its_pin():
     ctrl.expect("b", asyncio.Queue())
     ctrl.cancel("a")
     assert cmds(ctrl) == [(P, "a"), (D, "a")]
+
+
+def test_the_group_view_is_the_union_of_its_ranks_views():
+    a, b = tuple(range(100, 141)), tuple(range(500, 541))
+    ctrl = DecodeController(tp_size=2, attention_dp=True)
+    assert ctrl.group_view() == (0, "", b"")  # nothing reported yet
+    ctrl.on_reports([report(0, view=view_of(a)), report(1, view=view_of(b))])
+    block_size, model, bits = ctrl.group_view()
+    union = BlockFilter(bits)
+    for tokens in (a, b):
+        hashes = extend_hashes([], list(tokens[:40]), BS, namespace_hash(MODEL))
+        assert union.leading_matches(hashes) == 10
+    assert (block_size, model) == (BS, MODEL)

@@ -91,3 +91,38 @@ def test_stats_are_read_as_records_and_an_unreadable_replica_scores_as_unknown()
     assert load_of("decode", {}) is None and load_of("prefill", None) is None  # not reported yet
     other_version = {**prefill(0, 1).to_wire(), "version": 0}
     assert load_of("prefill", other_version) is None  # logged; routed by in-flight counts only
+
+
+def _holding(load: DecodeLoad, prompt: list[int], block_size: int = 16) -> DecodeLoad:
+    """The same load with a prefix view holding the prompt's full blocks."""
+    from dataclasses import replace
+
+    from cluster.protocol.block_filter import BlockFilter
+    from engine.core.prefix_hash import extend_hashes, namespace_hash
+
+    hashes = extend_hashes([], prompt[: len(prompt) // block_size * block_size], block_size, namespace_hash("m"))
+    return replace(load, block_size=block_size, prefix_model="m",
+                   cached_blocks=BlockFilter.build(hashes, len(hashes)).bits)
+
+
+def test_a_decode_group_holding_the_prompt_wins_within_the_balance_guard():
+    from engine.core.prefix_hash import extend_hashes, namespace_hash
+
+    from router.policy import rank_decode
+
+    prompt = list(range(1000, 1000 + 16 * 100 + 3))  # 100 reusable blocks
+
+    def hashes_of(block_size, model):
+        usable = (len(prompt) - 1) // block_size
+        return extend_hashes([], prompt[: usable * block_size], block_size, namespace_hash(model))
+
+    light, busier = decode(10, 256, 1), decode(40, 256, 2)
+    # the holder is busier, but 100 held blocks of 256 outweigh its extra 30 blocks and a request
+    assert rank_decode([("a", light, 0), ("b", _holding(busier, prompt), 0)], hashes_of) == (["b", "a"], "prefix")
+    # without a prompt (or no view) decode goes by load
+    assert rank_decode([("a", light, 0), ("b", _holding(busier, prompt), 0)], lambda *_: None) == (["a", "b"], "load")
+    # the least loaded holds it: load decides
+    assert rank_decode([("a", _holding(light, prompt), 0), ("b", busier, 0)], hashes_of) == (["a", "b"], "load")
+    # the prompt would outweigh 140 more blocks too, but that is past the guard (a quarter of the pool): by load
+    crowded = decode(150, 256, 2)
+    assert rank_decode([("a", light, 0), ("b", _holding(crowded, prompt), 0)], hashes_of) == (["a", "b"], "balance")
