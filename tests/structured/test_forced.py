@@ -21,7 +21,7 @@ from structured.forced import ForcedTokenizer, forced_run, single_token
 from structured.request import StructuredOutput
 
 CASES = Path("/work/shared/data/jsonschemabench/cases")
-EVERY = 61  # every 61st dev case: about 130 schemas across every subset, in name order
+EVERY = 97  # every 97th dev case in name order: 81 schemas spread over every subset
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,9 @@ def _compiler(tokenizer) -> GrammarCompiler:
     return GrammarCompiler(tokenizer, len(tokenizer), compile_timeout_s=None)
 
 
-def _dev_instances(compiler: GrammarCompiler, tokenizer, limit: int):
-    """(case name, compiled grammar, structured, canonical token ids + EOS) of dev instances the grammar accepts."""
+def _dev_instances(compiler: GrammarCompiler, tokenizer):
+    """(case name, compiled grammar, structured, canonical token ids + EOS) of the first valid instance of every
+    EVERY-th dev case, where the grammar accepts it."""
     if not CASES.is_dir():
         pytest.skip(f"the JSONSchemaBench dev cases are not at {CASES}")
     eos = tokenizer.eos_token_id
@@ -64,28 +65,28 @@ def _dev_instances(compiler: GrammarCompiler, tokenizer, limit: int):
             if all(state.accept(t) for t in ids) and state.terminated:  # key order or formatting the grammar writes
                 out.append((path.name, grammar, structured, ids))
             break
-        if len(out) >= limit:
-            break
     return out
 
 
-def _check_runs_follow_the_canonical_tokenization(tokenizer, limit: int = 40) -> int:
+def _check_runs_follow_the_canonical_tokenization(tokenizer) -> int:
     compiler = _compiler(tokenizer)
     forced = ForcedTokenizer(tokenizer)
-    cases = _dev_instances(compiler, tokenizer, limit)
-    assert len(cases) >= limit // 2, f"only {len(cases)} dev instances accepted by their grammar"
+    cases = _dev_instances(compiler, tokenizer)
+    assert len(cases) >= 30, f"only {len(cases)} dev instances accepted by their grammar"
+    assert len({name.split("_")[0].split("-")[0] for name, *_ in cases}) >= 5, "too few subsets"
     scratch = compiler.allocate_bitmask(1)
-    total = 0
+    covered = 0  # positions with a forced run
     for name, grammar, structured, ids in cases:
         state = compiler.new_state(grammar, structured)
         for i in range(len(ids)):
             run = forced_run(state, forced, 8, tuple(ids[max(0, i - 4): i]), scratch)
             assert run == ids[i: i + len(run)], (name, i, tokenizer.convert_ids_to_tokens(run),
                                                  tokenizer.convert_ids_to_tokens(ids[i: i + len(run)]))
-            total += len(run)
+            covered += bool(run)
             assert state.accept(ids[i])
-    assert total > sum(len(ids) for *_, ids in cases), "forced runs should cover most positions of JSON"
-    return total
+    positions = sum(len(ids) for *_, ids in cases)
+    assert covered >= 0.2 * positions, (covered, positions)  # keys, separators, brackets: a real share of JSON
+    return covered
 
 
 def test_forced_runs_are_the_zoo_tokenizers_canonical_tokens(zoo_tokenizer):

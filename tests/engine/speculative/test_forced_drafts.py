@@ -33,7 +33,7 @@ def _one_thread(one_thread_module):
 
 @pytest.fixture(scope="module")
 def schemas():
-    """Six dev schemas from different subsets (every 97th case in name order) that compile."""
+    """Six dev schemas (every 97th case in name order: all BFCL function-calling schemas, a tool-call workload)."""
     if not CASES.is_dir():
         pytest.skip(f"the JSONSchemaBench dev cases are not at {CASES}")
     return [json.loads(p.read_text())["schema"] for p in sorted(CASES.glob("*.json"))[::97][:6]]
