@@ -2,8 +2,8 @@
 
     python -m bench.forced_drafts [--prompts 6] [--max-tokens 64] [--k 3] [--methods mtp,eagle3,ngram,grammar]
 
-Per prompt set (json-mode-eval schemas; JSONSchemaBench dev schemas, every 97th case in name order, a mix of
-subsets), batch 1, guided JSON (compact): mean acceptance length per verification step INCLUDING the bonus
+Per prompt set (json-mode-eval schemas; JSONSchemaBench dev schemas spread evenly over the cases in name order,
+so over its subsets), batch 1, guided JSON (compact): mean acceptance length per verification step INCLUDING the bonus
 token, and tokens/s against the engine without speculation, for each method with forced drafts on and off
 (`grammar` drafts nothing else, so off it is plain k+1-row steps: not run). Every speculative run's greedy
 outputs must equal the run without speculation (lossless). Every prompt runs once per engine before the
@@ -32,7 +32,8 @@ def prompt_sets(tokenizer, n: int, data: Path = DATA) -> dict[str, list[tuple[li
 
     items = sorted((data / "json-mode-eval/items").glob("*.json"), key=lambda p: int(p.stem.split("_")[1]))[:n]
     jme = [json.loads(p.read_text())["schema"] for p in items]
-    cases = sorted((data / "jsonschemabench/cases").glob("*.json"))[::97][:n]
+    cases = sorted((data / "jsonschemabench/cases").glob("*.json"))
+    cases = cases[len(cases) // (2 * n):: len(cases) // n][:n]  # spread over the subsets (names sort by subset)
     jsb = [json.loads(p.read_text())["schema"] for p in cases]
     return {name: [(chat_ids(tokenizer, schema_prompt(s)), s) for s in schemas]
             for name, schemas in (("json-mode-eval", jme), ("jsonschemabench", jsb))}
