@@ -2,9 +2,10 @@
 
 Each step's inputs are a dozen or more small host arrays (token ids, positions, KV slots, block tables, lengths,
 sampling columns). Copied one by one from pageable memory, each costs a `cudaMemcpyAsync` and a staging copy
-on the host: on an H200, about 18 such copies were a visible share of a batch-1 step that is host-bound
-(bench/results/gpu_check_cuda.md). Here they are packed into one pinned buffer, copied once, and handed out as
-typed views of one device buffer (vLLM keeps persistent pinned input buffers for the same reason).
+on the host: about 18 per batch-1 step on an H200, where the step is host-bound (bench/results/gpu_check_cuda.md).
+Here they are packed into one pinned buffer, copied once, and handed out as typed views of one device buffer
+(vLLM keeps persistent pinned input buffers for the same reason). Measured there, this alone moved no figure
+beyond the run-to-run spread (bench/results/staging_ab_cuda.md): the host's time goes elsewhere first.
 
 Pinned buffers are reused round robin, each only after the copy that last read it has finished (an event per
 buffer), so async scheduling may build the next step while the current one still runs. A CUDA graph's static inputs
