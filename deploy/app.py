@@ -39,7 +39,7 @@ def application(cfg: TandemConfig, api: tuple[str, int] | None = None) -> serve.
     control = {"num_cpus": 0, "resources": dict(cfg.router_resources)}
     decode = serve.deployment(
         DecodeServer, name="decode", num_replicas=cfg.decode_replicas, ray_actor_options=control,
-        max_ongoing_requests=cfg.max_num_seqs * 4, request_router_config=_routing("decode"),
+        max_ongoing_requests=cfg.max_num_seqs * 4, request_router_config=_routing("decode", cfg.prefix_aware_routing),
         health_check_period_s=5, graceful_shutdown_timeout_s=5,
     ).bind(cfg.decode().model_dump())
     router = serve.deployment(

@@ -33,7 +33,8 @@ class RouterSettings(BaseModel):
                                                                  "long to end before they are cut; within Serve's "
                                                                  "5 s graceful shutdown.")
     prefix_aware_routing: bool = Field(True, description="Send each prompt to the prefill replica that holds "
-                                                         "the longest cached prefix of it, weighed against "
+                                                         "the longest cached prefix of it, and to the decode "
+                                                         "replica whose group holds most of it, weighed against "
                                                          "load (router/policy.py); false: by load alone, "
                                                          "equal replicas in turn.")
     api_key: str | None = Field(None, repr=False, description=f"Bearer key every route but /health requires "
