@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from engine import (EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams,

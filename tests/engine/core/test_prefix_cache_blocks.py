@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.block_manager import BlockManager, BlockPool
+from engine.core.block_manager import BlockManager
 from engine.core.prefix_hash import ROOT, block_hash, extend_hashes, namespace_hash
 
 NS = namespace_hash("m")

@@ -1,6 +1,5 @@
 """engine/core/scheduler.py and the engine loop: budget, chunked prefill, mixed steps, the running cap,
 FCFS, preemption by recompute, and that every block is free after aborts and preemptions."""
-import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.core.block_manager import BlockManager

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.runner.overlap import carry_blocker
 from tests.support.spec import random_prompts, spec_config
 

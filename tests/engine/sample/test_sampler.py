@@ -1,5 +1,4 @@
 """engine/sample/sampler.py against plain-torch references written here."""
-import numpy as np
 import pytest
 import torch
 from scipy import stats

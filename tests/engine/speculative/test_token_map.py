@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, SpecConfig
+from engine import LLM, SpecConfig
 from engine.errors import ModelLoadError
 from engine.speculative.token_map import read_token_map
 from tests.support.draft_heads import make_eagle3_head, make_mtp_head

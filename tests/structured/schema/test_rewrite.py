@@ -1,7 +1,6 @@
 """structured/schema/rewrite.py: each rewrite gives an equivalent schema (checked with jsonschema on the
 rewrite's own candidates and on random strings) that structured.schema.support no longer refuses, and
 xgrammar enforces the result."""
-import json
 import random
 
 import jsonschema
