@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from cluster.protocol import Command, CommandKind, RankStep, StepReport, StreamError, TokenDelta
 from cluster.protocol.block_filter import BlockFilter, union
-from engine.core.prefix_hash import extend_hashes, namespace_hash
+from engine.core.prefix_hash import reusable_prompt_hashes
 
 Placement = tuple[int, ...]  # the ranks that hold a request, in order; the first reports its tokens
 
@@ -75,6 +75,7 @@ class DecodeController:
         self.rank_loads = [RankLoad() for _ in range(tp_size)]
         # ADP: what each rank's prefix cache holds (block size, hash namespace model, filter), from its reports
         self.rank_views: list[tuple[int, str, BlockFilter] | None] = [None] * tp_size
+        self._group_view: tuple[int, str, bytes] | None = None  # their union, until a rank sends a new view
         self.placed_for_prefix = 0  # ADP placements that went to a rank for the prompt blocks it holds
         self.placed_total = [0] * tp_size  # requests placed on each rank since the controller started
         self.kv_blocks_used = 0  # over the group (each block counted once: under TP every rank holds a slice)
@@ -138,11 +139,13 @@ class DecodeController:
 
     def group_view(self) -> tuple[int, str, bytes]:
         """What the group's prefix caches hold, for the router: (block size, hash namespace model, filter
-        bits), the union of its ranks' views (under TP rank 0's, which holds what every rank holds)."""
-        views = [v for v in self.rank_views if v is not None and v[0]]
-        if not views:
-            return 0, "", b""
-        return views[0][0], views[0][1], union([v[2].bits for v in views])
+        bits), the union of its ranks' views (under TP rank 0's, which holds what every rank holds). Serve
+        polls it twice a second; it is rebuilt only after a rank sent a new view."""
+        if self._group_view is None:
+            views = [v for v in self.rank_views if v is not None and v[0]]
+            self._group_view = ((views[0][0], views[0][1], union([v[2].bits for v in views])) if views
+                                else (0, "", b""))
+        return self._group_view
 
     def _held_blocks(self, prompt: tuple[tuple[int, ...], str | None]) -> list[int]:
         """Per rank: how many of the prompt's leading blocks its last prefix view holds (0 without one)."""
@@ -155,9 +158,7 @@ class DecodeController:
             block_size, model, filt = view
             key = (block_size, model)
             if key not in hashes:  # the ranks share one engine config: hashed once
-                usable = (len(tokens) - 1) // block_size  # the last prompt token is always computed
-                hashes[key] = extend_hashes([], list(tokens[:usable * block_size]), block_size,
-                                            namespace_hash(model, salt))
+                hashes[key] = reusable_prompt_hashes(tokens, block_size, model, salt)
             held.append(filt.leading_matches(hashes[key]))
         return held
 
@@ -203,6 +204,7 @@ class DecodeController:
         for r, rep in enumerate(reports):
             if rep.prefix_view is not None:
                 self.rank_views[r] = (rep.prefix_view[0], rep.prefix_view[1], BlockFilter(rep.prefix_view[2]))
+                self._group_view = None
         self.overlapped_steps = reports[0].overlapped_steps
         if self.attention_dp:  # each rank holds its own requests and blocks, and deserializes its own grammars
             self.kv_blocks_used = sum(r.kv_blocks_used for r in reports)
@@ -267,6 +269,7 @@ class DecodeController:
         self.kv_blocks_used = 0
         self.rank_loads = [RankLoad() for _ in range(self.tp_size)]
         self.rank_views = [None] * self.tp_size  # a new group's caches start empty
+        self._group_view = None
 
     # ------------------------------------------------------------------ internals
     def _on_arrived(self, rid: str, rank: int, stocked: bool = False) -> None:

@@ -125,11 +125,7 @@ class PrefillServer:
                            handovers_by_transport=tuple(s["handovers_by_transport"].items()),
                            prefix_cache=tuple(s["prefix_cache"].items()),
                            block_size=0 if pc is None else pc.block_size, prefix_model="" if pc is None else pc.model,
-                           cached_blocks=self._cached_blocks(), report_seq=self._reports).to_wire()
-
-    def _cached_blocks(self) -> bytes:
-        """The BlockFilter bits of the prefix cache's blocks (cluster/prefix_view.py)."""
-        return self._view.bits(self.engine)
+                           cached_blocks=self._view.bits(self.engine), report_seq=self._reports).to_wire()
 
     def __del__(self):
         loop = getattr(self, "loop", None)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from cluster.protocol.block_filter import BlockFilter
 from cluster.protocol.load import PrefillLoad
-from engine.core.prefix_hash import extend_hashes, namespace_hash
+from engine.core.prefix_hash import reusable_prompt_hashes
 from router.policy import PrefillCandidate, load_of, rank_prefill
 
 STALE_AFTER_S = 10.0  # twenty stats periods without a new report: Serve no longer hears from the replica
@@ -88,11 +88,8 @@ def decode_prompt(method: str, args: list) -> PromptKey | None:
 
 
 def prompt_hashes(prompt: PromptKey, block_size: int, model: str) -> list[int]:
-    """The chain hashes of the prompt's blocks an engine could reuse: its full blocks less one token (the
-    last prompt token is always computed, engine/core/prefix_cache.py)."""
-    usable = (len(prompt.token_ids) - 1) // block_size
-    return extend_hashes([], list(prompt.token_ids[:usable * block_size]), block_size,
-                         namespace_hash(model, prompt.cache_salt))
+    """The chain hashes of the prompt's blocks an engine could reuse (engine/core/prefix_hash.py)."""
+    return reusable_prompt_hashes(prompt.token_ids, block_size, model, prompt.cache_salt)
 
 
 class RecentRoutes:

@@ -40,3 +40,11 @@ def extend_hashes(hashes: list[int], token_ids: list[int], block_size: int, name
         parent = block_hash(parent, token_ids[b * block_size:(b + 1) * block_size], namespace)
         hashes.append(parent)
     return hashes
+
+
+def reusable_prompt_hashes(token_ids, block_size: int, model: str, cache_salt: str | None = None) -> list[int]:
+    """The chain hashes of a prompt's blocks an engine could reuse for it: its full blocks less the one with the
+    last prompt token (always computed, engine/core/prefix_cache.py). What a router or a decode controller
+    looks up in a worker's BlockFilter (cluster/protocol/block_filter.py)."""
+    usable = max(0, (len(token_ids) - 1) // block_size)
+    return extend_hashes([], list(token_ids[:usable * block_size]), block_size, namespace_hash(model, cache_salt))
