@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from bench.common import device_name, write_results
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from bench.common import device_name, shared_data, write_results
 
 
-def prompt_sets(tokenizer, n: int, data: Path = DATA) -> dict[str, list[tuple[list[int], dict | None]]]:
+def prompt_sets(tokenizer, n: int, data: Path | None = None) -> dict[str, list[tuple[list[int], dict | None]]]:
     """name -> [(prompt ids, schema or None)], the first n of each set (deterministic)."""
     from zoo.selfdistill import chat_ids, schema_prompt
+
+    data = data or shared_data()
 
     def user(text: str) -> list[int]:
         return chat_ids(tokenizer, [{"role": "user", "content": text}])
@@ -76,7 +76,8 @@ def spec(args) -> None:
 
     sets = prompt_sets(AutoTokenizer.from_pretrained(target), args.prompts)
     rows: list[dict] = []
-    results = {"model": "smollm2-135m-instruct", "device": device_name("cpu"), "threads": args.threads,
+    results = {"model": "smollm2-135m-instruct", "device": device_name(args.device), "on": args.device,
+               "dtype": args.dtype, "threads": args.threads,
                "max_tokens": args.max_tokens, "prompts": args.prompts, "runs": rows}
     for batch in args.batches:
         configs = [("none", 0, True, None)]
@@ -89,7 +90,8 @@ def spec(args) -> None:
                 configs.append((method, k, True, SpecConfig(method=method, k=k, draft=draft, draft_masks=True)))
                 if method != "ngram":
                     configs.append((method, k, False, SpecConfig(method=method, k=k, draft=draft, draft_masks=False)))
-        engines = {c[:3]: LLM(target, max_num_seqs=batch, num_kv_blocks=max(512, batch * 64), speculative=c[3])
+        engines = {c[:3]: LLM(target, device=args.device, dtype=args.dtype, max_num_seqs=batch,
+                              num_kv_blocks=max(512, batch * 64), speculative=c[3])
                    for c in configs}
         for name, prompts in sets.items():
             prompts = prompts[: max(args.prompts, batch)]
@@ -115,7 +117,7 @@ def spec(args) -> None:
         acc = f"{r['accepted_incl_bonus']:.2f}" if r["accepted_incl_bonus"] else "-"
         table.append(f"| {r['prompts']} | {r['batch']} | {r['method']} | {r['k']} | {'on' if r['draft_masks'] else 'off'} "
                      f"| {acc} | {r['tok_s']} | {r['speedup']:.2f}x | {r['lossless']} |")
-    print(write_results(args.name or "real_spec_cpu", results, "\n".join(table)))
+    print(write_results(args.name or f"real_spec_{args.device}", results, "\n".join(table)))
 
 
 def decode(args) -> None:
@@ -131,10 +133,15 @@ def decode(args) -> None:
     for batch in args.batches:
         systems = {}
         for dtype in ("float32", "bfloat16"):
-            for compile_mode in ("off", "layers"):
-                systems[f"tandem {dtype} {compile_mode}"] = LLM(target, dtype=dtype, max_num_seqs=batch,
-                                                                num_kv_blocks=batch * 16 + 64, cpu_compile=compile_mode)
-        hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+            # On a GPU the step is a captured CUDA graph; CPU compilation modes do not apply there.
+            for compile_mode in (("off", "layers") if args.device == "cpu" else ("graphs",)):
+                kw = {"cpu_compile": compile_mode} if args.device == "cpu" else {}
+                systems[f"tandem {dtype} {compile_mode}"] = LLM(target, device=args.device, dtype=dtype,
+                                                                max_num_seqs=batch, num_kv_blocks=batch * 16 + 64,
+                                                                **kw)
+        hf_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+        hf_name = f"transformers {str(hf_dtype).removeprefix('torch.')}"
+        hf = AutoModelForCausalLM.from_pretrained(target, dtype=hf_dtype).eval().to(args.device)
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
         best: dict = {}
         for llm in systems.values():
@@ -145,18 +152,18 @@ def decode(args) -> None:
                 llm.generate([prompt] * batch, params)
                 best[name] = max(best.get(name, 0.0), batch * args.new_tokens / (time.perf_counter() - start))
             with torch.inference_mode():
-                ids = torch.tensor([prompt] * batch)
+                ids = torch.tensor([prompt] * batch, device=args.device)
                 start = time.perf_counter()
-                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
-                            min_new_tokens=args.new_tokens, do_sample=False)
-                best["transformers float32"] = max(best.get("transformers float32", 0.0),
-                                                   batch * args.new_tokens / (time.perf_counter() - start))
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
+                                  min_new_tokens=args.new_tokens, do_sample=False)
+                out.cpu()  # waits for the GPU
+                best[hf_name] = max(best.get(hf_name, 0.0), batch * args.new_tokens / (time.perf_counter() - start))
         weight_bytes = {dt: sum(p.numel() for n, p in hf.named_parameters() if "embed" not in n) * size
                         for dt, size in (("float32", 4), ("bfloat16", 2))}
         for name, tok_s in best.items():
             dtype = name.split()[1]
             row = {"batch": batch, "system": name, "tok_s": round(tok_s, 1),
-                   "vs_transformers": round(tok_s / best["transformers float32"], 2)}
+                   "vs_transformers": round(tok_s / best[hf_name], 2)}
             if batch == 1:
                 row["weights_gb_s"] = round(tok_s * weight_bytes[dtype] / 1e9, 1)
             rows.append(row)
@@ -165,9 +172,9 @@ def decode(args) -> None:
     table = ["| batch | system | tok/s | vs transformers | weights GB/s (batch 1) |", "|---|---|---|---|---|"]
     table += [f"| {r['batch']} | {r['system']} | {r['tok_s']} | {r['vs_transformers']}x | {r.get('weights_gb_s', '-')} |"
               for r in rows]
-    results = {"model": "smollm2-135m-instruct", "device": device_name("cpu"), "threads": args.threads,
-               "new_tokens": args.new_tokens, "runs": rows}
-    print(write_results(args.name or "real_decode_cpu", results, "\n".join(table)))
+    results = {"model": "smollm2-135m-instruct", "device": device_name(args.device), "on": args.device,
+               "threads": args.threads, "new_tokens": args.new_tokens, "runs": rows}
+    print(write_results(args.name or f"real_decode_{args.device}", results, "\n".join(table)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,8 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--name", default=None, help="results file name under bench/results/")
+    ap.add_argument("--name", default=None, help="results file name under bench/results/ (default real_<what>_<device>)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the engine with its CUDA graphs, transformers in bf16)")
+    ap.add_argument("--dtype", default=None, help="spec: the engine's dtype (default: the checkpoint's; bfloat16 on cuda)")
     args = ap.parse_args(argv)
+    if args.dtype is None and args.device != "cpu":
+        args.dtype = "bfloat16"
     args.batches = [int(b) for b in (args.batches or ("1,16" if args.what == "spec" else "1,16,64")).split(",")]
     args.ks = [int(k) for k in args.ks.split(",")]
     args.methods = args.methods.split(",")

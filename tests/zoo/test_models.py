@@ -19,3 +19,16 @@ def test_an_unknown_name_is_an_error_listing_the_names(capsys):
     assert main(["path", "no-such-model"]) == 2
     out = capsys.readouterr().out
     assert "unknown model 'no-such-model'" in out and "smollm2-135m-instruct" in out
+
+
+def test_the_gguf_can_be_named_by_the_environment(tmp_path, monkeypatch):
+    """$TANDEM_SMOLLM2_GGUF: the same file on a node where the package cannot be installed; a missing file there is
+    reported as missing, not silently replaced by the package's copy."""
+    from zoo.models import smollm2_gguf
+
+    copy = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    copy.write_bytes(b"GGUF")
+    monkeypatch.setenv("TANDEM_SMOLLM2_GGUF", str(copy))
+    assert smollm2_gguf() == copy
+    monkeypatch.setenv("TANDEM_SMOLLM2_GGUF", str(tmp_path / "absent.gguf"))
+    assert smollm2_gguf() is None
