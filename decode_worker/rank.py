@@ -332,7 +332,8 @@ class DecodeRank:
         logprobs = ()
         if out.logprobs is not None:
             logprobs = tuple((lp.token_id, lp.logprob, lp.top) for lp in out.logprobs[sent:])
-        return TokenDelta(out.request_id, tuple(new), out.finished, out.finish_reason, logprobs)
+        return TokenDelta(out.request_id, tuple(new), out.finished, out.finish_reason, logprobs,
+                          out.speculative if out.finished else None)
 
     def _warm_grammar(self, header) -> None:
         """The header's compiled grammar loaded on the channel thread, not at reserve on the step thread."""

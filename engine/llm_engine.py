@@ -242,9 +242,9 @@ class LLMEngine:
                     req.prompt_token_ids, req.params.prompt_logprobs, self.cfg.max_num_batched_tokens)
             num_drafts, accepted = res.num_drafts[b], len(emitted) - 1
             req.num_computed_tokens -= num_drafts - accepted
-            req.spec_token_ids = []
-            if req.num_output_tokens and s.num_new_tokens == num_drafts + 1:
-                self.spec_stats.count(req, num_drafts, accepted)  # decoding, not a prompt's end
+            if req.num_output_tokens and s.num_new_tokens == num_drafts + 1:  # decoding, not a prompt's end
+                self.spec_stats.count(req, num_drafts, accepted, (req.spec_forced & (1 << num_drafts) - 1).bit_count())
+            req.spec_token_ids, req.spec_forced = [], 0
             n = 0
             while n < len(emitted) and req.status is RequestStatus.RUNNING:
                 if req.params.logprobs is not None:
@@ -270,7 +270,8 @@ class LLMEngine:
             else:
                 req.spec_token_ids = self.drafter.next_drafts(req, res.drafts[b] if res.drafts else None,
                                                               rejected=num_drafts - accepted,
-                                                              forced=self.guided.forced_drafts(req))
+                                                              forced=self.guided.forced_drafts(req),
+                                                              forced_steps=self.guided.forced_steps(req))
         if self.prefix_cache is not None:
             for s in scheduled:
                 if not s.request.status.finished:
@@ -361,7 +362,8 @@ class LLMEngine:
             new_token_ids=new, text=req.detokenizer.visible_text(finished) if req.detokenizer is not None else "",
             finished=finished, finish_reason=req.finish_reason,
             stop_reason=req.stop_reason, logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            metrics=req.metrics, error=req.error, prompt_logprobs=req.prompt_logprobs)
+            metrics=req.metrics, error=req.error, prompt_logprobs=req.prompt_logprobs,
+            speculative=self.spec_stats.usage(req))
 
     # ------------------------------------------------------------------ disaggregation hooks (engine/handovers.py)
     def take_handover(self, request_id: str) -> Handover:

@@ -48,7 +48,9 @@ class Choices:
         self._closed = False
 
     def usage(self) -> R.Usage:
-        return R.Usage(self.prompt_tokens, sum(w.usage.completion_tokens for w in self.writers))
+        spec = [w.usage.speculative for w in self.writers if w.usage.speculative is not None]
+        return R.Usage(self.prompt_tokens, sum(w.usage.completion_tokens for w in self.writers),
+                       sum(spec[1:], spec[0]) if spec else None)
 
     async def collect(self) -> dict:
         status = 500

@@ -22,6 +22,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.feed_link import FeedLinkError
 from cluster.protocol import PrefillRequest, PrefillResult, StreamError
 from engine.errors import TandemError
+from engine.outputs import SpecUsage
 from engine.sampling_params import SamplingParams
 from router.decode_feed import DecodeFeeds, FeedBroken
 from router.errors import APIError
@@ -38,6 +39,7 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     logprobs: tuple = ()
     finish_reason: str | None = None  # set on the last event
+    speculative: SpecUsage | None = None  # the decode side's speculation counts, on the last event
 
 
 def api_error(e: BaseException) -> APIError:
@@ -122,7 +124,8 @@ class Generation:
                 if isinstance(item, FeedBroken):
                     self._close(cancel=True)  # the replica is most likely gone; if not, it must not decode on
                     raise api_error(item.error)
-                yield TokenEvent(item.token_ids, item.logprobs, item.finish_reason if item.finished else None)
+                yield TokenEvent(item.token_ids, item.logprobs, item.finish_reason if item.finished else None,
+                                 item.speculative)
                 if item.finished:
                     self._close(cancel=False)
                     return

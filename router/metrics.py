@@ -1,5 +1,6 @@
 """Prometheus metrics of the router (GET /metrics): requests, TTFT, inter-token latency, tokens,
-queue length, and the KV usage and prefix-cache counters the workers report. One private registry per router replica."""
+queue length, speculative decoding per method, and the KV usage and prefix-cache counters the workers report. One
+private registry per router replica."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -57,6 +58,16 @@ class RouterMetrics:
                                          "since it started, by what carried the payload: gloo, nccl or ipc "
                                          "(CUDA IPC / shared memory).", ["model", "replica", "transport"],
                                          registry=r)
+        # Speculation per method, summed over the finished requests whose counts the decode side reported
+        # (usage.speculative): mean acceptance length = (accepted + verify_steps) / verify_steps.
+        spec = ["model", "method"]
+        self.spec_drafts = Counter("tandem_spec_decode_draft_tokens", "Draft tokens verified (forced ones included).",
+                                   spec, registry=r)
+        self.spec_accepted = Counter("tandem_spec_decode_accepted_tokens", "Draft tokens accepted.", spec, registry=r)
+        self.spec_forced = Counter("tandem_spec_decode_forced_tokens", "Draft tokens a guided request's grammar "
+                                   "forced (among the verified drafts).", spec, registry=r)
+        self.spec_steps = Counter("tandem_spec_decode_verify_steps", "Decoding steps that verified drafts (each "
+                                  "emits the accepted drafts plus one token).", spec, registry=r)
         self.handover_s = Gauge("tandem_handover_seconds_recent", "Mean KV hand-over payload time of recent "
                                 "requests (decode side).", ["model"], registry=r).labels(**labels)
         self.handover_bw = Gauge("tandem_handover_bytes_per_second_recent", "KV hand-over bandwidth of recent "
@@ -108,6 +119,14 @@ class RouterMetrics:
         self._transports.setdefault(replica, set()).update(counts)  # registered by `grammar` as a worker
         for transport, n in counts.items():
             self.handover_transports.labels(model=self._labels["model"], replica=replica, transport=transport).set(n)
+
+    def speculation(self, usage) -> None:
+        """One finished request's speculation counts (engine.outputs.SpecUsage)."""
+        lab = dict(model=self._labels["model"], method=usage.method)
+        self.spec_drafts.labels(**lab).inc(usage.draft_tokens)
+        self.spec_accepted.labels(**lab).inc(usage.accepted_tokens)
+        self.spec_forced.labels(**lab).inc(usage.forced_tokens)
+        self.spec_steps.labels(**lab).inc(usage.verify_steps)
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(model=self._labels["model"], endpoint=endpoint, status=str(status)).inc()

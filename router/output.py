@@ -62,6 +62,9 @@ class ResponseWriter:
                 return
             if ev.finish_reason is not None:
                 self.finish_reason = ev.finish_reason
+                if ev.speculative is not None:
+                    self.usage.speculative = ev.speculative
+                    self.router.metrics.speculation(ev.speculative)
                 last = text + self.det.flush().text
                 if ev.finish_reason == "stop":
                     self._check("".join(self._text) + last)

@@ -5,6 +5,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from engine.outputs import SpecUsage
 from router.token_text import TokenText
 
 
@@ -12,10 +13,17 @@ from router.token_text import TokenText
 class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
+    # Speculative decoding's counts over the choices the decode side reported them for (vLLM's and SGLang's
+    # per-request acceptance), the extension object `usage.speculative`; absent without speculation, and
+    # for a choice the router ended itself (a stop string) or that finished with its first token.
+    speculative: SpecUsage | None = None
 
     def body(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+        body = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.speculative is not None:
+            body["speculative"] = self.speculative.body()
+        return body
 
 
 @dataclass(slots=True)

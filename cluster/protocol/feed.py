@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from cluster.protocol import wire
 from cluster.protocol.step import TokenDelta
 
-FEED_LINK_VERSION = 1  # bump on any change to the wire forms below or to TokenDelta's (exchanged when a link opens)
+FEED_LINK_VERSION = 2  # bump on any change to the wire forms below or to TokenDelta's (exchanged when a link opens;
+# 2: TokenDelta.speculative)
 
 
 @dataclass(frozen=True, slots=True)

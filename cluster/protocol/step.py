@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 from cluster.protocol import wire
 from cluster.protocol.block_filter import read_bits
+from engine.outputs import SpecUsage
 
-STEP_LINK_VERSION = 4  # bump on any change to a WIRE below (exchanged when a step link opens; 3: PIN, StepReport.reused;
-# 4: StepReport.prefix_view)
+STEP_LINK_VERSION = 5  # bump on any change to a WIRE below (exchanged when a step link opens; 3: PIN, StepReport.reused;
+# 4: StepReport.prefix_view; 5: TokenDelta.speculative)
 
 
 class CommandKind(enum.Enum):
@@ -88,29 +89,48 @@ class TokenDelta:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     logprobs: tuple = ()  # (token id, logprob, {top id: logprob} | None) per new token, when asked
+    # The request's speculation counts, on its last delta only (the router's usage.speculative); None without
+    # speculation or on any other delta. Wire form: SpecUsage's fields in order.
+    speculative: SpecUsage | None = None
 
-    WIRE = ("request_id", "token_ids", "finished", "finish_reason", "logprobs")
+    WIRE = ("request_id", "token_ids", "finished", "finish_reason", "logprobs", "speculative")
 
     def to_wire(self) -> tuple:
-        return (self.request_id, self.token_ids, self.finished, self.finish_reason, self.logprobs)
+        spec = self.speculative
+        return (self.request_id, self.token_ids, self.finished, self.finish_reason, self.logprobs,
+                None if spec is None else (spec.method, spec.draft_tokens, spec.accepted_tokens, spec.forced_tokens,
+                                           spec.verify_steps))
 
     @staticmethod
     def from_wire(raw) -> "TokenDelta":
         # A step's deltas are most of what its report carries: the common shape (no logprobs) is checked in
         # one expression; anything else is read field by field, which names what is wrong.
-        if (type(raw) is tuple and len(raw) == 5 and type(raw[0]) is str and type(raw[1]) is tuple
-                and type(raw[2]) is bool and raw[3] in FINISH_REASONS and raw[4] == ()
+        if (type(raw) is tuple and len(raw) == 6 and type(raw[0]) is str and type(raw[1]) is tuple
+                and type(raw[2]) is bool and raw[3] in FINISH_REASONS and raw[4] == () and raw[5] is None
                 and all(type(t) is int for t in raw[1])):
             return TokenDelta(*raw)
         return TokenDelta._read(raw)
 
     @staticmethod
     def _read(raw) -> "TokenDelta":
-        rid, token_ids, finished, reason, logprobs = wire.record(raw, "TokenDelta", TokenDelta.WIRE)
+        rid, token_ids, finished, reason, logprobs, spec = wire.record(raw, "TokenDelta", TokenDelta.WIRE)
         wire.check(reason in FINISH_REASONS, "TokenDelta", "finish_reason", f"one of {FINISH_REASONS}", reason)
         return TokenDelta(wire.text(rid, "TokenDelta", "request_id"), wire.ints(token_ids, "TokenDelta", "token_ids"),
                           wire.flag(finished, "TokenDelta", "finished"), reason,
-                          tuple(_logprob(lp) for lp in wire.array(logprobs, "TokenDelta", "logprobs")))
+                          tuple(_logprob(lp) for lp in wire.array(logprobs, "TokenDelta", "logprobs")),
+                          None if spec is None else _spec_usage(spec))
+
+
+def _spec_usage(raw) -> SpecUsage:
+    n = "TokenDelta speculative"
+    method, drafted, accepted, forced, steps = wire.record(raw, n, ("method", "draft_tokens", "accepted_tokens",
+                                                                    "forced_tokens", "verify_steps"))
+    drafted, accepted = wire.integer(drafted, n, "draft_tokens"), wire.integer(accepted, n, "accepted_tokens")
+    forced, steps = wire.integer(forced, n, "forced_tokens"), wire.integer(steps, n, "verify_steps")
+    wire.check(0 <= accepted <= drafted, n, "accepted_tokens", f"in [0, draft_tokens={drafted}]", accepted)
+    wire.check(0 <= forced <= drafted, n, "forced_tokens", f"in [0, draft_tokens={drafted}]", forced)
+    wire.check(steps >= 1, n, "verify_steps", "at least 1", steps)
+    return SpecUsage(wire.text(method, n, "method"), drafted, accepted, forced, steps)
 
 
 def _logprob(raw) -> tuple[int, float, dict[int, float] | None]:

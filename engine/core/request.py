@@ -44,6 +44,7 @@ class RequestMetrics:
     # speculation (filled when a draft method runs)
     num_draft_tokens: int = 0  # drafts verified
     num_accepted_tokens: int = 0  # drafts accepted
+    num_forced_tokens: int = 0  # drafts verified that the grammar forced (SpecConfig.forced_drafts)
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per decoding step (accepted + 1)
 
     @property
@@ -63,6 +64,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of token_ids' full blocks (prefix caching)
     num_cached_blocks: int = 0  # leading blocks of its table registered in the prefix cache (or found there)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (after token_ids)
+    spec_forced: int = 0  # bit j set: spec_token_ids[j] is a token the grammar forced, not a guess
     draft_hidden: torch.Tensor | None = None  # the draft head's input at the last prompt row (hand-over)
     status: RequestStatus = RequestStatus.WAITING
     prefill_only: bool = False

@@ -52,6 +52,10 @@ class GrammarMasker(LogitsMasker):
         self._runs: dict[int, tuple[int, list[int]]] = {}  # batch row -> (first draft step, forced run) this step
         self._cpu_rows: torch.Tensor | None = None  # [k+1, W] host scratch when the step's device is not the CPU
         self._one_row: torch.Tensor | None = None  # [1, W] host scratch of forced runs' single-token checks
+        self._forced_bits: dict[int, int] = {}  # batch row -> draft steps (bit j: draft j) given a forced token
+        # request id -> its draft steps of the step last read that drafted a forced token (bit j: draft j), what
+        # the engine counts as forced drafts (SpecUsage.forced_tokens); kept past end_step, replaced by the next
+        self.forced_steps: dict[str, int] = {}
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, structured: StructuredOutput, output_token_ids: list[int] = (),
@@ -114,9 +118,13 @@ class GrammarMasker(LogitsMasker):
         self._rows = [(b, self.states[r.request_id], r) for b, r in enumerate(rows)
                       if r.samples and r.request_id in self.states and not self.states[r.request_id].terminated]
         self._step_tails = {b: self._tails.get(r.request_id, ()) for b, _, r in self._rows}
+        self._forced_bits = {}
+        self.forced_steps = {}
         return bool(self._rows)
 
     def end_step(self) -> None:
+        self.forced_steps = {r.request_id: self._forced_bits[b] for b, _, r in self._rows if b in self._forced_bits}
+        self._forced_bits = {}
         self._rows = []
         self._step_tails = {}
         self._runs = {}
@@ -159,6 +167,7 @@ class GrammarMasker(LogitsMasker):
                 # inside a forced run: no matcher work
                 self._write_row(bitmask, b, lambda target, row, t=run[step - start]: _only(target, row, t))
                 flags[b] = True
+                self._forced_bits[b] = self._forced_bits.get(b, 0) | 1 << step
                 continue
             path = new + so_far
             n = 0
@@ -174,6 +183,7 @@ class GrammarMasker(LogitsMasker):
                     self._runs[b] = (step, run)
                 if run:
                     self._write_row(bitmask, b, lambda target, row, t=run[0]: _only(target, row, t))
+                    self._forced_bits[b] = self._forced_bits.get(b, 0) | 1 << step
                 else:
                     self._write_row(bitmask, b, state.fill_bitmask)
                 flags[b] = True

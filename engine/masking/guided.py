@@ -122,6 +122,11 @@ class GuidedRequests:
             return None
         return lambda limit: self.grammar.forced_drafts(req.request_id, limit)
 
+    def forced_steps(self, req: Request) -> int:
+        """The draft steps of the step just read in which the draft network drafted a token `req`'s grammar
+        forced (bit j: draft j; GrammarMasker.forced_steps)."""
+        return self.grammar.forced_steps.get(req.request_id, 0) if self.grammar is not None else 0
+
     def accept(self, request_id: str, token: int) -> None:
         if self.masker is not None:
             self.masker.accept(request_id, [token])

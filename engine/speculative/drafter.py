@@ -123,7 +123,7 @@ class Drafter:
 
     # ------------------------------------------------------------------ drafts
     def next_drafts(self, req: Request, step_drafts: list[int] | None, rejected: int = 0,
-                    forced: Callable[[int], list[int]] | None = None) -> list[int]:
+                    forced: Callable[[int], list[int]] | None = None, forced_steps: int = 0) -> list[int]:
         """The drafts a request carries into its next step: the draft network's, or prompt lookup's;
         never more than the request may still emit after the next step's own token, counted as if the
         step just read had accepted its `rejected` drafts too. That is the count a step planned before
@@ -132,13 +132,19 @@ class Drafter:
         tokens of max_tokens.
         forced(limit): up to `limit` tokens the request's grammar forces next. A drafter without a draft
         network drafts them first, then looks up after them; a draft network got them through its draft
-        masks inside the step (engine/masking/grammar.py), so its drafts already start with them."""
+        masks inside the step (engine/masking/grammar.py), so its drafts already start with them;
+        `forced_steps` says which (bit j: draft j). Sets req.spec_forced: which of the drafts are forced."""
         room = min(self.k, draft_room(req, rejected))
+        req.spec_forced = 0
         if room <= 0:  # always at k = 0
             return []
         if self.proposer is not None:
-            return list(step_drafts[:room]) if step_drafts is not None else []
+            if step_drafts is None:
+                return []
+            req.spec_forced = forced_steps & ((1 << room) - 1)
+            return list(step_drafts[:room])
         lead = forced(room) if forced is not None and self.spec.forced_drafts else []
+        req.spec_forced = (1 << min(len(lead), room)) - 1
         if self.spec.method == "grammar" or len(lead) >= room:
             return lead[:room]
         return lead + propose_ngram(req.token_ids + lead, room - len(lead), self.spec.prompt_lookup_min,

@@ -11,6 +11,7 @@ from cluster.errors import ProtocolError, ProtocolVersionError
 from cluster.feed_link import FeedLinkAddress, FeedLinkError, FeedLinkServer, read_feed_link
 from cluster.framing import frame, read_frame
 from cluster.protocol import FEED_LINK_VERSION, FeedBatch, StreamError, TokenDelta, wire
+from engine.outputs import SpecUsage
 
 
 def feed_batch(*items: tuple[str, int]) -> FeedBatch:
@@ -204,7 +205,7 @@ def test_a_malformed_batch_is_a_protocol_error_naming_the_field():
         await reader.readexactly(32)
         await read_frame(reader, "hello")
         writer.write(frame(wire.hello("feed", FEED_LINK_VERSION)))
-        writer.write(frame((("r", "delta", ("r", (1,), "no", None, ())),)))
+        writer.write(frame((("r", "delta", ("r", (1,), "no", None, (), None)),)))
         await writer.drain()
 
     async def main():
@@ -221,7 +222,7 @@ def test_a_malformed_batch_is_a_protocol_error_naming_the_field():
     ((("r", "token", ()),), "FeedBatch item field 'kind' must be one of"),
     ((("r", "error", ("gone", "unavailable_error", 200)),), "StreamError field 'status' must be an HTTP error"),
     ((("r", "error", ("gone", "unavailable_error")),), "StreamError must have 3 fields"),
-    (((7, "delta", ("r", (1,), False, None, ())),), "FeedBatch item field 'request_id' must be a str"),
+    (((7, "delta", ("r", (1,), False, None, (), None)),), "FeedBatch item field 'request_id' must be a str"),
     ({"r": 1}, "FeedBatch field 'items' must be an array"),
 ])
 def test_batch_records_are_read_strictly(raw, message):
@@ -230,7 +231,8 @@ def test_batch_records_are_read_strictly(raw, message):
 
 
 def test_a_batch_round_trips_through_msgpack():
-    sent = FeedBatch((("a", TokenDelta("a", (1, 2), True, "stop", ((1, -0.1, None), (2, -0.2, {2: -0.2})))),
+    sent = FeedBatch((("a", TokenDelta("a", (1, 2), True, "stop", ((1, -0.1, None), (2, -0.2, {2: -0.2})),
+                                       SpecUsage("ngram", 9, 4, 2, 6))),
                       ("b", StreamError("the decode group is restarting", "unavailable_error", 503))))
     assert FeedBatch.from_wire(wire.unpack(wire.pack(sent.to_wire()), "batch")) == sent
 

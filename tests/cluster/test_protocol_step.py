@@ -7,6 +7,7 @@ import pytest
 from cluster.errors import ProtocolError
 from cluster.protocol import Command, CommandKind, RankStep, StepReport, TokenDelta
 from cluster.protocol import wire
+from engine.outputs import SpecUsage
 
 
 def through_msgpack(value):
@@ -18,7 +19,8 @@ def full_report() -> StepReport:
         tp_rank=1,
         deltas=(TokenDelta("a", (5, 6, 7), False, None),
                 TokenDelta("b", (9,), True, "length", ((9, -0.5, {9: -0.5, 3: -1.25}),)),
-                TokenDelta("c", (), True, "abort", ((4, -2.0, None),))),
+                TokenDelta("c", (), True, "abort", ((4, -2.0, None),)),
+                TokenDelta("s", (1, 2), True, "stop", speculative=SpecUsage("mtp", 12, 7, 3, 5))),
         arrived=("d", "e"), landed=("f",), failed=(("g", "peer went away"),), deferred=("h",),
         kv_blocks_used=17, kv_blocks_total=256, num_running=3, step_seconds=0.0125,
         handover_seconds=(("f", 0.002, 0.0005, 4096),), reserved=("d",), grammar=(("compiles", 2), ("hits", 5)),
@@ -77,11 +79,16 @@ def _with(record_wire: tuple, names: tuple[str, ...], field: str, value) -> tupl
     ("handover_seconds", (("f", 0.1, 0.1, 1.5),), "StepReport handover_seconds field 'bytes' must be an int"),
     ("prefix_view", (16, "m"), "StepReport.prefix_view must have 3 fields"),
     ("prefix_view", (16, "m", b"\x01" * 3), "StepReport.prefix_view field 'bits' must be a power of two"),
-    ("deltas", (("a", (1, "2"), False, None, ()),), "TokenDelta field 'token_ids' must be an array of ints"),
-    ("deltas", (("a", (1,), False, "eos", ()),), "TokenDelta field 'finish_reason' must be one of"),
-    ("deltas", (("a", (1,), 0, None, ()),), "TokenDelta field 'finished' must be a bool"),
-    ("deltas", (("a", (1,), False, None),), "TokenDelta must have 5 fields"),
-    ("deltas", (("a", (1,), False, None, ((1, -0.5, {"1": -0.5}),)),), "TokenDelta logprob field 'top'"),
+    ("deltas", (("a", (1, "2"), False, None, (), None),), "TokenDelta field 'token_ids' must be an array of ints"),
+    ("deltas", (("a", (1,), False, "eos", (), None),), "TokenDelta field 'finish_reason' must be one of"),
+    ("deltas", (("a", (1,), 0, None, (), None),), "TokenDelta field 'finished' must be a bool"),
+    ("deltas", (("a", (1,), False, None, ()),), "TokenDelta must have 6 fields"),
+    ("deltas", (("a", (1,), False, None, ((1, -0.5, {"1": -0.5}),), None),), "TokenDelta logprob field 'top'"),
+    ("deltas", (("a", (1,), True, "stop", (), ("mtp", 3, 4, 0, 2)),), "field 'accepted_tokens' must be in"),
+    ("deltas", (("a", (1,), True, "stop", (), ("mtp", 3, 1, 4, 2)),), "field 'forced_tokens' must be in"),
+    ("deltas", (("a", (1,), True, "stop", (), ("mtp", 0, 0, 0, 0)),), "field 'verify_steps' must be at least 1"),
+    ("deltas", (("a", (1,), True, "stop", (), ("mtp", 3, 1, 0)),), "TokenDelta speculative must have 5 fields"),
+    ("deltas", (("a", (1,), True, "stop", (), (3, 3, 1, 0, 1)),), "speculative field 'method' must be a str"),
 ])
 def test_a_malformed_report_names_its_field(field, value, message):
     raw = _with(through_msgpack(full_report().to_wire()), StepReport.WIRE, field, value)

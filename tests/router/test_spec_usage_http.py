@@ -1,0 +1,81 @@
+"""Per-request speculation counts through the served path (issue 36 item 3): the decode rank's engine counts
+them, its last TokenDelta carries them to the router, which answers them as `usage.speculative` (chat and
+completions, whole and streamed with include_usage; summed over n choices) and adds them to /metrics per
+method. The application speculates with the target as its own draft model, so every draft is accepted and
+the counts are exact; a guided request's forced drafts are counted, an unguided one's are not."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from deploy.metrics_probe import scrape
+from deploy.testing import start_app, stop_app
+
+pytestmark = pytest.mark.ray
+
+K = 3
+MAX_TOKENS = 16
+SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"}},
+          "required": ["kind", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def spec_server(tandem_server):
+    server = start_app(tandem_server, "specusage", speculative_method="draft_model", draft=tandem_server.model_dir,
+                       num_speculative_tokens=K, tp=1, rank_num_cpus=0.5, prefill_num_cpus=0.5)
+    try:
+        yield server
+    finally:
+        stop_app("specusage")
+
+
+def _exact(spec: dict, completion_tokens: int, choices: int = 1) -> None:
+    """The target drafting for itself accepts every draft; the first token of each choice is the prefill's."""
+    assert spec["method"] == "draft_model"
+    assert spec["accepted_tokens"] == spec["draft_tokens"] > 0
+    assert completion_tokens == choices + spec["accepted_tokens"] + spec["verify_steps"]
+    assert spec["acceptance_length"] == pytest.approx((spec["accepted_tokens"] + spec["verify_steps"])
+                                                      / spec["verify_steps"], abs=1e-4)
+    assert spec["draft_tokens"] <= K * spec["verify_steps"]
+
+
+def test_usage_carries_the_counts_whole_and_streamed(spec_server):
+    with spec_server.openai(timeout=300) as client:
+        done = client.completions.create(model=spec_server.model, prompt="Hello, how are you?", max_tokens=MAX_TOKENS,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        spec = done.usage.model_extra["speculative"]
+        _exact(spec, done.usage.completion_tokens)
+        assert done.usage.completion_tokens == MAX_TOKENS and spec["forced_tokens"] == 0
+
+        stream = client.chat.completions.create(model=spec_server.model, max_tokens=MAX_TOKENS, temperature=0,
+                                                messages=[{"role": "user", "content": "Name a pet."}], stream=True,
+                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        assert all(c.usage is None for c in chunks[:-1])
+        _exact(chunks[-1].usage.model_extra["speculative"], chunks[-1].usage.completion_tokens)
+
+        two = client.completions.create(model=spec_server.model, prompt="The quick brown fox", max_tokens=MAX_TOKENS,
+                                        temperature=0, n=2, seed=5, extra_body={"ignore_eos": True})
+        _exact(two.usage.model_extra["speculative"], two.usage.completion_tokens, choices=2)
+
+        guided = client.chat.completions.create(
+            model=spec_server.model, max_tokens=40, temperature=0, messages=[{"role": "user", "content": "A pet?"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}})
+        spec = guided.usage.model_extra["speculative"]
+        assert 0 < spec["forced_tokens"] <= spec["draft_tokens"]  # `{"kind": "` and friends
+
+
+def test_metrics_count_per_method(spec_server):
+    def counts() -> dict[str, float]:
+        samples = scrape(httpx.get(f"{spec_server.base_url}/metrics", timeout=30).text)
+        return {name: samples.get((f"tandem_spec_decode_{name}_total", (("method", "draft_model"),
+                                                                       ("model", spec_server.model))), 0.0)
+                for name in ("draft_tokens", "accepted_tokens", "forced_tokens", "verify_steps")}
+
+    before = counts()
+    with spec_server.openai(timeout=300) as client:
+        done = client.completions.create(model=spec_server.model, prompt="def add(a, b):", max_tokens=MAX_TOKENS,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    after = counts()
+    spec = done.usage.model_extra["speculative"]
+    assert {n: after[n] - before[n] for n in after} == {n: spec[n] for n in after}
