@@ -25,6 +25,7 @@ from kernels._verify_triton import rejection_from_probs
 from kernels.attention import paged_attention_triton, store_kv_triton
 from kernels.bitmask import apply_token_bitmask_triton
 from kernels.kv_transfer import pack_kv_triton, unpack_kv_triton
+from kernels.mla_attention import mla_attention_triton, store_latent_triton
 from kernels.norm_rope import apply_rope_triton, rms_norm_triton
 from kernels.verify import verify_greedy_triton
 
@@ -131,6 +132,27 @@ def _attention_launches(m: ModelShape, dtype: torch.dtype, page: int, B: int, q_
                            q_len, kv_len)
 
 
+# MLA (DeepSeek-V3: kv_lora_rank 512, qk_rope_head_dim 64): the heads one rank attends with, whole (ADP) and
+# under tensor parallelism over 8.
+MLA_SHAPES = ((128, 512, 64), (16, 512, 64))
+
+
+def _mla_launches(heads: int, latent: int, rope: int, dtype: torch.dtype, page: int, B: int, q_len: int,
+                  kv_len: int) -> None:
+    """Latent row write and latent attention of one layer, the layer's cache a slice of the engine's
+    [L, 1, N, S, 1, latent + rope] cache; q_latent and q_rope as the model has them (a bmm output's transpose,
+    a slice of the q projection)."""
+    T = B * q_len
+    blocks_per_seq = -(-kv_len // page)
+    cache = _meta(2, 1, B * blocks_per_seq + 1, page, 1, latent + rope, dtype=dtype)[0, 0, :, :, 0]
+    kv = _meta(T, latent + rope, dtype=dtype)
+    store_latent_triton(kv[:, :latent], _meta(T, rope, dtype=dtype), cache, _meta(T, dtype=torch.int64))
+    q_latent = _meta(heads, T, latent, dtype=dtype).transpose(0, 1)
+    q_rope = _meta(T, heads, rope, dtype=dtype)
+    mla_attention_triton(q_latent, q_rope, cache, _meta(B, blocks_per_seq, dtype=torch.int32),
+                         _meta(B, dtype=torch.int32), _meta(B + 1, dtype=torch.int32), 0.1, q_len, kv_len)
+
+
 def _sampling_launches(m: ModelShape, B: int, k: int) -> None:
     """Grammar masks and verification of one step: B requests with k drafts (logits are fp32). Rejection
     sampling is called past target_probs (plain torch, no kernel; slow on meta tensors)."""
@@ -188,6 +210,13 @@ def scenarios(models: list[ModelShape], space: EngineSpace) -> Iterator[tuple[st
                         yield (f"{m.name} {dt} block {page}: attention B={B} q_len={q_len} kv={kv_len}",
                                lambda m=m, d=dtype, p=page, B=B, q=q_len, L=kv_len: _attention_launches(
                                    m, d, p, B, q, L))
+        for heads, latent, rope in MLA_SHAPES:
+            for page in space.block_sizes:
+                for B, q_len in steps:
+                    for kv_len in space.kv_lens if q_len <= space.max_k + 1 else (q_len, 4 * q_len):
+                        yield (f"MLA {heads}x{latent}+{rope} {dt} block {page}: B={B} q_len={q_len} kv={kv_len}",
+                               lambda h=heads, lt=latent, r=rope, d=dtype, p=page, B=B, q=q_len, L=kv_len:
+                               _mla_launches(h, lt, r, d, p, B, q, L))
         for m in _distinct(models, "num_kv_heads", "head_dim"):
             for page in space.block_sizes:
                 yield f"{m.name} {dt} block {page}: hand-over", lambda m=m, d=dtype, p=page: _handover_launches(m, d, p)

@@ -4,7 +4,8 @@ RMSNorm follows HF Llama: the residual add happens in the activation dtype, stat
 normalized value is rounded to the activation dtype and then multiplied by the weight.
 Rotary embedding is the neox / Llama layout (rotate_half) over the first `rotary_dim` features of
 each head; `cos_sin [max_pos, rotary_dim]` holds cos in its first half and sin in its second, as
-built by `build_rope_cache` (which also implements Llama-3 and linear rope scaling). The rotation is
+built by `build_rope_cache` (which also implements Llama-3, linear and YaRN rope scaling; YaRN's
+attention factor is folded into the table, as transformers multiplies cos and sin by it). The rotation is
 computed in fp32 and rounded once.
 """
 import math
@@ -109,7 +110,7 @@ def rms_norm(x, weight, eps, residual=None):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """[head_dim // 2] fp32 inverse frequencies; `scaling` is the checkpoint's rope_scaling dict
-    (rope_type "default", "linear" or "llama3"), arithmetic as in transformers."""
+    (rope_type "default", "linear", "llama3" or "yarn"), arithmetic as in transformers."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if rope_type == "default":
@@ -117,8 +118,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     factor = scaling["factor"]
     if rope_type == "linear":
         return inv_freq / factor
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3)")
+        raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3, yarn)")
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_len / low, old_len / high
@@ -131,12 +134,55 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return torch.where(medium, blended, scaled)
 
 
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated
+    (divided by factor), those turning more than beta_fast times kept, a linear ramp between."""
+    factor = scaling["factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor transformers multiplies cos and sin by: YaRN's mscale ratio (1 for DeepSeek-V3, whose
+    mscale equals mscale_all_dim), 1 for every other rope type."""
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+
+
 def build_rope_cache(head_dim: int, max_pos: int, theta: float, scaling: dict | None = None,
                      dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """cos_sin `[max_pos, head_dim]`: cos of the head_dim/2 frequencies, then their sin."""
+    """cos_sin `[max_pos, head_dim]`: cos of the head_dim/2 frequencies, then their sin (both times the
+    rope type's attention factor)."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling)
     freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], -1).to(device=device, dtype=dtype)
+    table = torch.cat([freqs.cos(), freqs.sin()], -1)
+    factor = rope_attention_factor(scaling)
+    if factor != 1.0:
+        table = table * factor
+    return table.to(device=device, dtype=dtype)
 
 
 def rope_rows(

@@ -155,3 +155,30 @@ def test_norm_rope_cuda(dtype):
     got = apply_rope_triton(q.cuda(), k.cuda(), pos.cuda(), cache.cuda())
     for g, r in zip(got, want):
         torch.testing.assert_close(g.cpu(), r, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+YARN = [
+    # DeepSeek-V3's shape: mscale = mscale_all_dim (attention factor 1)
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+     "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+    # mscale != mscale_all_dim: the table itself is scaled
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8},
+    # neither: attention factor from the factor alone
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+]
+
+
+@pytest.mark.parametrize("scaling", YARN)
+@pytest.mark.parametrize("head_dim", [64, 8])
+def test_yarn_rope_cache_matches_transformers(scaling, head_dim):
+    """YaRN frequencies and attention factor as transformers' DeepSeek-V3 rotary embedding computes them."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    cfg = DeepseekV3Config(hidden_size=128, num_attention_heads=2, qk_rope_head_dim=head_dim, max_position_embeddings=512,
+                           rope_parameters=dict(scaling, rope_theta=10000.0))
+    cos, sin = DeepseekV3RotaryEmbedding(cfg)(torch.zeros(1), torch.arange(512)[None])
+    ours = build_rope_cache(head_dim, 512, 10000.0, scaling)
+    torch.testing.assert_close(ours[:, : head_dim // 2], cos[0, :, : head_dim // 2], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours[:, head_dim // 2:], sin[0, :, : head_dim // 2], atol=1e-6, rtol=0)
+    assert not torch.equal(ours, build_rope_cache(head_dim, 512, 10000.0, None))
