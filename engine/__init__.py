@@ -22,6 +22,7 @@ _EXPORTS = {
     "StructuredOutput": "structured.request",
     "RequestOutput": "engine.outputs",
     "TokenLogprob": "engine.outputs",
+    "Continuation": "engine.core.request",
     "Handover": "engine.handover",
     "HandoverRequest": "engine.handover",
     "TandemError": "engine.errors",
@@ -34,6 +35,7 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig, ModelConfig, SpecConfig
+    from engine.core.request import Continuation
     from engine.errors import CapacityError, InvalidRequestError, ModelLoadError, TandemError, UnsupportedModelError
     from engine.handover import Handover, HandoverRequest
     from engine.llm import LLM

@@ -8,9 +8,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from engine.core.request import Request
+from engine.core.request import Continuation, Request
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -31,8 +32,9 @@ class RequestIntake:
         self._in_use = in_use
 
     def new(self, request_id: str, prompt, params: SamplingParams, prefill_only: bool,
-            seed: int | None = None) -> Request:
-        """seed: a hand-over's (the prefill side drew it); default the params' or a fresh one."""
+            seed: int | None = None, continuation: Continuation | None = None) -> Request:
+        """seed: a hand-over's (the prefill side drew it); default the params' or a fresh one.
+        continuation: the output the request had produced elsewhere (it resumes after it, with its seed)."""
         if request_id in self._in_use:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         ids = self.tokenize(prompt)
@@ -49,8 +51,35 @@ class RequestIntake:
         block = ()
         if params.min_tokens:
             block = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)))
-        return Request(request_id, ids, params, seed=seed, max_total_tokens=self.max_model_len,
-                       prefill_only=prefill_only, detokenizer=detokenizer, min_tokens_block=block)
+        if continuation is not None:
+            seed = continuation.seed
+        req = Request(request_id, ids, params, seed=seed, max_total_tokens=self.max_model_len,
+                      prefill_only=prefill_only, detokenizer=detokenizer, min_tokens_block=block)
+        if continuation is not None and continuation.output_token_ids:
+            self._continue(req, continuation)
+        return req
+
+    def _continue(self, req: Request, c: Continuation) -> None:
+        """Give `req` the output it had produced elsewhere: reported already, so only what follows is new."""
+        out = list(c.output_token_ids)
+        bad = [t for t in out if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise InvalidRequestError(f"continuation token id(s) {bad[:5]} outside the vocabulary [0, "
+                                      f"{self.vocab_size})", param="continuation")
+        if len(out) >= req.params.max_tokens or req.num_prompt_tokens + len(out) >= self.max_model_len:
+            raise InvalidRequestError(f"a continuation of {len(out)} output tokens leaves no token to generate "
+                                      f"(max_tokens {req.params.max_tokens}, max_model_len {self.max_model_len})",
+                                      param="continuation")
+        if req.params.logprobs is not None:
+            if len(c.logprobs) != len(out):
+                raise InvalidRequestError(f"a continuation of a request with logprobs carries one per output token "
+                                          f"({len(out)}), got {len(c.logprobs)}", param="continuation")
+            req.logprobs = [TokenLogprob(int(t), float(lp), top) for t, lp, top in c.logprobs]
+        req.token_ids.extend(out)
+        req.num_reported = len(out)
+        req.metrics.num_output_tokens = len(out)
+        if req.detokenizer is not None:
+            req.detokenizer.push(out)
 
     def tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):

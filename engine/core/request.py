@@ -31,6 +31,17 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ERROR)
 
 
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """What a request had produced when it is started again on another engine (a worker died under it): its
+    output tokens so far, its seed and, when it asks for logprobs, theirs. The new run goes on exactly where
+    the old one stopped: sampling depends only on (seed, position), a grammar replays the tokens, penalties
+    and `max_tokens` count them, and its first step computes their KV like a preempted request's."""
+    output_token_ids: tuple[int, ...]
+    seed: int
+    logprobs: tuple = ()  # (token id, logprob, {top id: logprob} | None) per output token, when asked
+
+
 @dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
