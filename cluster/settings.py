@@ -53,6 +53,10 @@ class EngineSettings(BaseModel):
                                                     "which the drafts verified per request drop by one (e.g. "
                                                     "'16,32,64' with k=3); the decode group's batch decides, the "
                                                     "same k on every rank.")
+    adaptive_k: bool = Field(False, description="Acceptance-driven k: each step the decode group verifies (and drafts) "
+                                                "the k in 0..k that maximizes expected tokens per second, from measured "
+                                                "acceptance at each draft depth and the measured cost of a draft "
+                                                "position; under --dynamic-k, within its bound. Off: always k.")
     speculative_token_map: str | None = Field(
         None, description="mtp, eagle3: a file of the target token ids the head may draft (JSON list, or a torch file "
                           "of a 1-d tensor as SGLang's --speculative-token-map): its LM head multiplies those rows "
@@ -104,6 +108,8 @@ class EngineSettings(BaseModel):
             spec["forced_drafts"] = False
         if self.speculative_token_map:
             spec["token_map"] = self.speculative_token_map
+        if self.adaptive_k:
+            spec["adaptive_k"] = True
         if self.dynamic_k:
             try:
                 spec["dynamic_k"] = tuple(int(t) for t in self.dynamic_k.split(","))

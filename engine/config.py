@@ -72,6 +72,11 @@ class SpecConfig:
     # decode group's (under attention data parallelism every rank decides the same k from the group's
     # last agreement). Empty: always k.
     dynamic_k: tuple[int, ...] = ()
+    # Acceptance-driven k (engine/speculative/adaptive.py): each step verifies, and drafts for the next, the k
+    # in [0, k] (under dynamic_k's bound) that maximizes expected tokens per second, from running estimates of
+    # acceptance at each draft depth (per request and grammar class) and of a draft position's cost; one k for
+    # the group (ADP ranks agree on it in the step's all-gather). Off: always k (to measure it).
+    adaptive_k: bool = False
     # mtp, eagle3: a file of the target token ids the head may draft (engine/speculative/token_map.py):
     # its LM head multiplies those rows only. None: the head's whole vocabulary.
     token_map: str | None = None

@@ -160,7 +160,7 @@ class LLMEngine:
         """One step: schedule -> launch -> collect -> update, alike with and without speculation. With
         async scheduling the step launched here stays in flight and the call returns the outputs of the
         step launched by the previous call, read while this one runs (engine/runner/overlap.py)."""
-        prev = self._inflight
+        prev, started = self._inflight, time.perf_counter()
         if prev is None:
             self._admit_pending()
         nxt = self._launch(prev)
@@ -172,6 +172,8 @@ class LLMEngine:
                 touched += self._update(done.scheduled, res, self._inflight) if res is not None else []
         if self._inflight is not None and all(s.request.status.finished for s in self._inflight.scheduled):
             self._inflight = None  # it only ran rows of requests that just ended: nothing in it to read
+        if nxt is not None and self._inflight is None:  # adaptive k's cost fit: the time of a step read at once
+            self.drafter.timed(nxt.scheduled, time.perf_counter() - started)
         reports = self._finished_unreported + touched
         self._finished_unreported = []
         return [self._output(r) for r in reports]
@@ -212,7 +214,8 @@ class LLMEngine:
     def _can_plan_ahead(self) -> bool:
         """Can a step be planned before the running one is read: the option is on and no request waits on
         the host for the running step's tokens (carry_blocker)."""
-        if not self.cfg.async_scheduling or self.dp is not None or self.drafter.arrivals_pending or self.guided.compiling:
+        if (not self.cfg.async_scheduling or self.dp is not None or self.drafter.arrivals_pending or self.guided.compiling
+                or self.drafter.adaptive is not None):  # adaptive k decides each step from the last one's outcome
             return False
         return all(carry_blocker(r, self.drafter.drafts_on_host) is None
                    for r in (*self.scheduler.running, *self.scheduler.waiting))
@@ -245,7 +248,9 @@ class LLMEngine:
             num_drafts, accepted = res.num_drafts[b], len(emitted) - 1
             req.num_computed_tokens -= num_drafts - accepted
             if req.num_output_tokens and s.num_new_tokens == num_drafts + 1:  # decoding, not a prompt's end
-                self.spec_stats.count(req, num_drafts, accepted, (req.spec_forced & (1 << num_drafts) - 1).bit_count())
+                forced = req.spec_forced & (1 << num_drafts) - 1
+                self.spec_stats.count(req, num_drafts, accepted, forced.bit_count())
+                self.drafter.observe(req, num_drafts, accepted, forced)
             req.spec_token_ids, req.spec_forced = [], 0
             n = 0
             while n < len(emitted) and req.status is RequestStatus.RUNNING:
@@ -281,16 +286,17 @@ class LLMEngine:
         return touched
 
     def _limit_drafts(self) -> None:
-        """Dynamic k: verify at most spec.k_for(batch) drafts per request this step. Under attention data
-        parallelism the batch is the group's at the last agreement, the same number on every rank, so every
-        rank verifies the same k (the draft chain still runs k steps: its KV must cover every row)."""
+        """Dynamic and adaptive k: verify at most this step's k drafts per request (Drafter.step_k). Under attention
+        data parallelism the batch (and adaptive k's vote) is the group's at the last agreement, the same on every
+        rank, so every rank verifies the same k. Dynamic k alone still runs the whole draft chain; adaptive k runs
+        k passes of it in eager steps (a captured graph runs them all)."""
         if not self.drafter.dynamic_k:
             return
         plan = self.runner.last_plan
         batch = plan.total_requests if plan is not None else len(self.scheduler.running)
         if not batch:
             return
-        k = self.drafter.k_for(batch)
+        k = self.drafter.step_k(batch, self.scheduler.running, plan.vote if plan is not None else None, self.dp is not None)
         self.spec_stats.dynamic_k_steps[k] += 1
         for req in self.scheduler.running:
             if len(req.spec_token_ids) > k:

@@ -13,7 +13,8 @@ the shards. Two ways to get them back (`exchange`):
   reduce-scatter end to end, within the shared machine's noise, so the fewer bytes decide.
 
 Every step starts with one small all-gather on the group's CPU-side group (`agree`): each rank states
-its token count, request count, whether it could replay a CUDA graph and at which batch size. All
+its token count, request count, whether it could replay a CUDA graph and at which batch size (and, with
+adaptive k, its vote on the next k: engine/speculative/adaptive.py). All
 ranks derive the same GroupPlan from the same table, so they pad to the same P, decide graph replay
 together (a rank that cannot replay makes everyone run eagerly) and know whether anybody runs a forward
 at all. A rank with no tokens in a step where others have some runs an idle forward: the MLP shards
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from engine.distributed.parallel import TPContext
 from engine.scoped import ForwardScoped
+from engine.speculative.adaptive import Vote, group_vote
 
 EXCHANGES = ("reduce_scatter", "all_reduce")
 
@@ -92,7 +94,7 @@ class DPContext:
     # ------------------------------------------------------------------ the lockstep agreement
     def agree(self, mine: "RankPlan") -> "GroupPlan":
         """One all-gather of every rank's RankPlan; the same GroupPlan on every rank."""
-        row = torch.tensor([mine.as_row()], dtype=torch.int64)  # [1, 4]
+        row = torch.tensor([mine.as_row()], dtype=torch.int64)  # [1, 4] (+ K + 2 with adaptive k's vote)
         table = torch.empty(self.size, row.shape[1], dtype=torch.int64)
         if self.shm is not None:  # CPU ranks of one host (then cpu_group is the MLP's group too)
             self.shm.all_gather_rows(table, row)
@@ -109,9 +111,13 @@ class RankPlan:
     num_requests: int  # running requests (the group's load decides dynamic k)
     can_graph: bool  # its batch could replay a captured graph
     graph_batch: int  # the captured batch size it would pad to (0 when it cannot)
+    vote: Vote | None = None  # adaptive k: its say in the next step's k (every rank has one, or none has)
 
     def as_row(self) -> list[int]:
-        return [self.num_tokens, self.num_requests, int(self.can_graph), self.graph_batch]
+        row = [self.num_tokens, self.num_requests, int(self.can_graph), self.graph_batch]
+        if self.vote is not None:
+            row += [*self.vote.gain, self.vote.rho, self.vote.requests]
+        return row
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +128,7 @@ class GroupPlan:
     requests: tuple[int, ...]
     graph: bool  # every rank replays a graph of `graph_batch` (idle ranks an all-padding batch)
     graph_batch: int
+    vote: Vote | None = None  # adaptive k: the group's (gains summed, the busy ranks' largest cost)
 
     @staticmethod
     def from_table(table: list[list[int]]) -> "GroupPlan":
@@ -130,8 +137,9 @@ class GroupPlan:
         # Replay only if every busy rank can (idle ranks replay an all-padding batch of any size): a rank
         # that must run eagerly would otherwise meet differently sized collectives.
         graph = bool(busy) and all(r[2] for r in busy)
+        vote = group_vote([Vote(tuple(r[4:-2]), r[-2], r[-1]) for r in table]) if len(table[0]) > 4 else None
         return GroupPlan(tokens=tokens, requests=tuple(r[1] for r in table), graph=graph,
-                         graph_batch=max(r[3] for r in busy) if graph else 0)
+                         graph_batch=max(r[3] for r in busy) if graph else 0, vote=vote)
 
     @property
     def forward(self) -> bool:

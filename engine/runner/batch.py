@@ -45,6 +45,7 @@ class StepBatch:
     full_drafts: bool  # host: every request has k drafts
     propose: bool  # host: some request needs new drafts (a sampling one that is not prefill-only)
     chain_max_seq_len: int  # host bound on draft-chain KV lengths
+    draft_passes: int  # host: the draft chain's passes this step, <= k (adaptive k; a graph's layout runs all k)
     # host copies for the update
     host_num_drafts: list[int]
     host_samples: list[bool]
@@ -67,9 +68,10 @@ class Padding:
 
 def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cache: torch.Tensor,
                 device: torch.device, vocab_size: int, k: int, slots: list[int] | None,
-                pad: Padding | None = None, masked: bool = False) -> StepBatch:
+                pad: Padding | None = None, masked: bool = False, draft_passes: int | None = None) -> StepBatch:
     """slots: each request's row of the draft-state buffers (None: no draft network keeps state);
-    masked: leave room for a LogitsMasker's bitmasks."""
+    masked: leave room for a LogitsMasker's bitmasks; draft_passes: how many drafts the chain makes for the
+    next step (None: k; the padded layout always makes k, as its graph was captured with)."""
     bs = blocks.block_size
     k1 = k + 1
     B = pad.batch_size if pad is not None else len(scheduled)
@@ -163,6 +165,7 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
         slots=dev("slot_ids"), slot_limit=dev("slot_limit"), sampling=sampling, **masks,
         full_drafts=pad is None and bool((num_drafts[samples] == k).all()), propose=propose or pad is not None,
         chain_max_seq_len=max_seq_len + chain_margin(k),
+        draft_passes=k if draft_passes is None or pad is not None else draft_passes,
         host_num_drafts=num_drafts[:n].tolist(), host_samples=samples[:n].tolist(), staged=staged.buffer,
         staged_layout=staged.layout)
 

@@ -226,7 +226,7 @@ class ModelRunner:
             batch = batch or self.graphs.padded_batch(scheduled, blocks, slots, graph_batch, masked=masked)
         else:
             batch = build_batch(scheduled, blocks, self.kv_cache, self.device, self.vocab_size, self.k, slots,
-                                masked=masker is not None)
+                                masked=masker is not None, draft_passes=self.drafter.draft_passes)
         if carry_from is not None:
             assert masker is None and self.dp is None, "a carried step has no masks and no ADP agreement"
             carry_inputs(batch, scheduled, carry_from, self.k, padded=graph)
@@ -236,7 +236,9 @@ class ModelRunner:
         """ADP: one all-gather of what each rank would run; every rank gets the same GroupPlan."""
         tokens = sum(s.num_new_tokens for s in scheduled)
         size = self.graphs.size_for(len(scheduled)) if can_graph and scheduled else 0
-        return self.dp.agree(RankPlan(tokens, len(scheduled), can_graph and bool(scheduled), size))
+        batch = self.last_plan.total_requests if self.last_plan is not None else len(scheduled)
+        vote = self.drafter.vote([s.request for s in scheduled if s.request.num_output_tokens], batch)
+        return self.dp.agree(RankPlan(tokens, len(scheduled), can_graph and bool(scheduled), size, vote))
 
     def run(self, step: PreparedStep) -> StepResult | None:
         """A step launched and read at once (None for an idle forward: nothing of this rank's ran)."""

@@ -68,9 +68,12 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
     drafts, probs = proposer.propose(ProposeInputs(
         hidden=hidden, input_ids=batch.input_ids, next_tokens=next_tokens, positions=batch.positions,
         attn=batch.attn, out_rows=out_rows, slot_limit=batch.slot_limit, max_seq_len=batch.chain_max_seq_len,
-        chain=batch.propose, sampling=batch.sampling,
+        chain=batch.propose and batch.draft_passes > 0, sampling=batch.sampling, passes=batch.draft_passes,
         mask=masks.draft_step(v.tokens, v.num_accepted) if masks is not None and draft_masks else None))
     if use_probs and probs is not None:
-        draft_probs.index_copy_(0, batch.slots, probs.to(draft_probs.dtype))
+        if probs.shape[1] == draft_probs.shape[1]:
+            draft_probs.index_copy_(0, batch.slots, probs.to(draft_probs.dtype))
+        else:  # a shorter chain (adaptive k, eager steps only): the columns past it are never read
+            draft_probs[batch.slots, : probs.shape[1]] = probs.to(draft_probs.dtype)
     first_hidden = hidden.index_select(0, out_rows) if hidden is not None else None
     return StepOutput(v.tokens, v.num_accepted, drafts, first_hidden, v.logprobs, v.top_ids, v.top_logprobs)

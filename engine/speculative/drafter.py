@@ -18,6 +18,7 @@ from engine.core.block_manager import BlockManager, kv_slots
 from engine.core.request import Request, RequestStatus
 from engine.layers.attention import AttentionMetadata
 from engine.sample.sampler import build_sampling
+from engine.speculative.adaptive import AdaptiveK, Vote
 from engine.speculative.loading import DraftTarget, load_proposer
 from engine.speculative.ngram import propose_ngram
 from engine.speculative.proposer import ProposeInputs, Proposer
@@ -50,14 +51,58 @@ class Drafter:
         # Drafts proposed on the host from the tokens (prompt lookup): a step planned before the previous
         # one is read cannot draft for its requests.
         self.drafts_on_host = self.k > 0 and self.proposer is None
+        # Acceptance-driven k (engine/speculative/adaptive.py). Its cost fit times this engine's own steps where
+        # that is the group's measurement (one rank, or ADP ranks, which agree on it); TP ranks use the prior.
+        cfg = target.cfg
+        self.adaptive = (AdaptiveK(self.k, measured=cfg.tp_size == 1 or cfg.attention_dp > 1)
+                         if spec is not None and spec.adaptive_k else None)
+        self.draft_passes: int | None = None  # the draft chain's passes this step (None: k)
+        self._timed: tuple[int, int] | None = None  # (batch, k) of the step being timed
 
     def k_for(self, batch: int) -> int:
-        """Drafts to verify per request in a decode batch of `batch` requests (dynamic k)."""
+        """Drafts to verify per request in a decode batch of `batch` requests (dynamic k's bound)."""
         return self.spec.k_for(batch) if self.spec is not None else 0
 
     @property
     def dynamic_k(self) -> bool:
-        return self.spec is not None and bool(self.spec.dynamic_k)
+        """k may change from step to step (dynamic k, adaptive k)."""
+        return self.spec is not None and (bool(self.spec.dynamic_k) or self.adaptive is not None)
+
+    # ------------------------------------------------------------------ the step's k
+    def step_k(self, batch: int, running: list[Request], agreed: Vote | None, adp: bool) -> int:
+        """This step's k for a group batch of `batch`: dynamic k's bound, and under it adaptive k's choice, from
+        the group's vote at the last agreement under ADP (`agreed`; None before the first: the bound), else
+        from this engine's own. The draft chain then runs that many passes (eager steps)."""
+        k = self.k_for(batch)
+        if self.adaptive is None:
+            return k
+        if adp:
+            vote = agreed
+        else:
+            vote = self.vote([r for r in running if r.num_output_tokens], batch)
+        if vote is not None:
+            k = self.adaptive.choose(vote, k)
+        self.draft_passes = k if self.proposer is not None else None
+        self._timed = (batch, k)
+        return k
+
+    def vote(self, decoding: list[Request], batch: int) -> Vote | None:
+        """This rank's vote on the next k (None without adaptive k)."""
+        return self.adaptive.vote(decoding, batch) if self.adaptive is not None else None
+
+    def observe(self, req: Request, num_drafts: int, accepted: int, forced_bits: int) -> None:
+        """A decoding step of `req` verified `num_drafts` drafts, accepted `accepted` (bit j of forced_bits:
+        draft j was forced by its grammar)."""
+        if self.adaptive is not None:
+            self.adaptive.acceptance.observe(req.request_id, req.params.structured_output is not None, num_drafts,
+                                             accepted, forced_bits)
+
+    def timed(self, scheduled: list, seconds: float) -> None:
+        """The step decided by the last step_k, of `scheduled` (ScheduledRequests), took `seconds`; only a step
+        of decoding rows alone (no prompt chunk) feeds the cost fit."""
+        if self._timed is not None and scheduled and all(s.start >= s.request.num_prompt_tokens for s in scheduled):
+            self.adaptive.cost.observe(*self._timed, seconds)
+        self._timed = None
 
     def cache(self) -> torch.Tensor:
         """The cache tensor holding the draft's KV layers."""
@@ -110,6 +155,8 @@ class Drafter:
             self.on_slots_grown()
 
     def release(self, request_id: str) -> None:
+        if self.adaptive is not None:
+            self.adaptive.acceptance.forget(request_id)
         s = self._slot_of.pop(request_id, None)
         if s is not None:
             self._free_slots.append(s)

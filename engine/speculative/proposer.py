@@ -36,6 +36,7 @@ class ProposeInputs:
     # mask(step, drafts so far, logits [B, Vd], d2t [Vd] | None): constrains a draft step's logits in
     # place before it samples (engine/masking/masker.py); None when no masker runs
     mask: Callable[[int, list[torch.Tensor], torch.Tensor, torch.Tensor | None], None] | None = None
+    passes: int | None = None  # host: drafts the chain makes, 1..k (adaptive k); None: k
 
 
 def chain_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, first: torch.Tensor, passes: int,
@@ -118,13 +119,16 @@ class Proposer(ABC):
         """-> (drafts [B, k] int64 target ids, draft distributions [B, k, V] or None if all greedy);
         (None, None) without `inp.chain`."""
 
+    def passes(self, inp: ProposeInputs) -> int:
+        return self.k if inp.passes is None else inp.passes
+
     def _chain(self, inp: ProposeInputs, step: Callable[[int, torch.Tensor | None], torch.Tensor]):
         """The k-step draft loop of every proposer: step(s, previous draft [B] or None) -> the draft
         network's logits [B, Vd] for draft s, which sits at position (last verified row) + 2 + s; each
         is masked (when a masker runs) and sampled."""
         first = inp.positions.index_select(0, inp.out_rows) + 2
         tokens, probs = [], []
-        for s in range(self.k):
+        for s in range(self.passes(inp)):
             logits = step(s, tokens[-1] if tokens else None)
             if inp.mask is not None:
                 inp.mask(s, tokens, logits, self.d2t)
@@ -160,7 +164,8 @@ class HeadProposer(Proposer):
             return None, None
         state = state.index_select(0, inp.out_rows)  # [B, H]: the first step's output
         start = inp.positions.index_select(0, inp.out_rows)  # position of each request's last verified row
-        metas = chain_metadata(inp.attn, cache, start + 1, self.k - 1, inp.slot_limit, inp.max_seq_len, self.group)
+        metas = chain_metadata(inp.attn, cache, start + 1, self.passes(inp) - 1, inp.slot_limit, inp.max_seq_len,
+                               self.group)
 
         def step(s: int, previous: torch.Tensor | None) -> torch.Tensor:
             nonlocal state
@@ -195,7 +200,7 @@ class DraftModelProposer(Proposer):
             return None, None
         start = inp.positions.index_select(0, inp.out_rows) + 1  # the verified token after the last row
         first = inp.next_tokens.index_select(0, inp.out_rows)
-        metas = chain_metadata(inp.attn, cache, start, self.k, inp.slot_limit, inp.max_seq_len, self.group)
+        metas = chain_metadata(inp.attn, cache, start, self.passes(inp), inp.slot_limit, inp.max_seq_len, self.group)
 
         def step(s: int, previous: torch.Tensor | None) -> torch.Tensor:
             token = (first if previous is None else previous).clamp(max=top)

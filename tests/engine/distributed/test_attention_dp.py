@@ -54,6 +54,7 @@ class Case:
     dynamic_k: tuple[int, ...] = ()  # with it, only tokens must match one process (k follows different batches)
     padded: bool = False  # decode steps in the CUDA-graph layout (run eagerly here): group-agreed padded sizes
     shm: bool = False  # the exchanges and the agreement through shared memory (engine/distributed/shm_collectives.py)
+    adaptive: bool = False  # adaptive k: the group's k from the ranks' votes; like dynamic k, tokens must match only
 
 
 def _prompts():
@@ -85,6 +86,8 @@ def _cases() -> list[Case]:
         Case("dynamic_k", (Req(0, p[0], 30), Req(1, p[1], 30), Req(1, p[2], 10), Req(0, p[3], 20, start_step=4)),
              method="mtp", dynamic_k=(2, 4)),
         Case("mtp_shm", (Req(0, p[0]), Req(1, p[1]), Req(0, p[2])), method="mtp", shm=True),
+        Case("adaptive_k", (Req(0, p[0], 48), Req(1, p[1], 48), Req(1, p[2], 20), Req(0, p[3], 30, start_step=5),
+                            Req(1, p[4], 60, guided=True)), method="mtp", adaptive=True),
         Case("unequal_and_late_shm", (Req(0, p[0], 40), Req(0, p[1], 40), Req(1, p[4], 3),
                                       Req(1, p[5], 8, start_step=12)), method="eagle3", shm=True),
         Case("all_reduce_exchange_shm", (Req(0, p[0]), Req(1, p[1], temperature=0.8)), exchange="all_reduce",
@@ -95,7 +98,8 @@ def _cases() -> list[Case]:
 def _config(root: str, case: Case, **overrides) -> EngineConfig:
     spec = None
     if case.method is not None:
-        spec = SpecConfig(method=case.method, k=3, draft=f"{root}/{case.method}", dynamic_k=case.dynamic_k)
+        spec = SpecConfig(method=case.method, k=3, draft=f"{root}/{case.method}", dynamic_k=case.dynamic_k,
+                          adaptive_k=case.adaptive)
     return EngineConfig(model=f"{root}/target", num_kv_blocks=256, block_size=16, speculative=spec,
                         **case.engine, **overrides)
 
@@ -191,6 +195,8 @@ def test_adp_equals_one_process(adp_results, zoo_dir, case):
     assert k_steps[0] == k_steps[1], f"the ranks chose different k: {k_steps}"  # one decision for the group
     if case.dynamic_k:
         assert sum(k_steps[0][:3]) > 0, k_steps  # the group's batch lowered k
+    if case.adaptive:  # the votes moved k (or its exploring steps did), on both ranks alike
+        assert sum(n > 0 for n in k_steps[0]) >= 2, k_steps
     if case.padded:
         assert k_steps[0][1] > 10, k_steps  # decode steps ran in the padded layout, on both ranks alike
     for rank in range(2):
@@ -204,7 +210,7 @@ def test_adp_equals_one_process(adp_results, zoo_dir, case):
         adp.update(done)
     for rid, (tokens, accepted) in reference.items():
         assert adp[rid][0] == tokens, rid
-        if case.method is not None and not case.dynamic_k:
+        if case.method is not None and not case.dynamic_k and not case.adaptive:
             assert adp[rid][1] == accepted, f"{rid}: acceptance with ADP {adp[rid][1]} vs without {accepted}"
 
 

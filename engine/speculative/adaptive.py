@@ -1,0 +1,190 @@
+"""Acceptance-driven k (SpecConfig.adaptive_k): each step, how many drafts to verify and how many draft passes to
+run, from a running estimate of acceptance at each draft depth and the measured cost of a draft position.
+
+Model. A request's drafts are accepted in order: p[j] is the chance that draft j is accepted once drafts
+1..j-1 were. A step verifying k drafts per request emits, per request, 1 + sum_{j<=k} prod_{i<=j} p[i]
+tokens on average, and costs about t0 * (1 + rho * k): rho is one more draft position (a draft pass plus a
+verification row per request) relative to a plain step. Over a batch of B requests with expected accepted
+drafts G(k) (summed over them), k maximizes tokens per second, (B + G(k)) / (1 + rho * k); a tie goes to
+the smaller k.
+
+Estimates. Acceptance is kept per grammar class of the draft (free: an unguided request; masked: a guided
+request's draft that its grammar left open; forced: a draft its grammar forced, structured/forced.py) and
+depth, over the rank's requests, as decayed counts on top of a prior, so a depth the engine stopped
+drafting drifts back to the prior and gets tried again. Each request also keeps its own counts (free or
+masked drafts), shrunk toward its class's estimate. rho is fitted by least squares to the step times
+measured at the k's the engine ran, per batch size (powers of two); every EXPLORE_EVERY steps two steps run
+at a neighbouring k (two: the drafts a step verifies are the previous step's chain's, so a deeper depth is
+observed only on the second), so the fit sees more than one k and a depth not drafted lately is measured
+again. Before the fit has two k's, rho is RHO_PRIOR.
+
+Agreement. The decision is integer arithmetic over fixed-point sums (vote/decide), so every rank that sees
+the same votes picks the same k. Under attention data parallelism each rank's vote (its requests' G and its
+fitted rho) travels in the step's all-gather (engine/distributed/data_parallel.py's RankPlan); the group
+sums the gains, takes the largest rho of the ranks with requests, and decides the next step's k from that
+table. Under tensor parallelism without it every rank holds the same requests but times its own steps, so
+rho stays RHO_PRIOR there (no agreement to share a measurement in). No torch here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FREE, MASKED, FORCED = 0, 1, 2
+SCALE = 1000  # fixed point of votes: gains in thousandths of a token, rho in thousandths
+PRIOR = ((0.6, 8.0), (0.6, 8.0), (0.95, 8.0))  # per class: (acceptance, weight in observations)
+REQUEST_PRIOR_WEIGHT = 4.0  # a request's own counts against its class's estimate
+DECAY = 0.99  # per step, on the class counts (about the last 100 steps count)
+COST_DECAY = 0.97  # per timed step, on the cost fit's sums
+RHO_PRIOR = 0.2
+EXPLORE_EVERY = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Vote:
+    """One rank's say in the next k: expected accepted drafts of its requests at each k = 1..K (fixed point)
+    and its measured cost of a draft position relative to a plain step (fixed point)."""
+
+    gain: tuple[int, ...]  # [K]
+    rho: int
+    requests: int
+
+
+def decide(batch: int, gain: tuple[int, ...], rho: int, k_max: int) -> int:
+    """The k in [0, k_max] that maximizes (batch + G(k)) / (1 + rho k), in integers (deterministic on every
+    rank); ties go to the smaller k."""
+    best, best_tokens, best_cost = 0, batch * SCALE, SCALE
+    for k in range(1, min(k_max, len(gain)) + 1):
+        tokens, cost = batch * SCALE + gain[k - 1], SCALE + rho * k
+        if tokens * best_cost > best_tokens * cost:
+            best, best_tokens, best_cost = k, tokens, cost
+    return best
+
+
+def group_vote(votes: list[Vote]) -> Vote:
+    """The group's vote: gains summed, the largest rho of the ranks that hold requests."""
+    k = len(votes[0].gain)
+    busy = [v for v in votes if v.requests] or votes
+    return Vote(tuple(sum(v.gain[j] for v in votes) for j in range(k)), max(v.rho for v in busy),
+                sum(v.requests for v in votes))
+
+
+class AcceptanceModel:
+    """Per (class, depth) acceptance of one rank's requests, and per request, as decayed counts."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self._accepted = [[0.0] * k for _ in PRIOR]  # [class][depth]
+        self._tried = [[0.0] * k for _ in PRIOR]
+        self._requests: dict[str, tuple[list[float], list[float]]] = {}  # id -> (accepted, tried) per depth
+
+    def class_rate(self, cls: int, depth: int) -> float:
+        p, w = PRIOR[cls]
+        return (self._accepted[cls][depth] + p * w) / (self._tried[cls][depth] + w)
+
+    def rate(self, request_id: str, cls: int, depth: int) -> float:
+        """Draft `depth` (0-based) of a request accepted once the ones before it were."""
+        base = self.class_rate(cls, depth)
+        own = self._requests.get(request_id)
+        if own is None or cls == FORCED:
+            return base
+        acc, tried = own[0][depth], own[1][depth]
+        return (acc + REQUEST_PRIOR_WEIGHT * base) / (tried + REQUEST_PRIOR_WEIGHT)
+
+    def decay(self) -> None:
+        for counts in (*self._accepted, *self._tried):
+            for j in range(self.k):
+                counts[j] *= DECAY
+
+    def observe(self, request_id: str, guided: bool, num_drafts: int, accepted: int, forced_bits: int) -> None:
+        """A step verified `num_drafts` drafts of a request and accepted the first `accepted`; bit j of
+        forced_bits: draft j was forced by its grammar. Depths past the first rejection are not observed."""
+        own = self._requests.get(request_id)
+        if own is None:
+            own = self._requests[request_id] = ([0.0] * self.k, [0.0] * self.k)
+        for j in range(min(num_drafts, accepted + 1, self.k)):
+            ok = j < accepted
+            cls = FORCED if forced_bits >> j & 1 else (MASKED if guided else FREE)
+            self._tried[cls][j] += 1.0
+            self._accepted[cls][j] += ok
+            if cls != FORCED:
+                own[1][j] += 1.0
+                own[0][j] += ok
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def gains(self, request_id: str, guided: bool, forced_bits: int) -> list[float]:
+        """Expected accepted drafts of the request at k = 1..K (its next drafts' classes from forced_bits)."""
+        out, through, total = [], 1.0, 0.0
+        for j in range(self.k):
+            cls = FORCED if forced_bits >> j & 1 else (MASKED if guided else FREE)
+            through *= self.rate(request_id, cls, j)
+            total += through
+            out.append(total)
+        return out
+
+
+class StepCost:
+    """rho, the cost of one more draft position relative to a plain step, fitted to measured step times at the
+    k's that ran, per batch size bucket (powers of two)."""
+
+    def __init__(self):
+        self._sums: dict[int, list[float]] = {}  # bucket -> decayed [n, sum k, sum k^2, sum t, sum k t]
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return max(batch, 1).bit_length()
+
+    def observe(self, batch: int, k: int, seconds: float) -> None:
+        s = self._sums.setdefault(self.bucket(batch), [0.0] * 5)
+        for i, x in enumerate((1.0, k, k * k, seconds, k * seconds)):
+            s[i] = s[i] * COST_DECAY + x
+
+    def rho(self, batch: int) -> float:
+        s = self._sums.get(self.bucket(batch))
+        if s is None:
+            return RHO_PRIOR
+        n, sk, skk, st, skt = s
+        spread = n * skk - sk * sk
+        if spread < 0.02 * n * n:  # the k's seen vary too little (variance under 0.02): no slope to fit
+            return RHO_PRIOR
+        slope = (n * skt - sk * st) / spread
+        intercept = (st - slope * sk) / n
+        if intercept <= 0:
+            return RHO_PRIOR
+        return min(max(slope / intercept, 0.0), 4.0)
+
+
+class AdaptiveK:
+    """The acceptance model and cost fit of one engine, and the k they pick each step."""
+
+    def __init__(self, k: int, measured: bool):
+        """measured: rho from this engine's own step times (a single engine, or ADP ranks that agree on it);
+        else RHO_PRIOR always (TP ranks, which cannot share a measurement)."""
+        self.k = k
+        self.measured = measured
+        self.acceptance = AcceptanceModel(k)
+        self.cost = StepCost()
+        self.steps = 0
+
+    def vote(self, requests, batch: int) -> Vote:
+        """This rank's vote over its decoding `requests` (engine Requests); `batch`: the group's batch, whose
+        bucket the cost is read at."""
+        total = [0.0] * self.k
+        for req in requests:
+            guided = req.params.structured_output is not None
+            for j, g in enumerate(self.acceptance.gains(req.request_id, guided, req.spec_forced)):
+                total[j] += g
+        rho = self.cost.rho(batch) if self.measured else RHO_PRIOR
+        return Vote(tuple(round(g * SCALE) for g in total), round(rho * SCALE), len(requests))
+
+    def choose(self, vote: Vote, k_max: int) -> int:
+        """The step's k from the (group's) vote, bounded by k_max; for two steps in every EXPLORE_EVERY a
+        neighbour of it (alternating up and down), the same steps on every rank (they count steps alike)."""
+        self.steps += 1
+        self.acceptance.decay()
+        k = decide(vote.requests, vote.gain, vote.rho, k_max)
+        if self.steps % EXPLORE_EVERY < 2 and self.steps >= EXPLORE_EVERY:
+            k += 1 if (self.steps // EXPLORE_EVERY) % 2 else -1
+            k = min(max(k, 0), k_max)
+        return k

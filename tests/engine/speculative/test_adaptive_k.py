@@ -1,0 +1,126 @@
+"""Acceptance-driven k (SpecConfig.adaptive_k, engine/speculative/adaptive.py): the decision rule against a
+brute-force reference, the acceptance estimate per depth and grammar class, the cost fit, and in the engine:
+greedy outputs identical to no speculation while k moves, a target drafting for itself keeps the full k, and
+a draft that is never accepted brings k down to 0. (ADP agreement: tests/engine/distributed/test_attention_dp.py.)"""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SpecConfig
+from engine.speculative import adaptive as A
+from tests.support.spec import greedy_params, random_prompts, spec_config
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_thread_module):
+    """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
+
+
+def _reference_decide(batch: int, gain: tuple[int, ...], rho: int, k_max: int) -> int:
+    """argmax over k of (batch + G(k)) / (1 + rho k) in exact fractions, smallest k among ties."""
+    from fractions import Fraction
+
+    rates = [Fraction(batch * A.SCALE + (gain[k - 1] if k else 0), A.SCALE + rho * k) for k in range(k_max + 1)]
+    return rates.index(max(rates))
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16, 64])
+@pytest.mark.parametrize("rho", [0, 50, 200, 700, 1500])
+def test_decide_equals_the_reference(batch, rho):
+    for per_depth in ((0.9, 0.8, 0.7), (0.5, 0.3, 0.1), (1.0, 1.0, 1.0), (0.0, 0.0, 0.0), (0.45, 0.44, 0.44, 0.9)):
+        gain, total, through = [], 0.0, 1.0
+        for p in per_depth:
+            through *= p
+            total += through
+            gain.append(round(total * batch * A.SCALE))
+        for k_max in range(len(gain) + 1):
+            assert A.decide(batch, tuple(gain), rho, k_max) == _reference_decide(batch, tuple(gain), rho, k_max)
+
+
+def test_decide_ties_go_to_the_smaller_k():
+    # one draft accepted with p = rho exactly: (1 + p) / (1 + rho) == 1
+    assert A.decide(1, (200,), 200, 1) == 0
+    assert A.decide(1, (201,), 200, 1) == 1
+
+
+def test_acceptance_tracks_depths_classes_and_requests():
+    m = A.AcceptanceModel(3)
+    assert m.class_rate(A.FREE, 0) == pytest.approx(A.PRIOR[A.FREE][0])
+    for _ in range(200):  # "a" accepts its first draft, never its second
+        m.observe("a", False, 3, 1, 0)
+    assert m.class_rate(A.FREE, 0) > 0.95 and m.class_rate(A.FREE, 1) < 0.05
+    assert m.class_rate(A.FREE, 2) == pytest.approx(A.PRIOR[A.FREE][0])  # never reached: the prior
+    assert m.class_rate(A.MASKED, 0) == pytest.approx(A.PRIOR[A.MASKED][0])  # another class: untouched
+    for _ in range(50):  # "b" accepts everything: its own rate beats the class's
+        m.observe("b", False, 3, 3, 0)
+    assert m.rate("b", A.FREE, 1) > 0.5 > m.rate("a", A.FREE, 1)
+    # forced drafts count for the forced class only, never for the request
+    for _ in range(100):
+        m.observe("c", True, 3, 0, 0b001)  # its forced first draft rejected (a model writing another tokenization)
+    assert m.class_rate(A.FORCED, 0) < 0.2 and m.rate("c", A.MASKED, 0) == pytest.approx(A.PRIOR[A.MASKED][0])
+    gains = m.gains("a", False, 0)
+    assert gains[0] == pytest.approx(m.rate("a", A.FREE, 0)) and gains[2] - gains[1] < 0.01
+    m.forget("a")
+    assert m.rate("a", A.FREE, 1) == pytest.approx(m.class_rate(A.FREE, 1))
+
+
+def test_decay_brings_an_unobserved_depth_back_to_its_prior():
+    m = A.AcceptanceModel(2)
+    for _ in range(100):
+        m.observe("a", False, 2, 0, 0)
+    low = m.class_rate(A.FREE, 0)
+    for _ in range(1000):  # DECAY per step: 1000 steps leave 4e-5 of the counts
+        m.decay()
+    assert low < 0.1 and m.class_rate(A.FREE, 0) == pytest.approx(A.PRIOR[A.FREE][0], abs=0.02)
+
+
+def test_cost_fit_finds_the_slope_per_batch_bucket():
+    c = A.StepCost()
+    assert c.rho(4) == A.RHO_PRIOR
+    for i in range(60):
+        k = i % 4
+        c.observe(4, k, 0.010 * (1 + 0.3 * k))
+        c.observe(40, k, 0.050 * (1 + 0.05 * k))
+    assert c.rho(5) == pytest.approx(0.3, rel=1e-6) and c.rho(33) == pytest.approx(0.05, rel=1e-6)
+    one_k = A.StepCost()
+    for _ in range(20):
+        one_k.observe(1, 3, 0.01)
+    assert one_k.rho(1) == A.RHO_PRIOR  # one k only: nothing to fit
+
+
+def test_group_vote_sums_gains_and_takes_the_busy_ranks_largest_cost():
+    votes = [A.Vote((500, 700), 100, 2), A.Vote((300, 400), 300, 1), A.Vote((0, 0), 900, 0)]
+    assert A.group_vote(votes) == A.Vote((800, 1100), 300, 3)
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "ngram", "draft_model"])
+def test_greedy_equals_no_speculation_with_adaptive_k(llama_dir, spec_drafts, method):
+    prompts = random_prompts(5, seed=7)
+    want = [o.token_ids for o in LLM(llama_dir, num_kv_blocks=512, block_size=4).generate(prompts, greedy_params(24))]
+    spec = spec_config(method, 3, spec_drafts, llama_dir)
+    llm = LLM(llama_dir, num_kv_blocks=512, block_size=4,
+              speculative=SpecConfig(method=spec.method, k=3, draft=spec.draft, adaptive_k=True))
+    outs = llm.generate(prompts, greedy_params(24))
+    assert [o.token_ids for o in outs] == want
+    steps = llm.engine.stats()["spec"]["dynamic_k_steps"]
+    assert sum(steps) > 0
+    for o in outs:  # the counts still add up with k moving
+        u = o.speculative
+        assert len(o.token_ids) == 1 + u.accepted_tokens + u.verify_steps and u.draft_tokens <= 3 * u.verify_steps
+
+
+def test_a_perfect_draft_keeps_k_and_a_useless_one_drops_it(llama_dir, spec_drafts):
+    """The target drafting for itself is always accepted: k stays at the top (but for the exploring steps);
+    random heads are (almost) never accepted: k falls to 0, whose steps run no draft chain."""
+    prompts = random_prompts(4, seed=2)
+    perfect = LLM(llama_dir, num_kv_blocks=512, block_size=4,
+                  speculative=SpecConfig(method="draft_model", k=3, draft=llama_dir, adaptive_k=True))
+    perfect.generate(prompts, greedy_params(40))
+    steps = perfect.engine.stats()["spec"]["dynamic_k_steps"]
+    assert steps[3] >= 0.8 * sum(steps), steps
+    useless = LLM(llama_dir, num_kv_blocks=512, block_size=4,
+                  speculative=SpecConfig(method="mtp", k=3, draft=spec_drafts["mtp"], adaptive_k=True))
+    outs = useless.generate(prompts, greedy_params(40))
+    steps = useless.engine.stats()["spec"]["dynamic_k_steps"]
+    assert steps[0] >= 0.6 * sum(steps), steps
+    assert all(o.speculative.draft_tokens < o.speculative.verify_steps for o in outs)
