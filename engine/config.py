@@ -9,14 +9,17 @@ from pathlib import Path
 
 import torch
 
+from engine.config_mla import MLAConfig, MoEConfig, deepseek_moe_from_hf, mla_from_hf, mla_rope_params
 from engine.errors import ModelLoadError, UnsupportedModelError
 
-# Architectures share one module (engine/models/llama.py); these flags are what differs.
+# The Llama family shares one module (engine/models/llama.py; these flags are what differs); DeepSeek-V3
+# has its own (engine/models/deepseek_v3.py). engine/models/registry.py maps a family to its model.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -148,6 +151,10 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
+    # DeepSeek-V3 family (engine/config_mla.py); None for dense Llama-family models. With MLA, num_kv_heads
+    # is 1 and head_dim the latent cache's row (kv_lora_rank + qk_rope_head_dim): what one token caches.
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
 
     @staticmethod
     def from_dir(model_dir: str | os.PathLike) -> "ModelConfig":
@@ -172,6 +179,8 @@ class ModelConfig:
     @staticmethod
     def from_hf(hf, arch: str) -> "ModelConfig":
         family = SUPPORTED_ARCHITECTURES[arch]
+        if family == "deepseek_v3":
+            return _deepseek_v3(hf, arch)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         theta, scaling = _rope_params(hf)
@@ -209,6 +218,28 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=sliding,
         )
+
+
+def _eos_ids(hf) -> tuple[int, ...]:
+    eos = hf.eos_token_id
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+
+
+def _deepseek_v3(hf, arch: str) -> ModelConfig:
+    mla = mla_from_hf(hf)
+    theta, scaling = mla_rope_params(hf)
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype, torch.float32)
+    return ModelConfig(
+        architecture=arch, family="deepseek_v3", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
+        num_kv_heads=1, head_dim=mla.cache_width, rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings, rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)), qkv_bias=False,
+        o_bias=mla.attention_bias, mlp_bias=False, qk_norm=False, hidden_act=getattr(hf, "hidden_act", "silu"),
+        checkpoint_dtype=dtype, bos_token_id=getattr(hf, "bos_token_id", None), eos_token_ids=_eos_ids(hf),
+        sliding_window=None, mla=mla, moe=deepseek_moe_from_hf(hf))
 
 
 def _rope_params(hf) -> tuple[float, dict | None]:

@@ -18,7 +18,7 @@ from kernels.attention import AttentionPlan, StorePlan, paged_attention, plan_pa
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
-    kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor  # [num_layers, planes, num_blocks, block_size, heads, head_dim] (engine/layers/kv_spec.py)
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32, 0 past each request's blocks
     seq_lens: torch.Tensor  # [B] int32, KV length including this step's tokens

@@ -15,6 +15,7 @@ from engine.distributed.data_parallel import DPContext
 from engine.distributed.parallel import TPContext
 from engine.errors import UnsupportedModelError
 from engine.layers.attention import PagedAttention
+from engine.layers.kv_spec import KVCacheSpec
 from engine.layers.linear import Embedding, LMHead, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeAt, RotaryEmbedding
@@ -128,6 +129,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """K and V planes of this rank's KV heads (engine/layers/kv_spec.py)."""
+        attn = self.layers[0].self_attn.attn
+        return KVCacheSpec(planes=2, heads=attn.num_kv_heads, head_dim=attn.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -73,7 +73,8 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, dtype: torch.dty
         if not tensor.is_floating_point():
             raise ModelLoadError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating-point tensor")
         if hasattr(module, "load"):  # parallel layers slice the full tensor for their rank
-            module.load(name, tensor.to(dtype), shard)
+            # a module that keeps fp32 weights in any model dtype (an MoE router) gets them uncast
+            module.load(name, tensor.to(torch.float32 if getattr(module, "fp32_weights", False) else dtype), shard)
         else:
             copy_checked(getattr(module, leaf), tensor.to(dtype), name)
         seen.add(name)

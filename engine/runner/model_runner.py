@@ -21,10 +21,12 @@ from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledRequest
 from engine.distributed.data_parallel import DPContext, GroupPlan, RankPlan, dp_rows
 from engine.distributed.parallel import TPContext
+from engine.errors import UnsupportedModelError
 from engine.layers.linear import VERIFY_ROWS_BUDGET, matvec_layout
 from engine.masking.masker import LogitsMasker, MaskRow
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights
+from engine.models.registry import build_model
 from engine.runner.batch import StepBatch, build_batch
 from engine.runner.overlap import InFlight, carry_inputs
 from engine.runner.step import StepOutput, model_step
@@ -84,12 +86,17 @@ class ModelRunner:
         # Draft chains and padded verification rows run past the last token: the rope table covers them.
         k = cfg.speculative.k if cfg.speculative is not None else 0
         max_pos = max_model_len + position_margin(k)
+        if model_cfg.mla is not None and cfg.speculative is not None and cfg.speculative.uses_model:
+            raise UnsupportedModelError(f"speculative method {cfg.speculative.method!r} is not built for MLA "
+                                        f"targets yet; use 'ngram' or 'grammar'")
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(model_cfg, tp, self.dtype, max_pos=max_pos, dp=dp).to(self.dtype)
-        load_weights(self.model, cfg.model, self.dtype)
+            self.model = build_model(model_cfg, tp, self.dtype, max_pos, dp)
+        load_weights(self.model, cfg.model, self.dtype, getattr(self.model, "name_map", None))
         matvec_layout(self.model, VERIFY_ROWS_BUDGET if k else 0)
         self.model.eval()
-        self.num_kv_heads = self.model.layers[0].self_attn.attn.num_kv_heads
+        # What one layer caches per token, as the model states it (KV heads, or MLA's latent row).
+        self.kv_spec = self.model.kv_cache_spec()
+        self.num_kv_heads = self.kv_spec.heads
         self.kv_cache: torch.Tensor | None = None
         # the k = 0 drafter without speculation: one step for every configuration
         self.drafter = Drafter(cfg.speculative, DraftTarget(cfg, model_cfg, self.model, tp, self.dtype, self.device,
@@ -159,13 +166,11 @@ class ModelRunner:
         return self.model_cfg.num_layers + self.drafter.num_shared_layers
 
     def kv_block_bytes(self) -> int:
-        m = self.model_cfg
-        per = 2 * self.num_cache_layers * self.cfg.block_size * self.num_kv_heads * m.head_dim * self.dtype.itemsize
+        per = self.num_cache_layers * self.cfg.block_size * self.kv_spec.bytes_per_token(self.dtype)
         return per + self.drafter.separate_block_bytes(self.cfg.block_size, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        m = self.model_cfg
-        shape = (self.num_cache_layers, 2, num_blocks, self.cfg.block_size, self.num_kv_heads, m.head_dim)
+        shape = self.kv_spec.shape(self.num_cache_layers, num_blocks, self.cfg.block_size)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.drafter.attach_caches(self.kv_cache, num_blocks, self.cfg.block_size, self.dtype)
         if self.graphs is not None:

@@ -1,0 +1,174 @@
+"""Mixture of experts: the router (DeepSeek-V3's sigmoid scores with a correction bias and group-limited
+top-k; softmax top-k), the routed experts as batched weights, and the block with its shared experts.
+
+The experts run as two grouped GEMMs over the (token, choice) pairs sorted by expert (F.grouped_mm with
+device-side group offsets; where that has no sync-free kernel, batched matmuls over each pair's gathered
+expert weights): no Python loop over experts or tokens, no host sync and no shape that depends on the
+routing, so a CUDA graph can capture it. Tensor parallelism shards every expert's intermediate dim
+(and the shared experts'); the block returns its rank's partial sum and reduces once (under attention data
+parallelism the group's row exchange reduces it, engine/distributed/data_parallel.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config_mla import MoEConfig
+from engine.distributed.data_parallel import DPContext
+from engine.distributed.parallel import TPContext
+from engine.errors import ModelLoadError
+from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
+
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # checkpoint names of an expert's weights, in shard-id order
+
+
+class TopKRouter(nn.Module):
+    """x [T, H] -> (weights [T, K] fp32, expert ids [T, K] int64). Scores are computed in fp32 from an fp32
+    gate whatever the model dtype (routing flips on rounding otherwise), as transformers keeps them."""
+
+    fp32_weights = True  # the loader hands them over uncast (engine/models/loader.py)
+
+    def __init__(self, hidden: int, moe: MoEConfig):
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden), requires_grad=False)
+        if moe.scoring == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(moe.num_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def load(self, name: str, tensor: torch.Tensor, shard_id=None) -> None:
+        param = self.weight if name.endswith("weight") else self.e_score_correction_bias
+        param.data = param.data.float()  # stays fp32 after the model was cast
+        copy_checked(param, tensor.float(), name)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.moe
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        if m.scoring == "softmax":
+            scores = logits.softmax(-1)
+            choice = scores
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias  # the bias steers the choice, not the weights
+        if m.n_group > 1 and m.topk_group < m.n_group:
+            # A token picks its experts among its topk_group best groups, a group scored by its two best experts.
+            T, per = choice.shape[0], m.num_experts // m.n_group
+            grouped = choice.view(T, m.n_group, per)
+            group_scores = grouped.topk(min(2, per), dim=-1).values.sum(-1)  # [T, n_group]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(m.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(T, m.num_experts)
+        ids = choice.topk(m.top_k, dim=-1).indices  # [T, K]
+        weights = scores.gather(1, ids)
+        if m.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * m.routed_scaling_factor, ids
+
+
+class RoutedExperts(nn.Module):
+    """All experts' weights as two batched tensors: w13 [E, 2 * I_local, H] (gate rows, then up rows) and
+    w2 [E, H, I_local]; this rank holds the slice I_local of every expert's intermediate dim."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.intermediate = intermediate
+        _, self.local = tp.shard(intermediate, "moe_intermediate_size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
+
+    def load(self, name: str, tensor: torch.Tensor, shard_id: tuple[int, int]) -> None:
+        """shard_id: (expert, part) with part an index into EXPERT_PARTS."""
+        expert, part = shard_id
+        E, _, H = self.w13.shape
+        if not 0 <= expert < E:
+            raise ModelLoadError(f"weight {name!r} names expert {expert}, but the config has {E} routed experts")
+        start, n = self.tp.shard(self.intermediate, name)
+        want = (self.intermediate, H) if part < 2 else (H, self.intermediate)
+        if tuple(tensor.shape) != want:
+            raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {want}")
+        if part < 2:  # gate or up [I, H]: this rank's rows, at the part's half of w13
+            dst, src = self.w13.data[expert].narrow(0, part * self.local, n), tensor.narrow(0, start, n)
+        else:  # down [H, I]: this rank's columns
+            dst, src = self.w2.data[expert], tensor.narrow(1, start, n)
+        copy_checked(dst, src, name)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; weights, ids [T, K] -> this rank's partial sum over each token's experts [T, H]."""
+        if grouped_gemm_supported(x):
+            return self._grouped(x, weights, ids)
+        return self._gathered(x, weights, ids)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Two grouped GEMMs over the (token, choice) pairs sorted by expert."""
+        T, K = ids.shape
+        E = self.w13.shape[0]
+        flat = ids.reshape(-1)  # [T * K] expert of each (token, choice) pair
+        order = flat.argsort(stable=True)  # pairs grouped by expert
+        counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))  # (bincount would read its max on the host)
+        offsets = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's rows
+        token = order // K  # [T * K] the token of each sorted pair
+        h = F.grouped_mm(x.index_select(0, token), self.w13.transpose(1, 2), offs=offsets)  # [T * K, 2 * I_local]
+        gate, up = h.split(self.local, dim=-1)
+        y = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)  # [T * K, H]
+        y = y * weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+    def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each pair's expert weights gathered, one batched matmul per projection: reads T * K experts' weights
+        (what decode reads anyway; large for long prefills), for devices and dtypes without a grouped GEMM."""
+        T, K = ids.shape
+        flat = ids.reshape(-1)
+        xs = x.repeat_interleave(K, dim=0)[:, :, None]  # [T * K, H, 1]
+        h = torch.bmm(self.w13.index_select(0, flat), xs)[..., 0]  # [T * K, 2 * I_local]
+        gate, up = h.split(self.local, dim=-1)
+        y = torch.bmm(self.w2.index_select(0, flat), (F.silu(gate) * up)[:, :, None])[..., 0]  # [T * K, H]
+        return (y.view(T, K, x.shape[1]) * weights[:, :, None].to(y.dtype)).sum(1)
+
+
+def grouped_gemm_supported(x: torch.Tensor) -> bool:
+    """F.grouped_mm without a host sync: on CPU any float dtype, on CUDA bf16 (other CUDA dtypes take a
+    fallback that reads the offsets on the host, which a captured graph cannot)."""
+    return x.device.type == "cpu" or (x.device.type == "cuda" and x.dtype == torch.bfloat16)
+
+
+class SharedExperts(nn.Module):
+    """The always-on experts: one gated MLP, tensor-parallel, its reduction left to the block."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPContext):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class MoEBlock(nn.Module):
+    """The MoE MLP of a layer: routed experts (+ shared experts). With `dp` (attention data parallelism) it
+    runs over the whole group's rows, sharded over the group like the dense MLP (DPContext.mlp)."""
+
+    def __init__(self, hidden: int, moe: MoEConfig, tp: TPContext, dp: DPContext | None = None):
+        super().__init__()
+        self.dp = dp
+        self.tp = dp.mlp_tp if dp is not None else tp
+        self.gate = TopKRouter(hidden, moe)
+        self.experts = RoutedExperts(hidden, moe.intermediate_size, moe.num_experts, self.tp)
+        self.shared_experts = (SharedExperts(hidden, moe.intermediate_size * moe.num_shared_experts, self.tp)
+                               if moe.num_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dp is not None:
+            return self.dp.mlp(x, self._shard)
+        return self.tp.all_reduce(self._shard(x))
+
+    def _shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output over x [N, H]: routed plus shared, reduced once by the caller."""
+        out = self.experts(x, *self.gate(x))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
