@@ -18,6 +18,7 @@ class LatentPagedAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx  # index into the cache's layer dim (draft layers come after the target's)
         self.num_heads = num_heads
+        self.group = num_heads  # query heads per KV head: every head reads the one latent row (plans are keyed by it)
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.scale = scale

@@ -26,7 +26,7 @@ from engine.layers.rotary import RopeAt, RotaryEmbedding
 from engine.models.llama import LlamaMLP
 from engine.models.mla import MLAttention
 
-_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _GATE_UP = {".gate_proj.": 0, ".up_proj.": 1}  # dense and shared-expert MLPs: checkpoint part -> fused shard
 
@@ -110,46 +110,56 @@ class DeepseekV3ForCausalLM(nn.Module):
         name = ckpt_name.removeprefix("model.")
         if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return None
-        shard = None
-        expert = _EXPERT.match(name)
-        if expert is not None:
-            module_path, leaf = expert.group(1), "w2" if expert.group(3) == "down_proj" else "w13"
-            shard = (int(expert.group(2)), EXPERT_PARTS.index(expert.group(3)))
-        else:
-            for frag, sid in _GATE_UP.items():
-                if ".mlp." in name and frag in name:
-                    name, shard = name.replace(frag, ".gate_up_proj."), sid
-                    break
-            module_path, _, leaf = name.rpartition(".")
-        try:
-            module = self.get_submodule(module_path)
-        except AttributeError:
-            return None
-        if getattr(module, leaf, None) is None:
-            return None
-        return module, leaf, shard
+        return resolve(self, name)
 
     def expected_checkpoint_names(self) -> set[str]:
         """Every tensor name a complete checkpoint of this config must carry."""
-        cfg, mla, moe = self.cfg, self.cfg.mla, self.cfg.moe
         names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not cfg.tie_word_embeddings:
+        if not self.cfg.tie_word_embeddings:
             names.add("lm_head.weight")
-        attn = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
-        attn += ["q_proj.weight"] if mla.q_lora_rank is None else ["q_a_proj.weight", "q_a_layernorm.weight",
-                                                                   "q_b_proj.weight"]
-        if mla.attention_bias:
-            attn += ["kv_a_proj_with_mqa.bias", "o_proj.bias"] + ([] if mla.q_lora_rank is None else ["q_a_proj.bias"])
-        mlp = [f"{p}.weight" for p in EXPERT_PARTS]
-        for i in range(cfg.num_layers):
-            prefix = f"model.layers.{i}."
-            names.update(prefix + p for p in ("input_layernorm.weight", "post_attention_layernorm.weight"))
-            names.update(f"{prefix}self_attn.{p}" for p in attn)
-            if not moe.is_moe_layer(i):
-                names.update(f"{prefix}mlp.{p}" for p in mlp)
-                continue
-            names.update(f"{prefix}mlp.gate.{p}" for p in ("weight", "e_score_correction_bias"))
-            names.update(f"{prefix}mlp.experts.{e}.{p}" for e in range(moe.num_experts) for p in mlp)
-            if moe.num_shared_experts:
-                names.update(f"{prefix}mlp.shared_experts.{p}" for p in mlp)
+        for i in range(self.cfg.num_layers):
+            names.update(f"model.layers.{i}.{n}" for n in layer_weight_names(self.cfg, i))
         return names
+
+
+def resolve(root: nn.Module, name: str) -> tuple[nn.Module, str, object] | None:
+    """A checkpoint name relative to `root`'s module tree (after any prefix is mapped) -> (module, leaf, shard
+    id): one expert's weight -> the batched experts (shard (expert, part)); gate/up of a dense or shared MLP ->
+    the fused gate_up_proj; anything else by its path."""
+    shard = None
+    expert = _EXPERT.match(name)
+    if expert is not None:
+        module_path, leaf = expert.group(1), "w2" if expert.group(3) == "down_proj" else "w13"
+        shard = (int(expert.group(2)), EXPERT_PARTS.index(expert.group(3)))
+    else:
+        for frag, sid in _GATE_UP.items():
+            if ".mlp." in name and frag in name:
+                name, shard = name.replace(frag, ".gate_up_proj."), sid
+                break
+        module_path, _, leaf = name.rpartition(".")
+    try:
+        module = root.get_submodule(module_path)
+    except AttributeError:
+        return None
+    if getattr(module, leaf, None) is None:
+        return None
+    return module, leaf, shard
+
+
+def layer_weight_names(cfg: ModelConfig, layer_idx: int) -> list[str]:
+    """The checkpoint names of decoder layer `layer_idx`, relative to `model.layers.{layer_idx}.`."""
+    mla, moe = cfg.mla, cfg.moe
+    attn = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
+    attn += ["q_proj.weight"] if mla.q_lora_rank is None else ["q_a_proj.weight", "q_a_layernorm.weight",
+                                                               "q_b_proj.weight"]
+    if mla.attention_bias:
+        attn += ["kv_a_proj_with_mqa.bias", "o_proj.bias"] + ([] if mla.q_lora_rank is None else ["q_a_proj.bias"])
+    names = ["input_layernorm.weight", "post_attention_layernorm.weight"] + [f"self_attn.{p}" for p in attn]
+    mlp = [f"{p}.weight" for p in EXPERT_PARTS]
+    if not moe.is_moe_layer(layer_idx):
+        return names + [f"mlp.{p}" for p in mlp]
+    names += [f"mlp.gate.{p}" for p in ("weight", "e_score_correction_bias")]
+    names += [f"mlp.experts.{e}.{p}" for e in range(moe.num_experts) for p in mlp]
+    if moe.num_shared_experts:
+        names += [f"mlp.shared_experts.{p}" for p in mlp]
+    return names

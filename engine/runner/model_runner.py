@@ -86,9 +86,10 @@ class ModelRunner:
         # Draft chains and padded verification rows run past the last token: the rope table covers them.
         k = cfg.speculative.k if cfg.speculative is not None else 0
         max_pos = max_model_len + position_margin(k)
-        if model_cfg.mla is not None and cfg.speculative is not None and cfg.speculative.uses_model:
+        if model_cfg.mla is not None and cfg.speculative is not None and cfg.speculative.method in ("eagle3",
+                                                                                                   "draft_model"):
             raise UnsupportedModelError(f"speculative method {cfg.speculative.method!r} is not built for MLA "
-                                        f"targets yet; use 'ngram' or 'grammar'")
+                                        f"targets yet; use 'mtp' (the checkpoint's own layer), 'ngram' or 'grammar'")
         with torch.device(self.device):
             self.model = build_model(model_cfg, tp, self.dtype, max_pos, dp)
         load_weights(self.model, cfg.model, self.dtype, getattr(self.model, "name_map", None))

@@ -49,6 +49,14 @@ def load_proposer(spec: SpecConfig, target: DraftTarget, kv_cache_ref) -> tuple[
                                                   target.max_pos)
     num_kv_heads, target = target.num_kv_heads, target.model
     draft_dir = spec.draft or cfg.model
+    if model_cfg.mla is not None and spec.method == "mtp":
+        # DeepSeek-V3's own MTP layer (MLA + MoE, the target's config): its latent rows extend the target's cache
+        from engine.models.deepseek_mtp import build_deepseek_mtp
+
+        with torch.device(device):
+            net = build_deepseek_mtp(draft_dir, model_cfg, target, tp, dtype, max_pos)
+        matvec_layout(net, VERIFY_ROWS_BUDGET)
+        return _head_proposer(net, spec, model_cfg.vocab_size, kv_cache_ref), (num_kv_heads, model_cfg.head_dim), True
     if spec.method == "draft_model":
         dcfg = ModelConfig.from_dir(draft_dir)
     else:

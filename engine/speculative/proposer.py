@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from engine.layers.attention import AttentionMetadata, PagedAttention, attention_context
+from engine.layers.latent_attention import LatentPagedAttention
 from engine.models.draft_head import DraftHead
 from engine.models.llama import LlamaForCausalLM
 from engine.sample.sampler import SamplingBatch, processed_logits, race
@@ -68,7 +69,7 @@ def chain_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, first: torch
 
 def attention_group(net: torch.nn.Module) -> int:
     """Query heads per KV head of a draft network's attention (every layer of it alike)."""
-    return next(m.group for m in net.modules() if isinstance(m, PagedAttention))
+    return next(m.group for m in net.modules() if isinstance(m, (PagedAttention, LatentPagedAttention)))
 
 
 def sample_drafts(logits: torch.Tensor, positions: torch.Tensor, s: SamplingBatch,

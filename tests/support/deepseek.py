@@ -49,3 +49,42 @@ def make_deepseek_checkpoint(path, variant: str = "q_lora", seed: int = 0, dtype
     model.save_pretrained(path)
     tiny_tokenizer(path)
     return model
+
+
+def add_mtp_layer(path, hf, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Write a random MTP layer (`model.layers.{N}.*`, N = num_hidden_layers, DeepSeek-V3's layout: enorm,
+    hnorm, eh_proj, a MoE decoder block with per-expert weights, shared_head, its own copy of the embedding)
+    beside the checkpoint in `path` as a second safetensors file; returns its tensors by name. transformers
+    builds no MTP module, so tests check it against a plain-torch reference of its formula."""
+    from safetensors.torch import save_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg = hf.config
+    n = cfg.num_hidden_layers
+    g = torch.Generator().manual_seed(seed)
+    block = DeepseekV3DecoderLayer(cfg, layer_idx=n)
+    tensors = {}
+    for name, p in list(block.named_parameters()) + list(block.named_buffers()):
+        if "norm" in name:
+            value = 1 + 0.1 * torch.randn(p.shape, generator=g)
+        elif name.endswith("e_score_correction_bias"):
+            value = torch.rand(p.shape, generator=g) * 0.5
+        else:
+            value = torch.randn(p.shape, generator=g) * 0.08
+        tensors[name] = value
+    inter = cfg.moe_intermediate_size
+    gate_up, down = tensors.pop("mlp.experts.gate_up_proj"), tensors.pop("mlp.experts.down_proj")
+    for e in range(cfg.n_routed_experts):  # checkpoints hold experts one by one
+        tensors[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :inter]
+        tensors[f"mlp.experts.{e}.up_proj.weight"] = gate_up[e, inter:]
+        tensors[f"mlp.experts.{e}.down_proj.weight"] = down[e]
+    h = cfg.hidden_size
+    tensors["enorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    tensors["hnorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    tensors["eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.08
+    tensors["shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    tensors["embed_tokens.weight"] = hf.model.embed_tokens.weight.detach().clone()
+    tensors["shared_head.head.weight"] = hf.lm_head.weight.detach().clone()
+    named = {f"model.layers.{n}.{k}": v.to(hf.dtype).contiguous() for k, v in tensors.items()}
+    save_file(named, str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    return named

@@ -147,7 +147,8 @@ def test_missing_expert_weight_is_named(tmp_path):
 def test_draft_networks_are_refused_for_mla_targets(checkpoints):
     path, _ = checkpoints["q_lora"]
     with pytest.raises(UnsupportedModelError, match="not built for MLA"):
-        LLMEngine(EngineConfig(model=path, num_kv_blocks=8, speculative=SpecConfig(method="mtp", k=1)))
+        LLMEngine(EngineConfig(model=path, num_kv_blocks=8, speculative=SpecConfig(method="draft_model", k=1,
+                                                                                   draft=path)))
 
 
 def test_config_reads_the_family(checkpoints):

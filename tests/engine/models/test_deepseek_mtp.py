@@ -1,0 +1,105 @@
+"""engine/models/deepseek_mtp.py: DeepSeek-V3's own MTP layer, read from the target's checkpoint, against a
+plain-torch reference of its formula (transformers builds no MTP module; its decoder layer is the block), and
+MTP speculation through the engine lossless against no speculation and against transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine.core.request import Request
+from engine.core.scheduler import ScheduledRequest
+from engine.errors import ModelLoadError
+from engine.layers.attention import attention_context
+from engine.models.deepseek_mtp import DeepseekMTPHead
+from engine.runner.batch import build_batch
+from tests.support.deepseek import add_mtp_layer, make_deepseek_checkpoint
+
+PROMPT = [0, 17, 43, 99, 5, 250, 31, 7, 300, 12, 64, 128, 3, 77, 201]
+PROMPTS = [PROMPT, PROMPT[:4], PROMPT[3:12] * 2]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, one_thread_module):
+    """(dir, transformers target, the MTP layer's tensors): a q_lora target with its MTP layer beside it."""
+    path = tmp_path_factory.mktemp("deepseek_mtp")
+    hf = make_deepseek_checkpoint(path, "q_lora", seed=11)
+    return str(path), hf, add_mtp_layer(path, hf, seed=12)
+
+
+def reference_mtp_logits(hf, mtp: dict[str, torch.Tensor], tokens: list[int]) -> torch.Tensor:
+    """Draft logits at indices 0..n-2 (each predicting token i+2), by the formula: eh_proj of [enorm(embed(t[i+1])),
+    hnorm(final hidden[i])], transformers' decoder layer (causal over the layer's own inputs), shared head."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg, n = hf.config, hf.config.num_hidden_layers
+    w = {k.removeprefix(f"model.layers.{n}."): v for k, v in mtp.items()}
+    block = DeepseekV3DecoderLayer(cfg, layer_idx=n).eval()
+    state = {k: v for k, v in w.items() if k.split(".")[0] in ("self_attn", "mlp", "input_layernorm",
+                                                               "post_attention_layernorm") and ".experts." not in k}
+    inter = cfg.moe_intermediate_size
+    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w[f"mlp.experts.{e}.gate_proj.weight"],
+                                                                w[f"mlp.experts.{e}.up_proj.weight"]])
+                                                     for e in range(cfg.n_routed_experts)])
+    state["mlp.experts.down_proj"] = torch.stack([w[f"mlp.experts.{e}.down_proj.weight"] for e in range(cfg.n_routed_experts)])
+    assert state["mlp.experts.gate_up_proj"].shape[1] == 2 * inter
+    block.load_state_dict(state)
+
+    def rms(x, weight):
+        return F.rms_norm(x, (x.shape[-1],), weight, cfg.rms_norm_eps)
+
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        hidden = hf.model(ids).last_hidden_state[0, :-1]  # after the final norm: what the LM head reads
+        emb = F.embedding(ids[0, 1:], w["embed_tokens.weight"])
+        x = torch.cat([rms(emb, w["enorm.weight"]), rms(hidden, w["hnorm.weight"])], -1) @ w["eh_proj.weight"].T
+        m = x.shape[0]
+        pos = torch.arange(m)[None]
+        mask = torch.full((m, m), float("-inf")).triu(1)[None, None]
+        y = block(x[None], attention_mask=mask, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
+        return rms(y[0], w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
+
+
+def test_mtp_layer_matches_its_formula(checkpoint):
+    """The head over a prompt's rows (the first chain step of a prefill), reading the target's final hidden states
+    and writing its latent rows into the cache layer after the target's."""
+    path, hf, mtp = checkpoint
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=4, speculative=SpecConfig("mtp", k=1)))
+    head = engine.runner.proposer.head
+    assert isinstance(head, DeepseekMTPHead) and engine.kv_cache.shape[0] == hf.config.num_hidden_layers + 1
+    n = len(PROMPT)
+    req = Request("r", PROMPT, SamplingParams(), seed=0, max_total_tokens=engine.max_model_len)
+    assert engine.blocks.allocate("r", n - 1)
+    batch = build_batch([ScheduledRequest(req, n - 1, sample=False)], engine.blocks, engine.kv_cache,
+                        engine.runner.device, engine.model_cfg.vocab_size, 0, None)
+    with torch.inference_mode(), attention_context(batch.attn):
+        hidden, _ = engine.runner.model(batch.input_ids, batch.positions)
+        got = head.compute_logits(head(hidden, torch.tensor(PROMPT[1:]), batch.positions))
+    torch.testing.assert_close(got, reference_mtp_logits(hf, mtp, PROMPT), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_speculation_is_lossless(checkpoint, k):
+    """Greedy and seeded sampling with the checkpoint's own MTP layer drafting k tokens equal the output without
+    speculation (and greedy equals transformers)."""
+    path, hf, _ = checkpoint
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)
+    plain = LLM(path, num_kv_blocks=96, block_size=4)
+    spec = LLM(path, num_kv_blocks=96, block_size=4, speculative=SpecConfig(method="mtp", k=k))
+    for params in (greedy, seeded):
+        want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+        assert [o.token_ids for o in spec.generate(PROMPTS, params)] == want
+    hist = spec.engine.spec_stats.accepted_length_hist
+    assert sum(hist[1:]) > 0, "no decoding step verified drafts"
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+                      max_new_tokens=16, do_sample=False)[0, len(PROMPT):].tolist()
+    assert spec.generate([PROMPT], greedy)[0].token_ids == ref
+
+
+def test_checkpoint_without_mtp_layer_is_named(tmp_path):
+    make_deepseek_checkpoint(tmp_path, "no_q_lora", seed=13)
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.3\.\*"):
+        LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=8, speculative=SpecConfig("mtp", k=1)))
