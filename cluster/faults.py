@@ -5,7 +5,9 @@ deadline).
 
 Off unless armed: a deployment arms the points its `fault_points` setting names (empty by default), and
 an armed point still fires only for a request whose id contains the point's name (the router takes the
-client's X-Request-Id into the request id), so one armed server serves every other request normally.
+client's X-Request-Id into the request id), so one armed server serves every other request normally; and only
+for its first attempt: the router's resumption of it after the fault (`<id>~r<n>`, router/generation.py) runs
+as any request would, so a test sees what one fault does.
 
 The setting lists `point=action`, comma-separated; an action may end in `@text`, and then fires only where
 the point's `where` (e.g. the channel's name, which names the decode rank: `-r1-`) contains that text:
@@ -27,6 +29,8 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+
+from cluster.protocol.prefill import RESUMED_MARK
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +75,7 @@ class FaultPoints:
     def hit(self, point: str, request_id: str, where: str = "") -> None:
         """Make the fault armed at `point` happen now, if it is armed and `request_id` asks for it."""
         action = self.actions.get(point)
-        if action is None or point not in request_id or action.where not in where:
+        if action is None or point not in request_id or action.where not in where or RESUMED_MARK in request_id:
             return
         self.fired += 1
         log.warning("fault point %s fires for %s (%s): %s", point, request_id, where, action)

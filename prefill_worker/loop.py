@@ -101,7 +101,8 @@ class PrefillLoop:
             job: PrefillJob = item
             r = job.request
             try:
-                self.engine.add_request(r.request_id, list(r.prompt_token_ids), r.params, prefill_only=True)
+                self.engine.add_request(r.request_id, list(r.prompt_token_ids), r.params, prefill_only=True,
+                                        continuation=r.continuation)
             except (TandemError, TypeError, ValueError) as e:
                 job.future.set_exception(e)
                 return
@@ -133,10 +134,14 @@ class PrefillLoop:
         logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs] if out.logprobs else []
         prompt_logprobs = [None if lp is None else (lp.token_id, lp.logprob, lp.top)
                            for lp in out.prompt_logprobs or ()]
-        result = PrefillResult(out.request_id, list(out.token_ids), out.finished, out.finish_reason, logprobs,
-                               queue_s, prefill_s, prompt_logprobs)
-        if not out.finished:
-            job.handed_over = self.sender.submit(self.engine.take_handover(out.request_id), job.target)
+        # A continuation's output starts with what it had streamed before: the router wants only what follows.
+        done = len(job.request.continuation.output_token_ids) if job.request.continuation is not None else 0
+        handover = None if out.finished else self.engine.take_handover(out.request_id)
+        result = PrefillResult(out.request_id, list(out.token_ids[done:]), out.finished, out.finish_reason,
+                               logprobs[done:], queue_s, prefill_s, prompt_logprobs,
+                               None if handover is None else handover.request.seed)
+        if handover is not None:
+            job.handed_over = self.sender.submit(handover, job.target)
         if not job.future.set_running_or_notify_cancel():
             return
         job.future.set_result(result)

@@ -21,7 +21,7 @@ from router.access import AccessGate, install_limits
 from router.config import RouterConfig
 from router.errors import APIError, install, invalid
 from router.decode_feed import DecodeFeeds
-from router.generation import Generation
+from router.generation import Generation, Resume
 from router.ingress import ApiServer, unless_client_leaves
 from router.limits import check_request, check_unicode
 from router.choices import Choices, child_seed, start_all
@@ -56,6 +56,7 @@ class Router:
         self.inflight = 0
         self.actor_name = ray.get_runtime_context().get_actor_name()  # None outside an actor (tests)
         self.feeds = DecodeFeeds(decode, self.actor_name, self.cfg.feed_link)  # decode deltas, one feed per replica
+        self.resume = Resume(self.cfg.resume_attempts, self.cfg.resume_deadline_s, self.metrics.resumed)
         self.waiting_first = 0
         self.created = int(time.time())
         self.metrics_server = None
@@ -285,7 +286,7 @@ class Router:
                 if "seed" in child:
                     child["seed"] = child_seed(child["seed"], sample)
                 children.append((index, p, Generation(self.prefill, self.feeds, rid if count == 1 else f"{rid}-{index}",
-                                                      ids, child)))
+                                                      ids, child, self.resume)))
         self.inflight += count
         self.waiting_first += count
         self._gauges()

@@ -37,6 +37,15 @@ class RouterSettings(BaseModel):
                                                          "replica whose group holds most of it, weighed against "
                                                          "load (router/policy.py); false: by load alone, "
                                                          "equal replicas in turn.")
+    resume_attempts: int = Field(3, ge=0, description="When a worker dies under a request (a decode rank or "
+                                                      "replica, a prefill replica, a KV hand-over), submit it "
+                                                      "again as a continuation of what its client was sent, up "
+                                                      "to this many times: the stream goes on after a pause, "
+                                                      "with the same tokens (router/generation.py); 0: the "
+                                                      "request ends with a 503 as before.")
+    resume_deadline_s: float = Field(120.0, gt=0, description="Longest pause of one resumption, from the "
+                                                              "failure to the next token; past it the request "
+                                                              "ends with its 503.")
     api_key: str | None = Field(None, repr=False, description=f"Bearer key every route but /health requires "
                                                               f"(HTTP 401 otherwise); default: ${API_KEY_ENV}, "
                                                               f"else no key.")

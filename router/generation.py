@@ -7,20 +7,33 @@
    StreamError; until the prefill's stream has ended, watch it too, so that a prefill that dies with the
    hand-over still queued ends the request at once rather than at the decode side's deadline for the header.
 Cancelling (client gone, stop string) cancels whatever is in flight; the workers free the blocks.
+
+Resumption (Resume): when a worker dies under the request (any 503 "unavailable" failure: a decode rank or
+replica died, a prefill replica died, the KV hand-over broke), the request is not lost. Everything above this
+class (detokenizer, stop strings, tool-call parser, logprobs, usage) lives in the router and keeps its state;
+what died is only the workers' copy. So the request is submitted again as a continuation of the tokens it
+already yielded (cluster/protocol PrefillRequest.continuation: same seed, so sampling, which depends only on
+(seed, position), draws the same tokens; its grammar replays them on the prefill side; speculation's draft state
+is recomputed there as for any prompt), to whichever prefill and decode replicas Serve picks, and the stream
+goes on with the next token: the client sees a pause, never an error, never a repeated or missing token.
+Bounded: at most `Resume.attempts` re-submissions per request, each pause at most `Resume.deadline_s`; then
+the request ends with the error as before. A client that leaves during the pause cancels the attempt.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import re
+import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import ray
 from ray.serve.exceptions import BackPressureError
 
 from cluster.feed_link import FeedLinkError
-from cluster.protocol import PrefillRequest, PrefillResult, StreamError
+from cluster.protocol import PrefillRequest, PrefillResult, StreamError, attempt_id
+from engine.core.request import Continuation
 from engine.errors import TandemError
 from engine.outputs import SpecUsage
 from engine.sampling_params import SamplingParams
@@ -32,6 +45,31 @@ log = logging.getLogger(__name__)
 # How long a hand-over failure reported by the decode side waits for the prefill's own outcome, which names
 # the cause when the prefill died (Ray reports a killed actor within about a second).
 PREFILL_FAILURE_GRACE_S = 3.0
+
+
+# First wait before re-submitting a request whose worker died, doubled per failed attempt up to the cap: Ray
+# restarts a dead prefill replica and the decode replica rebuilds its group in seconds, and the open call itself
+# waits for a group being rebuilt (decode_worker/deployment.py), so retrying faster only burns attempts.
+RESUME_BACKOFF_S = 0.25
+RESUME_BACKOFF_CAP_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """How a request whose worker died is resumed (RouterSettings.resume_attempts / resume_deadline_s).
+    on_resume(cause, pause seconds) is called once per resumption that yields a token again (metrics)."""
+    attempts: int = 3  # re-submissions per request; 0: no resumption (the request ends with the error)
+    deadline_s: float = 120.0  # longest pause per resumption, from the failure to the next token
+    on_resume: Callable[[str, float], None] | None = None
+
+
+NO_RESUME = Resume(attempts=0)
+
+
+def resumable(e: APIError) -> bool:
+    """A failure of the workers, not of the request: what a worker death, a broken hand-over or a decode group
+    being rebuilt is answered with (a 503 "unavailable_error"; an overload is a 503 "overloaded_error")."""
+    return e.status == 503 and e.error_type == "unavailable_error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,35 +112,90 @@ def _role(e: BaseException) -> str:
 
 
 class Generation:
-    def __init__(self, prefill, feeds: DecodeFeeds, request_id: str, prompt_token_ids: list[int], params: dict):
+    def __init__(self, prefill, feeds: DecodeFeeds, request_id: str, prompt_token_ids: list[int], params: dict,
+                 resume: Resume = NO_RESUME):
         self.prefill, self.feeds = prefill, feeds
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        self.resume = resume
         self._queue: asyncio.Queue | None = None  # the decode side's items for this request, while it is open
         self._prefill_call = None  # the prefill's stream, until the hand-over has left it
         self._handover: asyncio.Future | None = None  # ends when the prefill's stream does
         self.first: PrefillResult | None = None
+        # What the client has been sent, for a resumption: the tokens yielded, their logprobs when asked,
+        # the seed the prefill sampled with (drawn there when the request gave none).
+        self._sent: list[int] = []
+        self._sent_logprobs: list = []
+        self._seed: int | None = params.get("seed")
+        self.resumptions = 0
+        self._attempt_id = request_id  # the current attempt's id at the workers (a resumption's gets a suffix)
 
     async def start(self) -> PrefillResult:
-        """Runs until the first token exists; raises APIError (nothing is left running then)."""
+        """Runs until the first token exists; raises APIError (nothing is left running then). A worker that
+        dies before the first token is resumed like one that dies later (nothing was sent yet)."""
         try:
-            target, self._queue = await self.feeds.open(self.request_id, len(self.prompt_token_ids),
-                                                        self.prompt_token_ids, self.params.get("cache_salt"))
-            request = PrefillRequest(self.request_id, tuple(self.prompt_token_ids), SamplingParams(**self.params))
+            self.first = await self._begin(None)
+        except APIError as e:
+            self.first = await self._resumed(e, _cause(e.message))
+        return self.first
+
+    async def _begin(self, continuation: Continuation | None) -> PrefillResult:
+        """One attempt: open the request on a decode replica, run its prompt (and continuation) on a prefill
+        replica that hands the KV over; -> the prefill's result. Raises APIError, with nothing left running."""
+        try:
+            ids = list(self.prompt_token_ids)
+            known = ids + (list(continuation.output_token_ids) if continuation is not None else [])
+            target, self._queue = await self.feeds.open(self._attempt_id, len(known), known,
+                                                        self.params.get("cache_salt"))
+            params = self.params if continuation is None else {**self.params, "prompt_logprobs": None}
+            request = PrefillRequest(self._attempt_id, tuple(ids), SamplingParams(**params), continuation)
             self._prefill_call = self.prefill.options(stream=True).prefill.remote(request.to_wire(), target)
-            self.first = await self._prefill_call.__anext__()
+            first = await self._prefill_call.__anext__()
         except BaseException as e:
             self.cancel()
             if isinstance(e, Exception):
                 raise api_error(e) from e
             raise
-        if self.first.finished:
+        if first.seed is not None:
+            self._seed = first.seed
+        if first.finished:
             self._close(cancel=True)  # no hand-over comes: the decode side drops the expected request
             self._prefill_call = None
         else:
             self._handover = asyncio.ensure_future(self._handed_over(self._prefill_call))
-        return self.first
+        return first
+
+    async def _resumed(self, error: APIError, cause: str) -> PrefillResult:
+        """Submit the request again after `error` as a continuation of what was sent; -> the new attempt's
+        first result. Raises `error` (or the last attempt's) when it is not a worker failure, the attempts
+        are used up, or the pause would pass its deadline."""
+        if not resumable(error) or self.resumptions >= self.resume.attempts:
+            raise error
+        failed_at = time.monotonic()
+        delay = RESUME_BACKOFF_S
+        while True:
+            if self.resumptions >= self.resume.attempts or time.monotonic() - failed_at + delay > self.resume.deadline_s:
+                raise error
+            await asyncio.sleep(delay)  # cancelled here (the client left): nothing is running
+            self.resumptions += 1
+            self._attempt_id = attempt_id(self.request_id, self.resumptions)
+            log.warning("resuming %s after %d sent tokens (%s: %s) as %s", self.request_id, len(self._sent), cause,
+                        error.message, self._attempt_id)
+            cont = None
+            if self._sent:
+                cont = Continuation(tuple(self._sent), self._seed if self._seed is not None else 0,
+                                    tuple(self._sent_logprobs) if self.params.get("logprobs") is not None else ())
+            try:
+                first = await self._begin(cont)
+            except APIError as e:
+                if not resumable(e):
+                    raise
+                error, delay = e, min(delay * 2, RESUME_BACKOFF_CAP_S)
+                continue
+            if self.resume.on_resume is not None:
+                self.resume.on_resume(cause, time.monotonic() - failed_at)
+            return first
 
     @staticmethod
     async def _handed_over(prefill_stream) -> None:
@@ -110,26 +203,50 @@ class Generation:
             raise APIError(500, "the prefill answered more than one result", "internal_error")
 
     async def events(self) -> AsyncIterator[TokenEvent]:
-        """The first token(s), then the decode group's; raises APIError if the decode side fails."""
+        """The first token(s), then the decode group's; raises APIError if the decode side fails and the
+        request cannot be resumed."""
         first = self.first
-        yield TokenEvent(tuple(first.token_ids), tuple(first.logprobs), first.finish_reason if first.finished else None)
-        if first.finished:
-            return
+        while True:
+            event = TokenEvent(tuple(first.token_ids), tuple(first.logprobs),
+                               first.finish_reason if first.finished else None)
+            self._sent_through(event)
+            yield event
+            if first.finished:
+                return
+            try:
+                async for event in self._decoded():
+                    self._sent_through(event)
+                    yield event
+                return
+            except _WorkerFailed as failed:
+                first = await self._resumed(failed.error, failed.cause)
+
+    def _sent_through(self, event: TokenEvent) -> None:
+        self._sent.extend(event.token_ids)
+        if self.params.get("logprobs") is not None:
+            self._sent_logprobs.extend(event.logprobs)
+
+    async def _decoded(self) -> AsyncIterator[TokenEvent]:
+        """The decode group's events for the current attempt; a worker failure comes out as _WorkerFailed
+        (nothing of the attempt is left running then), any other failure as its APIError."""
         try:
             while True:
-                item = await self._next_decode_item()
+                try:
+                    item = await self._next_decode_item()
+                except APIError as e:  # the prefill's stream failed: it died, or the hand-over broke
+                    raise _WorkerFailed(e, _cause(e.message)) from e
                 if isinstance(item, StreamError):
                     self._close(cancel=False)
-                    raise APIError(item.status, item.message, item.error_type)
+                    raise _WorkerFailed(APIError(item.status, item.message, item.error_type), _cause(item.message))
                 if isinstance(item, FeedBroken):
                     self._close(cancel=True)  # the replica is most likely gone; if not, it must not decode on
-                    raise api_error(item.error)
+                    raise _WorkerFailed(api_error(item.error), "decode")
                 yield TokenEvent(item.token_ids, item.logprobs, item.finish_reason if item.finished else None,
                                  item.speculative)
                 if item.finished:
                     self._close(cancel=False)
                     return
-        except APIError:
+        except (APIError, _WorkerFailed):
             raise
         except Exception as e:  # noqa: BLE001 - anything else: end the request on the decode side too
             self.cancel()
@@ -161,7 +278,7 @@ class Generation:
     def _close(self, cancel: bool) -> None:
         if self._queue is not None:
             self._queue = None
-            self.feeds.close(self.request_id, cancel)
+            self.feeds.close(self._attempt_id, cancel)
 
     def cancel(self) -> None:
         """Stop whatever is still running; never raises (it runs while another error is being answered)."""
@@ -172,6 +289,22 @@ class Generation:
             try:
                 self._prefill_call.cancel()
             except Exception as e:  # noqa: BLE001 - a call that failed to start has nothing to cancel
-                log.debug("cancelling %s: %s", self.request_id, e)
+                log.debug("cancelling %s: %s", self._attempt_id, e)
             self._prefill_call = None
         self._close(cancel=True)
+
+
+def _cause(message: str) -> str:
+    """What failed, for the resumptions metric, from the failure's message (router/generation.py's own and the
+    workers' StreamErrors name it): the KV hand-over, a prefill replica, or else the decode side."""
+    if "hand-over" in message:
+        return "handover"
+    return "prefill" if "prefill" in message else "decode"
+
+
+class _WorkerFailed(Exception):
+    """Inside Generation: the current attempt failed because a worker did (`cause`: decode, prefill, handover)."""
+
+    def __init__(self, error: APIError, cause: str):
+        super().__init__(error.message)
+        self.error, self.cause = error, cause

@@ -68,6 +68,12 @@ class RouterMetrics:
                                    "forced (among the verified drafts).", spec, registry=r)
         self.spec_steps = Counter("tandem_spec_decode_verify_steps", "Decoding steps that verified drafts (each "
                                   "emits the accepted drafts plus one token).", spec, registry=r)
+        self.resumptions = Counter("tandem_request_resumptions", "Requests submitted again as a continuation after "
+                                   "a worker died under them, by what failed (decode, prefill, handover).",
+                                   ["model", "cause"], registry=r)
+        self.resume_pause = Histogram("tandem_resume_pause_seconds", "From a worker failure to the resumed "
+                                      "request's next token.", ["model"], buckets=_LATENCY_BUCKETS,
+                                      registry=r).labels(**labels)
         self.handover_s = Gauge("tandem_handover_seconds_recent", "Mean KV hand-over payload time of recent "
                                 "requests (decode side).", ["model"], registry=r).labels(**labels)
         self.handover_bw = Gauge("tandem_handover_bytes_per_second_recent", "KV hand-over bandwidth of recent "
@@ -127,6 +133,11 @@ class RouterMetrics:
         self.spec_accepted.labels(**lab).inc(usage.accepted_tokens)
         self.spec_forced.labels(**lab).inc(usage.forced_tokens)
         self.spec_steps.labels(**lab).inc(usage.verify_steps)
+
+    def resumed(self, cause: str, pause_s: float) -> None:
+        """A request whose worker died yields tokens again (router/generation.py Resume.on_resume)."""
+        self.resumptions.labels(model=self._labels["model"], cause=cause).inc()
+        self.resume_pause.observe(pause_s)
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(model=self._labels["model"], endpoint=endpoint, status=str(status)).inc()

@@ -67,15 +67,19 @@ class PromptKey:
 
 def prefill_prompt(method: str, args: list) -> PromptKey | None:
     """The prompt of a `prefill(request wire form, target)` call (cluster/protocol/prefill.py's
-    PrefillRequest: version, id, prompt token ids, sampling parameters); None for other calls, or a request
+    PrefillRequest: version, id, prompt token ids, sampling parameters, continuation); a resumed request's
+    is its prompt and the output it continues (the prefill computes both); None for other calls, or a request
     too malformed to read (the replica refuses it with a typed error; routing it anywhere is fine)."""
     if method != "prefill" or not args:
         return None
     raw = args[0]
-    if type(raw) is not tuple or len(raw) != 4 or type(raw[2]) is not tuple or type(raw[3]) is not dict:
+    if type(raw) is not tuple or len(raw) != 5 or type(raw[2]) is not tuple or type(raw[3]) is not dict:
         return None
     salt = raw[3].get("cache_salt")
-    return PromptKey(raw[2], salt if isinstance(salt, str) else None)
+    tokens = raw[2]
+    if type(raw[4]) is tuple and raw[4] and type(raw[4][0]) is tuple:
+        tokens = tokens + raw[4][0]
+    return PromptKey(tokens, salt if isinstance(salt, str) else None)
 
 
 def decode_prompt(method: str, args: list) -> PromptKey | None:

@@ -13,11 +13,23 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from cluster.protocol import wire
+from engine.core.request import Continuation
 from engine.handover import sampling_params_dict
 from engine.sampling_params import SamplingParams
 
-PREFILL_VERSION = 1  # bump on any change to PrefillRequest's wire form or to SamplingParams' fields
+# Bump on any change to PrefillRequest's wire form or to SamplingParams' fields (2: the continuation: output
+# tokens, their logprobs and the seed of a request resumed after a worker died under it).
+PREFILL_VERSION = 2
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+RESUMED_MARK = "~r"  # a resumed request reaches the workers as `<id>~r<n>`: attempt n after a worker died
+
+
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The id of a request's `attempt` (0: the first) at the workers: resumptions get their own, so a late
+    message of a dead attempt (a cancel, a stale delta) never meets the new one."""
+    return request_id if attempt == 0 else f"{request_id}{RESUMED_MARK}{attempt}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,17 +37,23 @@ class PrefillRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams  # validated by the router when it built them
+    # A resumed request (router/generation.py): the output it had streamed before a worker died under it; the
+    # prefill runs prompt + these tokens and samples what follows them, with the same seed.
+    continuation: Continuation | None = None
 
-    WIRE = ("request_id", "prompt_token_ids", "params")
+    WIRE = ("request_id", "prompt_token_ids", "params", "continuation")
 
     def to_wire(self) -> tuple:
-        return (PREFILL_VERSION, self.request_id, tuple(self.prompt_token_ids), sampling_params_dict(self.params))
+        c = self.continuation
+        cont = None if c is None else (tuple(c.output_token_ids), c.seed,
+                                       tuple((t, lp, top) for t, lp, top in c.logprobs))
+        return (PREFILL_VERSION, self.request_id, tuple(self.prompt_token_ids), sampling_params_dict(self.params), cont)
 
     @staticmethod
     def from_wire(raw) -> "PrefillRequest":
         """ProtocolVersionError for another version's request, ProtocolError naming a malformed field, and
         InvalidRequestError (naming its parameter) for sampling parameters SamplingParams refuses."""
-        rid, prompt, params = wire.versioned(raw, "PrefillRequest", PREFILL_VERSION, PrefillRequest.WIRE)
+        rid, prompt, params, cont = wire.versioned(raw, "PrefillRequest", PREFILL_VERSION, PrefillRequest.WIRE)
         prompt = wire.ints(prompt, "PrefillRequest", "prompt_token_ids")
         wire.check(bool(prompt), "PrefillRequest", "prompt_token_ids", "a non-empty array of ints", prompt)
         wire.check(type(params) is dict and all(type(k) is str for k in params), "PrefillRequest", "params",
@@ -43,7 +61,21 @@ class PrefillRequest:
         unknown = params.keys() - _PARAM_FIELDS
         wire.check(not unknown, "PrefillRequest", "params", f"SamplingParams fields only (unknown: {sorted(unknown)})",
                    params)
-        return PrefillRequest(wire.text(rid, "PrefillRequest", "request_id"), prompt, SamplingParams(**params))
+        return PrefillRequest(wire.text(rid, "PrefillRequest", "request_id"), prompt, SamplingParams(**params),
+                              None if cont is None else _continuation(cont))
+
+
+def _continuation(raw) -> Continuation:
+    out, seed, logprobs = wire.record(raw, "PrefillRequest continuation", ("output_token_ids", "seed", "logprobs"))
+    out = wire.ints(out, "PrefillRequest continuation", "output_token_ids")
+    wire.check(bool(out), "PrefillRequest continuation", "output_token_ids", "a non-empty array of ints", out)
+    seed = wire.integer(seed, "PrefillRequest continuation", "seed")
+    entries = wire.array(logprobs, "PrefillRequest continuation", "logprobs")
+    for e in entries:
+        wire.check(type(e) in (tuple, list) and len(e) == 3 and type(e[0]) is int and isinstance(e[1], float)
+                   and (e[2] is None or type(e[2]) is dict), "PrefillRequest continuation", "logprobs",
+                   "(token id, logprob, top | None) per output token", e)
+    return Continuation(out, seed, tuple((t, lp, top) for t, lp, top in entries))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +89,7 @@ class PrefillResult:
     prefill_seconds: float = 0.0  # first scheduled -> first token
     # SamplingParams.prompt_logprobs: (token id, logprob, top) per prompt token, None for the first; [] if not asked
     prompt_logprobs: list = field(default_factory=list)
+    seed: int | None = None  # the seed it samples with (drawn here when the request gave none): a resumption's
 
 
 @dataclass(frozen=True, slots=True)

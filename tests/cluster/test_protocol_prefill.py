@@ -9,11 +9,12 @@ import pytest
 
 from cluster.errors import ProtocolError, ProtocolVersionError
 from cluster.protocol import PREFILL_VERSION, PrefillRequest
-from engine import InvalidRequestError, SamplingParams, StructuredOutput
+from engine import Continuation, InvalidRequestError, SamplingParams, StructuredOutput
+from router.prefix_affinity import prefill_prompt
 
 
-def request(**params) -> PrefillRequest:
-    return PrefillRequest("cmpl-1", (3, 4, 5), SamplingParams(**params))
+def request(continuation: Continuation | None = None, **params) -> PrefillRequest:
+    return PrefillRequest("cmpl-1", (3, 4, 5), SamplingParams(**params), continuation)
 
 
 @pytest.mark.parametrize("params", [
@@ -29,6 +30,31 @@ def test_round_trip_through_the_call(params):
     assert back == sent and isinstance(back.params, SamplingParams)
 
 
+@pytest.mark.parametrize("continuation", [
+    Continuation((7, 8), seed=2**62),
+    Continuation((7,), seed=0, logprobs=((7, -0.25, {7: -0.25, 9: -2.0}),)),
+])
+def test_a_continuation_round_trips_and_routes_by_prompt_and_output(continuation):
+    sent = request(continuation, logprobs=1 if continuation.logprobs else None)
+    raw = pickle.loads(pickle.dumps(sent.to_wire()))
+    assert PrefillRequest.from_wire(raw) == sent
+    # The prefill replica that holds the prompt and the output streamed so far is the one to resume it on.
+    assert prefill_prompt("prefill", [raw, None]).token_ids == (3, 4, 5) + continuation.output_token_ids
+
+
+@pytest.mark.parametrize("value, message", [
+    ((), "must have 3 fields"),
+    (((), 1, ()), "'output_token_ids' must be a non-empty array of ints"),
+    (((7,), "1", ()), "'seed' must be"),
+    (((7,), 1, ((7, "x", None),)), "'logprobs' must be"),
+])
+def test_a_malformed_continuation_is_named(value, message):
+    raw = list(request().to_wire())
+    raw[4] = value
+    with pytest.raises(ProtocolError, match=message):
+        PrefillRequest.from_wire(tuple(raw))
+
+
 def test_another_version_is_refused_naming_both_versions():
     raw = (PREFILL_VERSION + 1,) + request().to_wire()[1:]
     expected = f"PrefillRequest version {PREFILL_VERSION + 1}, this side speaks {PREFILL_VERSION}"
@@ -37,15 +63,15 @@ def test_another_version_is_refused_naming_both_versions():
 
 
 def test_an_unknown_sampling_field_is_named():
-    version, rid, prompt, params = request().to_wire()
+    version, rid, prompt, params, cont = request().to_wire()
     with pytest.raises(ProtocolError, match=r"'params' must be SamplingParams fields only \(unknown: \['best_of'\]\)"):
-        PrefillRequest.from_wire((version, rid, prompt, {**params, "best_of": 2}))
+        PrefillRequest.from_wire((version, rid, prompt, {**params, "best_of": 2}, cont))
 
 
 def test_a_sampling_value_the_engine_refuses_is_an_invalid_request_naming_its_parameter():
-    version, rid, prompt, params = request().to_wire()
+    version, rid, prompt, params, cont = request().to_wire()
     with pytest.raises(InvalidRequestError, match="temperature must be >= 0") as e:
-        PrefillRequest.from_wire((version, rid, prompt, {**params, "temperature": -1.0}))
+        PrefillRequest.from_wire((version, rid, prompt, {**params, "temperature": -1.0}, cont))
     assert e.value.param == "temperature"
 
 
@@ -63,5 +89,5 @@ def test_a_malformed_field_is_named(index, value, message):
 
 
 def test_a_request_cut_short_is_refused():
-    with pytest.raises(ProtocolError, match="PrefillRequest must have 4 fields"):
+    with pytest.raises(ProtocolError, match="PrefillRequest must have 5 fields"):
         PrefillRequest.from_wire(request().to_wire()[:3])

@@ -1,6 +1,9 @@
-"""A decode rank that dies mid-step ends its group's in-flight requests with an error (never a hang), and the
-decode replica rebuilds its group so that later requests are served again, with no KV block left in use
-on the prefill or the new group. (Deaths inside a hand-over: test_handover_faults.py.)"""
+"""A decode rank that dies mid-step: through a router with resumption (the default, router/generation.py) every
+request in flight goes on after a pause with exactly the output an uninterrupted run gives (streamed and whole,
+greedy, seeded sampling, logprobs); through a router with `resume_attempts=0` the same death ends its requests
+with a typed error (never a hang). The decode replica rebuilds its group, and no KV block is left in use on the
+prefill or the new group. (Deaths inside a hand-over: test_handover_faults.py; guided and speculative requests:
+tests/router/test_resumption.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -8,78 +11,77 @@ import os
 import signal
 import time
 
-import openai
+import httpx
 import pytest
 import ray
 
 from cluster.testing import wait_for
+from deploy.metrics_probe import scrape
+from deploy.testing import start_router, stop_router
+from tests.support.resume import completion, first_difference, same_output
 
 pytestmark = pytest.mark.ray
 
+MAX_TOKENS = 230
+RESUMED = [  # (prompt, stream, sampling) of the requests sent through the resuming router
+    ("Hello, how are you?", True, {"temperature": 0}),
+    ("The quick brown fox", True, {"temperature": 0.9, "seed": 5}),
+    ("def add(a, b):", True, {"temperature": 0, "logprobs": 2}),
+    ("lazy dog", False, {"temperature": 0}),
+    ("Once upon a time", False, {"temperature": 0.8, "seed": 11, "logprobs": 1}),
+]
 
-def test_killed_decode_rank_gives_errors_not_hangs_and_the_group_recovers(tandem_server):
+
+def _resumptions(server) -> float:
+    return sum(v for (name, labels), v in scrape(httpx.get(f"{server.base_url}/metrics").text).items()
+               if name == "tandem_request_resumptions_total")
+
+
+def test_killed_decode_rank_resumes_every_request_exactly_and_the_group_recovers(tandem_server):
     decode = tandem_server.decode_handle()
     before = decode.stats.remote().result()
     pids = decode.rank_pids.remote().result()
     assert len(pids) == tandem_server.config.tp == 2
+    plain = start_router(tandem_server, "noresume", resume_attempts=0)
+    resumed_before = _resumptions(tandem_server)
 
-    async def stream_until_error(client, prompt, started: asyncio.Event):
-        stream = await client.completions.create(model=tandem_server.model, prompt=prompt, max_tokens=230,
-                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
-        chunks = 0
-        try:
-            async for _ in stream:
-                chunks += 1
-                if chunks == 3:
-                    started.set()
-        except openai.APIError as e:
-            return "error", chunks, str(e)
-        return "finished", chunks, ""
-
-    async def non_streaming(client, started: asyncio.Event):
-        await started.wait()
-        try:
-            await client.completions.create(model=tandem_server.model, prompt="lazy dog", max_tokens=230,
-                                            temperature=0, extra_body={"ignore_eos": True})
-        except openai.APIStatusError as e:
-            return "error", e.status_code, e.body
-        return "finished", 200, None
+    def kw(sampling: dict) -> dict:
+        return {"max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, **sampling}
 
     async def main():
-        async with tandem_server.async_openai(timeout=60) as client:
-            started = [asyncio.Event() for _ in range(3)]
-            tasks = [asyncio.create_task(stream_until_error(client, p, ev))
-                     for p, ev in zip(["Hello, how are you?", "The quick brown fox", "def add(a, b):"], started)]
-            await asyncio.gather(*[ev.wait() for ev in started])
-            blocking = asyncio.create_task(non_streaming(client, started[0]))
+        async with tandem_server.async_openai(timeout=300) as client, plain.async_openai(timeout=300) as other:
+            reference = await asyncio.gather(*[completion(client, tandem_server.model, p, s, **kw(k))
+                                               for p, s, k in RESUMED])
+            started = [asyncio.Event() for _ in RESUMED]
+            tasks = [asyncio.create_task(completion(client, tandem_server.model, p, s, ev, **kw(k)))
+                     for (p, s, k), ev in zip(RESUMED, started)]
+            unresumed = [asyncio.Event() for _ in range(2)]
+            ended = [asyncio.create_task(completion(other, plain.model, p, True, ev, **kw({"temperature": 0})))
+                     for p, ev in zip(["Tell me a story", "Count to ten"], unresumed)]
+            await asyncio.gather(*[ev.wait() for ev in started + unresumed])
             await asyncio.sleep(0.1)
+            killed_at = time.monotonic()
             os.kill(pids[1], signal.SIGKILL)
-            try:  # a bound on a hang only: every request must end with an error, none may wait forever
-                return await asyncio.wait_for(asyncio.gather(*tasks, blocking), timeout=180)
+            try:  # a bound on a hang only
+                got = await asyncio.wait_for(asyncio.gather(*tasks, *ended), timeout=240)
             except asyncio.TimeoutError:
-                raise AssertionError("requests in flight on a killed decode rank hang instead of failing") from None
+                raise AssertionError("requests in flight on a killed decode rank hang") from None
+            return reference, got[:len(tasks)], got[len(tasks):], time.monotonic() - killed_at
 
-    results = asyncio.run(main())
-    streams, plain = results[:3], results[3]
-    # The router hears it from whichever side fails first: the decode replica (its rank died) or, for a
-    # request whose KV was still being sent, the prefill (its send broke).
+    try:
+        reference, got, ended, seconds = asyncio.run(main())
+    finally:
+        stop_router("noresume")
+    assert all(r["outcome"] == "finished" for r in reference), reference
+    for want, have, spec in zip(reference, got, RESUMED):
+        assert same_output(have, want), (spec, first_difference(have, want))
+    # The router without resumption ends its requests with the typed error, as it did before resumption.
     died = ("decode rank died", "hand-over to the decode group failed")
-    for outcome, chunks, message in streams:
-        assert outcome == "error" and any(d in message for d in died), (outcome, chunks, message)
-    assert plain[0] == "error" and plain[1] == 503 and any(d in plain[2]["message"] for d in died), plain
-    assert "\n" not in plain[2]["message"]  # one line for the client; Ray's account of the death is logged
+    for r in ended:
+        assert r["outcome"] == "error" and any(d in r["error"] for d in died) and "\n" not in r["error"], r
+    # Requests that finished before the kill needed no resumption; at least one was cut and resumed.
+    assert _resumptions(tandem_server) > resumed_before, f"no request was resumed ({seconds:.1f}s after the kill)"
 
-    # The replica builds a new group; requests succeed again.
-    client = tandem_server.openai(timeout=60)
-
-    def served():
-        try:
-            return client.completions.create(model=tandem_server.model, prompt="Hello", max_tokens=5, temperature=0)
-        except openai.APIStatusError:
-            return None
-
-    out = wait_for(served, "the decode group recovers and serves again", timeout_s=300, poll_s=1.0)
-    assert out.usage.completion_tokens == 5
     after = decode.stats.remote().result()
     assert after["groups_started"] == before["groups_started"] + 1 and after["group_id"] != before["group_id"]
     assert set(decode.rank_pids.remote().result()).isdisjoint(pids)

@@ -49,7 +49,7 @@ def report(replica: str, cache: PrefixCache | None = None, seq: int = 1, waiting
 
 def wire(tokens: list[int], salt: str | None = None) -> tuple:
     """A PrefillRequest's wire form, as the router's prefill call carries it."""
-    return (1, "req", tuple(tokens), {"max_tokens": 1, "cache_salt": salt})
+    return (2, "req", tuple(tokens), {"max_tokens": 1, "cache_salt": salt}, None)
 
 
 def prompt(tokens: list[int], salt: str | None = None) -> PromptKey:

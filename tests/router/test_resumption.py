@@ -1,0 +1,77 @@
+"""Resumption of guided and speculative requests (router/generation.py): a decode rank killed mid-stream under an
+application that speculates (the target drafting for itself, k=3, so every verification step carries drafts) and
+serves JSON-schema requests. Every request in flight goes on after the group is rebuilt with exactly the output an
+uninterrupted run gives: the grammar is replayed through the tokens already sent (one JSON object, not a second one
+started at the schema's root), speculation restarts from a prefill of the continuation, and seeded sampling draws
+the same tokens. (The session application's kill tests: tests/decode_worker/test_faults.py.)"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import jsonschema
+import pytest
+
+from cluster.testing import wait_for
+from deploy.testing import start_app, stop_app
+from tests.support.resume import chat, completion, first_difference, same_output
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                    "maxItems": 6},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "tags", "age"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def spec_server(tandem_server):
+    server = start_app(tandem_server, "resume", speculative_method="draft_model", draft=tandem_server.model_dir,
+                       num_speculative_tokens=3, tp=1, rank_num_cpus=0.5, prefill_num_cpus=0.5)
+    try:
+        yield server
+    finally:
+        stop_app("resume")
+
+
+def test_guided_and_speculative_requests_resume_exactly_after_a_decode_rank_dies(spec_server):
+    decode = spec_server.decode_handle()
+    before = decode.stats.remote().result()
+    pids = decode.rank_pids.remote().result()
+    model = spec_server.model
+    long = {"max_tokens": 200, "extra_body": {"ignore_eos": True}}
+    works = [
+        lambda c, ev=None: chat(c, model, "Describe a person.", True, ev, response_format=FORMAT, max_tokens=160,
+                                temperature=0),
+        lambda c, ev=None: chat(c, model, "Describe someone.", True, ev, response_format=FORMAT, max_tokens=160,
+                                temperature=0.9, seed=4),
+        lambda c, ev=None: completion(c, model, "Hello, how are you?", True, ev, temperature=0, **long),
+        lambda c, ev=None: completion(c, model, "The quick brown fox", True, ev, temperature=0.8, seed=9, logprobs=1,
+                                      **long),
+        lambda c, ev=None: completion(c, model, "def add(a, b):", False, ev, temperature=0, **long),
+    ]
+
+    async def main():
+        async with spec_server.async_openai(timeout=300) as client:
+            reference = await asyncio.gather(*[w(client) for w in works])
+            started = [asyncio.Event() for _ in works]
+            tasks = [asyncio.create_task(w(client, ev)) for w, ev in zip(works, started)]
+            await asyncio.gather(*[ev.wait() for ev in started])
+            os.kill(pids[0], signal.SIGKILL)
+            return reference, await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)  # a bound on a hang only
+
+    reference, got = asyncio.run(main())
+    for i, (want, have) in enumerate(zip(reference, got)):
+        assert want["outcome"] == "finished", want
+        assert same_output(have, want), (i, first_difference(have, want))
+    for out in got[:2]:
+        if out["finish_reason"] == "stop":  # the grammar completed: one object, valid against the schema
+            jsonschema.validate(json.loads(out["text"]), SCHEMA)
+
+    after = decode.stats.remote().result()
+    assert after["groups_started"] == before["groups_started"] + 1
+    wait_for(lambda: not any(spec_server.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)
