@@ -12,7 +12,9 @@ against a server armed for them; otherwise they are reported as skipped:
         'handover.recv_payload=kill@-r1-,handover.send_payload=stall:15,handover.send_header=stall:30'
 
 Per fault: time to recover (from the fault until a fresh request, sent one after another from that moment,
-is answered 200), how many requests of the load ended with a typed error, none, or hung, and the KV blocks
+is answered 200), how many requests of the load ended with a typed error (lost), none, or hung, how many the
+router resumed after the fault (router/generation.py; /metrics `tandem_request_resumptions_total`) and the pause
+of the streams in flight at the fault (their longest wait between two events: p50 / p99), and the KV blocks
 in use on every replica once the load drained (from /metrics). Processes are found by the titles Ray gives
 them (`ray::ServeReplica:APP:DEPLOYMENT`, `ray::DecodeRank`), as an operator would find them.
 """
@@ -206,7 +208,8 @@ async def run_fault(http: httpx.AsyncClient, model: str, name: str, server_pid: 
     load = Load(http, model, concurrency, seed, deadline_s)
     await asyncio.sleep(3.0)  # requests of every phase in flight
     in_flight = load.in_flight
-    fault_at = time.monotonic()
+    resumed_before = await _resumptions(http)
+    fault_at, fault_perf = time.monotonic(), time.perf_counter()
     what, inject = FAULTS[name]
     injected = await inject(http, model, app, server_pid)
     recover_s = await time_to_recover(http, model, fault_at, recover_within_s) if injected else None
@@ -217,6 +220,8 @@ async def run_fault(http: httpx.AsyncClient, model: str, name: str, server_pid: 
     for o in load.outcomes:
         outcomes[o["outcome"]] = outcomes.get(o["outcome"], 0) + 1
     errors = [o for o in load.outcomes if o["outcome"] != "completed"]
+    spanning = sorted(o["max_gap_s"] for o in load.outcomes if o.get("max_gap_s") is not None
+                      and o["started"] <= fault_perf <= o["started"] + (o["latency_s"] or 0.0))
     return {
         "fault": name, "what": what, "injected": injected, "skipped": injected is None, "in_flight_at_fault": in_flight,
         "recover_s": recover_s, "requests": len(load.outcomes), "outcomes": outcomes, "errored": len(errors),
@@ -224,7 +229,21 @@ async def run_fault(http: httpx.AsyncClient, model: str, name: str, server_pid: 
         "error_examples": [str(o.get("detail"))[:200] for o in errors[:3]],
         "hung": outcomes.get("hung", 0), "kv_blocks_used_after": used, "kv_drain_s": drain_s,
         "kv_blocks_leaked": sum(used.values()) if used else None,
+        "resumed": await _resumptions(http) - resumed_before,
+        "pause_p50_s": _quantile(spanning, 0.5), "pause_p99_s": _quantile(spanning, 0.99), "streams_at_fault": len(spanning),
     }
+
+
+async def _resumptions(http: httpx.AsyncClient) -> float:
+    """The router's resumptions so far (0 for a router without them)."""
+    from deploy.metrics_probe import scrape
+
+    text = (await http.get("/metrics", timeout=30)).text
+    return sum(v for (name, _), v in scrape(text).items() if name == "tandem_request_resumptions_total")
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
 async def run_faults(base_url: str, model: str, server_pid: int, names: list[str] | None = None,
@@ -237,14 +256,16 @@ async def run_faults(base_url: str, model: str, server_pid: int, names: list[str
 
 
 def markdown(results: list[dict]) -> str:
-    rows = ["| fault | in flight | recovered in | requests: completed / errored (statuses) / hung | "
-            "KV blocks in use after |", "|---|---|---|---|---|"]
+    rows = ["| fault | in flight | recovered in | requests: completed / lost (statuses) / hung | resumed | "
+            "pause of the streams at the fault, p50 / p99 | KV blocks in use after |", "|---|---|---|---|---|---|---|"]
     for r in results:
         if r["skipped"]:
-            rows.append(f"| {r['what']} | | skipped (server not armed) | | |")
+            rows.append(f"| {r['what']} | | skipped (server not armed) | | | | |")
             continue
         rec = "never" if r["recover_s"] is None else f"{r['recover_s']:.1f} s"
         done = r["outcomes"].get("completed", 0)
+        pause = "-" if r.get("pause_p50_s") is None else f"{r['pause_p50_s']:.1f} / {r['pause_p99_s']:.1f} s"
         rows.append(f"| {r['what']} | {r['in_flight_at_fault']} | {rec} | {done} / {r['errored']} "
-                    f"({', '.join(r['error_statuses']) or '-'}) / {r['hung']} | {r['kv_blocks_used_after']} |")
+                    f"({', '.join(r['error_statuses']) or '-'}) / {r['hung']} | {r.get('resumed', 0):g} | {pause} "
+                    f"| {r['kv_blocks_used_after']} |")
     return "\n".join(rows) + "\n"

@@ -26,9 +26,11 @@ def _typed(payload) -> bool:
 
 
 async def send_request(http: httpx.AsyncClient, spec: dict, deadline_s: float) -> dict:
-    """The outcome of one request: {outcome, status, latency_s, ttft_s, detail}."""
+    """The outcome of one request: {outcome, status, latency_s, ttft_s, detail, started (perf_counter), and for a
+    stream max_gap_s}."""
     start = time.perf_counter()
-    out: dict = {"kind": spec["kind"], "outcome": None, "status": None, "latency_s": None, "ttft_s": None}
+    out: dict = {"kind": spec["kind"], "outcome": None, "status": None, "latency_s": None, "ttft_s": None,
+                 "started": start}
     timeout = httpx.Timeout(0.05) if spec["kind"] == "timeout" else httpx.Timeout(deadline_s)
     try:
         if not spec["stream"]:
@@ -55,9 +57,11 @@ async def send_request(http: httpx.AsyncClient, spec: dict, deadline_s: float) -
 
 
 async def _stream(http: httpx.AsyncClient, spec: dict, timeout, start: float) -> dict:
-    out: dict = {"outcome": "unexplained", "detail": "the stream ended without [DONE]"}
+    """... and max_gap_s: the longest wait between two events of the stream (a resumed stream's pause)."""
+    out: dict = {"outcome": "unexplained", "detail": "the stream ended without [DONE]", "max_gap_s": 0.0}
     chunks = 0
     finish = None
+    last = None
     async with http.stream("POST", spec["path"], json=spec["body"], timeout=timeout,
                            headers=spec.get("headers")) as resp:
         out["status"] = resp.status_code
@@ -68,6 +72,10 @@ async def _stream(http: httpx.AsyncClient, spec: dict, timeout, start: float) ->
         async for line in resp.aiter_lines():
             if not line.startswith("data: "):
                 continue
+            now = time.perf_counter()
+            if last is not None:
+                out["max_gap_s"] = max(out["max_gap_s"], now - last)
+            last = now
             if line == "data: [DONE]":
                 done = finish is not None
                 return {**out, "outcome": "completed" if done else "unexplained",
