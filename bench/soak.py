@@ -237,7 +237,7 @@ def _faults_main(args, model: str, headers: dict) -> int:
         raise SystemExit(f"unknown fault(s) {sorted(unknown)}; known: {list(faults.FAULTS)}")
     results = asyncio.run(faults.run_faults(args.base_url, model, args.server_pid, args.faults or None, headers,
                                             app=args.app,
-                                            concurrency=min(args.concurrency, 16), seed=args.seed,
+                                            concurrency=args.concurrency, seed=args.seed,
                                             deadline_s=args.deadline_s))
     out = args.out or str(RESULTS / "reliability_faults_cpu")
     Path(f"{out}.json").write_text(json.dumps(results, indent=2, default=str))
