@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from engine.config_mla import MLAConfig, MoEConfig, deepseek_moe_from_hf, mla_from_hf, mla_rope_params
+from engine.config_mla import (MLAConfig, MoEConfig, deepseek_moe_from_hf, mla_from_hf, mla_rope_params,
+                               qwen3_moe_from_hf)
 from engine.errors import ModelLoadError, UnsupportedModelError
 
 # The Llama family shares one module (engine/models/llama.py; these flags are what differs); DeepSeek-V3
@@ -19,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 attention, MoE MLPs (engine/models/qwen3_moe.py)
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -191,7 +193,7 @@ class ModelConfig:
             dtype = _DTYPES.get(dtype, torch.float32)
         attention_bias = bool(getattr(hf, "attention_bias", False))
         sliding = getattr(hf, "sliding_window", None)
-        if family == "qwen2" and not getattr(hf, "use_sliding_window", False):
+        if family in ("qwen2", "qwen3_moe") and not getattr(hf, "use_sliding_window", False):
             sliding = None
         return ModelConfig(
             architecture=arch,
@@ -209,14 +211,15 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=True if family == "qwen2" else attention_bias,
-            o_bias=False if family in ("qwen2", "qwen3") else attention_bias,
+            o_bias=False if family in ("qwen2", "qwen3", "qwen3_moe") else attention_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             hidden_act=getattr(hf, "hidden_act", "silu"),
             checkpoint_dtype=dtype,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
             sliding_window=sliding,
+            moe=qwen3_moe_from_hf(hf) if family == "qwen3_moe" else None,
         )
 
 

@@ -1,5 +1,6 @@
 """What a DeepSeek-V3-family checkpoint adds to ModelConfig: multi-head latent attention (MLAConfig) and
-the mixture of experts (MoEConfig), read from a transformers config (`DeepseekV3Config`).
+the mixture of experts (MoEConfig), read from a transformers config (`DeepseekV3Config`); Qwen3-MoE's experts
+(`Qwen3MoeConfig`) use the same MoEConfig.
 
 Kept apart from engine/config.py so the Llama family's config stays what it was; ModelConfig carries
 these as optional fields (None for dense Llama-family models).
@@ -51,10 +52,13 @@ class MoEConfig:
     topk_group: int  # ... and a token picks its experts from its best topk_group groups only
     routed_scaling_factor: float
     norm_topk_prob: bool
-    scoring: str  # "sigmoid" (DeepSeek-V3, with e_score_correction_bias) or "softmax"
+    scoring: str  # "sigmoid" (DeepSeek-V3, with e_score_correction_bias) or "softmax" (Qwen3-MoE)
+    sparse_step: int = 1  # every sparse_step-th layer is MoE (Qwen3-MoE's decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP anyway (Qwen3-MoE's mlp_only_layers)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return layer_idx >= self.first_dense_layers
+        return (layer_idx >= self.first_dense_layers and (layer_idx + 1) % self.sparse_step == 0
+                and layer_idx not in self.dense_layers)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -91,6 +95,24 @@ def deepseek_moe_from_hf(hf) -> MoEConfig:
         routed_scaling_factor=float(hf.routed_scaling_factor),
         norm_topk_prob=bool(hf.norm_topk_prob),
         scoring="sigmoid",
+    )
+
+
+def qwen3_moe_from_hf(hf) -> MoEConfig:
+    """Softmax over all experts, top-k, optionally renormalized; no shared experts, no groups, no scaling."""
+    return MoEConfig(
+        num_experts=hf.num_experts,
+        top_k=hf.num_experts_per_tok,
+        intermediate_size=hf.moe_intermediate_size,
+        num_shared_experts=0,
+        first_dense_layers=0,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        scoring="softmax",
+        sparse_step=getattr(hf, "decoder_sparse_step", 1) or 1,
+        dense_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()),
     )
 
 

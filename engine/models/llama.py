@@ -114,6 +114,7 @@ class LlamaForCausalLM(nn.Module):
     }
 
     piecewise = None  # PiecewiseForward (engine/models/piecewise.py) when EngineConfig.cpu_compile is "layers"
+    decoder_layer = LlamaDecoderLayer  # a family that differs only in its blocks (Qwen3-MoE) swaps this
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, max_pos: int,
                  dp: DPContext | None = None):
@@ -124,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.dp = dp
         self.rotary = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, self.rotary, dp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, i, tp, self.rotary, dp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:

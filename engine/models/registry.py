@@ -18,6 +18,10 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
         from engine.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM
+    if cfg.family == "qwen3_moe":
+        from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM
     if cfg.family == "deepseek_v3":
         from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 

@@ -143,7 +143,7 @@ class ModelRunner:
         start = time.perf_counter()
         for net in nets:
             pieces = None
-            if layers and isinstance(net, LlamaForCausalLM):
+            if layers and isinstance(net, LlamaForCausalLM) and net.cfg.moe is None:  # MoE blocks: GEMMs only
                 pieces = net.piecewise = target_pieces(net)
             elif layers and isinstance(net, MTPHead):
                 pieces = net.piecewise = mtp_pieces(net)

@@ -176,3 +176,22 @@ def test_experts_on_cuda_capture_in_a_graph(dtype):
     graph.replay()
     torch.testing.assert_close(out.float().cpu(), per_token_reference(x.float().cpu(), weights.cpu(), ids.cpu(), wf),
                                **tol)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_softmax_router_matches_qwen3_moe(norm):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    hf = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=H, num_experts=E, num_experts_per_tok=2, norm_topk_prob=norm))
+    with torch.no_grad():
+        hf.weight.normal_()
+    moe = MoEConfig(num_experts=E, top_k=2, intermediate_size=I, num_shared_experts=0, first_dense_layers=0, n_group=1,
+                    topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=norm, scoring="softmax")
+    ours = TopKRouter(H, moe)
+    ours.load("gate.weight", hf.weight.detach(), None)
+    x = torch.randn(21, H)
+    _, ref_w, ref_ids = hf(x)
+    w, ids = ours(x)
+    assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
+    torch.testing.assert_close(w.gather(1, ids.argsort(-1)), ref_w.gather(1, ref_ids.argsort(-1)))
