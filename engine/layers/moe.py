@@ -21,6 +21,7 @@ from engine.errors import ModelLoadError
 from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
 
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # checkpoint names of an expert's weights, in shard-id order
+GATHER_BYTES = 256 << 20  # the gathered form's bound on expert weights gathered at once
 
 
 class TopKRouter(nn.Module):
@@ -119,13 +120,21 @@ class RoutedExperts(nn.Module):
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each pair's expert weights gathered, one batched matmul per projection: reads T * K experts' weights
-        (what decode reads anyway; large for long prefills), for devices and dtypes without a grouped GEMM."""
+        (what decode reads anyway; slow for long prefills), for devices and dtypes without a sync-free grouped
+        GEMM. The pairs go in chunks whose gathered weights stay under GATHER_BYTES (a fixed count for a given
+        T, so a captured graph holds the same chunks)."""
         T, K = ids.shape
         flat = ids.reshape(-1)
-        xs = x.repeat_interleave(K, dim=0)[:, :, None]  # [T * K, H, 1]
-        h = torch.bmm(self.w13.index_select(0, flat), xs)[..., 0]  # [T * K, 2 * I_local]
-        gate, up = h.split(self.local, dim=-1)
-        y = torch.bmm(self.w2.index_select(0, flat), (F.silu(gate) * up)[:, :, None])[..., 0]  # [T * K, H]
+        xs = x.repeat_interleave(K, dim=0)  # [T * K, H]
+        per_pair = self.w13[0].numel() * self.w13.element_size()
+        chunk = max(1, GATHER_BYTES // per_pair)
+        parts = []
+        for start in range(0, T * K, chunk):
+            e = flat[start:start + chunk]
+            h = torch.bmm(self.w13.index_select(0, e), xs[start:start + chunk, :, None])[..., 0]  # [c, 2 * I_local]
+            gate, up = h.split(self.local, dim=-1)
+            parts.append(torch.bmm(self.w2.index_select(0, e), (F.silu(gate) * up)[:, :, None])[..., 0])  # [c, H]
+        y = torch.cat(parts) if parts else xs.new_zeros(0, x.shape[1])
         return (y.view(T, K, x.shape[1]) * weights[:, :, None].to(y.dtype)).sum(1)
 
 

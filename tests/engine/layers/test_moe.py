@@ -106,6 +106,19 @@ def test_batched_experts_match_per_token_loop(form, T, routing):
     torch.testing.assert_close(got, per_token_reference(x, weights, ids, w), atol=1e-4, rtol=1e-5)
 
 
+def test_gathered_form_in_chunks(monkeypatch):
+    """The gathered form under a small memory bound: pairs in chunks of 2 experts' weights, the same sums."""
+    import engine.layers.moe as moe
+
+    w = expert_weights(2)
+    experts = loaded_experts(w)
+    monkeypatch.setattr(moe, "GATHER_BYTES", 2 * experts.w13[0].numel() * experts.w13.element_size())
+    x, weights = torch.randn(7, H), torch.rand(7, 3)
+    ids = torch.stack([torch.randperm(E)[:3] for _ in range(7)])
+    torch.testing.assert_close(experts._gathered(x, weights, ids), per_token_reference(x, weights, ids, w),
+                               atol=1e-4, rtol=1e-5)
+
+
 def test_tensor_parallel_shards_sum_to_the_whole():
     """Each rank holds a slice of every expert's intermediate dim; the shards' partial outputs sum to the
     unsharded experts' (the block all-reduces them)."""
