@@ -93,6 +93,7 @@ class PrefillServer:
             "prompt_tokens_waiting": self.loop.prompt_tokens_waiting,
             "handovers_queued": self.loop.sender.queued,
             "handover_failures": self.loop.sender.failures,
+            "handovers_dropped": self.loop.sender.dropped,  # unsent: their router had given up on them
             "kv_blocks_used": s["kv_blocks_used"],
             "kv_blocks_total": s["kv_blocks_total"],
             "steps": self.loop.steps,

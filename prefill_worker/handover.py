@@ -5,6 +5,11 @@ A decode rank with tp > 1 gets only its KV-head slice of each block. The blocks 
 contiguous buffer first and released right away, so the prefill's cache is never held by a slow
 transfer. Headers go to every rank before any payload: a rank lets the payload in only after every
 rank of its group has the header (lockstep reserve), so sending rank by rank could deadlock.
+
+One thread sends them all, in order, so a hand-over that cannot go must not hold the others up: one whose
+caller gave up (the router cancelled it, e.g. to resume the request elsewhere) is dropped unsent, and a group
+found gone (its rank actor dead when a channel to it is opened) is remembered, so that every later hand-over
+to it fails at once instead of waiting out a connect timeout each.
 """
 from __future__ import annotations
 
@@ -79,6 +84,8 @@ class HandoverSender:
         self.failures = 0
         self.total = 0  # hand-overs attempted (timings keeps the most recent)
         self._jobs: queue.Queue = queue.Queue()
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()  # decode groups found dead
+        self.dropped = 0  # hand-overs dropped unsent: their caller had given up
         self._thread = threading.Thread(target=self._serve, daemon=True, name="handover-tx")
         self._thread.start()
 
@@ -109,6 +116,11 @@ class HandoverSender:
             rid = handover.request.request_id
             released = False
             try:
+                if done.cancelled():  # nobody waits for it (the router resumed the request elsewhere)
+                    self.dropped += 1
+                    continue
+                if target.group_id in self._gone:
+                    raise ChannelError(f"decode group {target.group_id} is gone")
                 handover = self._reusing(handover, target)
                 payloads, pack_s = self._pack(handover, target)
                 self.release(rid)
@@ -191,6 +203,15 @@ class HandoverSender:
             return ch
         if ch is not None:
             ch.close()
+        # A rank that died takes its store with it: connecting would wait the whole connect timeout. Its actor
+        # answers at once if alive, and Ray says at once if it is dead.
+        try:
+            ray.get(rank.actor.address.remote(), timeout=self.connect_timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            self._gone[target.group_id] = None
+            while len(self._gone) > 64:
+                self._gone.popitem(last=False)
+            raise ChannelError(f"decode rank {rank.tp_rank} of group {target.group_id} is gone") from e
         channel_id = f"{self.name}-{target.group_id}-r{rank.tp_rank}-{uuid.uuid4().hex[:8]}"
         accepted = rank.actor.accept.remote(channel_id, self.connect_timeout_s)
         try:

@@ -236,10 +236,11 @@ class Generation:
                 except APIError as e:  # the prefill's stream failed: it died, or the hand-over broke
                     raise _WorkerFailed(e, _cause(e.message)) from e
                 if isinstance(item, StreamError):
+                    self._abandon()
                     self._close(cancel=False)
                     raise _WorkerFailed(APIError(item.status, item.message, item.error_type), _cause(item.message))
                 if isinstance(item, FeedBroken):
-                    self._close(cancel=True)  # the replica is most likely gone; if not, it must not decode on
+                    self.cancel()  # the replica is most likely gone; if not, it must not decode on
                     raise _WorkerFailed(api_error(item.error), "decode")
                 yield TokenEvent(item.token_ids, item.logprobs, item.finish_reason if item.finished else None,
                                  item.speculative)
@@ -282,6 +283,12 @@ class Generation:
 
     def cancel(self) -> None:
         """Stop whatever is still running; never raises (it runs while another error is being answered)."""
+        self._abandon()
+        self._close(cancel=True)
+
+    def _abandon(self) -> None:
+        """Stop the attempt's prefill call: a hand-over it still holds queued is then dropped unsent
+        (prefill_worker/handover.py), not left to hold up the hand-overs queued behind it."""
         if self._handover is not None:
             self._handover.cancel()
             self._handover = None
@@ -291,7 +298,6 @@ class Generation:
             except Exception as e:  # noqa: BLE001 - a call that failed to start has nothing to cancel
                 log.debug("cancelling %s: %s", self._attempt_id, e)
             self._prefill_call = None
-        self._close(cancel=True)
 
 
 def _cause(message: str) -> str:

@@ -81,3 +81,53 @@ def test_tp1_prefill_hands_each_tp2_rank_its_head_slice(ray_session, tiny_model_
             assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
         want_tokens = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
         assert tokens == want_tokens.token_ids
+
+
+def test_hand_overs_to_a_dead_group_fail_at_once_and_given_up_ones_are_dropped(ray_session, tiny_model_dir):
+    """The sender has one thread: a group whose ranks died must not make every hand-over queued for it wait out
+    a connect timeout (30 s each, seen under resumption: the resumed requests' hand-overs queued behind them), and
+    a hand-over its router gave up on is not sent at all."""
+    import time
+
+    from cluster.errors import ChannelError
+
+    async def main():
+        spec = GroupSpec(engine=EngineSettings(model=tiny_model_dir, num_kv_blocks=64, block_size=BLOCK),
+                         tp_size=1, resources=RankResources(num_cpus=1))
+        group = await RankGroup.start(spec)
+        group.kill()
+        prefill = PrefillServer({"model": tiny_model_dir, "num_kv_blocks": 64, "block_size": BLOCK,
+                                 "connect_timeout_s": 30.0})
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        try:
+            waits = []
+            for rid in ("a", "b"):
+                stream = prefill.prefill(PrefillRequest(rid, (5, 6, 7, 8), params).to_wire(), group.target)
+                await anext(stream)
+                start = time.monotonic()
+                with pytest.raises(ChannelError):
+                    await anext(stream)
+                waits.append(time.monotonic() - start)
+            # A hand-over whose caller stopped waiting (the stream closed after its first token) is dropped.
+            before = prefill.loop.sender.dropped
+            stream = prefill.prefill(PrefillRequest("c", (5, 6, 7, 8), params).to_wire(), group.target)
+            await anext(stream)
+            task = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0)
+            task.cancel()
+            for _ in range(200):
+                if prefill.loop.sender.dropped > before or prefill.loop.sender.failures > 2:
+                    break
+                await asyncio.sleep(0.05)
+            for _ in range(200):  # the release reaches the engine on its own thread
+                if not prefill.engine.blocks.pool.num_used:
+                    break
+                await asyncio.sleep(0.05)
+            return waits, prefill.loop.sender.dropped - before, prefill.engine.blocks.pool.num_used
+        finally:
+            prefill.loop.stop()
+
+    waits, dropped, used = asyncio.run(main())
+    assert waits[0] < 10.0 and waits[1] < 1.0, waits  # not the 30 s connect timeout
+    assert used == 0
+    assert dropped in (0, 1)  # 1 unless the sender reached it before the cancel (then it failed fast instead)
