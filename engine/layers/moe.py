@@ -26,7 +26,8 @@ GATHER_BYTES = 256 << 20  # the gathered form's bound on expert weights gathered
 
 class TopKRouter(nn.Module):
     """x [T, H] -> (weights [T, K] fp32, expert ids [T, K] int64). Scores are computed in fp32 from an fp32
-    gate whatever the model dtype (routing flips on rounding otherwise), as transformers keeps them."""
+    gate whatever the model dtype (routing flips on rounding otherwise): as transformers keeps DeepSeek-V3's;
+    for Qwen3-MoE, whose gate transformers runs in the model dtype, a bf16 model routes from exacter logits."""
 
     fp32_weights = True  # the loader hands them over uncast (engine/models/loader.py)
 
