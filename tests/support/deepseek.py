@@ -32,7 +32,8 @@ def deepseek_config(variant: str = "q_lora", **overrides):
     return DeepseekV3Config(**fields)
 
 
-def make_deepseek_checkpoint(path, variant: str = "q_lora", seed: int = 0, dtype=torch.float32, **overrides):
+def make_deepseek_checkpoint(path, variant: str = "q_lora", seed: int = 0, dtype=torch.float32, max_shard_size=None,
+                             **overrides):
     """Save a random DeepSeek-V3 model and the tiny tokenizer in `path`; returns the transformers model."""
     from transformers import DeepseekV3ForCausalLM
 
@@ -46,7 +47,7 @@ def make_deepseek_checkpoint(path, variant: str = "q_lora", seed: int = 0, dtype
             # transformers starts the routing correction at zero; a trained model's is not
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.rand(b.shape) * 0.5)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tiny_tokenizer(path)
     return model
 

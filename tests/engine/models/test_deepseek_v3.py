@@ -119,11 +119,20 @@ def test_graph_layout_matches_eager(checkpoints):
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
-def test_router_stays_fp32_in_a_bf16_model(tmp_path):
-    """A bf16 checkpoint loads as bf16 except the routers (gate weight, correction bias), which score in fp32
-    as transformers keeps them; the cache is bf16, one latent row per token."""
-    make_deepseek_checkpoint(tmp_path, "q_lora", seed=5, dtype=torch.bfloat16)
+def test_bf16_sharded_checkpoint(tmp_path):
+    """A bf16 checkpoint split over several safetensors shards loads as bf16 except the routers (gate weight,
+    correction bias), which score in fp32 as transformers keeps them; the cache is bf16, one latent row per token;
+    the logits follow transformers' bf16 model."""
+    hf = make_deepseek_checkpoint(tmp_path, "q_lora", seed=5, dtype=torch.bfloat16, max_shard_size="60KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
     engine = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=16, block_size=4))
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+    got = engine_logits(engine, PROMPT, [9, 6])
+    torch.testing.assert_close(got.softmax(-1), ref.softmax(-1), atol=2e-2, rtol=0)
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.5
+    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
     model = engine.runner.model
     assert engine.runner.dtype == torch.bfloat16 and engine.kv_cache.dtype == torch.bfloat16
     gate = model.layers[1].mlp.gate
