@@ -132,6 +132,8 @@ class HandoverSender:
                 self.failures += 1
                 log.warning("hand-over of %s to group %s failed: %s", rid, target.group_id, e)
                 self._forget_group(target.group_id)
+                if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+                    self._mark_gone(target.group_id)  # a rank's actor is dead (asked for its pinned blocks)
                 _settle(done, e)
             except Exception as e:  # noqa: BLE001 - keep the thread serving; this request is lost
                 self.failures += 1
@@ -208,9 +210,7 @@ class HandoverSender:
         try:
             ray.get(rank.actor.address.remote(), timeout=self.connect_timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            self._gone[target.group_id] = None
-            while len(self._gone) > 64:
-                self._gone.popitem(last=False)
+            self._mark_gone(target.group_id)
             raise ChannelError(f"decode rank {rank.tp_rank} of group {target.group_id} is gone") from e
         channel_id = f"{self.name}-{target.group_id}-r{rank.tp_rank}-{uuid.uuid4().hex[:8]}"
         accepted = rank.actor.accept.remote(channel_id, self.connect_timeout_s)
@@ -222,6 +222,11 @@ class HandoverSender:
             raise ChannelError(f"decode rank {rank.tp_rank} of group {target.group_id} did not accept") from e
         self.channels[key] = ch
         return ch
+
+    def _mark_gone(self, group_id: str) -> None:
+        self._gone[group_id] = None
+        while len(self._gone) > 64:  # group ids are never reused: the oldest can go
+            self._gone.popitem(last=False)
 
     def _forget_group(self, group_id: str) -> None:
         for key in [k for k in self.channels if k[0] == group_id]:
