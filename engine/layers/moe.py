@@ -99,6 +99,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, K] -> this rank's partial sum over each token's experts [T, H]."""
+        if x.shape[0] == 0:  # an ADP rank's idle forward: nothing to route (T is a host int, graphs stay fixed)
+            return torch.zeros_like(x)
         if grouped_gemm_supported(x):
             return self._grouped(x, weights, ids)
         return self._gathered(x, weights, ids)
