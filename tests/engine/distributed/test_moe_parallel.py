@@ -53,8 +53,10 @@ def _drive(engine: LLMEngine, reqs: list[tuple[int, SamplingParams]], group) -> 
 
 
 def _cases(models: dict[str, str]) -> list[tuple[str, str, bool, str]]:
-    """(mode, model key, mtp, params key)."""
+    """(mode, model key, mtp, params key); mode dp_padded: dp=2 with decode steps in the CUDA-graph layout (run
+    eagerly here), padded to the group's agreed batch size, pad rows routed through the experts too."""
     cases = [(mode, "deepseek", mtp, p) for mode in ("tp", "dp") for mtp in (False, True) for p in PARAMS]
+    cases += [("dp_padded", "deepseek", mtp, "greedy") for mtp in (False, True)]
     return cases + [(mode, "qwen3_moe", False, "greedy") for mode in ("tp", "dp")]
 
 
@@ -63,11 +65,15 @@ def _rank_main(rank: int, port: int, models: dict[str, str], queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         for mode, key, mtp, p in _cases(models):
-            dp = 2 if mode == "dp" else 1
+            dp = 1 if mode == "tp" else 2
             engine = LLMEngine(_config(models[key], mtp, tp_size=2, tp_rank=rank, attention_dp=dp),
                                tp_group=dist.group.WORLD)
+            if mode == "dp_padded":
+                engine.runner.use_graphs(8, capture=False, capture_on_demand=False)
             mine = [(i, PARAMS[p]) for i in range(len(PROMPTS)) if mode == "tp" or OWNER[i] == rank]
             done = _drive(engine, mine, dist.group.WORLD)
+            if mode == "dp_padded":
+                assert engine.runner.graphs.num_runs > 0, "no step took the padded layout"
             queue.put((rank, (mode, key, mtp, p), done, tuple(engine.kv_cache.shape)))
     except BaseException as e:  # noqa: BLE001 - reported to the test, which would otherwise wait
         queue.put((rank, "error", repr(e), None))
