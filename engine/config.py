@@ -229,6 +229,11 @@ def _eos_ids(hf) -> tuple[int, ...]:
 
 
 def _deepseek_v3(hf, arch: str) -> ModelConfig:
+    quant = getattr(hf, "quantization_config", None)
+    if quant:  # the published DeepSeek-V3/R1 weights are FP8 blocks with scales: cast as they are, they would be garbage
+        method = quant.get("quant_method") if isinstance(quant, dict) else type(quant).__name__
+        raise UnsupportedModelError(f"quantized checkpoints ({method}) are not supported; convert the weights to "
+                                    f"bf16 first (DeepSeek's fp8_cast_bf16.py does)")
     mla = mla_from_hf(hf)
     theta, scaling = mla_rope_params(hf)
     dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32

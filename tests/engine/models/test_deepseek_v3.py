@@ -204,3 +204,17 @@ def test_cuda_bf16(checkpoints):
     llm = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=4)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in llm.generate(PROMPTS, GREEDY))
     assert llm.engine.runner.graphs.num_runs > 0
+
+
+def test_fp8_checkpoint_is_refused(tmp_path):
+    """The published DeepSeek-V3 weights are FP8 blocks with scales (quantization_config): refused with a typed
+    error rather than loaded as if the values were plain floats."""
+    import json
+
+    make_deepseek_checkpoint(tmp_path, "q_lora", seed=8)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                  "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="fp8"):
+        LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=8))
