@@ -183,6 +183,8 @@ class ModelConfig:
         family = SUPPORTED_ARCHITECTURES[arch]
         if family == "deepseek_v3":
             return _deepseek_v3(hf, arch)
+        if family == "qwen3_moe":
+            _refuse_quantized(hf)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         theta, scaling = _rope_params(hf)
@@ -228,12 +230,18 @@ def _eos_ids(hf) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
 
 
-def _deepseek_v3(hf, arch: str) -> ModelConfig:
+def _refuse_quantized(hf) -> None:
+    """The published DeepSeek-V3/R1 (and Qwen3-MoE FP8) weights are FP8 blocks with scales: cast as they are,
+    they would be garbage."""
     quant = getattr(hf, "quantization_config", None)
-    if quant:  # the published DeepSeek-V3/R1 weights are FP8 blocks with scales: cast as they are, they would be garbage
+    if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else type(quant).__name__
         raise UnsupportedModelError(f"quantized checkpoints ({method}) are not supported; convert the weights to "
                                     f"bf16 first (DeepSeek's fp8_cast_bf16.py does)")
+
+
+def _deepseek_v3(hf, arch: str) -> ModelConfig:
+    _refuse_quantized(hf)
     mla = mla_from_hf(hf)
     theta, scaling = mla_rope_params(hf)
     dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
