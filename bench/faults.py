@@ -31,7 +31,8 @@ import httpx
 
 from bench.load_client import PROMPTS, kv_blocks_used, process_tree, send_request, wait_for_free_blocks
 
-LONG_PROMPT = " ".join(PROMPTS * 6)  # a few hundred tokens: the prefill is busy when it is killed
+LONG_PROMPT = " ".join(PROMPTS * 6)
+FAILED_BACKOFF_S = 1.0  # a load client's wait after a request that failed (a dead router refuses at once)  # a few hundred tokens: the prefill is busy when it is killed
 KV_BLOCK_TOKENS = 16
 
 
@@ -109,9 +110,12 @@ class Load:
             spec = load_spec(self.rng, self.model, long=self.rng.random() < self.long_share)
             self.in_flight += 1
             try:
-                self.outcomes.append(await send_request(self.http, spec, self.deadline_s))
+                out = await send_request(self.http, spec, self.deadline_s)
+                self.outcomes.append(out)
             finally:
                 self.in_flight -= 1
+            if out["outcome"] != "completed":
+                await asyncio.sleep(FAILED_BACKOFF_S)  # as a client would, not a tight loop on a closed port
 
     async def stop(self) -> None:
         """Stop sending; wait for what is in flight (each request is bounded by its deadline)."""
@@ -146,8 +150,10 @@ async def _send_marked(http, model, point: str) -> dict:
 def _marked(point: str):
     """A fault that fires at an armed fault point: one request whose id names the point."""
     async def inject(http, model, app, root) -> str | None:
+        resumed = await _resumptions(http)
         out = await _send_marked(http, model, point)
-        if out["outcome"] == "completed":
+        # A request the router resumed completes after its fault: the fault fired if it failed or was resumed.
+        if out["outcome"] == "completed" and not _delta(resumed, await _resumptions(http)):
             return None  # the server is not armed for this point
         return f"request {out['request_id']}: {out['outcome']} {out.get('status')} {str(out.get('detail'))[:160]}"
     return inject
@@ -229,16 +235,20 @@ async def run_fault(http: httpx.AsyncClient, model: str, name: str, server_pid: 
         "error_examples": [str(o.get("detail"))[:200] for o in errors[:3]],
         "hung": outcomes.get("hung", 0), "kv_blocks_used_after": used, "kv_drain_s": drain_s,
         "kv_blocks_leaked": sum(used.values()) if used else None,
-        "resumed": await _resumptions(http) - resumed_before,
+        # A restarted router counts from 0 again: then what it resumed is unknown (None).
+        "resumed": _delta(resumed_before, await _resumptions(http)),
         "pause_p50_s": _quantile(spanning, 0.5), "pause_p99_s": _quantile(spanning, 0.99), "streams_at_fault": len(spanning),
     }
 
 
-async def _resumptions(http: httpx.AsyncClient) -> float:
-    """The router's resumptions so far (0 for a router without them)."""
+async def _resumptions(http: httpx.AsyncClient) -> float | None:
+    """The router's resumptions so far (0 for a router without them); None if its /metrics does not answer."""
     from deploy.metrics_probe import scrape
 
-    text = (await http.get("/metrics", timeout=30)).text
+    try:
+        text = (await http.get("/metrics", timeout=30)).text
+    except httpx.HTTPError:
+        return None
     return sum(v for (name, _), v in scrape(text).items() if name == "tandem_request_resumptions_total")
 
 
@@ -266,6 +276,17 @@ def markdown(results: list[dict]) -> str:
         done = r["outcomes"].get("completed", 0)
         pause = "-" if r.get("pause_p50_s") is None else f"{r['pause_p50_s']:.1f} / {r['pause_p99_s']:.1f} s"
         rows.append(f"| {r['what']} | {r['in_flight_at_fault']} | {rec} | {done} / {r['errored']} "
-                    f"({', '.join(r['error_statuses']) or '-'}) / {r['hung']} | {r.get('resumed', 0):g} | {pause} "
+                    f"({', '.join(r['error_statuses']) or '-'}) / {r['hung']} | {_count(r.get('resumed'))} | {pause} "
                     f"| {r['kv_blocks_used_after']} |")
     return "\n".join(rows) + "\n"
+
+
+def _count(value) -> str:
+    return "?" if value is None else f"{value:g}"
+
+
+def _delta(before: float | None, after: float | None) -> float | None:
+    """Resumptions between two reads; None when unknown (a read failed, or the router restarted from 0)."""
+    if before is None or after is None or after < before:
+        return None
+    return after - before

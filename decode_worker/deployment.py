@@ -81,14 +81,15 @@ class DecodeServer:
 
     # ------------------------------------------------------------------ requests and their router's feed
     async def open(self, request_id: str, num_prompt_tokens: int = 0, caller: str | None = None,
-                   prompt_token_ids: list[int] | None = None, cache_salt: str | None = None):
+                   prompt_token_ids: list[int] | None = None, cache_salt: str | None = None, avoid: str | None = None):
         """Expect a request's hand-over: a DecodeOpened (this replica, and the ranks the prefill sends to), or
         a StreamError. Its token deltas then go out on `caller`'s feed. num_prompt_tokens: the prompt's
         length (it weighs the placement); caller: the Serve actor name of the router (its death cancels
         its requests). prompt_token_ids (and the request's cache_salt): with prefix caching on, the ranks
         that will own the request pin the leading blocks of it they hold (a lockstep PIN at the group's next
         step) and the target says so (DecodeTarget.pinning): the prefill asks them how many before it packs the
-        payload, and sends the rest."""
+        payload, and sends the rest. avoid: a routing hint only (the replica a resumed request's worker died on,
+        which the request router ranks last: router/policy.py demote)."""
         group = await self._current_group(self.config.handover_timeout_s)
         if group is None:
             return StreamError(f"the decode group is restarting after a failure ({self._last_error}); retry")
@@ -263,7 +264,8 @@ class DecodeServer:
                 await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ load, health, introspection
-    def stats(self) -> dict:
+    def stats(self, replica: str | None = None) -> dict:
+        """replica: this replica's id, to address one replica of several (the request router honours it)."""
         handovers = self.ctrl.handovers[-64:]
         return {
             "replica": replica_id(),

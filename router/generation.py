@@ -130,6 +130,7 @@ class Generation:
         self._seed: int | None = params.get("seed")
         self.resumptions = 0
         self._attempt_id = request_id  # the current attempt's id at the workers (a resumption's gets a suffix)
+        self._avoid: str | None = None  # the decode replica a worker failure happened on: the next attempt avoids it
 
     async def start(self) -> PrefillResult:
         """Runs until the first token exists; raises APIError (nothing is left running then). A worker that
@@ -147,7 +148,7 @@ class Generation:
             ids = list(self.prompt_token_ids)
             known = ids + (list(continuation.output_token_ids) if continuation is not None else [])
             target, self._queue = await self.feeds.open(self._attempt_id, len(known), known,
-                                                        self.params.get("cache_salt"))
+                                                        self.params.get("cache_salt"), self._avoid)
             params = self.params if continuation is None else {**self.params, "prompt_logprobs": None}
             request = PrefillRequest(self._attempt_id, tuple(ids), SamplingParams(**params), continuation)
             self._prefill_call = self.prefill.options(stream=True).prefill.remote(request.to_wire(), target)
@@ -278,6 +279,7 @@ class Generation:
 
     def _close(self, cancel: bool) -> None:
         if self._queue is not None:
+            self._avoid = self.feeds.replica_of(self._attempt_id)  # where the next attempt, if any, should not go
             self._queue = None
             self.feeds.close(self._attempt_id, cancel)
 

@@ -162,6 +162,15 @@ def rank_decode(cands: list[tuple[str, DecodeLoad | None, int]], prompt_hashes_o
     return ranked, "prefix"
 
 
+def demote(ranked: list[str], avoid: str | None) -> list[str]:
+    """`ranked` with `avoid` last: the decode replica a resumed request's worker died on (router/generation.py)
+    is rebuilding its group, which its routing stats say only at their next poll; any other replica takes the
+    request at once. Kept (last) when it is the only one: its open waits for the new group."""
+    if avoid is None or avoid not in ranked or len(ranked) < 2:
+        return ranked
+    return [r for r in ranked if r != avoid] + [avoid]
+
+
 def decode_unavailable(by_replica: dict[str, DecodeLoad | None]) -> str | None:
     """Why no decode replica can take a request now (every one is rebuilding its rank group: a rank or its
     node was lost), or None; None too before any stats arrived."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from router.policy import load_of, rank_decode, record_stats
+from router.policy import demote, load_of, rank_decode, record_stats
 from router.prefix_affinity import (PrefillRouting, ReplicaState, count_decode_decision, decode_prompt,
                                     prefill_prompt, prompt_hashes)
 
@@ -58,6 +58,8 @@ class LoadAwareRequestRouter(FIFOMixin, RequestRouter):
         ranked, outcome = rank_decode(cands, hashes_of)
         if prompt is not None:
             count_decode_decision(outcome)
+        if pending_request is not None:
+            ranked = demote(ranked, pending_request.kwargs.get("avoid"))
         return [[by_id[rid]] for rid in ranked]
 
     def _rank_prefill(self, candidate_replicas: list[RunningReplica],

@@ -126,3 +126,15 @@ def test_a_decode_group_holding_the_prompt_wins_within_the_balance_guard():
     # the prompt would outweigh 140 more blocks too, but that is past the guard (a quarter of the pool): by load
     crowded = decode(150, 256, 2)
     assert rank_decode([("a", light, 0), ("b", _holding(crowded, prompt), 0)], hashes_of) == (["a", "b"], "balance")
+
+
+def test_a_resumed_request_avoids_the_decode_replica_its_worker_died_on():
+    """router/policy.demote: the replica a resumed request failed on goes last (its routing stats say it is
+    rebuilding only at their next poll), unless it is the only one (then its open waits for the new group)."""
+    from router.policy import demote
+
+    assert demote(["a", "b", "c"], "a") == ["b", "c", "a"]
+    assert demote(["a", "b", "c"], "b") == ["a", "c", "b"]
+    assert demote(["a", "b"], None) == ["a", "b"]
+    assert demote(["a", "b"], "gone") == ["a", "b"]  # a replica Serve no longer lists
+    assert demote(["a"], "a") == ["a"]

@@ -13,6 +13,7 @@ import signal
 
 import jsonschema
 import pytest
+import ray
 
 from cluster.testing import wait_for
 from deploy.testing import start_app, stop_app
@@ -75,3 +76,54 @@ def test_guided_and_speculative_requests_resume_exactly_after_a_decode_rank_dies
     after = decode.stats.remote().result()
     assert after["groups_started"] == before["groups_started"] + 1
     wait_for(lambda: not any(spec_server.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)
+
+
+def test_a_resumed_request_moves_to_a_healthy_decode_replica(tandem_server):
+    """With two decode replicas, the requests of one whose rank died resume on the other at once (router/policy.py
+    demote: the replica they failed on is ranked last), not after that replica's group is rebuilt; their output is
+    the uninterrupted run's."""
+    from ray import serve
+
+    server = start_app(tandem_server, "resume2", tp=1, decode_replicas=2, prefill_num_cpus=0.5, rank_num_cpus=0.5)
+    try:
+        decode = serve.get_deployment_handle("decode", app_name="resume2")
+
+        # The two decode replicas' ids (Serve names a replica's actor after its app, deployment and id); a call
+        # naming one goes there (router/request_router.py honours `replica`).
+        ids = [a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith("SERVE_REPLICA::resume2#decode#")]
+        assert len(ids) == 2, ids
+
+        def replicas() -> dict[str, dict]:
+            return {rid: decode.stats.remote(replica=rid).result() for rid in ids}
+
+        prompts = [f"Once upon a time {i}" for i in range(6)]
+        kw = {"max_tokens": 200, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+        async def main():
+            async with server.async_openai(timeout=300) as client:
+                reference = await asyncio.gather(*[completion(client, server.model, p, True, **kw) for p in prompts])
+                started = [asyncio.Event() for _ in prompts]
+                tasks = [asyncio.create_task(completion(client, server.model, p, True, ev, **kw))
+                         for p, ev in zip(prompts, started)]
+                await asyncio.gather(*[ev.wait() for ev in started])
+                before = await asyncio.to_thread(replicas)
+                victim = max(before.values(), key=lambda s: s["num_running"])
+                assert victim["num_running"] > 0, before
+                name = f"tandem-decode-{victim['group_id']}-rank0"  # a rank actor is named after its group
+                [namespace] = [a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+                               if a["name"] == name]
+                rank = ray.get_actor(name, namespace=namespace)
+                os.kill(await rank.pid.remote(), signal.SIGKILL)
+                got = await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
+                return reference, got, before, victim["replica"], await asyncio.to_thread(replicas)
+
+        reference, got, before, victim, after = asyncio.run(main())
+        for i, (want, have) in enumerate(zip(reference, got)):
+            assert want["outcome"] == "finished" and same_output(have, want), (i, first_difference(have, want))
+        healthy = next(r for r in before if r != victim)
+        # The victim's requests were handed over to the healthy replica; none went back to the victim.
+        assert after[healthy]["handovers_total"] >= before[healthy]["handovers_total"] + before[victim]["num_running"]
+        assert after[victim]["handovers_total"] == before[victim]["handovers_total"]
+    finally:
+        stop_app("resume2")
