@@ -15,6 +15,7 @@ pytestmark = pytest.mark.ray
 
 K = 3
 MAX_TOKENS = 16
+LONG = 120  # two requests of it pass adaptive k's first exploring steps
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"}},
           "required": ["kind", "ok"], "additionalProperties": False}
 
@@ -79,3 +80,26 @@ def test_metrics_count_per_method(spec_server):
     after = counts()
     spec = done.usage.model_extra["speculative"]
     assert {n: after[n] - before[n] for n in after} == {n: spec[n] for n in after}
+
+
+def test_adaptive_k_on_a_tp2_group_keeps_the_ranks_in_step(tandem_server):
+    """Adaptive k on a tp=2 decode group (attention heads and the draft model sharded, so every draft pass is a
+    collective): both ranks must choose the same k each step (they hold the same requests and use the prior
+    cost), or the group hangs; outputs equal the single-process engine's, and usage counts what ran. Long enough
+    for the exploring steps (engine/speculative/adaptive.py), whose shorter chain both ranks must run alike."""
+    from engine import LLM, SamplingParams
+
+    server = start_app(tandem_server, "specadaptive", speculative_method="draft_model", draft=tandem_server.model_dir,
+                       num_speculative_tokens=K, adaptive_k=True, tp=2, rank_num_cpus=0.5, prefill_num_cpus=0.5)
+    try:
+        prompts = ["Hello, how are you?", "def add(a, b):"]
+        with server.openai(timeout=300) as client:
+            outs = [client.completions.create(model=server.model, prompt=p, max_tokens=LONG, temperature=0,
+                                              extra_body={"ignore_eos": True}) for p in prompts]
+        llm = LLM(tandem_server.model_dir, num_kv_blocks=128)
+        want = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True))]
+        assert [o.choices[0].text for o in outs] == want
+        for o in outs:
+            _exact(o.usage.model_extra["speculative"], o.usage.completion_tokens)
+    finally:
+        stop_app("specadaptive")

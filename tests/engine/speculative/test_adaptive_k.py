@@ -124,3 +124,15 @@ def test_a_perfect_draft_keeps_k_and_a_useless_one_drops_it(llama_dir, spec_draf
     steps = useless.engine.stats()["spec"]["dynamic_k_steps"]
     assert steps[0] >= 0.6 * sum(steps), steps
     assert all(o.speculative.draft_tokens < o.speculative.verify_steps for o in outs)
+
+
+def test_choose_explores_one_up_for_two_steps_and_down_at_the_top():
+    """Every EXPLORE_EVERY steps two steps run a neighbouring k (the second verifies the first's deeper chain)."""
+    ks = {k_top: [] for k_top in (1, 3)}
+    for k_top in ks:
+        ctl = A.AdaptiveK(3, measured=True)
+        vote = A.Vote((500, 700, 800), 200, 1)  # decide() -> 1 under k_max 3 (and under 1)
+        ks[k_top] = [ctl.choose(vote, k_top) for _ in range(2 * A.EXPLORE_EVERY + 2)]
+    explored = {A.EXPLORE_EVERY - 1, A.EXPLORE_EVERY, 2 * A.EXPLORE_EVERY - 1, 2 * A.EXPLORE_EVERY}  # 0-based
+    assert [i for i, k in enumerate(ks[3]) if k != 1] == sorted(explored) and {ks[3][i] for i in explored} == {2}
+    assert {ks[1][i] for i in explored} == {0} and all(k == 1 for i, k in enumerate(ks[1]) if i not in explored)
