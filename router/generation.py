@@ -131,24 +131,31 @@ class Generation:
         self.resumptions = 0
         self._attempt_id = request_id  # the current attempt's id at the workers (a resumption's gets a suffix)
         self._avoid: str | None = None  # the decode replica a worker failure happened on: the next attempt avoids it
+        self._opened = False  # the current attempt got past the decode replica's open
 
     async def start(self) -> PrefillResult:
         """Runs until the first token exists; raises APIError (nothing is left running then). A worker that
-        dies before the first token is resumed like one that dies later (nothing was sent yet)."""
+        dies under the request before its first token is resumed like one that dies later (nothing was sent
+        yet); a request no decode replica would open (every group is being rebuilt) is refused at once, as a
+        new request should be, for the client or its load balancer to retry elsewhere."""
         try:
             self.first = await self._begin(None)
         except APIError as e:
+            if not self._opened:
+                raise
             self.first = await self._resumed(e, _cause(e.message))
         return self.first
 
     async def _begin(self, continuation: Continuation | None) -> PrefillResult:
         """One attempt: open the request on a decode replica, run its prompt (and continuation) on a prefill
         replica that hands the KV over; -> the prefill's result. Raises APIError, with nothing left running."""
+        self._opened = False
         try:
             ids = list(self.prompt_token_ids)
             known = ids + (list(continuation.output_token_ids) if continuation is not None else [])
             target, self._queue = await self.feeds.open(self._attempt_id, len(known), known,
                                                         self.params.get("cache_salt"), self._avoid)
+            self._opened = True
             params = self.params if continuation is None else {**self.params, "prompt_logprobs": None}
             request = PrefillRequest(self._attempt_id, tuple(ids), SamplingParams(**params), continuation)
             self._prefill_call = self.prefill.options(stream=True).prefill.remote(request.to_wire(), target)

@@ -163,43 +163,38 @@ def test_adp_places_a_shared_prefix_on_the_rank_that_holds_it(adp_app, tandem_se
     assert complete(second, cache_salt="nothing-shared") == text
 
 
-def test_adp_killed_rank_ends_requests_with_errors_and_the_group_recovers(adp_app):
-    """A dead rank takes the group's MLP shard with it: every in-flight request of the group ends with an
-    error (never a hang; the surviving rank's requests too, since its forward needs the dead shard), the
-    replica rebuilds the group, and requests are served again."""
+def test_adp_killed_rank_resumes_every_request_of_the_group_and_the_group_recovers(adp_app):
+    """A dead rank takes the group's MLP shard with it: every in-flight request of the group fails there (the
+    surviving rank's too, since its forward needs the dead shard), and the router resumes each of them
+    (router/generation.py) on the rebuilt group, placed anew on its ranks, with exactly the output of an
+    uninterrupted run (the app speculates with MTP: drafts are recomputed for each continuation)."""
     import os
     import signal
 
+    import openai
     from ray import serve
+
+    from tests.support.resume import completion, first_difference, same_output
 
     base, _ = adp_app
     decode = serve.get_deployment_handle("decode", app_name="adp")
     before = decode.stats.remote().result()
     pids = decode.rank_pids.remote().result()
-
-    async def one(http, i, started):
-        async with http.stream("POST", "/v1/completions", json={
-                "model": "adp", "prompt": f"Stream {i}", "max_tokens": 200, "temperature": 0, "stream": True,
-                "ignore_eos": True}) as r:
-            lines = 0
-            async for line in r.aiter_lines():
-                lines += line.startswith("data: {")
-                if lines == 2:
-                    started.set()
-                if '"error"' in line:
-                    return "error", line
-        return "finished", ""
+    kw = {"max_tokens": 200, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
     async def main():
-        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300) as client:
+            reference = await asyncio.gather(*[completion(client, "adp", f"Stream {i}", True, **kw) for i in range(4)])
             started = [asyncio.Event() for _ in range(4)]
-            tasks = [asyncio.create_task(one(http, i, ev)) for i, ev in enumerate(started)]
+            tasks = [asyncio.create_task(completion(client, "adp", f"Stream {i}", True, ev, **kw))
+                     for i, ev in enumerate(started)]
             await asyncio.wait_for(asyncio.gather(*[ev.wait() for ev in started]), 120)
             os.kill(pids[1], signal.SIGKILL)
-            return await asyncio.wait_for(asyncio.gather(*tasks), 120)  # a bound on a hang only
+            return reference, await asyncio.wait_for(asyncio.gather(*tasks), 240)  # a bound on a hang only
 
-    results = asyncio.run(main())
-    assert all(outcome == "error" and "decode rank died" in line for outcome, line in results), results
+    reference, got = asyncio.run(main())
+    for i, (want, have) in enumerate(zip(reference, got)):
+        assert want["outcome"] == "finished" and same_output(have, want), (i, first_difference(have, want))
 
     def served():
         r = httpx.post(f"{base}/v1/completions", json={"model": "adp", "prompt": "Hello", "max_tokens": 5,

@@ -12,13 +12,17 @@ from router.generation import Generation
 
 
 class _Feeds:
-    """DecodeFeeds' one method a failing request calls: close its stream (cancel: abort it there)."""
+    """DecodeFeeds' two methods a failing request calls: which replica it was on, close its stream (cancel: abort
+    it there)."""
 
     def __init__(self):
         self.closed: list[tuple[str, bool]] = []
 
     def close(self, request_id: str, cancel: bool) -> None:
         self.closed.append((request_id, cancel))
+
+    def replica_of(self, request_id: str) -> str | None:
+        return None
 
 
 class _PrefillDied(ray.exceptions.RayActorError):

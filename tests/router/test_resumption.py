@@ -1,9 +1,11 @@
-"""Resumption of guided and speculative requests (router/generation.py): a decode rank killed mid-stream under an
-application that speculates (the target drafting for itself, k=3, so every verification step carries drafts) and
-serves JSON-schema requests. Every request in flight goes on after the group is rebuilt with exactly the output an
-uninterrupted run gives: the grammar is replayed through the tokens already sent (one JSON object, not a second one
-started at the schema's root), speculation restarts from a prefill of the continuation, and seeded sampling draws
-the same tokens. (The session application's kill tests: tests/decode_worker/test_faults.py.)"""
+"""Resumption of guided and speculative requests (router/generation.py), and where they resume: a decode rank killed
+mid-stream under an application with two decode replicas that speculates (the target drafting for itself, k=3, so
+every verification step carries drafts) and serves JSON-schema requests. Every request the dead rank held goes on
+with exactly the output an uninterrupted run gives: the grammar is replayed through the tokens already sent (one
+JSON object, not a second one started at the schema's root), speculation restarts from a prefill of the
+continuation, seeded sampling draws the same tokens; and it goes on on the other replica at once (router/policy.py
+demote: the replica it failed on is ranked last), not after the dead rank's group is rebuilt. (The session
+application's kill tests, one decode replica: tests/decode_worker/test_faults.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -29,83 +31,43 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
 
 
-@pytest.fixture(scope="module")
-def spec_server(tandem_server):
-    server = start_app(tandem_server, "resume", speculative_method="draft_model", draft=tandem_server.model_dir,
-                       num_speculative_tokens=3, tp=1, rank_num_cpus=0.5, prefill_num_cpus=0.5)
-    try:
-        yield server
-    finally:
-        stop_app("resume")
-
-
-def test_guided_and_speculative_requests_resume_exactly_after_a_decode_rank_dies(spec_server):
-    decode = spec_server.decode_handle()
-    before = decode.stats.remote().result()
-    pids = decode.rank_pids.remote().result()
-    model = spec_server.model
-    long = {"max_tokens": 200, "extra_body": {"ignore_eos": True}}
-    works = [
-        lambda c, ev=None: chat(c, model, "Describe a person.", True, ev, response_format=FORMAT, max_tokens=160,
-                                temperature=0),
-        lambda c, ev=None: chat(c, model, "Describe someone.", True, ev, response_format=FORMAT, max_tokens=160,
-                                temperature=0.9, seed=4),
-        lambda c, ev=None: completion(c, model, "Hello, how are you?", True, ev, temperature=0, **long),
-        lambda c, ev=None: completion(c, model, "The quick brown fox", True, ev, temperature=0.8, seed=9, logprobs=1,
-                                      **long),
-        lambda c, ev=None: completion(c, model, "def add(a, b):", False, ev, temperature=0, **long),
-    ]
-
-    async def main():
-        async with spec_server.async_openai(timeout=300) as client:
-            reference = await asyncio.gather(*[w(client) for w in works])
-            started = [asyncio.Event() for _ in works]
-            tasks = [asyncio.create_task(w(client, ev)) for w, ev in zip(works, started)]
-            await asyncio.gather(*[ev.wait() for ev in started])
-            os.kill(pids[0], signal.SIGKILL)
-            return reference, await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)  # a bound on a hang only
-
-    reference, got = asyncio.run(main())
-    for i, (want, have) in enumerate(zip(reference, got)):
-        assert want["outcome"] == "finished", want
-        assert same_output(have, want), (i, first_difference(have, want))
-    for out in got[:2]:
-        if out["finish_reason"] == "stop":  # the grammar completed: one object, valid against the schema
-            jsonschema.validate(json.loads(out["text"]), SCHEMA)
-
-    after = decode.stats.remote().result()
-    assert after["groups_started"] == before["groups_started"] + 1
-    wait_for(lambda: not any(spec_server.kv_blocks_in_use().values()), "KV blocks in use back to 0", 120, 0.5)
-
-
-def test_a_resumed_request_moves_to_a_healthy_decode_replica(tandem_server):
-    """With two decode replicas, the requests of one whose rank died resume on the other at once (router/policy.py
-    demote: the replica they failed on is ranked last), not after that replica's group is rebuilt; their output is
-    the uninterrupted run's."""
+def test_guided_and_speculative_requests_resume_exactly_on_a_healthy_decode_replica(tandem_server):
     from ray import serve
 
-    server = start_app(tandem_server, "resume2", tp=1, decode_replicas=2, prefill_num_cpus=0.5, rank_num_cpus=0.5)
+    server = start_app(tandem_server, "resume", speculative_method="draft_model", draft=tandem_server.model_dir,
+                       num_speculative_tokens=3, tp=1, decode_replicas=2, rank_num_cpus=0.5, prefill_num_cpus=0.5)
     try:
-        decode = serve.get_deployment_handle("decode", app_name="resume2")
-
+        decode = serve.get_deployment_handle("decode", app_name="resume")
         # The two decode replicas' ids (Serve names a replica's actor after its app, deployment and id); a call
         # naming one goes there (router/request_router.py honours `replica`).
         ids = [a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["name"].startswith("SERVE_REPLICA::resume2#decode#")]
+               if a["name"].startswith("SERVE_REPLICA::resume#decode#")]
         assert len(ids) == 2, ids
 
         def replicas() -> dict[str, dict]:
             return {rid: decode.stats.remote(replica=rid).result() for rid in ids}
 
-        prompts = [f"Once upon a time {i}" for i in range(6)]
-        kw = {"max_tokens": 200, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        model = server.model
+        long = {"max_tokens": 200, "extra_body": {"ignore_eos": True}}
+        works = [
+            lambda c, ev=None: chat(c, model, "Describe a person.", True, ev, response_format=FORMAT, max_tokens=160,
+                                    temperature=0),
+            lambda c, ev=None: chat(c, model, "Describe someone.", True, ev, response_format=FORMAT, max_tokens=160,
+                                    temperature=0.9, seed=4),
+            lambda c, ev=None: chat(c, model, "Describe anyone.", False, ev, response_format=FORMAT, max_tokens=160,
+                                    temperature=0),
+            lambda c, ev=None: completion(c, model, "Hello, how are you?", True, ev, temperature=0, **long),
+            lambda c, ev=None: completion(c, model, "The quick brown fox", True, ev, temperature=0.8, seed=9,
+                                          logprobs=1, **long),
+            lambda c, ev=None: completion(c, model, "Once upon a time", True, ev, temperature=0, **long),
+            lambda c, ev=None: completion(c, model, "def add(a, b):", False, ev, temperature=0, **long),
+        ]
 
         async def main():
             async with server.async_openai(timeout=300) as client:
-                reference = await asyncio.gather(*[completion(client, server.model, p, True, **kw) for p in prompts])
-                started = [asyncio.Event() for _ in prompts]
-                tasks = [asyncio.create_task(completion(client, server.model, p, True, ev, **kw))
-                         for p, ev in zip(prompts, started)]
+                reference = await asyncio.gather(*[w(client) for w in works])
+                started = [asyncio.Event() for _ in works]
+                tasks = [asyncio.create_task(w(client, ev)) for w, ev in zip(works, started)]
                 await asyncio.gather(*[ev.wait() for ev in started])
                 before = await asyncio.to_thread(replicas)
                 victim = max(before.values(), key=lambda s: s["num_running"])
@@ -115,15 +77,22 @@ def test_a_resumed_request_moves_to_a_healthy_decode_replica(tandem_server):
                                if a["name"] == name]
                 rank = ray.get_actor(name, namespace=namespace)
                 os.kill(await rank.pid.remote(), signal.SIGKILL)
-                got = await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
+                got = await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)  # a bound on a hang only
                 return reference, got, before, victim["replica"], await asyncio.to_thread(replicas)
 
         reference, got, before, victim, after = asyncio.run(main())
         for i, (want, have) in enumerate(zip(reference, got)):
-            assert want["outcome"] == "finished" and same_output(have, want), (i, first_difference(have, want))
+            assert want["outcome"] == "finished", want
+            assert same_output(have, want), (i, first_difference(have, want))
+        for out in got[:3]:
+            if out["finish_reason"] == "stop":  # the grammar completed: one object, valid against the schema
+                jsonschema.validate(json.loads(out["text"]), SCHEMA)
         healthy = next(r for r in before if r != victim)
         # The victim's requests were handed over to the healthy replica; none went back to the victim.
         assert after[healthy]["handovers_total"] >= before[healthy]["handovers_total"] + before[victim]["num_running"]
         assert after[victim]["handovers_total"] == before[victim]["handovers_total"]
+        wait_for(lambda: all(s["kv_blocks_used"] == 0 and s["num_requests"] == 0 for s in replicas().values())
+                 and server.prefill_handle().stats.remote().result()["kv_blocks_used"] == 0,
+                 "KV blocks in use back to 0", 120, 0.5)
     finally:
-        stop_app("resume2")
+        stop_app("resume")
