@@ -3,7 +3,9 @@ bandwidth against a device-to-device copy measured in the same run, and the MoE 
 (grouped GEMMs over sorted pairs; gathered weights) against a per-expert loop.
 
 Attention sizes are DeepSeek-V3's (kv_lora_rank 512, qk_rope_head_dim 64; 128 heads on one rank, 16 under
-tp 8); "bytes" is the latent cache the step must read (plus queries and outputs). Expert sizes are
+tp 8); "bytes" is the latent cache the step must read (plus queries and outputs). With 128 heads every cached
+byte feeds ~240 FLOPs (all heads read the same row), about an H200's ratio of bf16 matmul rate to bandwidth, so
+that case is judged by TFLOP/s; with 16 heads it is bandwidth-bound. Expert sizes are
 DeepSeek-V2-Lite's (64 experts of 1408, top 6, hidden 2048) so they fit any GPU; the per-expert loop is what
 transformers runs (a host sync per step, so no graph).
 
@@ -42,6 +44,8 @@ def attention_rows(device: str, quick: bool, limit: float) -> list[dict]:
         q_rope = torch.randn(T, H, R, device=device, dtype=dtype)
         args = (q_lat, q_rope, cache, tables, seq, qsl, 0.1, q_len, kv)
         nbytes = (B * kv * (L + R) + 2 * T * H * L + T * H * R) * dtype.itemsize
+        # scores over L + R and the latent-space output over L, per head per cached position (q << kv)
+        flops = 2 * T * H * kv * ((L + R) + L)
         impls = {"reference": lambda: mla_attention_ref(*args)}
         if device == "cuda":
             impls["triton"] = lambda: mla_attention_triton(*args)
@@ -52,7 +56,7 @@ def attention_rows(device: str, quick: bool, limit: float) -> list[dict]:
             gbps = nbytes / med / 1e6
             rows.append(dict(kernel="mla_attention", case=f"H={H} B={B} q={q_len} kv={kv}", impl=impl,
                              median_ms=round(med, 4), gbps=round(gbps, 1), pct_limit=round(100 * gbps / limit, 1),
-                             vs_ref=round(ref_ms / med, 2)))
+                             tflops=round(flops / med / 1e9, 1), vs_ref=round(ref_ms / med, 2)))
     return rows
 
 
@@ -101,9 +105,9 @@ def main() -> None:
     with torch.inference_mode():
         attn, moe = attention_rows(args.device, args.quick, limit), moe_rows(args.device, args.quick)
     lines = [f"# DeepSeek-V3 family kernels on {device_name(args.device)} (copy limit {limit:.0f} GB/s)", "",
-             "| kernel | case | impl | median ms | GB/s | % limit | vs ref |", "|---|---|---|---|---|---|---|"]
+             "| kernel | case | impl | median ms | GB/s | % limit | TFLOP/s | vs ref |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['kernel']} | {r['case']} | {r['impl']} | {r['median_ms']} | {r['gbps']} | {r['pct_limit']} | "
-              f"{r['vs_ref']} |" for r in attn]
+              f"{r['tflops']} | {r['vs_ref']} |" for r in attn]
     lines += ["", "| kernel | case | impl | median ms | vs per-expert loop |", "|---|---|---|---|---|"]
     lines += [f"| {r['kernel']} | {r['case']} | {r['impl']} | {r['median_ms']} | {r['vs_loop']} |" for r in moe]
     table = "\n".join(lines)
