@@ -136,3 +136,21 @@ def test_choose_explores_one_up_for_two_steps_and_down_at_the_top():
     explored = {A.EXPLORE_EVERY - 1, A.EXPLORE_EVERY, 2 * A.EXPLORE_EVERY - 1, 2 * A.EXPLORE_EVERY}  # 0-based
     assert [i for i, k in enumerate(ks[3]) if k != 1] == sorted(explored) and {ks[3][i] for i in explored} == {2}
     assert {ks[1][i] for i in explored} == {0} and all(k == 1 for i, k in enumerate(ks[1]) if i not in explored)
+
+
+def test_seeded_sampling_equals_no_speculation_with_adaptive_k(llama_dir, near_draft):
+    """Seeded sampling is bit for bit the same whatever k each step takes (coupled verification), and unseeded
+    sampling runs (rejection sampling reads the draft distributions a shorter chain wrote only in part)."""
+    from engine import SamplingParams
+
+    params = [SamplingParams(max_tokens=40, temperature=(0.7, 1.0)[i % 2], seed=(70 + i if i % 3 else None),
+                             ignore_eos=True) for i in range(6)]
+    prompts = random_prompts(6, seed=4)
+    want = LLM(llama_dir, num_kv_blocks=512, block_size=4).generate(prompts, params)
+    llm = LLM(llama_dir, num_kv_blocks=512, block_size=4,
+              speculative=SpecConfig(method="draft_model", k=3, draft=near_draft, adaptive_k=True))
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for p, o in zip(params, outs) if p.seed is not None] == \
+           [o.token_ids for p, o in zip(params, want) if p.seed is not None]
+    assert all(len(o.token_ids) == 40 for o in outs)
+    assert sum(n > 0 for n in llm.engine.stats()["spec"]["dynamic_k_steps"]) >= 2  # k moved
