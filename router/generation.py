@@ -180,6 +180,8 @@ class Generation:
         are used up, or the pause would pass its deadline."""
         if not resumable(error) or self.resumptions >= self.resume.attempts:
             raise error
+        if self._sent and self._seed is None:  # a prefill of another version that does not say its seed
+            raise error
         failed_at = time.monotonic()
         delay = RESUME_BACKOFF_S
         while True:
@@ -192,7 +194,7 @@ class Generation:
                         error.message, self._attempt_id)
             cont = None
             if self._sent:
-                cont = Continuation(tuple(self._sent), self._seed if self._seed is not None else 0,
+                cont = Continuation(tuple(self._sent), self._seed,
                                     tuple(self._sent_logprobs) if self.params.get("logprobs") is not None else ())
             try:
                 first = await self._begin(cont)
