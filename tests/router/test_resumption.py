@@ -2,7 +2,7 @@
 mid-stream under an application with two decode replicas that speculates (the target drafting for itself, k=3, so
 every verification step carries drafts) and serves JSON-schema requests. Every request the dead rank held goes on
 with exactly the output an uninterrupted run gives: the grammar is replayed through the tokens already sent (one
-JSON object, not a second one started at the schema's root), speculation restarts from a prefill of the
+JSON object, not a second one started at the schema's root; a tool call's arguments the same), speculation restarts from a prefill of the
 continuation, seeded sampling draws the same tokens; and it goes on on the other replica at once (router/policy.py
 demote: the replica it failed on is ranked last), not after the dead rank's group is rebuilt. (The session
 application's kill tests, one decode replica: tests/decode_worker/test_faults.py.)"""
@@ -29,6 +29,9 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "age": {"type": "integer"}},
           "required": ["name", "tags", "age"], "additionalProperties": False}
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"], "additionalProperties": False}}}
 
 
 def test_guided_and_speculative_requests_resume_exactly_on_a_healthy_decode_replica(tandem_server):
@@ -56,6 +59,8 @@ def test_guided_and_speculative_requests_resume_exactly_on_a_healthy_decode_repl
                                     temperature=0.9, seed=4),
             lambda c, ev=None: chat(c, model, "Describe anyone.", False, ev, response_format=FORMAT, max_tokens=160,
                                     temperature=0),
+            lambda c, ev=None: chat(c, model, "Weather in Oslo?", True, ev, tools=[WEATHER], tool_choice="required",
+                                    max_tokens=120, temperature=0),
             lambda c, ev=None: completion(c, model, "Hello, how are you?", True, ev, temperature=0, **long),
             lambda c, ev=None: completion(c, model, "The quick brown fox", True, ev, temperature=0.8, seed=9,
                                           logprobs=1, **long),
@@ -87,6 +92,9 @@ def test_guided_and_speculative_requests_resume_exactly_on_a_healthy_decode_repl
         for out in got[:3]:
             if out["finish_reason"] == "stop":  # the grammar completed: one object, valid against the schema
                 jsonschema.validate(json.loads(out["text"]), SCHEMA)
+        tool = got[3]
+        assert tool["finish_reason"] == "tool_calls" and [name for name, _ in tool["tokens"]] == ["weather"], tool
+        jsonschema.validate(json.loads(tool["tokens"][0][1]), WEATHER["function"]["parameters"])
         healthy = next(r for r in before if r != victim)
         # The victim's requests were handed over to the healthy replica; none went back to the victim.
         assert after[healthy]["handovers_total"] >= before[healthy]["handovers_total"] + before[victim]["num_running"]

@@ -43,24 +43,33 @@ async def completion(client: openai.AsyncOpenAI, model: str, prompt: str, stream
 
 async def chat(client: openai.AsyncOpenAI, model: str, content: str, stream: bool,
                started: asyncio.Event | None = None, **kw) -> dict:
-    """As `completion`, for /v1/chat/completions (the message's content)."""
-    out = {"outcome": "finished", "text": "", "finish_reason": None, "error": ""}
+    """As `completion`, for /v1/chat/completions: the message's content, and its tool calls as (name, arguments)
+    in index order (their ids are random per request)."""
+    out = {"outcome": "finished", "text": "", "finish_reason": None, "tokens": [], "error": ""}
     messages = [{"role": "user", "content": content}]
+    calls: dict[int, list[str]] = {}
     try:
         if not stream:
             if started is not None:
                 started.set()
             resp = await client.chat.completions.create(model=model, messages=messages, stream=False, **kw)
-            out.update(text=resp.choices[0].message.content, finish_reason=resp.choices[0].finish_reason)
+            message = resp.choices[0].message
+            out.update(text=message.content or "", finish_reason=resp.choices[0].finish_reason,
+                       tokens=[(c.function.name, c.function.arguments) for c in message.tool_calls or []])
             return out
         chunks = 0
         async for chunk in await client.chat.completions.create(model=model, messages=messages, stream=True, **kw):
             for choice in chunk.choices:
                 out["text"] += choice.delta.content or ""
                 out["finish_reason"] = choice.finish_reason or out["finish_reason"]
+                for call in choice.delta.tool_calls or []:
+                    entry = calls.setdefault(call.index, ["", ""])
+                    entry[0] = call.function.name or entry[0]
+                    entry[1] += call.function.arguments or ""
             chunks += 1
             if chunks == 3 and started is not None:
                 started.set()
+        out["tokens"] = [tuple(calls[i]) for i in sorted(calls)]
     except openai.APIError as e:
         out.update(outcome="error", error=str(e))
         if started is not None:
@@ -69,7 +78,8 @@ async def chat(client: openai.AsyncOpenAI, model: str, content: str, stream: boo
 
 
 def same_output(got: dict, want: dict) -> bool:
-    """The whole output a client ends up with: outcome, text, finish reason and the logprobs' tokens exactly;
+    """The whole output a client ends up with: outcome, text, finish reason and the logprobs' tokens (a chat's tool
+    calls) exactly;
     the logprob values to 1e-4. (The token where a request resumed is scored by the prefill's prompt-sized
     forward instead of a decode step's: the same value up to float rounding, as across batch sizes.)"""
     exact = all(got.get(k) == want.get(k) for k in ("outcome", "text", "finish_reason", "tokens"))
