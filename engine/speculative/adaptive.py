@@ -37,7 +37,13 @@ REQUEST_PRIOR_WEIGHT = 4.0  # a request's own counts against its class's estimat
 DECAY = 0.99  # per step, on the class counts (about the last 100 steps count)
 COST_DECAY = 0.97  # per timed step, on the cost fit's sums
 RHO_PRIOR = 0.2
+# The fitted rho counts as this many observations of a k contrast against RHO_PRIOR (n * Var(k) of the fit's
+# steps is its own count): a few noisy step times on a shared machine must not send rho to 0 and k to the top.
+RHO_PRIOR_WEIGHT = 4.0
 EXPLORE_EVERY = 32
+# A switch of k must promise this much more (thousandths): raising k pays one step whose verified drafts are
+# still the old, shorter chain's, and near-ties flip on noise (bench/adaptive_k.py: k flipping between 0 and 1).
+HYSTERESIS = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +56,22 @@ class Vote:
     requests: int
 
 
-def decide(batch: int, gain: tuple[int, ...], rho: int, k_max: int) -> int:
+def decide(batch: int, gain: tuple[int, ...], rho: int, k_max: int, current: int | None = None) -> int:
     """The k in [0, k_max] that maximizes (batch + G(k)) / (1 + rho k), in integers (deterministic on every
-    rank); ties go to the smaller k."""
-    best, best_tokens, best_cost = 0, batch * SCALE, SCALE
+    rank); ties go to the smaller k. With `current` (the k of the last step), another k only if it promises
+    HYSTERESIS thousandths more."""
+    def rate(k: int) -> tuple[int, int]:  # (tokens, cost): the rate is their ratio
+        return batch * SCALE + (gain[k - 1] if k else 0), SCALE + rho * k
+
+    best = 0
     for k in range(1, min(k_max, len(gain)) + 1):
-        tokens, cost = batch * SCALE + gain[k - 1], SCALE + rho * k
-        if tokens * best_cost > best_tokens * cost:
-            best, best_tokens, best_cost = k, tokens, cost
+        (t, c), (bt, bc) = rate(k), rate(best)
+        if t * bc > bt * c:
+            best = k
+    if current is not None and current != best and current <= min(k_max, len(gain)):
+        (t, c), (ct, cc) = rate(best), rate(current)
+        if t * cc * SCALE <= ct * c * (SCALE + HYSTERESIS):
+            return current
     return best
 
 
@@ -153,7 +167,8 @@ class StepCost:
         intercept = (st - slope * sk) / n
         if intercept <= 0:
             return RHO_PRIOR
-        return min(max(slope / intercept, 0.0), 4.0)
+        fitted, weight = min(max(slope / intercept, 0.0), 4.0), spread / n  # n * Var(k)
+        return (weight * fitted + RHO_PRIOR_WEIGHT * RHO_PRIOR) / (weight + RHO_PRIOR_WEIGHT)
 
 
 class AdaptiveK:
@@ -167,6 +182,7 @@ class AdaptiveK:
         self.acceptance = AcceptanceModel(k)
         self.cost = StepCost()
         self.steps = 0
+        self.last: int | None = None  # the last decided k (before exploring), which hysteresis holds
 
     def vote(self, requests, batch: int) -> Vote:
         """This rank's vote over its decoding `requests` (engine Requests); `batch`: the group's batch, whose
@@ -184,7 +200,7 @@ class AdaptiveK:
         next one up (down at k_max), the same steps on every rank (they count steps alike)."""
         self.steps += 1
         self.acceptance.decay()
-        k = decide(vote.requests, vote.gain, vote.rho, k_max)
+        k = self.last = decide(vote.requests, vote.gain, vote.rho, k_max, self.last)
         if self.steps % EXPLORE_EVERY < 2 and self.steps >= EXPLORE_EVERY and k_max > 0:
             k = k + 1 if k < k_max else k - 1
         return k

@@ -37,6 +37,16 @@ def test_decide_equals_the_reference(batch, rho):
             assert A.decide(batch, tuple(gain), rho, k_max) == _reference_decide(batch, tuple(gain), rho, k_max)
 
 
+def test_decide_keeps_the_current_k_unless_another_is_clearly_better():
+    """rate(k) = (1 + G(k)) / (1 + 0.2 k); k=1 gives 1.5 / 1.2 = 1.25 throughout."""
+    assert A.decide(1, (500, 780), 200, 2) == 2  # 1.78 / 1.4 = 1.271: 1.7% better ...
+    assert A.decide(1, (500, 780), 200, 2, current=1) == 1  # ... not enough to leave k=1
+    assert A.decide(1, (500, 850), 200, 2, current=1) == 2  # 1.321: 5.7% better, it moves
+    assert A.decide(1, (500, 700), 200, 2, current=2) == 2  # 1.214: k=1 2.9% better, it stays
+    assert A.decide(1, (500, 650), 200, 2, current=2) == 1  # 1.179: k=1 6% better, it moves
+    assert A.decide(1, (500, 850), 200, 1, current=2) == 1  # a current k above the bound does not hold
+
+
 def test_decide_ties_go_to_the_smaller_k():
     # one draft accepted with p = rho exactly: (1 + p) / (1 + rho) == 1
     assert A.decide(1, (200,), 200, 1) == 0
@@ -81,7 +91,8 @@ def test_cost_fit_finds_the_slope_per_batch_bucket():
         k = i % 4
         c.observe(4, k, 0.010 * (1 + 0.3 * k))
         c.observe(40, k, 0.050 * (1 + 0.05 * k))
-    assert c.rho(5) == pytest.approx(0.3, rel=1e-6) and c.rho(33) == pytest.approx(0.05, rel=1e-6)
+    # the fit, shrunk toward the prior by RHO_PRIOR_WEIGHT against n * Var(k) (about 35 here): close to the truth
+    assert 0.28 < c.rho(5) < 0.3 and 0.05 < c.rho(33) < 0.07
     one_k = A.StepCost()
     for _ in range(20):
         one_k.observe(1, 3, 0.01)
@@ -115,9 +126,9 @@ def test_a_perfect_draft_keeps_k_and_a_useless_one_drops_it(llama_dir, spec_draf
     prompts = random_prompts(4, seed=2)
     perfect = LLM(llama_dir, num_kv_blocks=512, block_size=4,
                   speculative=SpecConfig(method="draft_model", k=3, draft=llama_dir, adaptive_k=True))
-    perfect.generate(prompts, greedy_params(40))
+    perfect.generate(prompts, greedy_params(80))
     steps = perfect.engine.stats()["spec"]["dynamic_k_steps"]
-    assert steps[3] >= 0.8 * sum(steps), steps
+    assert steps[3] >= 0.8 * sum(steps), steps  # from the prior's k=2 to k=3 within a few steps
     useless = LLM(llama_dir, num_kv_blocks=512, block_size=4,
                   speculative=SpecConfig(method="mtp", k=3, draft=spec_drafts["mtp"], adaptive_k=True))
     outs = useless.generate(prompts, greedy_params(40))
@@ -143,7 +154,8 @@ def test_seeded_sampling_equals_no_speculation_with_adaptive_k(llama_dir, near_d
     sampling runs (rejection sampling reads the draft distributions a shorter chain wrote only in part)."""
     from engine import SamplingParams
 
-    params = [SamplingParams(max_tokens=40, temperature=(0.7, 1.0)[i % 2], seed=(70 + i if i % 3 else None),
+    # long enough for the exploring steps (past EXPLORE_EVERY steps), so k moves whatever the votes say
+    params = [SamplingParams(max_tokens=90, temperature=(0.7, 1.0)[i % 2], seed=(70 + i if i % 3 else None),
                              ignore_eos=True) for i in range(6)]
     prompts = random_prompts(6, seed=4)
     want = LLM(llama_dir, num_kv_blocks=512, block_size=4).generate(prompts, params)
@@ -152,5 +164,5 @@ def test_seeded_sampling_equals_no_speculation_with_adaptive_k(llama_dir, near_d
     outs = llm.generate(prompts, params)
     assert [o.token_ids for p, o in zip(params, outs) if p.seed is not None] == \
            [o.token_ids for p, o in zip(params, want) if p.seed is not None]
-    assert all(len(o.token_ids) == 40 for o in outs)
+    assert all(len(o.token_ids) == 90 for o in outs)
     assert sum(n > 0 for n in llm.engine.stats()["spec"]["dynamic_k_steps"]) >= 2  # k moved
