@@ -18,6 +18,7 @@ from cluster.protocol.load import PrefillLoad
 from cluster.testing import wait_for
 from deploy.metrics_probe import scrape
 from deploy.testing import start_app, stop_app
+from cluster.protocol import PREFILL_VERSION
 from router.prefix_affinity import prompt_hashes, prefill_prompt
 
 pytestmark = pytest.mark.ray
@@ -58,7 +59,7 @@ def test_prompts_go_to_the_prefill_replica_holding_their_prefix(tandem_server):
         for prefix in prefixes:  # ... and only there: the router finds it in that replica's filter alone
             holders = [ld.replica for ld in loads
                        if BlockFilter(ld.cached_blocks).leading_matches(
-                           prompt_hashes(prefill_prompt("prefill", [(1, "r", tuple(prefix + [1]), {}), None]),
+                           prompt_hashes(prefill_prompt("prefill", [(PREFILL_VERSION, "r", tuple(prefix + [1]), {}, None), None]),
                                          ld.block_size, ld.prefix_model)) == SHARED // BLOCK]
             assert len(holders) == 1, holders
         samples = scrape(httpx.get(f"{server.base_url}/metrics", timeout=30).text)
