@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config_mla import (MLAConfig, MoEConfig, deepseek_moe_from_hf, mla_from_hf, mla_rope_params,
+from engine.config_mla import (MLAConfig, MoEConfig, deepseek_moe_from_hf, mla_from_hf, mla_rope_params, rope_params,
                                qwen3_moe_from_hf)
 from engine.errors import ModelLoadError, UnsupportedModelError
 
@@ -187,7 +187,7 @@ class ModelConfig:
             _refuse_quantized(hf)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        theta, scaling = _rope_params(hf)
+        theta, scaling = rope_params(hf, SUPPORTED_ROPE_TYPES)
         eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
@@ -256,23 +256,6 @@ def _deepseek_v3(hf, arch: str) -> ModelConfig:
         o_bias=mla.attention_bias, mlp_bias=False, qk_norm=False, hidden_act=getattr(hf, "hidden_act", "silu"),
         checkpoint_dtype=dtype, bos_token_id=getattr(hf, "bos_token_id", None), eos_token_ids=_eos_ids(hf),
         sliding_window=None, mla=mla, moe=deepseek_moe_from_hf(hf))
-
-
-def _rope_params(hf) -> tuple[float, dict | None]:
-    """RoPE base and scaling from either transformers layout (v5 `rope_parameters` or v4 fields)."""
-    params = getattr(hf, "rope_parameters", None)
-    if params is None:
-        params = dict(getattr(hf, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    params = dict(params)
-    theta = float(params.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
-    if rope_type == "default":
-        return theta, None
-    params["rope_type"] = rope_type
-    return theta, params
 
 
 @dataclass(frozen=True)

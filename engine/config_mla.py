@@ -116,10 +116,9 @@ def qwen3_moe_from_hf(hf) -> MoEConfig:
     )
 
 
-def mla_rope_params(hf) -> tuple[float, dict | None]:
-    """(theta, scaling) of the rotary part, from either transformers layout; YaRN keeps every field the
-    table and the softmax scale need, with `factor` made explicit (DeepSeek derives a missing one from
-    max_position_embeddings / original_max_position_embeddings, as transformers does)."""
+def rope_params(hf, supported, what: str = "") -> tuple[float, dict | None]:
+    """RoPE base and scaling from either transformers layout (v5 `rope_parameters` or v4 fields); a rope type not
+    in `supported` is an UnsupportedModelError (`what`: the model kind it names, e.g. " for MLA")."""
     params = getattr(hf, "rope_parameters", None)
     if params is None:
         params = dict(getattr(hf, "rope_scaling", None) or {})
@@ -127,11 +126,19 @@ def mla_rope_params(hf) -> tuple[float, dict | None]:
     params = dict(params)
     theta = float(params.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in MLA_ROPE_TYPES:
-        raise UnsupportedModelError(f"unsupported rope_type {rope_type!r} for MLA; supported: {MLA_ROPE_TYPES}")
+    if rope_type not in supported:
+        raise UnsupportedModelError(f"unsupported rope_type {rope_type!r}{what}; supported: {supported}")
     if rope_type == "default":
         return theta, None
     params["rope_type"] = rope_type
-    if params.get("factor") is None:
+    return theta, params
+
+
+def mla_rope_params(hf) -> tuple[float, dict | None]:
+    """(theta, scaling) of the rotary part (rope_params); YaRN keeps every field the table and the softmax scale
+    need, with `factor` made explicit (DeepSeek derives a missing one from max_position_embeddings /
+    original_max_position_embeddings, as transformers does)."""
+    theta, params = rope_params(hf, MLA_ROPE_TYPES, " for MLA")
+    if params is not None and params.get("factor") is None:
         params["factor"] = hf.max_position_embeddings / params["original_max_position_embeddings"]
     return theta, params
