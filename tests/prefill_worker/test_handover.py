@@ -87,8 +87,6 @@ def test_hand_overs_to_a_dead_group_fail_at_once_and_given_up_ones_are_dropped(r
     """The sender has one thread: a group whose ranks died must not make every hand-over queued for it wait out
     a connect timeout (30 s each, seen under resumption: the resumed requests' hand-overs queued behind them), and
     a hand-over its router gave up on is not sent at all."""
-    import time
-
     from cluster.errors import ChannelError
 
     async def main():
@@ -100,14 +98,13 @@ def test_hand_overs_to_a_dead_group_fail_at_once_and_given_up_ones_are_dropped(r
                                  "connect_timeout_s": 30.0})
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         try:
-            waits = []
+            reasons = []
             for rid in ("a", "b"):
                 stream = prefill.prefill(PrefillRequest(rid, (5, 6, 7, 8), params).to_wire(), group.target)
                 await anext(stream)
-                start = time.monotonic()
-                with pytest.raises(ChannelError):
+                with pytest.raises(ChannelError) as e:
                     await anext(stream)
-                waits.append(time.monotonic() - start)
+                reasons.append(str(e.value.__cause__))
             # A hand-over whose caller stopped waiting (the stream closed after its first token) is dropped.
             before = prefill.loop.sender.dropped
             stream = prefill.prefill(PrefillRequest("c", (5, 6, 7, 8), params).to_wire(), group.target)
@@ -123,11 +120,13 @@ def test_hand_overs_to_a_dead_group_fail_at_once_and_given_up_ones_are_dropped(r
                 if not prefill.engine.blocks.pool.num_used:
                     break
                 await asyncio.sleep(0.05)
-            return waits, prefill.loop.sender.dropped - before, prefill.engine.blocks.pool.num_used
+            return reasons, prefill.loop.sender.dropped - before, prefill.engine.blocks.pool.num_used
         finally:
             prefill.loop.stop()
 
-    waits, dropped, used = asyncio.run(main())
-    assert waits[0] < 10.0 and waits[1] < 1.0, waits  # not the 30 s connect timeout
+    reasons, dropped, used = asyncio.run(main())
+    # The first found the rank's actor dead (no connect attempt, no 30 s timeout); the second did not even ask.
+    assert "decode rank 0 of group" in reasons[0] and reasons[0].endswith("is gone"), reasons
+    assert reasons[1] == f"decode group {reasons[0].split()[5]} is gone", reasons
     assert used == 0
     assert dropped in (0, 1)  # 1 unless the sender reached it before the cancel (then it failed fast instead)
