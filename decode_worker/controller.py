@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import random
 import time
 from dataclasses import dataclass, field
 
-from cluster.protocol import Command, CommandKind, RankStep, StepReport, StreamError, TokenDelta
+from cluster.protocol import Command, CommandKind, PrefillRequest, RankStep, StepReport, StreamError, TokenDelta
 from cluster.protocol.block_filter import BlockFilter, union
 from engine.core.prefix_hash import reusable_prompt_hashes
 
@@ -49,7 +50,12 @@ class Tracked:
     handover_seconds: float = 0.0  # payload receive time of the slowest rank
     unpack_seconds: float = 0.0
     handover_bytes: int = 0  # over all ranks
+    local: bool = False  # admitted to prefill here (ADMIT), not handed over
+    seed: int | None = None  # a local request's sampling seed
 
+
+# How a rank reports an ADMIT the engine refused as a bad request (a 400 for the client, not a worker failure).
+ADMIT_REFUSED = "refused: "
 
 # ADP placement by prefix: the rank holding a prompt's blocks gets it unless it is this share of its KV pool
 # busier than the least loaded rank (a popular prefix must not pile every request onto one rank).
@@ -88,36 +94,70 @@ class DecodeController:
         self.handovers_stocked = 0  # of those, reserved from the ranks' stocks (no lockstep RESERVE)
         self.handovers_committed_on_landing = 0  # of those, committed by a one-rank group itself (no COMMIT wait)
         self.handover_blocks_reused = 0  # prompt blocks reserved hand-overs did not carry (the ranks held them: PIN)
+        self.local_prefills = 0  # requests the group prefilled itself (ADMIT: the prefix was here)
+        self.local_prefill_tokens = 0  # the uncached remainders they computed (as the placement estimated them)
+        self._seeds = random.Random()
 
     # ------------------------------------------------------------------ from streams
     def expect(self, request_id: str, sink: asyncio.Queue, prompt_blocks: int = 0,
-               prompt: tuple[tuple[int, ...], str | None] | None = None) -> Placement:
+               prompt: tuple[tuple[int, ...], str | None] | None = None,
+               admit: tuple[PrefillRequest, int] | None = None) -> Placement:
         """A stream opened: track the request and place it. prompt_blocks: the KV blocks its prompt needs
         (the router knows the prompt's length), so that requests placed between two reports spread out.
         prompt: (token ids, cache salt): its ranks PIN the leading blocks of it they hold (the prefill asks
-        them how many before it packs the payload: DecodeRank.pinned)."""
+        them how many before it packs the payload: DecodeRank.pinned).
+        admit: (the request, the most uncached tokens the group prefills itself): when the placed ranks hold
+        the prompt's leading blocks and at most that many of its tokens are not cached, the group prefills it
+        (an ADMIT: conditional disaggregation, Dynamo's name) and no hand-over comes; `Tracked.local` says so.
+        The estimate is the ranks' last prefix views (a Bloom filter, up to 0.5 s old): blocks evicted since, or
+        a false positive, only make the group compute more of the prompt, never a wrong token."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already being decoded")
-        ranks = self._place(prompt_blocks, prompt)
+        held = [0] * self.tp_size
+        if prompt is not None and (self.attention_dp or admit is not None):  # hashing the prompt costs a little
+            held = self._held_blocks(prompt)
+        ranks = self._place(prompt_blocks, held)
         for r in ranks:
             self.placed_total[r] += 1
         t = Tracked(request_id, sink, time.monotonic() + self.handover_timeout_s, ranks, prompt_blocks)
         self.requests[request_id] = t
-        if prompt is not None:
+        remainder = self._local_remainder(ranks, held, admit)
+        if remainder is not None:
+            request = admit[0]
+            t.local, t.phase = True, Phase.RUNNING
+            t.seed = _seed_of(request, self._seeds)
+            self.local_prefills += 1
+            self.local_prefill_tokens += remainder
+            for rank in ranks:
+                self._commands[rank].append(Command(CommandKind.ADMIT, request_id, admit=request, seed=t.seed))
+        elif prompt is not None:
             for rank in ranks:
                 self._commands[rank].append(Command(CommandKind.PIN, request_id, tuple(prompt[0]), prompt[1]))
         return ranks
 
+    def _local_remainder(self, ranks: Placement, held: list[int],
+                         admit: tuple[PrefillRequest, int] | None) -> int | None:
+        """The prompt tokens the group would compute itself if it admitted `admit` on `ranks`, or None when it
+        should not: nothing of the prompt is held there (a prompt is disaggregated unless its prefix is here:
+        that is what keeps long prefills off the decode step), or more than the allowed remainder is missing."""
+        if admit is None or not held[ranks[0]]:
+            return None
+        request, max_tokens = admit
+        view = self.rank_views[ranks[0]]
+        known = len(request.prompt_token_ids) + (len(request.continuation.output_token_ids)
+                                                 if request.continuation is not None else 0)
+        remainder = known - held[ranks[0]] * view[0]
+        return remainder if remainder <= max_tokens else None
 
-
-    def _place(self, prompt_blocks: int, prompt: tuple[tuple[int, ...], str | None] | None = None) -> Placement:
+    def _place(self, prompt_blocks: int, held: list[int]) -> Placement:
         """Under TP every rank holds every request (its KV-head slice) and rank 0 reports the tokens all
         ranks compute. Under ADP one rank holds it: the least loaded, counting against a rank twice each
         leading prompt block it holds already (a held block takes no new memory and is not sent: the prefill
         router's rule, router/policy.py rank_prefill), unless that rank is already busier than the
         least loaded by more than IMBALANCE_SHARE of its pool; ties: fewest requests (TensorRT-LLM's ADP
         router orders ranks by active tokens, then active requests), then rank. A rank's load is its last
-        report plus what was placed on it since and has not landed yet, so a burst between two steps spreads."""
+        report plus what was placed on it since and has not landed yet, so a burst between two steps spreads.
+        held: per rank, the prompt's leading blocks its prefix view holds."""
         if not self.attention_dp:
             return tuple(range(self.tp_size))
         blocks = [load.kv_blocks_used for load in self.rank_loads]
@@ -129,7 +169,6 @@ class DecodeController:
                 count[t.ranks[0]] += 1
         ranks = range(self.tp_size)
         least = min(ranks, key=lambda r: (blocks[r], count[r], r))
-        held = self._held_blocks(prompt) if prompt is not None else [0] * self.tp_size
         best = min(ranks, key=lambda r: (blocks[r] - 2 * held[r], count[r], r))
         total = self.rank_loads[best].kv_blocks_total
         if best != least and blocks[best] - blocks[least] <= IMBALANCE_SHARE * total:
@@ -292,6 +331,13 @@ class DecodeController:
         t = self.requests.get(rid)
         if t is None:
             return
+        if t.local:  # its ADMIT failed on that rank: nothing was sent yet; every rank of it drops what it has
+            refused = reason.startswith(ADMIT_REFUSED)
+            t.sink.put_nowait(StreamError(f"the decode group could not admit the request: {reason}",
+                                          *(("invalid_request_error", 400) if refused else ())))
+            self.requests.pop(rid, None)
+            self._send(CommandKind.ABORT, t)
+            return
         if t.phase is Phase.EXPECTED:  # no blocks yet: refuse the header wherever it is parked
             self._fail(t, f"hand-over failed on rank {rank}: {reason}", CommandKind.DROP)
             return
@@ -334,3 +380,11 @@ class DecodeController:
         rid = t if isinstance(t, str) else t.request_id
         for rank in (t.ranks if ranks is None else ranks):
             self._commands[rank].append(Command(kind, rid))
+
+
+def _seed_of(request: PrefillRequest, draw: random.Random) -> int:
+    """The seed a locally prefilled request samples with: a continuation's, the request's own, else one drawn
+    here (as a prefill replica would draw it), the same for every rank of the group."""
+    if request.continuation is not None:
+        return request.continuation.seed
+    return request.params.seed if request.params.seed is not None else draw.getrandbits(63)

@@ -81,7 +81,8 @@ class DecodeServer:
 
     # ------------------------------------------------------------------ requests and their router's feed
     async def open(self, request_id: str, num_prompt_tokens: int = 0, caller: str | None = None,
-                   prompt_token_ids: list[int] | None = None, cache_salt: str | None = None, avoid: str | None = None):
+                   prompt_token_ids: list[int] | None = None, cache_salt: str | None = None, avoid: str | None = None,
+                   local: tuple | None = None):
         """Expect a request's hand-over: a DecodeOpened (this replica, and the ranks the prefill sends to), or
         a StreamError. Its token deltas then go out on `caller`'s feed. num_prompt_tokens: the prompt's
         length (it weighs the placement); caller: the Serve actor name of the router (its death cancels
@@ -89,7 +90,17 @@ class DecodeServer:
         that will own the request pin the leading blocks of it they hold (a lockstep PIN at the group's next
         step) and the target says so (DecodeTarget.pinning): the prefill asks them how many before it packs the
         payload, and sends the rest. avoid: a routing hint only (the replica a resumed request's worker died on,
-        which the request router ranks last: router/policy.py demote)."""
+        which the request router ranks last: router/policy.py demote).
+        local: (the request's PrefillRequest wire form, the most uncached prompt tokens this group may prefill
+        itself): when its ranks hold all but that many of the prompt, the group prefills it and the answer says
+        `local` (no prefill is asked, no hand-over comes: decode_worker/controller.py expect). A malformed
+        request is a ProtocolError (the router built it), refused parameters an InvalidRequestError."""
+        admit = None
+        if local is not None and self.config.enable_prefix_caching:
+            from cluster.protocol import PrefillRequest
+
+            wire_request, max_tokens = local
+            admit = (PrefillRequest.from_wire(wire_request), int(max_tokens))
         group = await self._current_group(self.config.handover_timeout_s)
         if group is None:
             return StreamError(f"the decode group is restarting after a failure ({self._last_error}); retry")
@@ -98,11 +109,14 @@ class DecodeServer:
         if prompt_token_ids and self.config.enable_prefix_caching and len(prompt_token_ids) > self.config.block_size:
             pin = (tuple(prompt_token_ids), cache_salt)
         ranks = self.ctrl.expect(request_id, feed.sink(request_id), -(-num_prompt_tokens // self.config.block_size),
-                                 pin)
+                                 pin, admit if pin else None)
         self._callers_of[request_id] = caller or ""
         self.callers.opened(request_id, caller)
         self._wake.set()
         target = group.target_for(ranks)
+        tracked = self.ctrl.requests[request_id]
+        if tracked.local:
+            return DecodeOpened(self.replica, target, local=True, seed=tracked.seed)
         return DecodeOpened(self.replica, dataclasses.replace(target, pinning=True) if pin else target)
 
     async def feed_link(self, caller: str | None = None, replica: str | None = None) -> FeedLinkAddress:
@@ -292,10 +306,14 @@ class DecodeServer:
             "handovers_stocked": self.ctrl.handovers_stocked,
             "handovers_committed_on_landing": self.ctrl.handovers_committed_on_landing,
             "handover_blocks_reused": self.ctrl.handover_blocks_reused,  # prompt blocks found pinned, not received
+            "local_prefills": self.ctrl.local_prefills,  # requests the group prefilled itself (no hand-over)
+            "local_prefill_tokens": self.ctrl.local_prefill_tokens,  # the uncached remainders they computed
             "grammar": dict(self.ctrl.grammar_stats),
             "overlapped_steps": self.ctrl.overlapped_steps,
             # the group's engine counters, and the prompt blocks hand-overs did not carry (the ranks held them)
-            "prefix_cache": ({**self._prefix_cache, "handover_reused_blocks": self.ctrl.handover_blocks_reused}
+            "prefix_cache": ({**self._prefix_cache, "handover_reused_blocks": self.ctrl.handover_blocks_reused,
+                              "local_prefills": self.ctrl.local_prefills,
+                              "local_prefill_tokens": self.ctrl.local_prefill_tokens}
                              if self._prefix_cache else {}),
             "feed_batches": self._feed_batches,
             "feed_items": self._feed_items,

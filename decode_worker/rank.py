@@ -27,10 +27,11 @@ from cluster.protocol.load import prefix_cache_counts
 from cluster.rendezvous import StoreAddress, StoreServer, connect_store
 from cluster.settings import EngineSettings
 from cluster.step_link import StepListener
+from decode_worker.controller import ADMIT_REFUSED
 from decode_worker.receiver import HandoverReceiver
 from decode_worker.stock import HandoverStock
 from decode_worker.turns import StepTurns
-from engine import CapacityError, LLMEngine, ModelConfig, TandemError
+from engine import CapacityError, InvalidRequestError, LLMEngine, ModelConfig, TandemError
 from engine.distributed import shm_collectives
 from structured.request import SerializedGrammar
 
@@ -251,6 +252,8 @@ class DecodeRank:
                 except TandemError as e:  # its id is in use here (a replayed open): it reuses nothing
                     log.warning("cannot pin the prefix of %s: %s", rid, e)
             self._answer_pin(rid, held)
+        elif cmd.kind is CommandKind.ADMIT:
+            self._admit(cmd, failed)
         elif cmd.kind is CommandKind.DROP:
             if rid in self._committed_early:  # the replica no longer tracks it, but it runs here: end it
                 self._committed_early.discard(rid)
@@ -258,6 +261,22 @@ class DecodeRank:
             eng.handovers.unpin(rid)
             self._answer_pin(rid, None)
             self.receiver.drop(rid)
+
+    def _admit(self, cmd: Command, failed: list[tuple[str, str]]) -> None:
+        """A request the group prefills itself (its prefix is cached here; decode_worker/controller.py): it joins
+        the engine's queue as any new request, its prompt admitted at its longest cached prefix, the seed the
+        replica chose for every rank."""
+        r = cmd.admit
+        try:
+            self.engine.add_request(r.request_id, list(r.prompt_token_ids), r.params, continuation=r.continuation,
+                                    seed=cmd.seed)
+        except InvalidRequestError as e:
+            failed.append((r.request_id, f"{ADMIT_REFUSED}{e}"))
+            return
+        except TandemError as e:
+            failed.append((r.request_id, f"cannot admit: {e}"))
+            return
+        self._sent[r.request_id] = len(r.continuation.output_token_ids) if r.continuation is not None else 0
 
     def _commit(self, rid: str, failed: list[tuple[str, str]]) -> None:
         eng = self.engine

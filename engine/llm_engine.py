@@ -101,14 +101,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    prefill_only: bool = False, continuation: Continuation | None = None) -> None:
+                    prefill_only: bool = False, continuation: Continuation | None = None,
+                    seed: int | None = None) -> None:
         """Queue a request. A guided request's grammar starts compiling here and its prompt runs meanwhile;
         only the step that samples its first token waits for the grammar (the scheduler holds that
         chunk back). InvalidRequestError at once for a bad request or a refused schema; a grammar that
         fails to compile finishes the request with finish_reason "error" and the error in its output.
         continuation: the request resumes after output it produced on another engine (Continuation); its
-        outputs then report only the tokens that follow."""
-        req = self.intake.new(request_id, prompt, params or SamplingParams(), prefill_only, continuation=continuation)
+        outputs then report only the tokens that follow. seed: the one it samples with when `params` give none
+        (another process chose it, for a resumption; default: drawn here); `params.seed` still decides whether
+        speculation verifies it as a seeded request."""
+        req = self.intake.new(request_id, prompt, params or SamplingParams(), prefill_only, seed=seed,
+                              continuation=continuation)
         if req.params.prompt_logprobs is not None and self.dp is not None:
             # its own forward would run outside the group's lockstep (engine/prompt_logprobs.py)
             raise InvalidRequestError("prompt logprobs are not computed under attention data parallelism",

@@ -286,7 +286,7 @@ class Router:
                 if "seed" in child:
                     child["seed"] = child_seed(child["seed"], sample)
                 children.append((index, p, Generation(self.prefill, self.feeds, rid if count == 1 else f"{rid}-{index}",
-                                                      ids, child, self.resume)))
+                                                      ids, child, self.resume, self.cfg.local_prefill_max_tokens)))
         self.inflight += count
         self.waiting_first += count
         self._gauges()

@@ -14,7 +14,7 @@ import contextvars
 import logging
 
 from cluster.feed_link import read_feed_link
-from cluster.protocol import DecodeOpened, DecodeTarget, StreamError
+from cluster.protocol import DecodeOpened, StreamError
 from router.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -41,14 +41,16 @@ class DecodeFeeds:
         self._cancels: set = set()  # cancel calls in flight (kept referenced until they complete)
 
     async def open(self, request_id: str, num_prompt_tokens: int, prompt_token_ids: list[int] | None = None,
-                   cache_salt: str | None = None, avoid: str | None = None) -> tuple[DecodeTarget, asyncio.Queue]:
+                   cache_salt: str | None = None, avoid: str | None = None,
+                   local: tuple | None = None) -> tuple[DecodeOpened, asyncio.Queue]:
         """Raises APIError for a refusal of the decode side (its group is being rebuilt), or what the call
         raised. prompt_token_ids (and cache_salt): the decode ranks pin what they hold of the prompt and the
         target says how many leading blocks the prefill may skip (DecodeTarget.reused_blocks). avoid: a decode
-        replica to rank last (a resumed request's, whose worker died there)."""
+        replica to rank last (a resumed request's, whose worker died there). local: (PrefillRequest wire form,
+        most uncached tokens) offers the request to the group to prefill itself (DecodeOpened.local)."""
         try:
             opened: DecodeOpened | StreamError = await self.decode.open.remote(
-                request_id, num_prompt_tokens, self.caller, prompt_token_ids, cache_salt, avoid=avoid)
+                request_id, num_prompt_tokens, self.caller, prompt_token_ids, cache_salt, avoid=avoid, local=local)
         except asyncio.CancelledError:
             # The client left while the decode side was opening it: it may be open there already, and which
             # replica holds it is not known; a cancel goes to whichever Serve picks (with one decode replica,
@@ -65,7 +67,7 @@ class DecodeFeeds:
         reader = self._readers.get(opened.replica)
         if reader is None or reader.done():
             self._readers[opened.replica] = _detached(self._read(opened.replica))
-        return opened.target, queue
+        return opened, queue
 
     def replica_of(self, request_id: str) -> str | None:
         """The decode replica an open request is on."""

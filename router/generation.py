@@ -111,14 +111,25 @@ def _role(e: BaseException) -> str:
     return f"{found.group(1)} worker" if found else "worker"
 
 
+def local_eligible(params: dict) -> bool:
+    """Whether a request may be prefilled by the decode group itself (conditional disaggregation): not one with
+    a grammar (its compile stays on the prefill replicas, off the decode step) nor one asking for prompt
+    logprobs (computed by a prefill only)."""
+    return params.get("structured_output") is None and params.get("prompt_logprobs") is None
+
+
 class Generation:
     def __init__(self, prefill, feeds: DecodeFeeds, request_id: str, prompt_token_ids: list[int], params: dict,
-                 resume: Resume = NO_RESUME):
+                 resume: Resume = NO_RESUME, local_max_tokens: int = 0):
+        """local_max_tokens: offer the request to the decode group to prefill itself when its ranks hold all but
+        at most this many of its prompt tokens (RouterSettings.local_prefill_max_tokens; 0: never)."""
         self.prefill, self.feeds = prefill, feeds
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.resume = resume
+        self.local_max_tokens = local_max_tokens if local_eligible(params) else 0
+        self.local = False  # the current attempt is prefilled by the decode group (no prefill replica, no hand-over)
         self._queue: asyncio.Queue | None = None  # the decode side's items for this request, while it is open
         self._prefill_call = None  # the prefill's stream, until the hand-over has left it
         self._handover: asyncio.Future | None = None  # ends when the prefill's stream does
@@ -148,18 +159,25 @@ class Generation:
 
     async def _begin(self, continuation: Continuation | None) -> PrefillResult:
         """One attempt: open the request on a decode replica, run its prompt (and continuation) on a prefill
-        replica that hands the KV over; -> the prefill's result. Raises APIError, with nothing left running."""
-        self._opened = False
+        replica that hands the KV over, unless the decode group holds nearly all of it and prefills it itself;
+        -> the first result. Raises APIError, with nothing left running."""
+        self._opened = self.local = False
         try:
             ids = list(self.prompt_token_ids)
             known = ids + (list(continuation.output_token_ids) if continuation is not None else [])
-            target, self._queue = await self.feeds.open(self._attempt_id, len(known), known,
-                                                        self.params.get("cache_salt"), self._avoid)
-            self._opened = True
             params = self.params if continuation is None else {**self.params, "prompt_logprobs": None}
             request = PrefillRequest(self._attempt_id, tuple(ids), SamplingParams(**params), continuation)
-            self._prefill_call = self.prefill.options(stream=True).prefill.remote(request.to_wire(), target)
-            first = await self._prefill_call.__anext__()
+            offer = (request.to_wire(), self.local_max_tokens) if self.local_max_tokens else None
+            opened, self._queue = await self.feeds.open(self._attempt_id, len(known), known,
+                                                        self.params.get("cache_salt"), self._avoid, local=offer)
+            self._opened = True
+            if opened.local:
+                self.local = True
+                first = await self._first_delta(opened.seed)
+            else:
+                self._prefill_call = self.prefill.options(stream=True).prefill.remote(request.to_wire(),
+                                                                                      opened.target)
+                first = await self._prefill_call.__anext__()
         except BaseException as e:
             self.cancel()
             if isinstance(e, Exception):
@@ -168,11 +186,22 @@ class Generation:
         if first.seed is not None:
             self._seed = first.seed
         if first.finished:
-            self._close(cancel=True)  # no hand-over comes: the decode side drops the expected request
+            self._close(cancel=not self.local)  # no hand-over comes: the decode side drops the expected request
             self._prefill_call = None
-        else:
+        elif not self.local:
             self._handover = asyncio.ensure_future(self._handed_over(self._prefill_call))
         return first
+
+    async def _first_delta(self, seed: int | None) -> PrefillResult:
+        """A locally prefilled attempt's first token(s), from the decode feed, as the prefill would have
+        answered them. Raises APIError (the decode side's StreamError or a broken feed)."""
+        item = await self._queue.get()
+        if isinstance(item, StreamError):
+            raise APIError(item.status, item.message, item.error_type)
+        if isinstance(item, FeedBroken):
+            raise api_error(item.error)
+        return PrefillResult(self._attempt_id, list(item.token_ids), item.finished,
+                             item.finish_reason if item.finished else None, list(item.logprobs), seed=seed)
 
     async def _resumed(self, error: APIError, cause: str) -> PrefillResult:
         """Submit the request again after `error` as a continuation of what was sent; -> the new attempt's

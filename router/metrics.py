@@ -213,6 +213,11 @@ class _PrefixCacheCollector:
                                    "per worker replica (free ones among them count as free KV).", labels=labels)
         reused = CounterMetricFamily("tandem_handover_blocks_reused", "Prompt KV blocks a decode replica's ranks "
                                      "held already, so that its hand-overs did not carry them.", labels=labels)
+        local = CounterMetricFamily("tandem_local_prefills", "Requests a decode replica's group prefilled itself "
+                                    "(it held all but a short remainder of the prompt: no prefill replica, no "
+                                    "hand-over).", labels=labels)
+        local_tokens = CounterMetricFamily("tandem_local_prefill_tokens", "The uncached prompt tokens of those "
+                                           "requests, as the decode replica estimated them.", labels=labels)
         for (role, replica), c in self.metrics._prefix_cache.items():
             key = [model, role, replica]
             queries.add_metric(key, c.get("query_tokens", 0))
@@ -221,11 +226,16 @@ class _PrefixCacheCollector:
             cached.add_metric(key, c.get("cached_blocks", 0))
             if "handover_reused_blocks" in c:
                 reused.add_metric(key, c["handover_reused_blocks"])
+            if "local_prefills" in c:
+                local.add_metric(key, c["local_prefills"])
+                local_tokens.add_metric(key, c.get("local_prefill_tokens", 0))
         yield queries
         yield hits
         yield evicted
         yield cached
         yield reused
+        yield local
+        yield local_tokens
 
 
 class _RoutingCollector:

@@ -12,7 +12,7 @@ from cluster.rendezvous import StoreAddress
 class RankEndpoint:
     """Where a prefill sends one rank's share of a hand-over."""
     actor: object  # ray.actor.ActorHandle of the DecodeRank
-    store: StoreAddress  # the rank's TCPStore: channels to it rendezvous there
+    store: StoreAddress  # the rank's rendezvous store (reached through Ray): channels to it meet there
     tp_rank: int
     kv_heads: tuple[int, int]  # (first KV head, count) of the full model's KV heads this rank holds
 
@@ -46,3 +46,8 @@ class DecodeOpened:
     (its deltas come on that replica's feed; a cancel must reach that replica)."""
     replica: str  # the Serve replica id
     target: DecodeTarget
+    # The group prefills the request itself (its ranks held all but a short remainder of the prompt: the router
+    # offered it with `local`): no prefill replica is asked, no hand-over comes, its first token comes on the
+    # feed; `seed` is the seed it samples with (a resumption's).
+    local: bool = False
+    seed: int | None = None

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 
 from cluster.protocol import wire
 from cluster.protocol.block_filter import read_bits
+from cluster.protocol.prefill import PrefillRequest
 from engine.outputs import SpecUsage
 
-STEP_LINK_VERSION = 5  # bump on any change to a WIRE below (exchanged when a step link opens; 3: PIN, StepReport.reused;
-# 4: StepReport.prefix_view; 5: TokenDelta.speculative)
+STEP_LINK_VERSION = 6  # bump on any change to a WIRE below (exchanged when a step link opens; 3: PIN, StepReport.reused;
+# 4: StepReport.prefix_view; 5: TokenDelta.speculative; 6: ADMIT)
 
 
 class CommandKind(enum.Enum):
@@ -26,6 +27,7 @@ class CommandKind(enum.Enum):
     ABORT = "abort"  # end the request, free its blocks
     DROP = "drop"  # refuse an arrived header (its request is gone): no payload is sent
     PIN = "pin"  # an opened request: hold the leading prompt blocks the rank's prefix cache has, say how many
+    ADMIT = "admit"  # an opened request the group prefills itself (no hand-over): join the batch as a new request
 
 
 _KINDS = {k.value: k for k in CommandKind}
@@ -37,19 +39,30 @@ class Command:
     request_id: str
     prompt_token_ids: tuple[int, ...] = ()  # PIN: the prompt whose cached leading blocks the rank holds
     cache_salt: str | None = None  # PIN: the request's cache salt (blocks are shared within one salt only)
+    # ADMIT: the request as a prefill replica would have got it (prompt, sampling parameters, continuation), and
+    # the seed it samples with (the replica's choice when the request gave none, so that every rank draws alike
+    # and the router can resume it)
+    admit: PrefillRequest | None = None
+    seed: int | None = None
 
-    WIRE = ("kind", "request_id", "prompt_token_ids", "cache_salt")
+    WIRE = ("kind", "request_id", "prompt_token_ids", "cache_salt", "admit", "seed")
 
     def to_wire(self) -> tuple:
-        return (self.kind.value, self.request_id, self.prompt_token_ids, self.cache_salt)
+        return (self.kind.value, self.request_id, self.prompt_token_ids, self.cache_salt,
+                None if self.admit is None else self.admit.to_wire(), self.seed)
 
     @staticmethod
     def from_wire(raw) -> "Command":
-        kind, request_id, prompt, salt = wire.record(raw, "Command", Command.WIRE)
+        """PrefillRequest.from_wire checks an ADMIT's request (its version, fields, sampling parameters)."""
+        kind, request_id, prompt, salt, admit, seed = wire.record(raw, "Command", Command.WIRE)
         wire.check(kind in _KINDS, "Command", "kind", f"one of {sorted(_KINDS)}", kind)
+        wire.check((admit is not None) == (kind == CommandKind.ADMIT.value), "Command", "admit",
+                   "a PrefillRequest on an ADMIT only", admit)
         return Command(_KINDS[kind], wire.text(request_id, "Command", "request_id"),
                        wire.ints(prompt, "Command", "prompt_token_ids"),
-                       wire.text_or_none(salt, "Command", "cache_salt"))
+                       wire.text_or_none(salt, "Command", "cache_salt"),
+                       None if admit is None else PrefillRequest.from_wire(admit),
+                       None if seed is None else wire.integer(seed, "Command", "seed"))
 
 
 @dataclass(frozen=True, slots=True)

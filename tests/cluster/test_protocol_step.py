@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 
 from cluster.errors import ProtocolError
-from cluster.protocol import Command, CommandKind, RankStep, StepReport, TokenDelta
+from cluster.protocol import Command, CommandKind, PrefillRequest, RankStep, StepReport, TokenDelta
 from cluster.protocol import wire
+from engine.core.request import Continuation
+from engine.errors import InvalidRequestError
 from engine.outputs import SpecUsage
+from engine.sampling_params import SamplingParams
 
 
 def through_msgpack(value):
@@ -29,9 +32,24 @@ def full_report() -> StepReport:
         reused=(("d", 3), ("e", 0)), prefix_view=(16, "smollm2", bytes(range(256)) * 4))
 
 
-@pytest.mark.parametrize("kind", list(CommandKind))
+@pytest.mark.parametrize("kind", [k for k in CommandKind if k is not CommandKind.ADMIT])
 def test_command_round_trip(kind):
     assert Command.from_wire(through_msgpack(Command(kind, "r1").to_wire())) == Command(kind, "r1")
+
+
+def test_admit_command_carries_the_request_and_its_seed():
+    request = PrefillRequest("r1", (5, 6, 7), SamplingParams(temperature=0.7, max_tokens=9, stop=["x"]),
+                             Continuation((8, 9), 123, ()))
+    admit = Command(CommandKind.ADMIT, "r1", admit=request, seed=123)
+    assert Command.from_wire(through_msgpack(admit.to_wire())) == admit
+    with pytest.raises(ProtocolError, match="admit"):  # an ADMIT without its request, or another kind with one
+        Command.from_wire(Command(CommandKind.ADMIT, "r1").to_wire())
+    with pytest.raises(ProtocolError, match="admit"):
+        Command.from_wire((*Command(CommandKind.PIN, "r1").to_wire()[:4], request.to_wire(), None))
+    with pytest.raises(InvalidRequestError, match="temperature"):  # parameters are checked as a prefill would
+        bad = list(request.to_wire())
+        bad[3] = {**bad[3], "temperature": -1.0}
+        Command.from_wire((*admit.to_wire()[:4], tuple(bad), 123))
 
 
 def test_pin_command_carries_the_prompt():
@@ -100,10 +118,10 @@ def test_a_malformed_report_names_its_field(field, value, message):
     ((((("reserve", "r"),), True, True)), "RankStep must have 4 fields"),
     (((("reserve", "r"),), True, True, 0, 0.0), "RankStep must have 4 fields"),
     ({"commands": ()}, "RankStep must be an array"),
-    (((("evict", "r", (), None),), True, True, 0), "Command field 'kind' must be one of"),
-    (((("reserve", 7, (), None),), True, True, 0), "Command field 'request_id' must be a str"),
-    (((("reserve", "r"),), True, True, 0), "Command must have 4 fields"),
-    (((("pin", "r", (1,), 3),), True, True, 0), "Command field 'cache_salt'"),
+    (((("evict", "r", (), None, None, None),), True, True, 0), "Command field 'kind' must be one of"),
+    (((("reserve", 7, (), None, None, None),), True, True, 0), "Command field 'request_id' must be a str"),
+    (((("reserve", "r", (), None),), True, True, 0), "Command must have 6 fields"),
+    (((("pin", "r", (1,), 3, None, None),), True, True, 0), "Command field 'cache_salt'"),
     (((), "yes", True, 0), "RankStep field 'forward' must be a bool"),
     (((), True, True, None), "RankStep field 'seq' must be an int"),
 ])

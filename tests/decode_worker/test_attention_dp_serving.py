@@ -121,8 +121,9 @@ def test_adp_hand_over_sends_whole_heads_to_one_rank(adp_app, tandem_server):
 
 def test_adp_places_a_shared_prefix_on_the_rank_that_holds_it(adp_app, tandem_server):
     """Issue 34: a prompt whose long prefix one rank cached goes to that rank where load alone would pick the
-    other (equal loads: rank 0), and its hand-over reuses those blocks (PIN); its greedy output equals the same
-    prompt under another cache salt, which shares nothing."""
+    other (equal loads: rank 0), and that rank prefills its short remainder itself (conditional
+    disaggregation: no hand-over); one with a long remainder goes there too and its hand-over reuses those
+    blocks (PIN). Greedy outputs equal the same prompts under another cache salt, which shares nothing."""
     import random
     import threading
 
@@ -133,6 +134,7 @@ def test_adp_places_a_shared_prefix_on_the_rank_that_holds_it(adp_app, tandem_se
     rng = random.Random(3404)
     shared = [rng.randrange(3, vocab) for _ in range(6 * 16)]
     first, second = (shared + [rng.randrange(3, vocab) for _ in range(5)] for _ in range(2))
+    third = shared + [rng.randrange(3, vocab) for _ in range(140)]  # 141 uncached tokens: more than 128
 
     def complete(prompt, max_tokens=6, **extra) -> str:
         with httpx.Client(base_url=base, timeout=120) as http:
@@ -159,8 +161,16 @@ def test_adp_places_a_shared_prefix_on_the_rank_that_holds_it(adp_app, tandem_se
     after = wait_decode_settled("adp")
     assert [p for p, *_ in after["dp_ranks"]] == [mid[0], mid[1] + 1]  # rank 1, which holds the prefix
     assert after["dp_placed_for_prefix"] == before["dp_placed_for_prefix"] + 1
-    assert after["handover_blocks_reused"] - before["handover_blocks_reused"] == 6
+    assert after["local_prefills"] - before["local_prefills"] == 1
+    assert after["handovers_total"] == before["handovers_total"]
     assert complete(second, cache_salt="nothing-shared") == text
+    before = wait_decode_settled("adp")
+    text = complete(third)
+    after = wait_decode_settled("adp")
+    assert after["dp_ranks"][1][0] == before["dp_ranks"][1][0] + 1
+    assert after["local_prefills"] == before["local_prefills"]
+    assert after["handover_blocks_reused"] - before["handover_blocks_reused"] == 6
+    assert complete(third, cache_salt="nothing-shared-either") == text
 
 
 def test_adp_killed_rank_resumes_every_request_of_the_group_and_the_group_recovers(adp_app):

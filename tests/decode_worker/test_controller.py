@@ -335,3 +335,84 @@ def test_the_group_view_is_the_union_of_its_ranks_views():
         hashes = extend_hashes([], list(tokens[:40]), BS, namespace_hash(MODEL))
         assert union.leading_matches(hashes) == 10
     assert (block_size, model) == (BS, MODEL)
+
+
+ADMIT = CommandKind.ADMIT
+
+
+def admit_of(rid, tokens, seed=None, max_tokens=8):
+    from cluster.protocol import PrefillRequest
+    from engine.sampling_params import SamplingParams
+
+    return PrefillRequest(rid, tuple(tokens), SamplingParams(max_tokens=4, seed=seed)), max_tokens
+
+
+def test_a_prompt_whose_prefix_the_group_holds_is_admitted_there_and_streams_without_a_hand_over():
+    """Conditional disaggregation: rank 0's view holds 10 of a 43-token prompt's blocks (40 tokens): 3 tokens
+    are left, within the 8 allowed, so every rank gets an ADMIT (no PIN), the request runs at once, and its
+    deltas reach the stream without any hand-over event."""
+    shared = tuple(range(100, 141))
+    prompt = shared + (7, 8)
+    ctrl, q = DecodeController(tp_size=2), asyncio.Queue()
+    ctrl.on_reports([report(0, view=view_of(shared)), report(1)])
+    ctrl.expect("a", q, prompt_blocks=11, prompt=(prompt, None), admit=admit_of("a", prompt, seed=5))
+    t = ctrl.requests["a"]
+    assert t.local and t.phase is Phase.RUNNING and t.seed == 5
+    steps = ctrl.next_step(0.0)
+    assert [[(c.kind, c.seed, c.admit.prompt_token_ids) for c in s.commands] for s in steps] == \
+        [[(ADMIT, 5, prompt)]] * 2
+    assert steps[0].forward and steps[0].reports_tokens and not steps[1].reports_tokens
+    d1, d2 = TokenDelta("a", (9,), False, None), TokenDelta("a", (3, 4), True, "length")
+    ctrl.on_reports([report(0, deltas=[d1], running=1), report(1)])
+    ctrl.on_reports([report(0, deltas=[d2]), report(1)])
+    assert drain(q) == [d1, d2] and not ctrl.requests
+    assert (ctrl.local_prefills, ctrl.local_prefill_tokens, ctrl.handovers_total) == (1, 3, 0)
+
+
+def test_a_local_admission_needs_a_held_prefix_and_a_short_remainder():
+    """Nothing held (a short prompt alone stays disaggregated), more than the remainder allowed missing, or
+    another salt: the request is PINned and handed over as before. A request without a seed gets one drawn
+    by the replica, the same on every rank; a continuation keeps its own."""
+    from dataclasses import replace
+
+    from engine.core.request import Continuation
+
+    shared = tuple(range(100, 141))
+    ctrl = DecodeController(tp_size=1)
+    ctrl.on_reports([report(0, view=view_of(shared))])
+    short = (1, 2, 3)
+    ctrl.expect("short", asyncio.Queue(), prompt=(short, None), admit=admit_of("short", short))
+    far = shared + tuple(range(9))  # 9 left > 8
+    ctrl.expect("far", asyncio.Queue(), prompt=(far, None), admit=admit_of("far", far))
+    near = shared + (1,)
+    ctrl.expect("salted", asyncio.Queue(), prompt=(near, "s"), admit=admit_of("salted", near))
+    ctrl.expect("unoffered", asyncio.Queue(), prompt=(near, None))
+    assert not any(t.local for t in ctrl.requests.values())
+    assert cmds(ctrl) == [(P, "short"), (P, "far"), (P, "salted"), (P, "unoffered")]
+    ctrl.expect("drawn", asyncio.Queue(), prompt=(near, None), admit=admit_of("drawn", near))
+    request, limit = admit_of("cont", near)
+    ctrl.expect("cont", asyncio.Queue(), prompt=(near + (4, 5), None),
+                admit=(replace(request, continuation=Continuation((4, 5), 77, ())), limit))
+    drawn, cont = ctrl.requests["drawn"], ctrl.requests["cont"]
+    assert drawn.local and isinstance(drawn.seed, int) and cont.local and cont.seed == 77
+    assert cmds(ctrl) == [(ADMIT, "drawn"), (ADMIT, "cont")]
+    assert ctrl.local_prefill_tokens == 2 + 4  # past the 10 held blocks (40 tokens): 42 and 44 tokens known
+
+
+def test_a_refused_admission_ends_the_stream_with_a_400_and_a_failed_one_with_a_503():
+    from decode_worker.controller import ADMIT_REFUSED
+
+    shared = tuple(range(100, 141))
+    near = shared + (1,)
+    ctrl = DecodeController(tp_size=2)
+    ctrl.on_reports([report(0, view=view_of(shared)), report(1)])
+    qa, qb = asyncio.Queue(), asyncio.Queue()
+    ctrl.expect("a", qa, prompt=(near, None), admit=admit_of("a", near))
+    ctrl.expect("b", qb, prompt=(near, None), admit=admit_of("b", near))
+    cmds(ctrl)
+    ctrl.on_reports([report(0, failed=[("a", f"{ADMIT_REFUSED}prompt too long")]),
+                     report(1, failed=[("b", "cannot admit: out of memory")])])
+    (ea,), (eb,) = drain(qa), drain(qb)
+    assert (ea.status, ea.error_type) == (400, "invalid_request_error") and "prompt too long" in ea.message
+    assert (eb.status, eb.error_type) == (503, "unavailable_error")
+    assert cmds(ctrl) == [(A, "a"), (A, "b")] and not ctrl.requests

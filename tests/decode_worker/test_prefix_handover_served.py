@@ -1,8 +1,12 @@
-"""Prefix caching through the served hand-over (issue 34 item 2): a prompt whose long prefix the decode group
-holds already (an earlier request's) is opened with its tokens, the group's ranks PIN those blocks in
-lockstep, and the prefill sends only the rest: its hand-over moves 1 block where the first moved 7, the
-decode replica counts the 6 reused blocks (stats and /metrics), and its greedy output equals that of the same
-prompt under another cache salt (which shares nothing, so all of it travels). Every block comes back."""
+"""Prefix caching through the served path (issue 34 item 2), both ways a prompt whose long prefix the decode
+group holds already (an earlier request's) can go:
+- conditional disaggregation (the session's application, RouterSettings.local_prefill_max_tokens on): the
+  group holds all but a few of its tokens, so it prefills the rest itself: no prefill replica is asked, no
+  hand-over moves, and the output equals that of the same prompt under another cache salt (which shares
+  nothing, so it goes the whole disaggregated way), greedy and seeded, also for the next turn of a chat;
+- a router that never offers it (local_prefill_max_tokens 0): the group's ranks PIN the held blocks in
+  lockstep and the prefill sends only the rest: 1 block where the first moved 7.
+Every block comes back."""
 from __future__ import annotations
 
 import random
@@ -11,7 +15,7 @@ import httpx
 import pytest
 
 from deploy.metrics_probe import scrape
-from deploy.testing import wait_decode_settled
+from deploy.testing import start_router, stop_router, wait_decode_settled
 
 pytestmark = pytest.mark.ray
 
@@ -19,23 +23,67 @@ BLOCK = 16  # the served block size (EngineSettings.block_size)
 SHARED = 6 * BLOCK
 
 
+def _prompts(server, seed: int, count: int) -> list[list[int]]:
+    vocab = server.prefill_handle().model_info.remote().result().vocab_size
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(SHARED)]
+    return [shared + [rng.randrange(3, vocab) for _ in range(5)] for _ in range(count)]
+
+
+def _complete(server, prompt, **extra):
+    with server.openai(timeout=300) as client:
+        choice = client.completions.create(model=server.model, prompt=prompt, max_tokens=8,
+                                           temperature=extra.pop("temperature", 0),
+                                           extra_body={"ignore_eos": True, **extra}).choices[0]
+    return choice.text
+
+
+def _prefill_handovers(server) -> int:
+    return server.prefill_handle().stats.remote().result()["handovers_total"]
+
+
+def test_a_prompt_the_decode_group_nearly_holds_is_prefilled_there(tandem_server):
+    server = tandem_server
+    first, second, third = _prompts(server, 343, 3)
+    before = wait_decode_settled(server.app)
+    _complete(server, first)
+    handed = _prefill_handovers(server)
+    local_greedy = _complete(server, second)
+    local_seeded = _complete(server, third, temperature=1.0, seed=11)
+    assert _prefill_handovers(server) == handed  # neither went through a prefill replica
+    mid = wait_decode_settled(server.app)
+    assert mid["local_prefills"] - before["local_prefills"] == 2
+    # 6 held blocks of 101 tokens: 5 computed by the group each
+    assert mid["local_prefill_tokens"] - before["local_prefill_tokens"] == 2 * 5
+    # The salted twins share nothing (each its own salt): they go the whole disaggregated way.
+    assert local_greedy == _complete(server, second, cache_salt="nothing-shared-1")
+    assert local_seeded == _complete(server, third, temperature=1.0, seed=11, cache_salt="nothing-shared-2")
+    assert _prefill_handovers(server) == handed + 2
+    # A longer prompt on the same prefix (as a chat's next turn is): local again, the same output as its twin.
+    longer = second + [5, 6, 7]
+    assert _complete(server, longer) == _complete(server, longer, cache_salt="nothing-shared-3")
+    after = wait_decode_settled(server.app)
+    assert after["local_prefills"] - mid["local_prefills"] == 1
+    samples = scrape(httpx.get(f"{server.base_url}/metrics", timeout=30).text)
+    exported = [v for (name, labels), v in samples.items()
+                if name == "tandem_local_prefills_total" and ("role", "decode") in labels]
+    assert exported == [after["local_prefills"]]
+
+
 def test_a_prompt_sharing_a_prefix_moves_only_the_rest(tandem_server):
     server = tandem_server
-    vocab = server.prefill_handle().model_info.remote().result().vocab_size
-    rng = random.Random(342)
-    shared = [rng.randrange(3, vocab) for _ in range(SHARED)]
-    first, second = (shared + [rng.randrange(3, vocab) for _ in range(5)] for _ in range(2))
-    before = wait_decode_settled(server.app)
-    with server.openai(timeout=300) as client:
-        def complete(prompt, **extra) -> str:
-            return client.completions.create(model=server.model, prompt=prompt, max_tokens=8, temperature=0,
-                                             extra_body={"ignore_eos": True, **extra}).choices[0].text
-
-        complete(first)
-        reused = complete(second)
-        alone = complete(second, cache_salt="nothing-shared")
-    after = wait_decode_settled(server.app)
+    router = start_router(server, "no-local-prefill", local_prefill_max_tokens=0)
+    try:
+        first, second = _prompts(server, 342, 2)
+        before = wait_decode_settled(server.app)
+        _complete(router, first)
+        reused = _complete(router, second)
+        alone = _complete(router, second, cache_salt="nothing-shared")
+        after = wait_decode_settled(server.app)
+    finally:
+        stop_router("no-local-prefill")
     assert reused == alone
+    assert after["local_prefills"] == before["local_prefills"]
     full, partial, salted = after["handover_bytes"][-3:]
     blocks = -(-len(second) // BLOCK)  # 7: 6 shared, the last one (with the prompt's last token) always travels
     assert full == salted == blocks * partial, (full, partial, salted)

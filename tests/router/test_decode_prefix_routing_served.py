@@ -23,7 +23,9 @@ BLOCK = 16  # the served block size (EngineSettings.block_size)
 
 
 def test_a_prompt_goes_to_the_decode_replica_holding_its_prefix(tandem_server):
-    server = start_app(tandem_server, "dec2", tp=1, decode_replicas=2, prefill_num_cpus=0.5, rank_num_cpus=0.5)
+    # local_prefill_max_tokens 0: the holder receives a hand-over of the rest (it would prefill it itself otherwise)
+    server = start_app(tandem_server, "dec2", tp=1, decode_replicas=2, prefill_num_cpus=0.5, rank_num_cpus=0.5,
+                       local_prefill_max_tokens=0)
     try:
         from ray import serve
 

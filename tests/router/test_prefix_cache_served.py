@@ -1,7 +1,9 @@
 """Prefix caching through the served path (issue 34): requests that share a long prompt prefix, sent one
 after another to the session's application (prefix caching on, the default), get the greedy tokens of an
 application with it off; the prefill replica computes only each later prompt's uncached suffix (its stats and
-/metrics count the reused tokens exactly), and afterwards every KV block is free on both sides."""
+/metrics count the reused tokens exactly), and afterwards every KV block is free on both sides. They go through a
+router that never lets the decode group prefill a prompt itself (local_prefill_max_tokens 0): the decode group
+holds those prefixes too, and would otherwise take the later prompts (tests/decode_worker/test_prefix_handover_served.py)."""
 from __future__ import annotations
 
 import random
@@ -11,7 +13,7 @@ import pytest
 
 from cluster.testing import wait_for
 from deploy.metrics_probe import scrape, worker_value
-from deploy.testing import start_app, stop_app, wait_decode_settled
+from deploy.testing import start_app, start_router, stop_app, stop_router, wait_decode_settled
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -49,20 +51,27 @@ def _all_blocks_free(server) -> None:
 
 
 @pytest.fixture(scope="module")
+def remote(tandem_server):
+    """The session's workers behind a router that sends every prompt to a prefill replica."""
+    yield start_router(tandem_server, "always-remote", local_prefill_max_tokens=0)
+    stop_router("always-remote")
+
+
+@pytest.fixture(scope="module")
 def no_cache(tandem_server):
     server = start_app(tandem_server, "nocache", enable_prefix_caching=False)
     yield server
     stop_app("nocache")
 
 
-def test_shared_prefix_is_computed_once_and_changes_no_token(tandem_server, no_cache):
+def test_shared_prefix_is_computed_once_and_changes_no_token(tandem_server, remote, no_cache):
     vocab = tandem_server.prefill_handle().model_info.remote().result().vocab_size
     prompts = _prompts(vocab)
 
     cached, computed = [], []
     for prompt in prompts:
         before = _prefill_counts(tandem_server)
-        text, prompt_tokens = _complete(tandem_server, prompt)
+        text, prompt_tokens = _complete(remote, prompt)
         after = _prefill_counts(tandem_server)
         queried = after["query_tokens"] - before["query_tokens"]
         hits = after["hit_tokens"] - before["hit_tokens"]
@@ -89,7 +98,7 @@ def test_shared_prefix_is_computed_once_and_changes_no_token(tandem_server, no_c
     _all_blocks_free(no_cache)
 
 
-def test_a_cache_salt_shares_blocks_only_within_its_tenant(tandem_server):
+def test_a_cache_salt_shares_blocks_only_within_its_tenant(tandem_server, remote):
     """vLLM's cache_salt through the API: a salted request reuses nothing of unsalted or other-salted prompts, and
     a second request of its own salt reuses its blocks; the salt changes no token."""
     vocab = tandem_server.prefill_handle().model_info.remote().result().vocab_size
@@ -98,8 +107,8 @@ def test_a_cache_salt_shares_blocks_only_within_its_tenant(tandem_server):
 
     def computed(salt: str | None) -> tuple[int, str]:
         before = _prefill_counts(tandem_server)
-        with tandem_server.openai(timeout=300) as client:
-            out = client.completions.create(model=tandem_server.model, prompt=prompt, max_tokens=4, temperature=0,
+        with remote.openai(timeout=300) as client:
+            out = client.completions.create(model=remote.model, prompt=prompt, max_tokens=4, temperature=0,
                                             extra_body={"cache_salt": salt} if salt else None)
         after = _prefill_counts(tandem_server)
         return (after["query_tokens"] - before["query_tokens"]) - (after["hit_tokens"] - before["hit_tokens"]), \

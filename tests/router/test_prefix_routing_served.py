@@ -30,8 +30,9 @@ BURST_SHARED = 10 * BLOCK  # past the engine's MIN_WAIT_TOKENS: a prompt arrivin
 
 
 def test_prompts_go_to_the_prefill_replica_holding_their_prefix(tandem_server):
+    # local_prefill_max_tokens 0: every prompt to a prefill replica (the decode group would take repeats itself)
     server = start_app(tandem_server, "affinity", tp=1, prefill_replicas=2, prefill_num_cpus=0.5,
-                       rank_num_cpus=0.5)
+                       rank_num_cpus=0.5, local_prefill_max_tokens=0)
     try:
         from ray import serve
 
