@@ -2,7 +2,8 @@
 
 - `runtime`: connect to a running Ray or start one in-process (the embedded default).
 - `placement`: placement groups that keep a decode group's rank actors together.
-- `rendezvous`: TCPStore servers/clients and the handshake that makes group creation fail fast.
+- `rendezvous`: stores held by actors and reached through Ray (no listener), and the handshake that makes
+  group creation fail fast.
 - `groups`: standalone torch.distributed process groups (gloo on CPU, NCCL on CUDA) built from a store,
   without `init_process_group`, so actors can come and go without a global world.
 - `channel`: the pairwise KV hand-over channel (msgpack header + tensor payload) on such a group.

@@ -42,7 +42,7 @@ class GlooBackend(GroupBackend):
 
     def build(self, store, rank, size, timeout):
         # Gloo's pairs listen on the address its device resolves, by default the hostname's (a routable one);
-        # bound to this node's address they stay on loopback in the embedded default (rendezvous.py).
+        # bound to this node's address they stay on loopback in the embedded default (runtime.py).
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip())]

@@ -12,10 +12,10 @@ import torch
 from cluster.channel import RECEIVER, SENDER, KVChannel, connect_channel, open_channel
 from cluster.errors import ChannelError
 from cluster.groups import backend_for
-from cluster.rendezvous import StoreAddress, StoreServer
+from cluster.rendezvous import RENDEZVOUS_CONCURRENCY, StoreAddress, StoreServer
 
 
-@ray.remote(num_cpus=0, max_concurrency=8)
+@ray.remote(num_cpus=0, max_concurrency=8, concurrency_groups=RENDEZVOUS_CONCURRENCY)
 class ChannelProbe:
     def __init__(self, device: str = "cpu", transport: str = "auto"):
         torch.set_num_threads(1)

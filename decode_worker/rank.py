@@ -24,7 +24,7 @@ from cluster.groups import backend_for, build_group
 from cluster.prefix_view import PrefixView
 from cluster.protocol import Command, CommandKind, KVLayout, RankStep, StepReport, TokenDelta
 from cluster.protocol.load import prefix_cache_counts
-from cluster.rendezvous import StoreAddress, StoreServer, connect_store
+from cluster.rendezvous import RENDEZVOUS_CONCURRENCY, StoreAddress, StoreServer, connect_store, node_ip
 from cluster.settings import EngineSettings
 from cluster.step_link import StepListener
 from decode_worker.controller import ADMIT_REFUSED
@@ -124,7 +124,7 @@ class DecodeRank:
         Ray calls. -> the address to connect to, on this node's address (the one hand-overs reach)."""
         if self._link is not None:
             raise RuntimeError("this rank already has a step link")
-        self._link = StepListener(self.server.address.host, token, self.step, name=f"step-link-rank{self.tp_rank}")
+        self._link = StepListener(node_ip(), token, self.step, name=f"step-link-rank{self.tp_rank}")
         return self._link.address
 
     # ------------------------------------------------------------------ the lockstep step
@@ -376,5 +376,7 @@ def _compiled(header) -> SerializedGrammar | None:
 
 def rank_actor_class(num_cpus: float, num_gpus: float):
     """The DecodeRank actor class with a rank's resources. Ray threads: start-up, channel accepts, pings (the
-    steps run on the step link's own thread)."""
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=16)(DecodeRank)
+    steps run on the step link's own thread), and apart from them its peers' calls into the rank's rendezvous
+    store (cluster/rendezvous.py)."""
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=16,
+                      concurrency_groups=RENDEZVOUS_CONCURRENCY)(DecodeRank)

@@ -149,7 +149,7 @@ def test_closed_channel_refuses_to_send(channel_pair):
 
 
 def test_peer_that_never_joins_fails_fast():
-    server = StoreServer(host="127.0.0.1")
+    server = StoreServer()
     with pytest.raises(ChannelError, match="did not join"):  # at its 1 s deadline, not the store's long default
         returns(lambda: open_channel(server.store, "lonely", RECEIVER, connect_timeout_s=1.0), "opening alone",
                 timeout_s=60)

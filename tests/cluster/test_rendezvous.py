@@ -1,6 +1,5 @@
-"""The rendezvous store: listens on its host alone, and only holders of its secret can read or write
-entries anyone trusts (a stranger's writes are invisible, what it lists and reads is ciphertext, a forged or
-replayed entry is refused)."""
+"""The rendezvous store: held in its owner's memory and reached through Ray only (nothing listens), torch's
+Store semantics over it (gloo groups form on it), and peers told at once when its owner is gone."""
 from __future__ import annotations
 
 import threading
@@ -14,43 +13,150 @@ import torch.distributed as dist
 
 from cluster.channel import RECEIVER, SENDER, connect_channel, open_channel
 from cluster.errors import ChannelError
-from cluster.rendezvous import RendezvousForgeryError, StoreAddress, StoreServer, connect_store, handshake
+from cluster.groups import GlooBackend, build_group
+from cluster.rendezvous import (RENDEZVOUS_CONCURRENCY, StoreAddress, StoreOwnerGone, StoreServer, StoreTable,
+                                connect_store, handshake)
+from cluster.testing import returns
 
 
-def _listening(port: int) -> list[str]:
-    return [c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+def _listening() -> set[tuple[str, int]]:
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
 
 
-def _stranger(address: StoreAddress) -> dist.TCPStore:
-    """A client without the secret, as anyone who reaches the port is."""
-    return dist.TCPStore(address.host, address.port, None, False, timedelta(seconds=5))
+class StoreOwner:
+    """An actor holding one store, with a single thread for its own calls: peers get through only if their
+    calls run apart from them (RENDEZVOUS_CONCURRENCY)."""
+
+    def __init__(self, timeout_s: float = 30.0):
+        self.before = _listening()
+        self.server = StoreServer(timeout_s)
+
+    def address(self) -> StoreAddress:
+        return self.server.address
+
+    def new_listeners(self) -> list[tuple[str, int]]:
+        return sorted(_listening() - self.before)
+
+    def handshake(self, rank: int, size: int, timeout_s: float) -> None:
+        handshake(self.server.store, rank, size, timeout_s)
+
+    def get(self, key: str) -> bytes:
+        return self.server.store.get(key)
+
+    def gloo_sum(self, rank: int, size: int, value: float) -> float:
+        group = build_group(self.server.store, "g/", rank, size, GlooBackend(), 60.0)
+        x = torch.tensor([value])
+        group.allreduce([x]).wait()
+        return float(x.item())
 
 
-def test_the_store_listens_on_its_host_only():
-    server = StoreServer(host="127.0.0.1")
-    assert _listening(server.address.port) == ["127.0.0.1"]  # torch alone would bind every interface
+def _owner(ray, timeout_s: float = 30.0):
+    cls = ray.remote(num_cpus=0, max_concurrency=1, concurrency_groups=RENDEZVOUS_CONCURRENCY)(StoreOwner)
+    return cls.remote(timeout_s)
 
 
-def test_peers_with_the_secret_meet_and_a_strangers_writes_change_nothing():
-    server = StoreServer(host="127.0.0.1")
-    stranger = _stranger(server.address)
-    for key in ("hello/0", "hello/1", "tp/hello/1", "0", "1"):  # the plain names a group would use
-        stranger.set(key, b"203.0.113.9:1")
-    peer = connect_store(server.address, timeout_s=30)
-    done = threading.Thread(target=handshake, args=(server.store, 0, 2, 30.0))
-    done.start()
-    handshake(peer, 1, 2, 30.0)
-    done.join(30)
-    assert not done.is_alive()
+@pytest.mark.ray
+def test_a_store_listens_nowhere_in_its_owner(ray_session):
+    """Regression (issue 39): each store was a TCPStore on the node's address, whose keys anyone could list,
+    overwrite and delete (a stranger could stall a group forming)."""
+    ray = ray_session
+    owner = _owner(ray)
+    assert ray.get(owner.new_listeners.remote()) == []
+    before = _listening()
+    server = StoreServer()
+    connect_store(server.address)
+    assert _listening() - before == set()
+
+
+@pytest.mark.ray
+def test_peers_meet_through_ray_while_the_owner_is_busy_meeting(ray_session):
+    ray = ray_session
+    owner = _owner(ray)
+    address = ray.get(owner.address.remote())
+    assert address.owner is not None
+    meeting = owner.handshake.remote(0, 2, 60.0)  # the owner's only thread now blocks in the rendezvous
+    peer = connect_store(address, timeout_s=60)
+    returns(lambda: handshake(peer, 1, 2, 60.0), "the peer's handshake")
+    ray.get(meeting, timeout=120)
     peer.set("addr/1", b"127.0.0.1:4242")
-    assert server.store.get("addr/1") == b"127.0.0.1:4242"
-    assert stranger.get("hello/1") == b"203.0.113.9:1"  # its own write, never read by the group
+    assert ray.get(owner.get.remote("addr/1"), timeout=120) == b"127.0.0.1:4242"
 
 
-def test_a_channel_forms_beside_a_stranger_in_the_store():
-    server = StoreServer(host="127.0.0.1")
-    _stranger(server.address).set("junk", b"x" * 64)
+@pytest.mark.ray
+def test_a_gloo_group_forms_on_the_store_across_processes(ray_session):
+    ray = ray_session
+    owner = _owner(ray)
+    address = ray.get(owner.address.remote())
+    summed = owner.gloo_sum.remote(0, 2, 2.0)  # the owner's only thread: from here on it builds the group
+    group = returns(lambda: build_group(connect_store(address, 60), "g/", 1, 2, GlooBackend(), 60.0),
+                    "the peer's gloo group")
+    x = torch.tensor([5.0])
+    group.allreduce([x]).wait()
+    assert float(x.item()) == ray.get(summed, timeout=120) == 7.0
+
+
+@pytest.mark.ray
+def test_store_semantics_match_torchs_hash_store(ray_session):
+    """Each operation through the owner (a Ray call) and in the owner's process gives what torch's own
+    in-memory store gives."""
+    ray = ray_session
+    owner = _owner(ray)
+    remote, server, reference = connect_store(ray.get(owner.address.remote())), StoreServer(), dist.HashStore()
+    for store in (remote, server.store, reference):
+        store.set("a", b"1")
+        store.set("s", "text")
+        got = [store.get("a"), store.get("s"), store.add("n", 2), store.add("n", 3), store.get("n"),
+               store.compare_set("a", b"1", b"2"), store.compare_set("a", b"1", b"3"), store.get("a"),
+               store.compare_set("new", b"", b"v"), store.check(["a", "n"]), store.check(["a", "missing"]),
+               store.num_keys(), store.delete_key("a"), store.delete_key("a"), store.check(["a"])]
+        assert [bytes(g) if isinstance(g, (bytes, list)) else g for g in got] == [
+            b"1", b"text", 2, 5, b"5", b"2", b"2", b"2", b"v", True, False, 4, True, False, False]
+
+
+def test_a_missing_key_times_out_with_torchs_error():
+    server = StoreServer(timeout_s=0.5)
+    with pytest.raises(dist.DistStoreError, match="not set within"):
+        server.store.get("never")
+    with pytest.raises(ChannelError, match="did not join"):
+        handshake(server.store, 0, 2, 0.5)
+    table = StoreTable()
+    assert not table.wait(["k"], 0.01)
+    threading.Timer(0.05, table.set, ("k", b"")).start()
+    assert table.wait(["k"], 60.0)
+
+
+@pytest.mark.ray
+def test_a_peer_learns_at_once_that_the_owner_died(ray_session):
+    """A peer waiting in a store whose owner dies gets StoreOwnerGone from Ray, not its 10-minute deadline."""
+    ray = ray_session
+    owner = _owner(ray, timeout_s=600)
+    address = ray.get(owner.address.remote())
+    peer = connect_store(address, timeout_s=600)
+    waiting: dict = {}
+
+    def _wait():
+        try:
+            peer.wait(["never"], timedelta(seconds=600))
+        except Exception as e:  # noqa: BLE001 - the test looks at what it was
+            waiting["error"] = e
+
+    t = threading.Thread(target=_wait, daemon=True)
+    t.start()
+    ray.kill(owner, no_restart=True)
+    t.join(120)
+    assert not t.is_alive() and isinstance(waiting.get("error"), StoreOwnerGone), waiting
+    with pytest.raises(StoreOwnerGone):
+        connect_store(address).set("late", b"")
+
+
+def test_a_store_outside_ray_is_this_process_only():
+    with pytest.raises(ChannelError, match="outside Ray"):
+        connect_store(StoreAddress(None, uuid.uuid4().hex))
+
+
+def test_a_channel_forms_in_one_process_without_ray():
+    server = StoreServer()
     cid = uuid.uuid4().hex
     ends = {}
     t = threading.Thread(target=lambda: ends.setdefault("rx", open_channel(server.store, cid, RECEIVER,
@@ -58,82 +164,8 @@ def test_a_channel_forms_beside_a_stranger_in_the_store():
     t.start()
     tx = connect_channel(server.address, cid, SENDER, connect_timeout_s=10, preference="network")
     t.join(10)
-    rx, got = ends["rx"], {}
-
-    def _receive():
-        got["msg"] = rx.recv_header()
-        rx.answer(True)
-        got["payload"] = rx.recv_payload(got["msg"])
-
     try:
-        assert tx.transport == "gloo"
-        x = torch.arange(6.0)
-        receiver = threading.Thread(target=_receive)
-        receiver.start()
-        tx.send_header({"request_id": "r"}, [x])
-        assert tx.wait_answer(timeout_s=10)
-        tx.send_payload([x])
-        receiver.join(10)
-        assert torch.equal(got["payload"][0], x)
+        assert tx.transport == "gloo" and ends["rx"].transport == "gloo"
     finally:
         tx.close()
         ends["rx"].close()
-
-
-def test_a_stranger_lists_the_keys_but_reads_only_ciphertext():
-    """Regression (issue 39): torch's TCPStore answers `list_keys` to any client, so a stranger found the
-    namespaced keys and read every address (and would read an NCCL unique id) in clear."""
-    server = StoreServer(host="127.0.0.1")
-    secrets_written = {"addr/0": b"127.0.0.1:4242", "nccl/id": bytes(range(128)), "empty": b""}
-    for key, value in secrets_written.items():
-        server.store.set(key, value)
-    raw = _stranger(server.address)
-    (ns,) = {key.rsplit("/", 2)[0] for key in raw.list_keys() if key.endswith("addr/0")}
-    for key, value in secrets_written.items():
-        seen = bytes(raw.get(f"{ns}/{key}"))
-        assert len(seen) == 16 + len(value) + 32  # nonce, ciphertext, MAC
-        assert not value or value[:8] not in seen
-    server.store.set("addr/0", b"127.0.0.1:4242")
-    first = bytes(raw.get(f"{ns}/addr/0"))
-    server.store.set("addr/0", b"127.0.0.1:4242")
-    assert bytes(raw.get(f"{ns}/addr/0")) != first  # a fresh nonce: equal values do not show as equal
-    assert {key: server.store.get(key) for key in secrets_written} == secrets_written
-
-
-def test_a_forged_entry_is_refused_with_a_typed_error():
-    """A stranger lists the namespace (not the secret) and overwrites an address: the reader refuses it."""
-    server = StoreServer(host="127.0.0.1")
-    server.store.set("addr/0", b"127.0.0.1:4242")
-    raw = _stranger(server.address)
-    (key,) = raw.list_keys()
-    raw.set(key, b"203.0.113.9:4242" + b"\0" * 48)
-    with pytest.raises(RendezvousForgeryError, match="addr/0"):
-        server.store.get("addr/0")
-
-
-def test_a_replayed_entry_is_refused():
-    """A genuine signed value copied under another key (or from another store) is not trusted there."""
-    server, other = StoreServer(host="127.0.0.1"), StoreServer(host="127.0.0.1")
-    server.store.set("addr/0", b"127.0.0.1:4242")
-    other.store.set("addr/0", b"127.0.0.1:4343")
-    raw = _stranger(server.address)
-    (key,) = raw.list_keys()
-    genuine = raw.get(key)
-    raw.set(key.replace("addr/0", "addr/1"), genuine)
-    with pytest.raises(RendezvousForgeryError):
-        server.store.get("addr/1")
-    other_raw = _stranger(other.address)
-    other_raw.set(other_raw.list_keys()[0], genuine)
-    with pytest.raises(RendezvousForgeryError):
-        other.store.get("addr/0")
-
-
-def test_an_address_without_its_secret_is_refused_before_connecting():
-    server = StoreServer(host="127.0.0.1")
-    with pytest.raises(ChannelError, match="no secret"):
-        connect_store(StoreAddress(server.address.host, server.address.port), timeout_s=5)
-
-
-def test_the_secret_stays_out_of_logs():
-    server = StoreServer(host="127.0.0.1")
-    assert server.address.secret.hex() not in repr(server.address)

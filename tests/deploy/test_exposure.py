@@ -1,13 +1,14 @@
 """`tandem serve` as `make serve` starts it has no side doors. Every listener of its process tree (Ray's
-GCS, raylet, workers, agents and metrics servers; Tandem's rendezvous stores, step and feed links, gloo
-pairs; the OpenAI port) is on loopback, except what a component will not bind elsewhere: Ray Serve's
-inter-deployment gRPC server in each replica listens on every interface (hard-coded in Ray), and must
-then refuse a caller without Ray's token."""
+GCS, raylet, workers, agents and metrics servers; Tandem's step and feed links, gloo pairs; the OpenAI port)
+is on loopback, except what a component will not bind elsewhere: Ray Serve's inter-deployment gRPC server in
+each replica listens on every interface (hard-coded in Ray), and must then refuse a caller without Ray's
+token. No decode rank holds a TCPStore (its rendezvous goes through Ray: cluster/rendezvous.py)."""
 from __future__ import annotations
 
 import pytest
 
-from tests.support.listeners import answers, is_loopback, listeners, refuses_without_token, routable_addresses
+from tests.support.listeners import (Verdict, answers, is_loopback, knock_all, listeners, refuses_without_token,
+                                     routable_addresses)
 from tests.support.served import tandem_serve
 
 pytestmark = pytest.mark.slow
@@ -34,3 +35,9 @@ def test_every_listener_of_tandem_serve_is_on_loopback(tiny_model_dir):
         knocked = [(host, entry.port) for host in routable_addresses() for entry in found
                    if entry.port not in credentialed and answers(host, entry.port)]
         assert not knocked, f"answered from the network: {knocked}"
+        ranks = [entry for entry in found if entry.process == "ray::DecodeRank"]
+        assert ranks, names
+        # Regression (issue 39): each rank's rendezvous was a TCPStore, which answers any client.
+        # Now a rank's listeners are its core worker's gRPC server, its step link and gloo pairs.
+        verdicts = {k.verdict for k in knock_all(ranks, "127.0.0.1")}
+        assert verdicts <= {Verdict.GRPC_REFUSED, Verdict.SILENT, Verdict.CLOSED}, verdicts

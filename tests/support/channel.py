@@ -13,7 +13,7 @@ from cluster.rendezvous import StoreServer
 def open_pair(preference: str = "auto", rx_preference: str | None = None):
     """(sender, receiver) connected through a fresh rendezvous store; `preference` picks the transport
     ("auto", "network", "ipc"), `rx_preference` the receiver's when it differs."""
-    server = StoreServer(host="127.0.0.1")
+    server = StoreServer()
     cid = uuid.uuid4().hex
     ends: dict = {}
 

@@ -9,7 +9,8 @@ A knock tries, in turn, the protocols the deployment speaks, and says what the l
 - HTTP/1 (Ray's dashboard, agents, metrics exporters, Serve's proxy): `GET` of a few data paths (metrics,
   the OpenAI model list, Ray's node list) with no credential. `/` is asked too but counts only where
   nothing is refused: Ray's dashboard serves its login page there to anyone.
-- torch's TCPStore (Tandem's rendezvous stores): what a TCPStore client without the secret can list and read.
+- torch's TCPStore (which any client can list, read and write; Tandem's rendezvous no longer uses one): what
+  a TCPStore client lists and reads.
 - anything else (Tandem's step and feed links, gloo pairs): random bytes, and whether any byte comes back.
 """
 from __future__ import annotations
@@ -185,7 +186,7 @@ os._exit(0)
 
 
 def store_view(host: str, port: int, timeout_s: float = 3.0) -> StoreView | None:
-    """What a TCPStore client without any secret lists and reads there; None when it is no TCPStore."""
+    """What a TCPStore client lists and reads there; None when it is no TCPStore."""
     try:
         done = subprocess.run([sys.executable, "-c", _STORE_CLIENT, host, str(port), str(timeout_s)],
                               capture_output=True, text=True, timeout=600)  # a backstop: the client times itself
