@@ -281,10 +281,11 @@ class Generation:
                 if isinstance(item, FeedBroken):
                     self.cancel()  # the replica is most likely gone; if not, it must not decode on
                     raise _WorkerFailed(api_error(item.error), "decode")
+                if item.finished:  # closed before the last event goes out: a reader that stops there cancels nothing
+                    self._close(cancel=False)
                 yield TokenEvent(item.token_ids, item.logprobs, item.finish_reason if item.finished else None,
                                  item.speculative)
                 if item.finished:
-                    self._close(cancel=False)
                     return
         except (APIError, _WorkerFailed):
             raise

@@ -93,3 +93,27 @@ def test_a_prompt_sharing_a_prefix_moves_only_the_rest(tandem_server):
     exported = [v for (name, labels), v in samples.items()
                 if name == "tandem_handover_blocks_reused_total" and ("role", "decode") in labels]
     assert exported == [counted]
+
+
+def test_a_locally_prefilled_request_ends_cleanly_at_its_first_token_or_when_its_client_leaves(tandem_server):
+    """The first delta of a local request can be its last (max_tokens 1: the router closes it without a
+    cancel), and a client that leaves mid-stream aborts it on the decode group; every block comes back."""
+    server = tandem_server
+    first, second, third = _prompts(server, 344, 3)
+    _complete(server, first)
+    before = wait_decode_settled(server.app)
+    with server.openai(timeout=300) as client:
+        one = client.completions.create(model=server.model, prompt=second, max_tokens=1, temperature=0)
+        assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
+        stream = client.completions.create(model=server.model, prompt=third, max_tokens=400, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+    after = wait_decode_settled(server.app, "the abandoned local request's blocks are back")
+    assert after["local_prefills"] - before["local_prefills"] == 2
+    with server.openai(timeout=300) as client:
+        twin = client.completions.create(model=server.model, prompt=second, max_tokens=1, temperature=0,
+                                         extra_body={"cache_salt": "nothing-shared-4"})
+    assert one.choices[0].text == twin.choices[0].text
