@@ -26,6 +26,7 @@ from router.ingress import ApiServer, unless_client_leaves
 from router.limits import check_request, check_unicode
 from router.choices import Choices, child_seed, start_all
 from router.output import ResponseWriter
+from router.sink import OutputText, ResponseSink
 from router.metrics import RouterMetrics
 from router.metrics_server import start_metrics_server
 from router.policy import decode_unavailable, latest_stats, load_of
@@ -53,6 +54,9 @@ class Router:
         self.token_text = TokenText(self.tokenizer)  # logprobs' token text and bytes
         self.info = await prefill.model_info.remote()
         self.metrics = RouterMetrics(self.cfg.served_model_name)
+        # what response writers get instead of the router (router/sink.py)
+        self.output = OutputText(self.cfg.served_model_name, self.tokenizer, self.token_text)
+        self.sink = ResponseSink(self.metrics, self._choice_ended)
         self.inflight = 0
         self.actor_name = ray.get_runtime_context().get_actor_name()  # None outside an actor (tests)
         self.feeds = DecodeFeeds(decode, self.actor_name, self.cfg.feed_link)  # decode deltas, one feed per replica
@@ -303,9 +307,9 @@ class Router:
         self.metrics.ttft.observe(time.monotonic() - arrival)
         prompt_tokens = sum(len(ids) for ids, _ in prompts)  # each prompt once, however many samples it has
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        writers = [ResponseWriter(self, body, gen, rid, chat, prompts[p][1], logprobs, prompts[p][0], tools, index)
-                   for index, p, gen in children]
-        out = Choices(self, writers, prompt_tokens, rid, chat, arrival, endpoint,
+        writers = [ResponseWriter(self.output, self.sink, body, gen, rid, chat, prompts[p][1], logprobs,
+                                  prompts[p][0], tools, index) for index, p, gen in children]
+        out = Choices(self.sink, writers, prompt_tokens, rid, chat, arrival, endpoint,
                       body.stream_options if body.stream else None)
         headers = {"X-Request-Id": rid}
         if body.stream:
@@ -319,6 +323,10 @@ class Router:
             return JSONResponse(shape(answer), headers=headers) if answered else Response(status_code=499)
         except APIError as e:
             return e.response()
+
+    def _choice_ended(self) -> None:
+        self.inflight -= 1
+        self._gauges()
 
     def _gauges(self) -> None:
         self.metrics.running.set(self.inflight)

@@ -23,6 +23,7 @@ from typing import AsyncIterator
 from router import responses as R
 from router.errors import APIError
 from router.output import ResponseWriter
+from router.sink import ResponseSink
 
 SEED_MODULUS = 2**63  # SamplingParams' seed range
 
@@ -35,10 +36,10 @@ def child_seed(seed: int | None, sample: int) -> int | None:
 class Choices:
     """The response of one request over its choices' writers (one writer when n = 1 and one prompt)."""
 
-    def __init__(self, router, writers: list[ResponseWriter], prompt_tokens: int, rid: str, chat: bool,
+    def __init__(self, sink: ResponseSink, writers: list[ResponseWriter], prompt_tokens: int, rid: str, chat: bool,
                  arrival: float, endpoint: str, stream_options=None):
-        self.router, self.writers, self.rid, self.chat = router, writers, rid, chat
-        self.model = router.cfg.served_model_name
+        self.sink, self.writers, self.rid, self.chat = sink, writers, rid, chat
+        self.model = writers[0].model
         self.created = writers[0].created
         self.prompt_tokens = prompt_tokens  # each prompt once, however many samples it has
         self.arrival, self.endpoint = arrival, endpoint
@@ -112,10 +113,7 @@ class Choices:
         if self._closed:
             return
         self._closed = True
-        metrics = self.router.metrics
-        metrics.request_done(self.endpoint, status)
-        if status == 200:
-            metrics.e2e.observe(time.monotonic() - self.arrival)
+        self.sink.request_end(self.endpoint, status, time.monotonic() - self.arrival)
 
 
 async def start_all(gens: list) -> None:

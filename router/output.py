@@ -1,6 +1,7 @@
 """ResponseWriter: turns one choice's Generation (its token events) into that choice of the HTTP response:
-incremental text, stop strings, logprobs, tool calls (router/tool_parser.py), usage, and the router's
-per-choice metrics. router/choices.py puts the choices of one response together (n > 1, batched prompts)."""
+incremental text, stop strings, logprobs, tool calls (router/tool_parser.py), usage, and the choice's metrics
+(through a ResponseSink: router/sink.py). router/choices.py puts the choices of one response together (n > 1,
+batched prompts)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from router import responses as R
 from router.errors import APIError
 from router.generation import Generation
+from router.sink import OutputText, ResponseSink
 from router.tool_parser import ToolCallStream, parse_tool_calls
 from structured.output_check import output_violation
 
@@ -18,15 +20,15 @@ class ResponseWriter:
     """Turns one choice's token events into its part of the response: text deltas, stop strings, usage.
     `index`: the choice's place in `choices` (prompt index * n + sample index, as OpenAI numbers them)."""
 
-    def __init__(self, router, body, gen: Generation, rid: str, chat: bool, echo: str,
+    def __init__(self, out: OutputText, sink: ResponseSink, body, gen: Generation, rid: str, chat: bool, echo: str,
                  logprobs: int | None, prompt_ids: list[int], tools=None, index: int = 0):
-        self.router, self.body, self.gen, self.rid, self.chat, self.echo = router, body, gen, rid, chat, echo
+        self.out, self.sink, self.body, self.gen, self.rid, self.chat, self.echo = out, sink, body, gen, rid, chat, echo
         self.index = index
-        self.model = router.cfg.served_model_name
+        self.model = out.model
         self.created = R.now()
-        self.det = IncrementalDetokenizer(router.tokenizer, prompt_ids, gen.params.get("stop"),
+        self.det = IncrementalDetokenizer(out.tokenizer, prompt_ids, gen.params.get("stop"),
                                           body.include_stop_str_in_output, body.skip_special_tokens)
-        self.lp = R.LogprobsBuilder(router.token_text, chat) if logprobs is not None else None
+        self.lp = R.LogprobsBuilder(out.token_text, chat) if logprobs is not None else None
         self.usage = R.Usage(prompt_tokens=len(prompt_ids))
         self.tools = tools  # router.tools.ToolRequest constraining the output to calls, or None
         self.finish_reason: str | None = None
@@ -42,13 +44,9 @@ class ResponseWriter:
         """(text, logprobs body) pieces; sets finish_reason at the end. Raises APIError."""
         async for ev in self.gen.events():
             now = time.monotonic()
-            if self._last_token_time is not None and ev.token_ids:
-                gap = (now - self._last_token_time) / len(ev.token_ids)
-                for _ in ev.token_ids:
-                    self.router.metrics.itl.observe(gap)
+            self.sink.tokens(len(ev.token_ids), None if self._last_token_time is None else now - self._last_token_time)
             self._last_token_time = now
             self.usage.completion_tokens += len(ev.token_ids)
-            self.router.metrics.generation_tokens.inc(len(ev.token_ids))
             if self.lp is None:
                 piece = self.det.push(ev.token_ids)
                 text, stop, lp = piece.text, piece.stop, None
@@ -64,7 +62,7 @@ class ResponseWriter:
                 self.finish_reason = ev.finish_reason
                 if ev.speculative is not None:
                     self.usage.speculative = ev.speculative
-                    self.router.metrics.speculation(ev.speculative)
+                    self.sink.speculation(ev.speculative)
                 last = text + self.det.flush().text
                 if ev.finish_reason == "stop":
                     self._check("".join(self._text) + last)
@@ -78,7 +76,7 @@ class ResponseWriter:
     def _push_each(self, token_ids) -> tuple[str, str | None, list[int]]:
         """Detokenizes token by token: (the text safe to show, the stop string that ended it or None, where
         each token starts in the response's text: `text_offset`, after the echoed prompt)."""
-        return push_each(self.det, self.router.token_text, token_ids, len(self.echo))
+        return push_each(self.det, self.out.token_text, token_ids, len(self.echo))
 
     def _echo_logprobs(self, prompt_ids: list[int]) -> dict | None:
         """The echoed prompt's logprobs body (completions' echo with logprobs), its entries first in the
@@ -87,8 +85,8 @@ class ResponseWriter:
         if len(scored) != len(prompt_ids):
             raise APIError(500, f"the prefill scored {len(scored)} of the prompt's {len(prompt_ids)} tokens",
                            "internal_error")
-        det = IncrementalDetokenizer(self.router.tokenizer, [], None, False, self.body.skip_special_tokens)
-        _, _, offsets = push_each(det, self.router.token_text, prompt_ids, 0)
+        det = IncrementalDetokenizer(self.out.tokenizer, [], None, False, self.body.skip_special_tokens)
+        _, _, offsets = push_each(det, self.out.token_text, prompt_ids, 0)
         det.flush()
         self.echo = det.text
         items = [(t, None, None) if entry is None else entry for t, entry in zip(prompt_ids, scored)]
@@ -108,7 +106,7 @@ class ResponseWriter:
             found = (output_violation({"json_schema": parameters[c.name]}, c.arguments) for c in calls)
             violation, param = next((v for v in found if v is not None), None), "tools"
         if violation is not None:
-            self.router.metrics.structured_violations.inc()
+            self.sink.violation()
             raise APIError(500, f"{violation}; the grammar backend did not enforce it, so the output is "
                            "withheld (please report the schema)", "server_error", param,
                            "structured_output_violation")
@@ -195,11 +193,7 @@ class ResponseWriter:
             return
         self._closed = True
         self.status = status
-        r = self.router
-        r.inflight -= 1
-        r._gauges()
-        if status == 200:
-            r.metrics.finished(self.finish_reason)
+        self.sink.choice_end(status, self.finish_reason)
 
 
 def push_each(det: IncrementalDetokenizer, token_text, token_ids, base: int) -> tuple[str, str | None, list[int]]:
