@@ -15,6 +15,9 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 
 REQUESTS = 1000
+# The speculative run is the same workload, shorter: each of its steps drafts and verifies, which made its
+# 1,000 requests 60-220 s of the suite; its preemptions and evictions are asserted all the same.
+SPEC_REQUESTS = 300
 BLOCKS = 32
 
 
@@ -24,7 +27,7 @@ def _params(rng: random.Random, i: int) -> SamplingParams:
     return SamplingParams(max_tokens=rng.randrange(3, 16), temperature=0.8, seed=i, ignore_eos=True)
 
 
-def _run_cached(model: str, spec: SpecConfig | None):
+def _run_cached(model: str, spec: SpecConfig | None, requests: int):
     rng = random.Random(34)
     systems = [[rng.randrange(3, 200) for _ in range(n)] for n in (21, 35, 48, 60)]
     engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=BLOCKS, block_size=8, max_num_seqs=8,
@@ -36,9 +39,9 @@ def _run_cached(model: str, spec: SpecConfig | None):
     preempted = 0
     finished_turns: list[str] = []
     sent = 0
-    while sent < REQUESTS or engine.has_unfinished():
+    while sent < requests or engine.has_unfinished():
         for _ in range(rng.randrange(0, 4)):
-            if sent == REQUESTS:
+            if sent == requests:
                 break
             tail = [rng.randrange(3, 200) for _ in range(rng.randrange(1, 12))]
             if finished_turns and rng.random() < 0.25:  # a next turn: the conversation so far, then more
@@ -66,17 +69,17 @@ def _run_cached(model: str, spec: SpecConfig | None):
     return engine, asked, done, aborted, preempted
 
 
-@pytest.mark.parametrize("spec", [None, "mtp"])
-def test_a_thousand_requests_with_cancellations_leak_nothing_and_change_no_output(llama_dir, zoo_dir, spec):
+@pytest.mark.parametrize("spec, requests", [(None, REQUESTS), ("mtp", SPEC_REQUESTS)])
+def test_a_thousand_requests_with_cancellations_leak_nothing_and_change_no_output(llama_dir, zoo_dir, spec, requests):
     """Speculative: the MTP head's KV is cached with the target's (one token later); the reference is the
     same speculative engine without the cache. Greedy and seeded outputs are both compared: seeded drafts
     are verified by coupling (engine/sample/verify.py), so preemption, which changes which positions are
     drafted, changes no seeded output (with rejection sampling 21 of ~460 differed, cache or not)."""
     model = llama_dir if spec is None else str(Path(zoo_dir) / "target")
     draft = None if spec is None else SpecConfig(method=spec, k=3, draft=str(Path(zoo_dir) / spec))
-    engine, asked, done, aborted, preempted = _run_cached(model, draft)
+    engine, asked, done, aborted, preempted = _run_cached(model, draft, requests)
     pool = engine.blocks.pool
-    assert len(done) + len(aborted) == REQUESTS and len(aborted) > 20
+    assert len(done) + len(aborted) == requests and len(aborted) > requests // 50
     assert preempted > 0, "the test must preempt"
     assert engine.stats()["kv_blocks_used"] == 0
     assert all(pool.refs(b) == 0 for b in range(pool.num_blocks))
