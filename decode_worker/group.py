@@ -83,8 +83,7 @@ class RankGroup:
         layout: KVLayout = layouts[0]
         endpoints = tuple(
             RankEndpoint(actor=ranks[r], store=addresses[r], tp_rank=r,
-                         kv_heads=((0, layout.num_kv_heads) if spec.attention_dp
-                                   else kv_head_slice(layout.num_kv_heads, spec.tp_size, r)))
+                         kv_heads=rank_kv_heads(layout, spec.tp_size, r, spec.attention_dp))
             for r in range(spec.tp_size))
         target = DecodeTarget(group_id=group_id, ranks=endpoints, layout=layout, device=spec.engine.device)
         log.info("decode group %s up: tp=%d, layout %s", group_id, spec.tp_size, layout)
@@ -92,7 +91,8 @@ class RankGroup:
 
     def target_for(self, ranks: tuple[int, ...]) -> DecodeTarget:
         """The address a prefill sends one request to: the ranks it is placed on (under ADP, one rank with
-        whole KV heads; under TP, all of them, each with its head slice)."""
+        whole KV heads or the whole MLA latent; under TP, all of them, each with its head slice, or each with the
+        whole latent)."""
         if len(ranks) == len(self.target.ranks):
             return self.target
         return dataclasses.replace(self.target, ranks=tuple(self.target.ranks[r] for r in ranks))
@@ -141,6 +141,16 @@ class RankGroup:
         _close(self.links)
         _kill(self.ranks)
         release(self.pg)
+
+
+def rank_kv_heads(layout: KVLayout, tp_size: int, tp_rank: int, attention_dp: bool) -> tuple[int, int]:
+    """(first KV head, count) of the whole model's cache that `tp_rank` holds, and so receives in a hand-over:
+    - attention data parallelism: every head (the rank attends for its own requests alone);
+    - a replicated layout (MLA's latent, one head TP cannot split): every head, on every rank;
+    - otherwise the rank's slice, by the rule its attention weights were sharded with."""
+    if attention_dp or layout.replicated:
+        return 0, layout.num_kv_heads
+    return kv_head_slice(layout.num_kv_heads, tp_size, tp_rank)
 
 
 async def _await(ref):

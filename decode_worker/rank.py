@@ -94,10 +94,8 @@ class DecodeRank:
         self.stock = HandoverStock(stocked) if stocked else None
         self.receiver = HandoverReceiver(self.engine.kv_cache, self.settings.transfer_timeout_s, self.stock,
                                          FaultPoints(self.settings.fault_points), on_header=self._warm_grammar)
-        m = self.engine.model_cfg
         # Cache layers: the target's, then the draft's when speculation shares the cache.
-        return KVLayout(num_layers=self.engine.kv_cache.shape[0], num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                        block_size=cfg.block_size, dtype=str(self.engine.kv_cache.dtype).removeprefix("torch."))
+        return KVLayout.of(self.engine)
 
     def _shm_collectives(self, cfg, store, group_id: str, timeout_s: float):
         """Shared-memory collectives for a CPU group whose ranks share a host (engine/distributed/shm_collectives.py), or

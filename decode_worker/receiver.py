@@ -59,7 +59,7 @@ class HandoverReceiver:
                  faults: FaultPoints | None = None, on_header: Callable[[HandoverHeader], None] | None = None):
         """on_header: called on the channel thread with each header read, before it is parked (the rank
         loads the request's grammar there, off the step thread); its errors are logged and ignored."""
-        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, local kv heads, head_dim]
+        self.kv_cache = kv_cache  # [num_layers, planes, num_blocks, block_size, local kv heads, head_dim]
         self.on_header = on_header
         self.payload_timeout_s = payload_timeout_s
         self.faults = faults or FaultPoints()
@@ -233,7 +233,9 @@ class HandoverReceiver:
         """The request's blocks from the stock, if it has them and the header fits this rank's cache (a
         header that does not fit takes the lockstep path, where the engine refuses it with the reason)."""
         req = header.request
-        if self.stock is None or req.block_size != self.kv_cache.shape[3] or req.cache_layers != self.kv_cache.shape[0]:
+        L, P, _, S, _, D = self.kv_cache.shape  # layers, planes, -, block size, -, head width
+        if self.stock is None or (req.cache_layers, req.cache_planes, req.block_size,
+                                  req.cache_head_dim) != (L, P, S, D):
             return None
         return self.stock.take(req.num_blocks - req.reused_blocks)  # the reused ones are pinned in the engine
 
@@ -258,7 +260,7 @@ class HandoverReceiver:
                 self._lock.notify_all()
 
     def _write(self, block_ids: list[int], payload: HandoverPayload) -> None:
-        kv = payload.kv  # [num_layers, 2, n_blocks, block_size, local kv heads, head_dim]
+        kv = payload.kv  # [num_layers, planes, n_blocks, block_size, local kv heads (MLA: the latent), head_dim]
         expected = self.kv_cache[:, :, : len(block_ids)].shape
         if kv.shape != expected or kv.dtype != self.kv_cache.dtype:
             raise ValueError(f"hand-over KV {kv.dtype}{list(kv.shape)} does not fit this rank's cache "

@@ -36,6 +36,10 @@ class HandoverRequest:
     logprobs: tuple[tuple[int, float, dict[int, float] | None], ...]  # (token, logprob, top) per output token
     block_size: int
     cache_layers: int  # KV layers per block: the target's, then the draft's (speculation)
+    # Per layer and token the KV is cache_planes x heads x cache_head_dim (engine/layers/kv_spec.py: K and V heads,
+    # or MLA's one latent row); the receiving rank's heads are its own (its slice, or all of them).
+    cache_planes: int
+    cache_head_dim: int
     speculative_method: str | None = None  # the prefill side's draft method; None without speculation
     reused_blocks: int = 0  # leading prompt blocks the receiver holds already: the payload starts after them
 
@@ -55,6 +59,8 @@ class HandoverRequest:
             "logprobs": [[t, lp, top] for t, lp, top in self.logprobs],
             "block_size": self.block_size,
             "cache_layers": self.cache_layers,
+            "cache_planes": self.cache_planes,
+            "cache_head_dim": self.cache_head_dim,
             "speculative_method": self.speculative_method,
             "reused_blocks": self.reused_blocks,
         }
@@ -75,6 +81,8 @@ class HandoverRequest:
                                for t, lp, top in d.get("logprobs", ())),
                 block_size=_typed(d, "block_size", int),
                 cache_layers=_typed(d, "cache_layers", int),
+                cache_planes=_typed(d, "cache_planes", int),
+                cache_head_dim=_typed(d, "cache_head_dim", int),
                 speculative_method=d.get("speculative_method"),
                 reused_blocks=_typed(d, "reused_blocks", int),
             )

@@ -24,6 +24,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.errors import CapacityError, InvalidRequestError
 from engine.handover import Handover, HandoverRequest, max_reusable_blocks
+from engine.layers.kv_spec import KVCacheSpec
 from engine.masking.guided import GuidedRequests
 from engine.outputs import TokenLogprob
 from engine.speculative.drafter import Drafter
@@ -32,10 +33,12 @@ from structured.request import SerializedGrammar
 
 class Handovers:
     def __init__(self, requests: dict[str, Request], blocks: BlockManager, scheduler: Scheduler, drafter: Drafter,
-                 guided: GuidedRequests, new_request: Callable[..., Request], block_size: int, cache_layers: int):
+                 guided: GuidedRequests, new_request: Callable[..., Request], block_size: int, cache_layers: int,
+                 cache_spec: KVCacheSpec):
         """requests: the engine's requests by id (shared); new_request: the engine's validated Request
         factory (id, prompt ids, params, prefill_only, seed=...); cache_layers: layers of the engine's KV
-        cache (target and shared draft layers), which both sides must agree on."""
+        cache (target and shared draft layers) and cache_spec what each caches per token (planes, head width),
+        which both sides must agree on."""
         self._requests = requests
         self._blocks = blocks
         self._scheduler = scheduler
@@ -44,6 +47,7 @@ class Handovers:
         self._new_request = new_request
         self._block_size = block_size
         self._cache_layers = cache_layers
+        self._cache_spec = cache_spec
         self._pinned: dict[str, list[int]] = {}  # request id -> leading prompt blocks held for its hand-over
         self.blocks_reused = 0  # hand-over blocks found here instead of received
         self.blocks_received = 0  # hand-over blocks whose KV came with a payload
@@ -60,7 +64,8 @@ class Handovers:
             request_id=req.request_id, prompt_token_ids=tuple(req.prompt_token_ids),
             output_token_ids=tuple(req.output_token_ids), num_computed_tokens=req.num_computed_tokens,
             seed=req.seed, params=req.params, logprobs=tuple((lp.token_id, lp.logprob, lp.top) for lp in req.logprobs),
-            block_size=self._block_size, cache_layers=self._cache_layers, speculative_method=self._drafter.method)
+            block_size=self._block_size, cache_layers=self._cache_layers, cache_planes=self._cache_spec.planes,
+            cache_head_dim=self._cache_spec.head_dim, speculative_method=self._drafter.method)
         compiled = None
         if req.params.structured_output is not None:
             compiled = self._guided.serialized(req.params.structured_output)
@@ -122,6 +127,11 @@ class Handovers:
             raise InvalidRequestError(f"the hand-over carries KV for {handover.cache_layers} cache layers but this "
                                       f"engine's cache has {self._cache_layers} (speculation differs "
                                       f"between the two sides)", param="handover")
+        spec = self._cache_spec
+        if (handover.cache_planes, handover.cache_head_dim) != (spec.planes, spec.head_dim):
+            raise InvalidRequestError(f"the hand-over's KV is {handover.cache_planes} plane(s) of "
+                                      f"{handover.cache_head_dim}-wide heads per token and layer, this engine caches "
+                                      f"{spec.planes} of {spec.head_dim} (another model)", param="handover")
         if handover.block_size != self._block_size:
             raise InvalidRequestError(f"the hand-over's KV blocks hold {handover.block_size} tokens, this engine's "
                                       f"{self._block_size}", param="handover")

@@ -84,7 +84,8 @@ class LLMEngine:
                                      cfg.speculative is not None and cfg.speculative.forced_drafts,
                                      frozenset(remap.tolist()) if remap is not None else None)
         self.handovers = Handovers(self.requests, self.blocks, self.scheduler, self.drafter, self.guided,
-                                   self.intake.new, cfg.block_size, self.runner.num_cache_layers)
+                                   self.intake.new, cfg.block_size, self.runner.num_cache_layers,
+                                   self.runner.kv_spec)
         self._finished_unreported: list[Request] = []
         self._inflight: InFlight | None = None  # async scheduling: the launched step not read yet
         self.num_overlapped_steps = 0  # steps launched before the previous step's outputs were read

@@ -3,6 +3,7 @@ samples each one's first token, and hands the KV over to the decode group the ro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import uuid
@@ -12,7 +13,7 @@ import torch
 
 from cluster.errors import ChannelError
 from cluster.faults import FaultPoints
-from cluster.protocol import DecodeTarget, ModelInfo, PrefillRequest, PrefillResult
+from cluster.protocol import DecodeTarget, KVLayout, ModelInfo, PrefillRequest, PrefillResult
 from cluster.prefix_view import PrefixView
 from cluster.protocol.load import PrefillLoad, prefix_cache_counts
 from cluster.runtime import replica_id
@@ -67,14 +68,11 @@ class PrefillServer:
                                    f"retry") from e
 
     def _check_layout(self, target: DecodeTarget) -> None:
-        m, kv = self.engine.model_cfg, self.engine.kv_cache
-        lay = target.layout
-        mine = (kv.shape[0], m.num_kv_heads, m.head_dim, self.config.block_size,
-                str(kv.dtype).removeprefix("torch."))
-        theirs = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype)
+        mine, theirs = KVLayout.of(self.engine), target.layout
         if mine != theirs:
-            raise ValueError(f"prefill KV layout (layers, kv heads, head dim, block size, dtype) {mine} "
-                             f"does not match the decode group's {theirs}")
+            differ = [f"{f.name} {getattr(mine, f.name)} vs {getattr(theirs, f.name)}"
+                      for f in dataclasses.fields(KVLayout) if getattr(mine, f.name) != getattr(theirs, f.name)]
+            raise ValueError(f"prefill KV layout does not match the decode group's: {', '.join(differ)}")
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(model_dir=self.config.model, max_model_len=self.engine.max_model_len,

@@ -1,8 +1,9 @@
 """HandoverSender: packs a parked request's KV blocks and sends them to every rank of its decode
 group, on a thread of its own, over channels it opens on demand and keeps per (group, rank).
 
-A decode rank with tp > 1 gets only its KV-head slice of each block. The blocks are packed into a
-contiguous buffer first and released right away, so the prefill's cache is never held by a slow
+A decode rank with tp > 1 gets only its KV-head slice of each block (RankEndpoint.kv_heads), or the whole block
+when the model's cache cannot be sliced (MLA: one latent row per token, replicated on every TP rank). The blocks
+are packed into a contiguous buffer first and released right away, so the prefill's cache is never held by a slow
 transfer. Headers go to every rank before any payload: a rank lets the payload in only after every
 rank of its group has the header (lockstep reserve), so sending rank by rank could deadlock.
 
@@ -49,8 +50,8 @@ def _grammar(handover: Handover) -> GrammarHandover | None:
 
 
 def pack_blocks(kv_cache: torch.Tensor, block_ids: list[int], heads: tuple[int, int]) -> torch.Tensor:
-    """[L, 2, n, S, h, D] contiguous copy of `block_ids` (and KV heads [start, start + h)) of
-    kv_cache [L, 2, N, S, H, D]."""
+    """[L, P, n, S, h, D] contiguous copy of `block_ids` (and KV heads [start, start + h)) of
+    kv_cache [L, P, N, S, H, D] (P planes: 2 for K and V, 1 for MLA's latent)."""
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     start, count = heads
     return pack_kv(kv_cache, index, head_start=start, head_end=start + count)
@@ -161,8 +162,9 @@ class HandoverSender:
         start = time.perf_counter()
         block_ids = handover.payload_block_ids  # past the blocks the decode rank holds already (reused_blocks)
         by_slice: dict[tuple[int, int], torch.Tensor] = {}
-        # With speculation the cache's extra layers hold the draft's KV (same heads, same slices), and the
-        # draft head's input at the last prompt row travels along whole to every rank.
+        # With speculation the cache's extra layers hold the draft's KV (same heads, same slices; DeepSeek-V3's MTP
+        # layer: its latent rows), and the draft head's input at the last prompt row travels along whole to every
+        # rank. Ranks holding the same heads (a replicated MLA latent) share one packed buffer.
         hidden = handover.hidden.contiguous() if handover.hidden is not None else None
         payloads = []
         for rank in target.ranks:

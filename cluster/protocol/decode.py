@@ -14,22 +14,39 @@ class RankEndpoint:
     actor: object  # ray.actor.ActorHandle of the DecodeRank
     store: StoreAddress  # the rank's rendezvous store (reached through Ray): channels to it meet there
     tp_rank: int
-    kv_heads: tuple[int, int]  # (first KV head, count) of the full model's KV heads this rank holds
+    # (first KV head, count) of the full model's KV heads this rank holds: its slice under TP, all of them under
+    # attention data parallelism or when the layout's heads are replicated (MLA: (0, 1), the whole latent)
+    kv_heads: tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """The decode group's KV cache format; a hand-over must match it."""
-    num_layers: int  # cache layers: the target's, then the draft's (speculation)
-    num_kv_heads: int  # of the full model (each rank holds its slice)
-    head_dim: int
+    """The decode group's KV cache format (engine/layers/kv_spec.py, for the whole model); a hand-over must match
+    it. Per cache layer and token a block holds planes x num_kv_heads x head_dim elements: K and V heads for the
+    Llama family (planes 2), or MLA's latent row (planes 1, one head of kv_lora_rank + qk_rope_head_dim)."""
+    num_layers: int  # cache layers: the target's, then the draft's (speculation; DeepSeek-V3's MTP layer)
+    planes: int  # 2: K and V; 1: one row per token (the MLA latent and its rope key)
+    num_kv_heads: int  # of the full model (MLA: 1, the latent)
+    head_dim: int  # elements per head and plane (MLA: kv_lora_rank + qk_rope_head_dim)
+    # Every TP rank holds all the heads (MLA: TP cannot split its one latent head; each rank caches it whole)
+    # instead of its slice of them.
+    replicated: bool
     block_size: int
     dtype: str  # torch dtype name without "torch.", e.g. "float32"
+
+    @staticmethod
+    def of(engine) -> "KVLayout":
+        """The layout of an engine's cache (engine.LLMEngine: its runner's kv_spec, on any TP rank)."""
+        spec, kv = engine.runner.kv_spec, engine.kv_cache
+        return KVLayout(num_layers=kv.shape[0], planes=spec.planes,
+                        num_kv_heads=spec.heads if spec.replicated else engine.model_cfg.num_kv_heads,
+                        head_dim=spec.head_dim, replicated=spec.replicated, block_size=engine.cfg.block_size,
+                        dtype=str(kv.dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeTarget:
-    """A decode group's address for one request: every rank gets its KV-head slice."""
+    """A decode group's address for one request: every rank gets its `kv_heads` of the cache."""
     group_id: str  # changes whenever the group is rebuilt, so stale channels are never reused
     ranks: tuple[RankEndpoint, ...]
     layout: KVLayout

@@ -33,19 +33,22 @@ if TYPE_CHECKING:
 
 # Bump on any change to the fields below or to HandoverRequest's (3: GrammarHandover.backend; 4: no "draft_kv"
 # part, which no draft ever sent: a draft keeping a cache of its own gets its part when one is built;
-# 5: HandoverRequest.reused_blocks, the leading blocks the receiver holds already and the payload skips).
-HANDOVER_VERSION = 5
+# 5: HandoverRequest.reused_blocks, the leading blocks the receiver holds already and the payload skips;
+# 6: HandoverRequest.cache_planes and cache_head_dim, so an MLA latent row and K/V heads cannot be confused).
+HANDOVER_VERSION = 6
 
 
 class PayloadPart(str, enum.Enum):
-    KV = "kv"  # [L, 2, n, S, h, D] the request's blocks past its reused ones (n = num_blocks - reused_blocks): the
-    #            target's cache layers, then a cache-sharing draft's
+    KV = "kv"  # [L, P, n, S, h, D] the request's blocks past its reused ones (n = num_blocks - reused_blocks): the
+    #            target's cache layers, then a cache-sharing draft's; P planes (2: K and V; 1: MLA's latent row), h
+    #            the receiving rank's heads (its slice; all of them under ADP; MLA: the one latent, on every rank)
     DRAFT_HIDDEN = "draft_hidden"  # [H_in] the draft head's input at the last prompt row (MTP, EAGLE-3)
 
 
 @dataclass(frozen=True, slots=True)
 class HandoverPayload:
-    """The tensors of one hand-over, by name. Every rank gets its KV-head slice of `kv` and the rest whole."""
+    """The tensors of one hand-over, by name. Every rank gets its KV heads of `kv` (RankEndpoint.kv_heads) and the
+    rest whole."""
     kv: torch.Tensor
     draft_hidden: torch.Tensor | None = None
 

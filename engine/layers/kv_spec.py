@@ -4,7 +4,8 @@ with. Each model states its own (`kv_cache_spec()`), so a cache is never assumed
 The engine's cache tensor is `[num_layers, planes, num_blocks, block_size, heads, head_dim]`:
 - Llama family: planes 2 (K and V), this rank's KV heads, head_dim;
 - MLA (DeepSeek-V3): planes 1, one "head" holding the latent and the rope key (kv_lora_rank + qk_rope_head_dim),
-  which every attention head reads.
+  which every attention head reads. Tensor parallelism cannot shard that head: every TP rank holds it whole
+  (`replicated`), and a hand-over sends each rank all of it (attention data parallelism is what saves memory).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class KVCacheSpec:
     planes: int  # 2: separate K and V tensors; 1: one row per token (the MLA latent)
     heads: int  # KV heads on this rank (1 for MLA)
     head_dim: int  # elements per head per plane
+    replicated: bool = False  # the same heads on every tensor-parallel rank (MLA's latent), not a slice of them
 
     def __post_init__(self) -> None:
         if self.planes not in (1, 2) or self.heads < 1 or self.head_dim < 1:

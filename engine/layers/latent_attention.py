@@ -24,7 +24,7 @@ class LatentPagedAttention(nn.Module):
         self.scale = scale
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(planes=1, heads=1, head_dim=self.kv_lora_rank + self.qk_rope_head_dim)
+        return KVCacheSpec(planes=1, heads=1, head_dim=self.kv_lora_rank + self.qk_rope_head_dim, replicated=True)
 
     def forward(self, q_latent: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                 rope_key: torch.Tensor) -> torch.Tensor:

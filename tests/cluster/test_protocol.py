@@ -19,7 +19,7 @@ def request(rid: str = "req-1") -> HandoverRequest:
     return HandoverRequest(request_id=rid, prompt_token_ids=(5, 6, 7, 8), output_token_ids=(9,),
                            num_computed_tokens=4, seed=1234, params=SamplingParams(max_tokens=8, temperature=0.7),
                            logprobs=((9, -0.25, {9: -0.25, 3: -2.5}),), block_size=16, cache_layers=3,
-                           speculative_method="mtp")
+                           cache_planes=1, cache_head_dim=40, speculative_method="mtp")  # an MLA latent row
 
 
 def wire_dict(header: HandoverHeader) -> dict:
@@ -89,13 +89,23 @@ def test_mistyped_field_is_named(field, value, message):
 
 
 @pytest.mark.parametrize("field, value", [("num_computed_tokens", "4"), ("prompt_token_ids", [1, "x"]),
-                                          ("seed", None)])
+                                          ("seed", None), ("cache_planes", "1"), ("cache_head_dim", 40.0)])
 def test_malformed_request_inside_the_header(field, value):
     raw = wire_dict(HandoverHeader(request("r9"), (KV,)))
     raw["request"][field] = value
     with pytest.raises(HandoverHeaderError, match=field) as e:
         HandoverHeader.from_wire(msgpack.packb(raw))
     assert e.value.request_id == "r9"
+
+
+@pytest.mark.parametrize("field", ["cache_planes", "cache_head_dim"])
+def test_a_request_without_its_cache_row_is_refused(field):
+    """Version 6: the per-token cache row (planes, head width) is stated, never assumed to be K and V heads."""
+    raw = wire_dict(HandoverHeader(request("r7"), (KV,)))
+    del raw["request"][field]
+    with pytest.raises(HandoverHeaderError, match=f"lacks field '{field}'") as e:
+        HandoverHeader.from_wire(msgpack.packb(raw))
+    assert e.value.request_id == "r7"
 
 
 def test_unknown_field_is_refused():

@@ -8,9 +8,9 @@ PACKS = [pack_kv_ref, pack_kv_triton, pack_kv]
 UNPACKS = [unpack_kv_ref, unpack_kv_triton, unpack_kv]
 
 
-def cache(L, N, S, H, D, dtype=torch.float32, seed=0):
+def cache(L, N, S, H, D, dtype=torch.float32, seed=0, planes=2):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(L, 2, N, S, H, D, generator=gen).to(dtype)
+    return torch.randn(L, planes, N, S, H, D, generator=gen).to(dtype)
 
 
 def loop_pack(kv, ids, h0, h1):
@@ -20,11 +20,12 @@ def loop_pack(kv, ids, h0, h1):
 @pytest.mark.parametrize("fn", PACKS)
 @pytest.mark.parametrize("L,N,S,H,D,n", [(1, 3, 1, 1, 1, 1), (2, 7, 4, 3, 20, 3), (3, 9, 16, 2, 64, 5), (2, 4, 5, 4, 8, 0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pack(fn, L, N, S, H, D, n, dtype):
-    kv = cache(L, N, S, H, D, dtype)
+@pytest.mark.parametrize("planes", [2, 1])
+def test_pack(fn, L, N, S, H, D, n, dtype, planes):
+    kv = cache(L, N, S, H, D, dtype, planes=planes)
     ids = torch.randperm(N, generator=torch.Generator().manual_seed(n))[:n]
     buf = fn(kv, ids)
-    assert buf.is_contiguous() and buf.shape == (L, 2, n, S, H, D)
+    assert buf.is_contiguous() and buf.shape == (L, planes, n, S, H, D)
     assert torch.equal(buf, loop_pack(kv, ids, 0, H))
 
 
@@ -69,6 +70,21 @@ def test_tp_split_and_merge(pack, unpack):
     assert torch.equal(merged[:, :, [3, 5]], full[:, :, ids])
 
 
+@pytest.mark.parametrize("pack,unpack", [(pack_kv_ref, unpack_kv_ref), (pack_kv_triton, unpack_kv_triton)])
+def test_mla_latent_goes_whole_to_every_rank(pack, unpack):
+    """An MLA cache (one plane, one latent "head" of kv_lora_rank + qk_rope_head_dim = 40, target + MTP layer):
+    each tp=2 rank's cache holds the whole latent, so both get the same full buffer; odd sizes throughout."""
+    full = cache(4, 7, 3, 1, 40, planes=1, seed=5)
+    ids = torch.tensor([6, 0, 3])
+    buf = pack(full, ids, None, 0, 1)
+    assert buf.shape == (4, 1, 3, 3, 1, 40)
+    for r in range(2):
+        rank = torch.zeros(4, 1, 5, 3, 1, 40)
+        unpack(buf, rank, torch.tensor([4, 1, 2]))
+        assert torch.equal(rank[:, :, [4, 1, 2]], full[:, :, ids])
+        assert not rank[:, :, [0, 3]].any()
+
+
 def test_noncontiguous_layer_view():
     """A cache that is a view (e.g. every other layer of a bigger tensor) packs by its strides."""
     big = cache(4, 5, 4, 2, 8, seed=4)
@@ -87,3 +103,15 @@ def test_pack_unpack_cuda(dtype):
     dst = torch.zeros(4, 2, 30, 16, 8, 128, dtype=dtype, device="cuda")
     unpack_kv_triton(buf, dst, torch.arange(20, device="cuda"), head_start=4)
     assert torch.equal(dst[:, :, :20, :, 4:].cpu(), buf.cpu())
+
+
+@pytest.mark.gpu
+def test_pack_unpack_mla_latent_cuda():
+    """DeepSeek-V3's cache row: one plane, one latent "head" of 512 + 64, 61 layers + the MTP layer."""
+    kv = cache(62, 48, 64, 1, 576, torch.bfloat16, planes=1).cuda()
+    ids = torch.randperm(48)[:13].cuda()
+    buf = pack_kv_triton(kv, ids)
+    assert torch.equal(buf.cpu(), loop_pack(kv.cpu(), ids.cpu(), 0, 1))
+    dst = torch.zeros(62, 1, 20, 64, 1, 576, dtype=torch.bfloat16, device="cuda")
+    unpack_kv_triton(buf, dst, torch.arange(13, device="cuda"))
+    assert torch.equal(dst[:, :, :13].cpu(), buf.cpu())

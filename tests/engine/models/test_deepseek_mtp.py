@@ -99,6 +99,48 @@ def test_mtp_speculation_is_lossless(checkpoint, k):
     assert spec.generate([PROMPT], greedy)[0].token_ids == ref
 
 
+def test_handover_moves_the_latent_cache_and_its_mtp_layer(checkpoint):
+    """Prefill-only on one engine, its blocks packed by the hand-over's kernels (one plane: the whole latent row of
+    kv_lora_rank + qk_rope_head_dim, the MTP layer's after the target's) and unpacked into another engine: the
+    decode engine's first step verifies k drafts and its tokens equal one engine's. A hand-over whose cache row is
+    K and V heads is refused before any KV moves."""
+    import dataclasses
+
+    from cluster.protocol import KVLayout
+    from engine import HandoverRequest, InvalidRequestError
+    from kernels.kv_transfer import pack_kv, unpack_kv
+
+    path, _, _ = checkpoint
+    spec, greedy = SpecConfig(method="mtp", k=2), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prefill = LLMEngine(EngineConfig(model=path, num_kv_blocks=32, block_size=4, speculative=spec))
+    decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=48, block_size=4, speculative=spec))
+    prefill.add_request("r", PROMPT, greedy, prefill_only=True)
+    while prefill.requests["r"].status.value != "parked":
+        prefill.step()
+    h = prefill.take_handover("r")
+    width = prefill.model_cfg.mla.cache_width
+    # What a served decode group states of its cache (cluster/protocol/decode.py), here for the prefill engine.
+    assert KVLayout.of(prefill) == KVLayout(num_layers=4, planes=1, num_kv_heads=1, head_dim=width, replicated=True,
+                                            block_size=4, dtype="float32")
+    assert (h.request.cache_layers, h.request.cache_planes, h.request.cache_head_dim) == (4, 1, width) == (4, 1, 40)
+    buffer = pack_kv(prefill.kv_cache, torch.tensor(h.payload_block_ids))
+    assert buffer.shape == (4, 1, len(h.payload_block_ids), 4, 1, width)
+    blocks = decode.reserve(HandoverRequest.from_dict(h.request.to_dict()))  # through its wire form
+    unpack_kv(buffer, decode.kv_cache, torch.tensor(blocks))
+    prefill.release("r")
+    decode.commit("r", hidden=h.hidden)
+    outs = decode.step()
+    assert decode.requests["r"].metrics.num_draft_tokens == 2  # drafted at commit from the MTP layer's KV
+    while decode.has_unfinished():
+        outs += decode.step()
+    want = LLM(path, num_kv_blocks=48, block_size=4).generate([PROMPT], greedy)[0].token_ids
+    assert outs[-1].finished and outs[-1].token_ids == want
+    heads = dataclasses.replace(h.request, request_id="kv-heads", cache_planes=2, cache_head_dim=16)
+    with pytest.raises(InvalidRequestError, match="2 plane"):
+        decode.reserve(heads)
+    assert prefill.stats()["kv_blocks_used"] == decode.stats()["kv_blocks_used"] == 0
+
+
 def test_checkpoint_without_mtp_layer_is_named(tmp_path):
     make_deepseek_checkpoint(tmp_path, "no_q_lora", seed=13)
     with pytest.raises(ModelLoadError, match=r"model\.layers\.3\.\*"):
