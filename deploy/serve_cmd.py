@@ -140,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem serve: {e}", file=sys.stderr)
         return 2
 
+    api = (args.host, args.port) if args.ingress == "direct" else None
+    taken = _taken(api) if api is not None and args.address is None else None
+    if taken is not None:  # said now, not after a minute of deploying (the router replica would fail to bind)
+        print(f"tandem serve: {taken}", file=sys.stderr)
+        return 1
+
     from ray import serve
 
     from cluster.runtime import RayOptions, init_ray, shutdown_ray
@@ -157,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     # cluster), so that a configuration written for a cluster also runs here instead of pending forever.
     init_ray(RayOptions(address=args.address, num_cpus=args.num_cpus or max(os.cpu_count() or 1, needed),
                         resources=cfg.custom_resources_needed() or None))
-    api = (args.host, args.port) if args.ingress == "direct" else None
     # Direct: no proxy, the router replicas take --host:--port themselves (http_options then only name it in
     # Serve's logs).
     serve.start(proxy_location="Disabled" if api else None, http_options={"host": args.host, "port": args.port})
@@ -188,6 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     else:  # on a cluster, other applications may share Serve: only the one deployed here goes
         serve.delete("tandem")
     return code
+
+
+def _taken(api: tuple[str, int]) -> str | None:
+    """Why this machine's router replica could not listen on the API address (naming it, with the OS's
+    reason), or None: a trial bind the way the replica binds (router/ingress.py), released at once. On a
+    cluster the replica may run on another node, so only the embedded default checks."""
+    from router.ingress import reuse_port_socket
+
+    try:
+        reuse_port_socket(*api).close()
+    except OSError as e:
+        return e.strerror
+    return None
 
 
 def _failure_reason(app: str) -> str | None:
