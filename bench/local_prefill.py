@@ -23,12 +23,11 @@ import argparse
 import asyncio
 import json
 import statistics
-import time
 
 import httpx
 
 from bench.common import device_name, start_local_serve, write_results
-from bench.prefix_cache_served import _one
+from bench.prefix_cache_served import _one, wave
 
 APPS = {"local": 128, "remote": 0}  # application -> local_prefill_max_tokens
 
@@ -53,18 +52,6 @@ async def _local_prefills(app: str) -> int:
     return stats["local_prefills"]
 
 
-async def _wave(http, app, prompts, new_tokens, concurrency) -> tuple[list[float], list[str], float]:
-    ttft, texts = [], [None] * len(prompts)
-    start = time.perf_counter()
-    for lo in range(0, len(prompts), concurrency):
-        batch = range(lo, min(lo + concurrency, len(prompts)))
-        got = await asyncio.gather(*(_one(http, app, prompts[i], new_tokens) for i in batch))
-        for i, (t, text) in zip(batch, got):
-            ttft.append(t)
-            texts[i] = text
-    return ttft, texts, time.perf_counter() - start
-
-
 async def _multi_turn(http, app, tokenizer, marker: str, args, concurrency) -> dict:
     """Every turn of every conversation; TTFT per turn index."""
     from bench.prefix_cache import DATA, FOLLOW_UP
@@ -79,13 +66,13 @@ async def _multi_turn(http, app, tokenizer, marker: str, args, concurrency) -> d
         for h, q in zip(histories, questions):
             h.append({"role": "user", "content": q[turn] if turn < len(q) else FOLLOW_UP})
         prompts = [chat_ids(tokenizer, h) for h in histories]
-        ttft, out, wall = await _wave(http, app, prompts, args.new_tokens, concurrency)
-        for h, text in zip(histories, out):
+        r = await wave(http, app, prompts, args.new_tokens, concurrency)
+        for h, text in zip(histories, r["texts"]):
             h.append({"role": "assistant", "content": text})
-        per_turn.append(statistics.median(ttft))
-        texts += out
+        per_turn.append(r["ttft_p50_s"])
+        texts += r["texts"]
         tokens += len(prompts) * args.new_tokens
-        seconds += wall
+        seconds += r["wall_s"]
     return {"ttft_by_turn": per_turn, "texts": texts, "tok_s": tokens / seconds}
 
 
@@ -95,10 +82,9 @@ async def _shared(http, app, tokenizer, marker: str, args, concurrency) -> dict:
     base = shared_workload(tokenizer, args.requests)
     ids = tokenizer.encode(f"{marker} ", add_special_tokens=False)
     prompts = [p[:1] + ids + p[1:] for p in base]
-    ttft, texts, wall = await _wave(http, app, prompts, args.new_tokens, concurrency)
+    r = await wave(http, app, prompts, args.new_tokens, concurrency)
     # the first request of a round is cold in both applications: TTFT over the rest
-    return {"ttft_by_turn": [statistics.median(ttft[1:])], "texts": texts,
-            "tok_s": len(prompts) * args.new_tokens / wall}
+    return {"ttft_by_turn": [statistics.median(r["ttft_s"][1:])], "texts": r["texts"], "tok_s": r["tok_s"]}
 
 
 def main(argv: list[str] | None = None) -> int:

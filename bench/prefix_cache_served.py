@@ -38,7 +38,9 @@ async def _one(http: httpx.AsyncClient, app: str, prompt: list[int], new_tokens:
     return (first or time.perf_counter()) - start, "".join(text)
 
 
-async def _wave(http, app, prompts, new_tokens, concurrency) -> dict:
+async def wave(http, app, prompts, new_tokens, concurrency) -> dict:
+    """`prompts` in waves of `concurrency` streamed greedy completions: TTFTs (in prompt order), their median,
+    output tokens/s, texts."""
     ttft, texts = [], [None] * len(prompts)
     start = time.perf_counter()
     for lo in range(0, len(prompts), concurrency):
@@ -48,7 +50,8 @@ async def _wave(http, app, prompts, new_tokens, concurrency) -> dict:
             ttft.append(t)
             texts[i] = text
     wall = time.perf_counter() - start
-    return {"ttft_p50_s": statistics.median(ttft), "tok_s": len(prompts) * new_tokens / wall, "texts": texts}
+    return {"ttft_p50_s": statistics.median(ttft), "tok_s": len(prompts) * new_tokens / wall, "texts": texts,
+            "ttft_s": ttft, "wall_s": wall}
 
 
 def serve_cache_and_none(target: str) -> dict[str, bool]:
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                     prompts = [p[:1] + marker + p[1:] for p in base]
                     for app in (apps if rnd % 2 == 0 else reversed(list(apps))):
                         q0, h0 = await counts()
-                        r = await _wave(http, app, prompts, args.new_tokens, concurrency)
+                        r = await wave(http, app, prompts, args.new_tokens, concurrency)
                         q1, h1 = await counts()
                         r["hit_rate"] = (h1 - h0) / max(1, q1 - q0)
                         runs[apps[app]].append(r)
