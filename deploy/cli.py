@@ -1,4 +1,5 @@
-"""The `tandem` command line: `tandem serve`, `tandem generate`, `tandem models ...`, `tandem zoo ...`."""
+"""The `tandem` command line: `tandem serve`, `tandem generate`, `tandem models ...`, `tandem zoo ...`, and
+`tandem ray-start ...` (`ray start` with Ray's metrics exporters off: deploy/ray_start.py)."""
 from __future__ import annotations
 
 import argparse
@@ -29,23 +30,26 @@ def _serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+def _ray_start(argv: list[str]) -> int:
+    from deploy.ray_start import main as ray_start_main
+
+    return ray_start_main(argv)
+
+
+COMMANDS = {"serve": _serve, "generate": _generate, "models": _models, "zoo": _zoo, "ray-start": _ray_start}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: structured, speculative LLM serving")
-    parser.add_argument("command", choices=["serve", "generate", "models", "zoo"], help="what to run")
+    parser.add_argument("command", choices=list(COMMANDS), help="what to run")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
     command, rest = argv[0], argv[1:]
-    if command not in ("serve", "generate", "models", "zoo"):
+    if command not in COMMANDS:
         parser.error(f"unknown command {command!r}")
-    if command == "zoo":
-        return _zoo(rest)
-    if command == "models":
-        return _models(rest)
-    if command == "generate":
-        return _generate(rest)
-    return _serve(rest)
+    return COMMANDS[command](rest)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Run deploy/cluster.yaml's node start commands on this machine: a head and worker nodes as separate Ray
-nodes, each its own `ray start --block` process with its own temp dir and ports.
+nodes, each its own `tandem ray-start --block` process (`ray start` with Ray's metrics exporters off:
+deploy/ray_start.py) with its own temp dir and ports.
 
 The commands are read from the YAML (head_start_ray_commands / worker_start_ray_commands), not written
 again here, so that the test that runs them (tests/deploy/test_two_node.py) keeps the YAML honest. What a
 laptop-sized run changes, and why, is all in `start_argv`:
 - `ray stop` lines are skipped: on a shared machine it would stop every Ray on it; a local node is stopped
   by ending its own `ray start --block` process group (`LocalNode.stop`);
-- the fixed ports (6379, 8076, the metrics ports) become free ones, and every address (the head's, each
+- the fixed ports (6379, 8076) become free ones, and every address (the head's, each
   node's, the dashboard's) the cluster's `host`: loopback by default; this machine's network address where a
   test must see what a stranger on the network sees (tests/deploy/test_two_node_exposure.py). Several nodes
   (and other users' Rays) share this machine's ports;
@@ -33,7 +34,8 @@ import yaml
 from cluster.rendezvous import free_port_on
 
 CLUSTER_YAML = Path(__file__).with_name("cluster.yaml")
-RAY = str(Path(sys.executable).with_name("ray"))  # the ray of this environment, as `ray` is on a node
+TANDEM = str(Path(sys.executable).with_name("tandem"))  # the tandem of this environment, as `tandem` is on a node
+START = ["tandem", "ray-start"]
 
 
 def load_cluster(path: Path = CLUSTER_YAML) -> dict:
@@ -62,30 +64,24 @@ class NodePorts:
     own: dict[str, int] = field(default_factory=lambda: {name: _free_port() for name in (
         "object-manager-port", "node-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
         "runtime-env-agent-port", "metrics-export-port", "ray-client-server-port")})
-    # The head's dashboard and autoscaler serve Prometheus metrics on ports Ray reads from these variables.
-    env: dict[str, int] = field(default_factory=lambda: {name: _free_port() for name in (
-        "DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")})
 
 
 def start_argv(cluster: dict, head: bool, ports: NodePorts, temp_dir: str, num_cpus: int,
                resources: dict[str, float], object_store_bytes: int = 80 * 2**20, host: str = "127.0.0.1") -> list[str]:
-    """The YAML's `ray start` line for a head (or worker) node, adapted to run here (module docstring)."""
+    """The YAML's `tandem ray-start` line for a head (or worker) node, adapted to run here (module docstring)."""
     lines = [shlex.split(line) for line in cluster["head_start_ray_commands" if head else "worker_start_ray_commands"]]
     lines = [(_env_prefix(words), words[len(_env_prefix(words)):]) for words in lines]
-    starts = [(env, words) for env, words in lines if words[:2] == ["ray", "start"]]
-    unknown = [words for _, words in lines if words[:2] not in (["ray", "start"], ["ray", "stop"])]
+    starts = [(env, words) for env, words in lines if words[:2] == START]
+    unknown = [words for _, words in lines if words[:2] not in (START, ["ray", "stop"])]
     if len(starts) != 1 or unknown:
-        raise ValueError(f"expected one `ray start` (and `ray stop`) in {lines!r}: teach deploy/local_cluster.py "
+        raise ValueError(f"expected one `tandem ray-start` (and `ray stop`) in {lines!r}: teach deploy/local_cluster.py "
                          f"the new step so that the two-node test runs it too")
     own = {f"--{name}": str(port) for name, port in ports.own.items()
            if head or name != "ray-client-server-port"}  # the client server is the head's
     subst = {"--port": str(ports.gcs), "--address": f"{host}:{ports.gcs}", "--dashboard-host": host,
              "--autoscaling-config": None, **own}
     env, words = starts[0]
-    env_ports = {name: str(port) for name, port in ports.env.items()} if head else {}
-    env = [f"{name}={env_ports.pop(name, value)}" for name, value in (word.split("=", 1) for word in env)]
-    env += [f"{name}={port}" for name, port in env_ports.items()]  # defaults that would collide
-    argv = ["env", *env, RAY, "start"]  # `env`: the YAML's VAR=value prefix, then exec (the pid stays the node's)
+    argv = ["env", *env, TANDEM, "ray-start"]  # `env`: the YAML's VAR=value prefix, then exec (the pid stays the node's)
     for token in words[2:]:
         name = token.partition("=")[0]
         if name not in subst:
