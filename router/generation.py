@@ -195,11 +195,14 @@ class Generation:
     async def _first_delta(self, seed: int | None) -> PrefillResult:
         """A locally prefilled attempt's first token(s), from the decode feed, as the prefill would have
         answered them. Raises APIError (the decode side's StreamError or a broken feed)."""
-        item = await self._queue.get()
-        if isinstance(item, StreamError):
-            raise APIError(item.status, item.message, item.error_type)
-        if isinstance(item, FeedBroken):
-            raise api_error(item.error)
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, StreamError):
+                raise APIError(item.status, item.message, item.error_type)
+            if isinstance(item, FeedBroken):
+                raise api_error(item.error)
+            if item.token_ids or item.finished:  # a step that ran only a chunk of the prompt reports no token
+                break
         return PrefillResult(self._attempt_id, list(item.token_ids), item.finished,
                              item.finish_reason if item.finished else None, list(item.logprobs), seed=seed)
 

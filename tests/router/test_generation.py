@@ -61,3 +61,51 @@ def test_a_handover_failure_with_the_prefill_alive_is_the_decode_sides():
     client gets the decode side's own account."""
     err, feeds = asyncio.run(_first_failure(prefill_dies_after_s=None))
     assert err.status == 503 and err.message.startswith("hand-over failed on rank 1")
+
+
+class _LocalFeeds(_Feeds):
+    """A decode replica that takes every offered request to prefill itself, its feed items queued up front."""
+
+    def __init__(self, items):
+        super().__init__()
+        self.items, self.offers = items, []
+
+    async def open(self, request_id, num_tokens, known, salt, avoid, local=None):
+        from cluster.protocol import DecodeOpened
+
+        self.offers.append(local)
+        queue = asyncio.Queue()
+        for item in self.items:
+            queue.put_nowait(item)
+        return DecodeOpened("replica-a", target=None, local=local is not None, seed=local and 77), queue
+
+
+def test_a_locally_prefilled_request_starts_at_its_first_token_not_at_a_chunk_of_its_prompt():
+    """Conditional disaggregation: the decode group's first steps may run chunks of the prompt (deltas with no
+    token); the first result is the first token, with the seed the decode replica chose; no prefill is called."""
+    from cluster.protocol import PrefillRequest, TokenDelta
+
+    items = [TokenDelta("r1", (), False, None), TokenDelta("r1", (), False, None), TokenDelta("r1", (9,), False, None),
+             TokenDelta("r1", (4, 5), True, "length")]
+    feeds = _LocalFeeds(items)
+    g = Generation(prefill=None, feeds=feeds, request_id="r1", prompt_token_ids=[1, 2, 3],
+                   params={"max_tokens": 3, "temperature": 0.5}, local_max_tokens=64)
+
+    async def run():
+        first = await g.start()
+        return first, [e async for e in g.events()]
+
+    first, events = asyncio.run(run())
+    assert (first.token_ids, first.seed, g.local) == ([9], 77, True)
+    assert [e.token_ids for e in events] == [(9,), (4, 5)] and events[-1].finish_reason == "length"
+    wire, limit = feeds.offers[0]
+    assert limit == 64 and PrefillRequest.from_wire(wire).prompt_token_ids == (1, 2, 3)
+    assert feeds.closed == [("r1", False)]  # ended by the decode side: nothing to cancel
+
+
+def test_guided_requests_and_prompt_logprobs_are_never_offered_to_the_decode_group():
+    from router.generation import local_eligible
+
+    assert local_eligible({"temperature": 0.0})
+    assert not local_eligible({"structured_output": {"json": {"type": "object"}}})
+    assert not local_eligible({"prompt_logprobs": 0})
