@@ -52,10 +52,12 @@ def _join_rendezvous(probe, address, rank: int, prefix: str) -> float:
 
     start = time.perf_counter()
     store = probe.server.store if rank == 0 else connect_store(address, 60.0)
-    build_group(store, prefix, rank, 2, GlooBackend(), 60.0)
+    group = build_group(store, prefix, rank, 2, GlooBackend(), 60.0)
     shm = shm_collectives.connect(store, prefix, rank, 2, 1 << 16, 60.0)
     assert shm is not None, "the two probes could not share a segment"
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    probe.bench_groups = [group, shm]  # dropped only at the next round: the peer may still be connecting
+    return seconds
 
 
 def _tp_rendezvous(count: int) -> list[float]:

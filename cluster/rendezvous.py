@@ -269,7 +269,11 @@ def _current_actor():
 
 class StoreServer:
     """A store held in this process: `store` is this side's view, `address` what peers `connect_store` to
-    (through Ray when this process is an actor declaring RENDEZVOUS_CONCURRENCY; else from this process only)."""
+    (through Ray when this process is an actor, else from this process only).
+
+    The actor must declare RENDEZVOUS_CONCURRENCY: Ray 2.60 ends an actor's process when a call names a
+    concurrency group the actor lacks (a failed check in its concurrency_group_manager.cc), which its peers then
+    see as StoreOwnerGone. An actor cannot read its own groups back, so this is not checked here."""
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
         self._table = StoreTable()
