@@ -48,6 +48,7 @@ def paged_attention_kernel(
     query_start_loc_ptr,  # [B+1] int32
     o_ptr,  # not SPLIT: out [T, Hq, D]; else partial outputs [num_splits, T, Hq, D] fp32
     lse_ptr,  # [num_splits, T, Hq] fp32 log2-sum-exp2 of each split (unused unless SPLIT)
+    tree_ptr,  # [T] int64 tree masks (kernels/tree_mask.py): bit w admits KV position seq_len - 64 + w; if TREE
     scale_log2,  # softmax scale * log2(e)
     stride_qt, stride_qh,
     stride_kn, stride_ks, stride_kh,
@@ -58,6 +59,7 @@ def paged_attention_kernel(
     num_splits,  # a runtime value: a constexpr would compile one kernel per split count
     G: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
+    TREE: tl.constexpr = False,
 ):
     TOKENS: tl.constexpr = BLOCK_M // G
     q_block = tl.program_id(0)
@@ -88,6 +90,12 @@ def paged_attention_kernel(
     kv_lo = split * split_len
     kv_hi = tl.minimum(kv_end, kv_lo + split_len)
     q_pos = ctx + tok
+    if TREE:
+        tree_bits = tl.load(tree_ptr + q_start + tok, mask=row_ok, other=-1)  # [BLOCK_M] int64
+        # Split into 32-bit halves once: a [BLOCK_M, BLOCK_N] tile of 64-bit shifts spilled registers on sm_90/100.
+        tree_lo = (tree_bits & 0xFFFFFFFF).to(tl.int32)
+        tree_hi = (tree_bits >> 32).to(tl.int32)
+        window = seq_len - 64  # the positions the bits speak of start here
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -108,6 +116,11 @@ def paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         allowed = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if TREE:  # inside the last 64 positions a row sees only what its bit admits (its tree ancestors)
+            w = (pos - window)[None, :]
+            half = tl.where(w < 32, tree_lo[:, None], tree_hi[:, None])
+            bit = (half >> (w & 31)) & 1
+            allowed = allowed & ((w < 0) | (bit != 0))
         s = tl.where(allowed, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay at 0

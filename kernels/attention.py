@@ -145,7 +145,8 @@ class AttentionPlan:
     uniform: bool = False
 
 
-def _plan_group(block_tables, seq, q_start, q_len, T: int, S: int, G: int, max_q: int, max_seq: int) -> _PlanGroup:
+def _plan_group(block_tables, seq, q_start, q_len, T: int, S: int, G: int, max_q: int, max_seq: int,
+                tree_mask: torch.Tensor | None = None) -> _PlanGroup:
     B, dev = block_tables.shape[0], block_tables.device
     L = max(1, min(max_seq, block_tables.shape[1] * S))
     mq = max(1, max_q)
@@ -162,10 +163,22 @@ def _plan_group(block_tables, seq, q_start, q_len, T: int, S: int, G: int, max_q
     valid = qi[None, :] < q_len[:, None]
     # Causal + length mask [B, 1, G * mq, L]; padded query rows get key 0 so no row is fully masked.
     qpos = ctx[:, None] + qi[None, :]  # [B, mq]
-    mask = (kpos[None, None, :] <= qpos[:, :, None]) | (kpos == 0)[None, None, :]
+    mask = kpos[None, None, :] <= qpos[:, :, None]
+    if tree_mask is not None:
+        bits = tree_mask.index_select(0, rows.clamp(max=max(T - 1, 0)).view(-1)).view(B, mq)
+        mask = mask & tree_admits(bits, seq, kpos)
+    mask = mask | (kpos == 0)[None, None, :]
     mask = mask[:, None, None].expand(B, 1, G, mq, L).reshape(B, 1, G * mq, L)
     padded = torch.arange(B * mq, device=dev).view(B, mq)
     return _PlanGroup(B, L, mq, slots, rows.clamp(max=max(T - 1, 0)).view(-1), mask, rows[valid], padded[valid])
+
+
+def tree_admits(bits: torch.Tensor, seq: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+    """bits [B, mq] int64 tree masks of query rows, seq [B] KV lengths, kpos [L] KV positions -> [B, mq, L] bool:
+    bit w of a row admits position seq - 64 + w; positions before seq - 64 are not the mask's to refuse."""
+    w = kpos[None, :] - (seq[:, None] - 64)  # [B, L]
+    bit = (bits[:, :, None] >> w.clamp(0, 63)[:, None, :]) & 1
+    return (w < 0)[:, None, :] | (bit != 0)
 
 
 def _one_row_slots(block_tables, seq, S: int, max_seq: int):
@@ -199,10 +212,10 @@ def _plan_uniform(block_tables, seq, S: int, G: int, mq: int, max_seq: int) -> _
 
 def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          num_tokens: int, page_size: int, group: int, max_q_len: int,
-                         max_seq_len: int) -> AttentionPlan:
+                         max_seq_len: int, tree_mask: torch.Tensor | None = None) -> AttentionPlan:
     T, B = num_tokens, block_tables.shape[0]
     mq = max(1, max_q_len)
-    if (T == B * mq and query_start_loc.device.type == "cpu"
+    if (tree_mask is None and T == B * mq and query_start_loc.device.type == "cpu"
             and torch.equal(query_start_loc, torch.arange(0, T + 1, mq, dtype=query_start_loc.dtype))):
         return AttentionPlan(T, B, group, (_plan_uniform(block_tables, seq_lens.long(), page_size, group, mq,
                                                          max_seq_len),), None, True)
@@ -216,14 +229,14 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, que
         if 0 < len(short) < B:
             parts = [short, [b for b, n in enumerate(host_q) if n > DECODE_GROUP_MAX_Q]]
     groups = []
-    for members in parts:
+    for members in parts:  # a tree mask is indexed by token row, so every group reads it whole
         if len(parts) == 1:
             tables, s, qs, ql, max_q, max_seq = block_tables, seq, q_start, q_len, max_q_len, max_seq_len
         else:
             idx = torch.tensor(members, device=block_tables.device)
             tables, s, qs, ql = (x.index_select(0, idx) for x in (block_tables, seq, q_start, q_len))
             max_q, max_seq = max(host_q[b] for b in members), min(max_seq_len, int(s.max()))
-        groups.append(_plan_group(tables, s, qs, ql, T, page_size, group, max_q, max_seq))
+        groups.append(_plan_group(tables, s, qs, ql, T, page_size, group, max_q, max_seq, tree_mask))
     in_batch = torch.arange(T, device=block_tables.device) < query_start_loc[-1].long()
     return AttentionPlan(T, B, group, tuple(groups), in_batch[:, None, None])
 
@@ -264,9 +277,10 @@ def paged_attention_ref(
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [T, Hq, D]
     plan: AttentionPlan | None = None,  # plan_paged_attention(...) of this step, shared by its layers
+    tree_mask: torch.Tensor | None = None,  # [T] int64, bit w admits KV position seq_len - 64 + w (tree_mask.py)
 ) -> torch.Tensor:
     """Gather each request's KV into a padded batch and run one masked SDPA call per group of
-    similar query lengths (no per-request loop)."""
+    similar query lengths (no per-request loop). A plan made with a tree mask carries it."""
     _check_cache(k_cache, v_cache)
     T, Hq, D = query.shape
     _, S, Hkv, _ = k_cache.shape
@@ -276,7 +290,8 @@ def paged_attention_ref(
     if T == 0 or B == 0:
         return out if out is not None else torch.zeros_like(query)
     if plan is None:
-        plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, T, S, G, max_q_len, max_seq_len)
+        plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, T, S, G, max_q_len, max_seq_len,
+                                    tree_mask)
     assert (plan.T, plan.B, plan.G) == (T, B, G), "the plan was made for another batch"
     k_flat, v_flat = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
     if plan.uniform:
@@ -305,7 +320,7 @@ def paged_attention_ref(
 
 def paged_attention_triton(
     query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len, max_seq_len,
-    out=None, num_splits: int | None = None,
+    out=None, num_splits: int | None = None, tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton varlen paged attention; `num_splits > 1` splits each request's KV (flash decoding) and
     combines the partial results by log-sum-exp. None picks splits from the launch size.
@@ -323,6 +338,8 @@ def paged_attention_triton(
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (B,)
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (B + 1,)
     assert seq_lens.is_contiguous() and query_start_loc.is_contiguous()
+    if tree_mask is not None:
+        assert tree_mask.dtype == torch.int64 and tree_mask.shape == (T,) and tree_mask.is_contiguous()
     if out is None:
         out = torch.zeros_like(query)
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
@@ -349,6 +366,7 @@ def paged_attention_triton(
     launch(
         _tr.paged_attention_kernel, (q_blocks, B, Hkv * num_splits),
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, part_out, part_lse,
+        tree_mask if tree_mask is not None else seq_lens,  # any pointer when TREE is off
         scale * math.log2(math.e),
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -358,7 +376,7 @@ def paged_attention_triton(
         chunk, num_splits,
         G=G, PAGE=S, HEAD_DIM=D, BLOCK_D=next_pow2(max(D, 16)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=num_splits > 1,
-        FP32_DOT=fp32_dot, num_warps=cfg.num_warps,
+        FP32_DOT=fp32_dot, TREE=tree_mask is not None, num_warps=cfg.num_warps,
     )
     if num_splits > 1:
         launch(
@@ -373,15 +391,18 @@ def paged_attention_triton(
 
 def paged_attention(
     query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len, max_seq_len,
-    out=None, plan: AttentionPlan | None = None,
+    out=None, plan: AttentionPlan | None = None, tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of `query` `[T, Hq, D]` over paged KV; returns `out` `[T, Hq, D]`.
+    `tree_mask` [T] int64 (speculation's draft trees, kernels/tree_mask.py): within the last 64 KV positions of
+    its request a row attends only where its bit is set (bit w: position seq_len - 64 + w), and causally; all
+    bits set is plain causal attention. A reference `plan` must have been made with the same mask.
 
     Rows of T past `query_start_loc[B]` belong to no request: zero (reference, or fresh `out`) or
     untouched (Triton with a caller `out`). `max_q_len`/`max_seq_len` must bound the batch's maxima.
     """
     if use_triton(query):
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      max_q_len, max_seq_len, out)
+                                      max_q_len, max_seq_len, out, tree_mask=tree_mask)
     return paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len,
-                               max_seq_len, out, plan)
+                               max_seq_len, out, plan, tree_mask)

@@ -25,6 +25,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     max_q_len: int  # host bound on the new tokens of any request
     max_seq_len: int  # host bound on seq_lens
+    tree_mask: torch.Tensor | None = None  # [T] int64 draft trees' masks (kernels/tree_mask.py); None: causal
     # Reference-path (CPU) plans of this step, made by the first layer and reused by the others
     # (dataclasses.replace shares the dict: a plan depends only on the fields above and its key).
     # Whoever rewrites those tensors in place (static graph buffers) must clear it.
@@ -42,7 +43,7 @@ class AttentionMetadata:
         if plan is None:
             plan = self.plans[key] = plan_paged_attention(self.block_tables, self.seq_lens, self.query_start_loc,
                                                           num_tokens, page_size, group, self.max_q_len,
-                                                          self.max_seq_len)
+                                                          self.max_seq_len, self.tree_mask)
         return plan
 
 
@@ -79,5 +80,5 @@ class PagedAttention(nn.Module):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.store_plan() if ref else None)
         plan = meta.attention_plan(q.shape[0], k_cache.shape[1], self.group) if ref else None
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              self.scale, meta.max_q_len, meta.max_seq_len, plan=plan)
+                              self.scale, meta.max_q_len, meta.max_seq_len, plan=plan, tree_mask=meta.tree_mask)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,45 @@
+"""Tree masks for paged attention (kernels/attention.py `tree_mask`): which of its request's last 64 KV positions a
+query row may attend to. Speculation's draft trees put several candidate continuations side by side in the KV
+of one request; a node must see the prefix and its own ancestors, never a sibling's branch.
+
+A row's mask is one int64: bit w admits KV position seq_len - 64 + w (still only causally); positions before
+seq_len - 64 are never refused by it. All bits set (-1) is plain causal attention, so prefill rows and chains
+carry -1 and a lower-triangular tree (a chain) gives the same result as no mask. 64 bits bound a tree: its
+nodes and the prefix rows after them fit in the window (engine/config.py checks the sizes).
+
+Trees here are written as ancestor sets over a span of consecutive positions: bit j of `ancestors` is position
+(seq_len - span + j), the node itself included.
+"""
+import torch
+
+WINDOW = 64  # positions one mask speaks of
+
+
+def window_bits(ancestors: torch.Tensor, span: torch.Tensor | int) -> torch.Tensor:
+    """ancestors [...] int64 over the last `span` (1..64, broadcastable) positions -> the masks [...] int64 over the
+    last 64: the positions before the span (the prefix) all admitted."""
+    span = torch.as_tensor(span, dtype=torch.int64, device=ancestors.device)
+    below = WINDOW - span  # prefix positions inside the window
+    one = torch.ones_like(below)
+    prefix = torch.bitwise_left_shift(one, below) - 1  # wraps to all-but-the-top bit at below = 63, as meant
+    return prefix | torch.bitwise_left_shift(ancestors, below)
+
+
+def ancestor_bits(parents: torch.Tensor) -> torch.Tensor:
+    """parents [B, N] int64: node j+1's parent among nodes 0..j (node 0 is the root, the request's verified token)
+    -> [B, N+1] int64 ancestor sets over the nodes (bit i: node i; the node itself included). Nodes come after
+    their parents, so one pass in node order sees every parent done."""
+    B, N = parents.shape
+    bits = [torch.ones(B, dtype=torch.int64, device=parents.device)]
+    stacked = bits[0][:, None]
+    for j in range(N):
+        parent_bits = stacked.gather(1, parents[:, j : j + 1])[:, 0]
+        bits.append(parent_bits | (1 << (j + 1)))
+        stacked = torch.stack(bits, 1)
+    return stacked
+
+
+def chain_bits(n: int, device=None) -> torch.Tensor:
+    """A chain of n nodes (each the parent of the next) as ancestor sets [n] int64: lower-triangular."""
+    return (torch.bitwise_left_shift(torch.ones(n, dtype=torch.int64, device=device),
+                                     torch.arange(1, n + 1, device=device)) - 1)

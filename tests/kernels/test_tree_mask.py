@@ -1,0 +1,138 @@
+"""Tree-masked paged attention (kernels/tree_mask.py): reference and Triton against dense math with an explicit
+boolean mask, and a chain (lower-triangular ancestors) equal to plain causal attention."""
+import math
+import random
+
+import pytest
+import torch
+
+from kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
+from kernels.tree_mask import ancestor_bits, chain_bits, window_bits
+
+from tests.kernels.test_attention import make_batch
+
+
+def dense_masked(q, k, v, allowed, scale):
+    """One request: q [n, Hq, D] over k/v [s, Hkv, D] where allowed [n, s] says which positions each row sees."""
+    G = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(G, dim=1)
+    v = v.double().repeat_interleave(G, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    return torch.einsum("hqk,khd->qhd", s.masked_fill(~allowed[None], float("-inf")).softmax(-1), v)
+
+
+def random_parents(n: int, rnd: random.Random) -> list[int]:
+    """Node j+1's parent among nodes 0..j (0: the root)."""
+    return [rnd.randrange(0, j + 1) for j in range(n)]
+
+
+def tree_case(q_lens, seq_lens, seed, prefill_rows: bool = True):
+    """Each request's new rows are a random tree (row 0 its root), or (q_len > 40) a prefill chunk with mask -1.
+    -> (tree_mask [T] int64, allowed [n, s] per request)."""
+    rnd = random.Random(seed)
+    masks, allowed = [], []
+    for n, s in zip(q_lens, seq_lens):
+        if n == 0:
+            allowed.append(torch.zeros(0, s, dtype=torch.bool))
+            continue
+        causal = torch.arange(s)[None, :] <= (s - n + torch.arange(n))[:, None]
+        if n > 40 and prefill_rows:
+            masks.append(torch.full((n,), -1, dtype=torch.int64))
+            allowed.append(causal)
+            continue
+        parents = torch.tensor([random_parents(n - 1, rnd)], dtype=torch.int64)
+        anc = ancestor_bits(parents)[0]  # [n] over the request's n new rows
+        masks.append(window_bits(anc, n))
+        sees = causal.clone()
+        for i in range(n):
+            for j in range(n):
+                sees[i, s - n + j] = bool((int(anc[i]) >> j) & 1)
+        allowed.append(sees)
+    return torch.cat(masks) if masks else torch.zeros(0, dtype=torch.int64), allowed
+
+
+# (q_lens, seq_lens): one tree, trees beside plain rows and empty requests, a tree whose prefix is shorter than
+# the 64-position window, trees of up to 63 drafts, a prefill chunk (mask -1) beside trees.
+CASES = [
+    ([5], [40]),
+    ([4, 1, 0, 9], [100, 17, 0, 9]),
+    ([3], [3]),
+    ([17, 33], [90, 70]),
+    ([64], [200]),
+    ([2, 50, 6], [30, 50, 81]),
+]
+
+
+def _run(fn, q_lens, seq_lens, Hq, Hkv, dtype=torch.float32, seed=0, **kw):
+    batch, dk, dv = make_batch(q_lens, seq_lens, Hq, Hkv, 32, 8, dtype, pad_rows=0, seed=seed)
+    tree, allowed = tree_case(q_lens, seq_lens, seed)
+    scale = 1 / math.sqrt(32)
+    out = fn(**batch, scale=scale, max_q_len=max(q_lens), max_seq_len=max(seq_lens) + 2, tree_mask=tree, **kw)
+    start = 0
+    for b, n in enumerate(q_lens):
+        if n:
+            want = dense_masked(batch["query"][start : start + n], dk[b], dv[b], allowed[b], scale)
+            torch.testing.assert_close(out[start : start + n].double(), want, atol=2e-5, rtol=2e-5)
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", CASES)
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (6, 2)])
+def test_tree_ref(q_lens, seq_lens, Hq, Hkv):
+    _run(paged_attention_ref, q_lens, seq_lens, Hq, Hkv)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", CASES)
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (6, 2)])
+def test_tree_triton(q_lens, seq_lens, Hq, Hkv):
+    _run(paged_attention_triton, q_lens, seq_lens, Hq, Hkv, num_splits=1)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_tree_triton_split_kv(num_splits):
+    """Split KV: the window's positions fall in the last split, or straddle two."""
+    _run(paged_attention_triton, [9, 5], [300, 70], 6, 2, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tree_triton_equals_ref_low_precision(dtype):
+    batch, _, _ = make_batch([7, 3], [60, 21], 6, 2, 32, 8, dtype, pad_rows=0, seed=3)
+    tree, _ = tree_case([7, 3], [60, 21], 3)
+    kw = dict(scale=0.2, max_q_len=7, max_seq_len=60, tree_mask=tree)
+    got = paged_attention_triton(**batch, **kw, num_splits=1)
+    want = paged_attention_ref(**batch, **kw)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fn", [paged_attention_ref, paged_attention_triton])
+@pytest.mark.parametrize("q_lens,seq_lens", [([4], [30]), ([1, 6, 3], [9, 70, 3])])
+def test_chain_mask_is_causal(fn, q_lens, seq_lens):
+    """A chain's tree mask (lower-triangular ancestors), and the all-ones mask, give exactly today's causal
+    attention."""
+    batch, _, _ = make_batch(q_lens, seq_lens, 6, 2, 32, 8, torch.float32, pad_rows=0, seed=1)
+    kw = dict(scale=0.2, max_q_len=max(q_lens), max_seq_len=max(seq_lens))
+    plain = fn(**batch, **kw)
+    chain = torch.cat([window_bits(chain_bits(n), n) for n in q_lens])
+    assert torch.equal(fn(**batch, **kw, tree_mask=chain), plain)
+    ones = torch.full((sum(q_lens),), -1, dtype=torch.int64)
+    assert torch.equal(fn(**batch, **kw, tree_mask=ones), plain)
+
+
+def test_dispatch_passes_tree_mask():
+    batch, _, _ = make_batch([5, 2], [40, 12], 4, 2, 32, 8, torch.float32, pad_rows=0, seed=2)
+    tree, _ = tree_case([5, 2], [40, 12], 2)
+    kw = dict(scale=0.2, max_q_len=5, max_seq_len=40, tree_mask=tree)
+    torch.testing.assert_close(paged_attention(**batch, **kw), paged_attention_ref(**batch, **kw), atol=1e-5,
+                               rtol=1e-5)
+    assert not torch.allclose(paged_attention(**batch, scale=0.2, max_q_len=5, max_seq_len=40),
+                              paged_attention_ref(**batch, **kw))
+
+
+def test_ancestor_bits():
+    parents = torch.tensor([[0, 0, 1, 3], [0, 1, 2, 3]])
+    assert ancestor_bits(parents).tolist() == [[0b1, 0b11, 0b101, 0b1011, 0b11011],
+                                               [0b1, 0b11, 0b111, 0b1111, 0b11111]]
+    assert chain_bits(5).tolist() == ancestor_bits(parents[1:]).tolist()[0]
+    assert window_bits(torch.tensor([0b11]), 2).tolist() == [-1]
+    assert window_bits(torch.tensor([0b101]), 3).tolist() == [~(1 << 62)]  # the span is the top 3 bits: 101
