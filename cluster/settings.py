@@ -49,6 +49,11 @@ class EngineSettings(BaseModel):
     draft: str | None = Field(None, description="Draft model or head directory for speculative decoding.")
     num_speculative_tokens: int = Field(0, ge=0, description=f"Draft tokens per step (k); 0 with a method means "
                                                              f"{DEFAULT_SPECULATIVE_TOKENS}.")
+    speculative_topk: int = Field(1, ge=1, description="Draft trees (mtp, eagle3): each draft depth expands the "
+                                                     "topk best children of the topk best nodes so far (EAGLE-2); "
+                                                     "-k is the tree's depth. 1: the chain of k drafts.")
+    num_verify_tokens: int | None = Field(None, ge=1, description="Draft trees: the nodes verified per request and "
+                                                                  "step, k..topk*k; default k.")
     dynamic_k: str | None = Field(None, description="Dynamic speculation: comma-separated decode batch sizes at "
                                                     "which the drafts verified per request drop by one (e.g. "
                                                     "'16,32,64' with k=3); the decode group's batch decides, the "
@@ -110,6 +115,10 @@ class EngineSettings(BaseModel):
             spec["token_map"] = self.speculative_token_map
         if self.adaptive_k:
             spec["adaptive_k"] = True
+        if self.speculative_topk != 1:
+            spec["topk"] = self.speculative_topk
+        if self.num_verify_tokens is not None:
+            spec["num_verify_tokens"] = self.num_verify_tokens
         if self.dynamic_k:
             try:
                 spec["dynamic_k"] = tuple(int(t) for t in self.dynamic_k.split(","))

@@ -30,6 +30,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 METHODS = ("mtp", "eagle3", "ngram", "draft_model", "grammar")
 MAX_K = 8
+MAX_TOPK = 8
+MAX_TREE_NODES = 63  # a tree's nodes and its root fit one 64-bit attention mask (kernels/tree_mask.py)
 
 
 def chain_margin(k: int) -> int:
@@ -85,6 +87,11 @@ class SpecConfig:
     # mtp, eagle3: a file of the target token ids the head may draft (engine/speculative/token_map.py):
     # its LM head multiplies those rows only. None: the head's whole vocabulary.
     token_map: str | None = None
+    # Draft trees (EAGLE-2; mtp, eagle3; engine/speculative/tree.py): k is the tree's depth; each depth expands
+    # the `topk` children of the `topk` best nodes so far by cumulative draft probability, and the
+    # `num_verify_tokens` best nodes are verified in one forward. topk=1 is the chain of k drafts.
+    topk: int = 1
+    num_verify_tokens: int | None = None  # draft nodes verified per request; None: k (the chain's)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -100,9 +107,38 @@ class SpecConfig:
         if self.token_map is not None and self.method not in ("mtp", "eagle3"):
             raise ValueError(f"a speculative token map restricts a draft head's vocabulary (mtp, eagle3), "
                              f"not {self.method!r}")
+        self._check_tree()
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    def _check_tree(self) -> None:
+        if not isinstance(self.topk, int) or not 1 <= self.topk <= MAX_TOPK:
+            raise ValueError(f"speculative topk must be an integer in [1, {MAX_TOPK}], got {self.topk!r}")
+        if self.topk > 1 and self.method not in ("mtp", "eagle3"):
+            raise ValueError(f"speculative topk > 1 (draft trees) is built for the heads mtp and eagle3, "
+                             f"not {self.method!r}")
+        if self.topk > 1 and (self.adaptive_k or self.dynamic_k):
+            raise ValueError("speculative topk > 1 (draft trees) has a fixed depth: adaptive_k and dynamic_k "
+                             "are not built for trees")
+        n = self.num_verify_tokens
+        if n is None:
+            return
+        top = min(self.topk * self.k, MAX_TREE_NODES)
+        if not isinstance(n, int) or not self.k <= n <= top:
+            raise ValueError(f"num_verify_tokens (draft nodes verified per request) must be an integer in "
+                             f"[k, min(topk * k, {MAX_TREE_NODES})] = [{self.k}, {top}] for k={self.k}, "
+                             f"topk={self.topk}; got {n!r}")
+
+    @property
+    def tree(self) -> bool:
+        """Drafts form a tree (topk > 1) rather than a chain."""
+        return self.topk > 1
+
+    @property
+    def num_nodes(self) -> int:
+        """Drafts verified per request and step: the tree's nodes, or the chain's k."""
+        return self.num_verify_tokens if self.num_verify_tokens is not None else self.k
 
     def k_for(self, batch: int) -> int:
         """Drafts to verify per request this step, for a decode batch of `batch` requests."""
@@ -116,8 +152,11 @@ class SpecConfig:
     @property
     def lookahead_slots(self) -> int:
         """KV slots past the verified chain that the draft chain writes (a full acceptance moves the
-        chain's start k positions further)."""
-        return self.k if self.uses_model else 0
+        chain's start k positions further). A tree's expansion writes `topk` nodes at each of its k - 1
+        inner depths."""
+        if not self.uses_model:
+            return 0
+        return max(self.k, (self.k - 1) * self.topk) if self.tree else self.k
 
     @staticmethod
     def coerce(value: "SpecConfig | dict | None") -> "SpecConfig | None":
@@ -311,6 +350,9 @@ class EngineConfig:
         if self.attention_dp not in (1, self.tp_size):
             raise ValueError(f"attention_dp must be 1 (off) or tp_size ({self.tp_size}), got {self.attention_dp}: "
                              f"attention tensor parallelism inside data-parallel groups is not supported")
+        if self.speculative is not None and self.speculative.tree and (self.async_scheduling or self.attention_dp > 1):
+            raise ValueError("speculative topk > 1 (draft trees) runs synchronous steps without attention data "
+                             "parallelism for now: turn off async_scheduling / attention_dp")
 
     def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
         if self.dtype is None:

@@ -84,8 +84,10 @@ class ModelRunner:
         self.vocab_size = model_cfg.vocab_size
         self.max_model_len = max_model_len
         # Draft chains and padded verification rows run past the last token: the rope table covers them.
-        k = cfg.speculative.k if cfg.speculative is not None else 0
+        k = cfg.speculative.num_nodes if cfg.speculative is not None else 0  # a tree's rows: num_nodes >= k
         max_pos = max_model_len + position_margin(k)
+        if model_cfg.mla is not None and cfg.speculative is not None and cfg.speculative.tree:
+            raise UnsupportedModelError("draft trees (speculative topk > 1) are not built for MLA targets yet")
         if model_cfg.mla is not None and cfg.speculative is not None and cfg.speculative.method in ("eagle3",
                                                                                                    "draft_model"):
             raise UnsupportedModelError(f"speculative method {cfg.speculative.method!r} is not built for MLA "
@@ -102,12 +104,12 @@ class ModelRunner:
         # the k = 0 drafter without speculation: one step for every configuration
         self.drafter = Drafter(cfg.speculative, DraftTarget(cfg, model_cfg, self.model, tp, self.dtype, self.device,
                                                             max_pos, self.num_kv_heads, lambda: self.kv_cache))
-        self.k = self.drafter.k
+        self.k = self.drafter.num_nodes  # drafts verified per request: a chain's k, a tree's nodes
         self.draft_masks = cfg.speculative is not None and cfg.speculative.draft_masks
         if cfg.cpu_compile != "off" and self.device.type == "cpu":
             self._compile_cpu(layers=cfg.cpu_compile == "layers" and tp.size == 1 and dp is None)
         self.graphs = None
-        if self.device.type == "cuda" and cfg.cuda_graphs:
+        if self.device.type == "cuda" and cfg.cuda_graphs and not self.drafter.tree:  # trees run eagerly for now
             self.use_graphs(min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
                             capture_on_demand=dp is None, masks=cfg.graph_masks)
 

@@ -22,6 +22,7 @@ from engine.speculative.adaptive import AdaptiveK, Vote
 from engine.speculative.loading import DraftTarget, load_proposer
 from engine.speculative.ngram import propose_ngram
 from engine.speculative.proposer import ProposeInputs, Proposer
+from engine.speculative.tree import TreeShape, TreeSlots, head_tree
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,12 @@ class Drafter:
         if spec is not None and spec.uses_model:
             self.proposer, self.draft_kv_shape, self.shares_cache = load_proposer(spec, target, self.cache)
         self.num_slots = target.cfg.max_num_seqs
+        # Drafts verified per request and step: the chain's k, or a tree's nodes (engine/speculative/tree.py)
+        self.num_nodes = spec.num_nodes if spec is not None else 0
+        self.tree = spec is not None and spec.tree
+        if self.tree:
+            self.proposer.tree_shape = TreeShape(spec.topk, spec.k, spec.num_nodes)
+            self.proposer.tree_slots = TreeSlots(self.num_slots, spec.num_nodes, self.device)
         self._free_slots = deque(range(self.num_slots))
         self._slot_of: dict[str, int] = {}
         self.draft_probs: torch.Tensor | None = None  # [slots + 1, k, V] (last row: scratch), on first sampled request
@@ -147,6 +154,8 @@ class Drafter:
         old = self.num_slots
         self.num_slots *= 2
         self._free_slots.extend(range(old, self.num_slots))
+        if self.tree:
+            self.proposer.tree_slots.grow(self.num_slots)
         if self.draft_probs is not None:
             grown = self.draft_probs.new_zeros((self.num_slots + 1, *self.draft_probs.shape[1:]))
             grown[:old] = self.draft_probs[:old]
@@ -163,7 +172,8 @@ class Drafter:
 
     def prepare(self, requests: list[Request]) -> None:
         """Before a step: the draft-distribution buffer exists once any request samples."""
-        if self.proposer is None or self.draft_probs is not None or all(r.params.greedy for r in requests):
+        if (self.proposer is None or self.tree or self.draft_probs is not None
+                or all(r.params.greedy for r in requests)):  # a tree's verification needs no draft distributions
             return
         self.draft_probs = torch.zeros((self.num_slots + 1, self.k, self.vocab_size), dtype=torch.float32,
                                        device=self.device)
@@ -185,6 +195,8 @@ class Drafter:
         req.spec_forced = 0
         if room <= 0:  # always at k = 0
             return []
+        if self.tree:
+            return tree_drafts(req, step_drafts, rejected)
         if self.proposer is not None:
             if step_drafts is None:
                 return []
@@ -230,7 +242,7 @@ class Drafter:
             return
         needs_hidden = self.proposer.needs_hidden
         ready = [(r, h) for r, h in zip(reqs, hidden) if (h is not None or not needs_hidden) and
-                 blocks.allocate(r.request_id, r.num_computed_tokens + self.k)]
+                 blocks.allocate(r.request_id, r.num_computed_tokens + self.lookahead_slots)]
         if not ready:
             return
         reqs = [r for r, _ in ready]
@@ -249,18 +261,34 @@ class Drafter:
                                  max_q_len=1, max_seq_len=int(seq_lens.max()))
         sampling = build_sampling(reqs, pos + 1, len(reqs), self.device, self.vocab_size)
         first = torch.stack([h.to(self.device) for _, h in ready]) if needs_hidden else None
-        drafts, probs = self.proposer.propose(ProposeInputs(
+        inputs = ProposeInputs(
             hidden=first, input_ids=dev([r.token_ids[-2] for r in reqs]),
             next_tokens=dev([r.token_ids[-1] for r in reqs]), positions=dev(pos), attn=attn,
             out_rows=torch.arange(len(reqs), device=self.device),
             slot_limit=dev([blocks.num_slots[r.request_id] for r in reqs]),
-            max_seq_len=int(seq_lens.max()) + chain_margin(self.k), chain=True, sampling=sampling))
+            max_seq_len=int(seq_lens.max()) + chain_margin(self.k), chain=True, sampling=sampling)
+        probs = None
+        if self.tree:
+            tree = head_tree(self.proposer, inputs, self.proposer.tree_shape)
+            self.proposer.tree_slots.write(torch.tensor([self.slot(r.request_id) for r in reqs], device=self.device),
+                                           tree)
+            drafts = tree.tokens
+        else:
+            drafts, probs = self.proposer.propose(inputs)
         if probs is not None:
             slots = torch.tensor([self.slot(r.request_id) for r in reqs], device=self.device)
             self.draft_probs.index_copy_(0, slots, probs)
         for r, row in zip(reqs, drafts.tolist()):
             r.spec_token_ids = self.next_drafts(r, row)
             blocks.rewind(r.request_id, blocks.num_slots[r.request_id] - r.num_computed_tokens)
+
+
+def tree_drafts(req: Request, step_drafts: list[int] | None, rejected: int) -> list[int]:
+    """A tree's nodes a request verifies next step: the first n in depth order (still a tree), n within what it
+    may still emit. A guided request verifies none: grammars do not mask trees yet (only chains)."""
+    if step_drafts is None or req.params.structured_output is not None:
+        return []
+    return list(step_drafts[: draft_room(req, rejected)])
 
 
 def draft_room(req: Request, pending: int) -> int:

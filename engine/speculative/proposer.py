@@ -104,6 +104,10 @@ class Proposer(ABC):
     num_cache_layers: int  # KV layers it adds after the target's
     needs_hidden: bool  # its first step reads the target's hidden states (a head), not only tokens
 
+    # Draft trees (SpecConfig(topk > 1), a head only): the tree's shape and the trees kept by draft-state slot
+    # (engine/speculative/tree.py); None for chains
+    tree_shape = None
+    tree_slots = None
     remap: torch.Tensor | None = None  # [Vd] target id of each draft id, when the vocabularies differ
     d2t: torch.Tensor | None = None  # [Vd] the same map as offsets (target id = draft id + d2t): bitmask kernels
 

@@ -99,6 +99,17 @@ def test_speculation_flags_reach_both_engines_and_are_checked_early(tiny_model_d
         tandem_config(parser().parse_args(["--model", tiny_model_dir, "--speculative-method", "ngram", "-k", "99"]))
 
 
+def test_draft_tree_flags_reach_the_engines_and_bad_sizes_name_the_field(tiny_model_dir):
+    base = ["--model", tiny_model_dir, "--speculative-method", "mtp", "-k", "3"]
+    cfg = tandem_config(parser().parse_args(base + ["--speculative-topk", "4", "--num-verify-tokens", "10"]))
+    assert cfg.decode().speculative == {"method": "mtp", "k": 3, "draft": None, "topk": 4, "num_verify_tokens": 10}
+    assert "topk" not in tandem_config(parser().parse_args(base)).decode().speculative  # the chain by default
+    with pytest.raises(ValueError, match="num_verify_tokens"):
+        tandem_config(parser().parse_args(base + ["--speculative-topk", "2", "--num-verify-tokens", "7"]))
+    with pytest.raises(ValueError, match="topk"):
+        tandem_config(parser().parse_args(base + ["--speculative-topk", "9"]))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "/nonexistent/dir"], "not a model directory"),
     (["--model", ".", "--tp", "0"], "tp"),

@@ -1,0 +1,161 @@
+"""Draft trees (EAGLE-2's dynamic trees) for the one-model heads, MTP and EAGLE-3: SpecConfig(topk > 1).
+
+From each request's last verified row the head expands a tree of depth k: depth 1 holds the head's `topk` most
+likely tokens; at each further depth the `topk` best nodes so far (the frontier, ranked by cumulative draft
+log-probability) each run through the head and propose their `topk` best children, of which the `topk` best by
+cumulative score form the next frontier. Of every node proposed, the `num_verify_tokens` (N) best by cumulative
+score are verified next step. A child never scores above its parent and candidates are ranked stably in depth
+order, so a node's parent is always among the chosen; the chosen nodes are put in depth order, each after its
+parent, which is what lets the host cut a tree to its first n nodes near max_tokens and keep a tree.
+
+Shapes are fixed by (B, topk, k, N): k - 1 head passes of B * topk rows, one top-k per pass, one stable sort.
+
+Where the frontier's KV lives: the head's pass at depth d writes the frontier's rows at KV positions
+start + 1 + (d-1) * topk + lane (start: the last verified position), inside the request's lookahead slots
+(SpecConfig.lookahead_slots), and attends with a tree mask (kernels/tree_mask.py): the prefix, and of the
+frontier rows only its own ancestors. Those positions are past the verified tokens, so the next step's rows
+overwrite them before anything else reads them, as a chain's drafts are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.layers.attention import AttentionMetadata, attention_context
+from kernels.tree_mask import ancestor_bits, window_bits
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTree:
+    tokens: torch.Tensor  # [B, N] int64 node tokens (target ids), each node after its parent, in depth order
+    parents: torch.Tensor  # [B, N] int64 node j+1's parent among nodes 0..j (0: the root)
+    depth: torch.Tensor  # [B, N+1] int64 node depth (the root 0)
+    ancestors: torch.Tensor  # [B, N+1] int64 bit i: node i is the node or one of its ancestors
+
+
+class TreeSlots:
+    """The tree each request carries into its next step, by draft-state slot (as the draft distributions of a
+    chain are kept): its tokens travel through the host as the request's drafts, its shape stays here."""
+
+    def __init__(self, num_slots: int, num_nodes: int, device: torch.device):
+        self.num_nodes = num_nodes
+        self.parents = torch.zeros((num_slots + 1, num_nodes), dtype=torch.int64, device=device)
+        self.depth = torch.zeros((num_slots + 1, num_nodes + 1), dtype=torch.int64, device=device)
+        self.ancestors = torch.ones((num_slots + 1, num_nodes + 1), dtype=torch.int64, device=device)
+
+    def write(self, slots: torch.Tensor, tree: DraftTree) -> None:
+        self.parents.index_copy_(0, slots, tree.parents)
+        self.depth.index_copy_(0, slots, tree.depth)
+        self.ancestors.index_copy_(0, slots, tree.ancestors)
+
+    def read(self, slots: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
+        """The trees at `slots` with their tokens [B, N] (the batch's drafts)."""
+        return DraftTree(tokens, self.parents[slots], self.depth[slots], self.ancestors[slots])
+
+    def grow(self, num_slots: int) -> None:
+        for name in ("parents", "depth", "ancestors"):
+            old = getattr(self, name)
+            grown = old.new_zeros((num_slots + 1, old.shape[1]))
+            grown[: old.shape[0]] = old
+            setattr(self, name, grown)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeShape:
+    topk: int
+    depth: int  # k
+    num_nodes: int  # N, verified per request
+
+    @property
+    def margin(self) -> int:
+        """KV positions the expansion reaches past the last verified one."""
+        return (self.depth - 1) * self.topk + 1
+
+
+def frontier_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, start: torch.Tensor, d: int, topk: int,
+                      lineage: torch.Tensor, slot_limit: torch.Tensor, max_seq_len: int) -> AttentionMetadata:
+    """The head's pass over the depth-d frontier: request b's topk rows (lane g) at KV position
+    start + 1 + (d-1) * topk + g; lineage [B, topk] int64: each row's ancestors among the frontier rows so far
+    (bit (e-1) * topk + g': the depth-e row of lane g'), itself included."""
+    tables = base.block_tables  # [B, M] int32
+    B, M = tables.shape
+    block_size = kv_cache.shape[3]
+    lane = torch.arange(topk, device=start.device)
+    pos = start[:, None] + 1 + (d - 1) * topk + lane  # [B, topk]
+    slot = tables.gather(1, (pos // block_size).clamp(max=M - 1)).to(torch.int64) * block_size + pos % block_size
+    span = d * topk  # the frontier rows of depths 1..d: the last span positions
+    return AttentionMetadata(
+        kv_cache=kv_cache, slot_mapping=torch.where(pos < slot_limit[:, None], slot, -1).reshape(-1),
+        block_tables=tables, seq_lens=(start + 1 + span).to(torch.int32),
+        query_start_loc=torch.arange(0, (B + 1) * topk, topk, dtype=torch.int32, device=start.device),
+        max_q_len=topk, max_seq_len=max_seq_len, tree_mask=window_bits(lineage, span).reshape(-1))
+
+
+def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor,
+           slot_limit: torch.Tensor, max_seq_len: int, shape: TreeShape, remap: torch.Tensor | None) -> DraftTree:
+    """state [B, H]: the head's output at each request's last verified row (position start [B]) -> its tree.
+    attn: the step's metadata (block tables); remap: target id of each draft id (None: the same vocabulary)."""
+    K, k, N = shape.topk, shape.depth, shape.num_nodes
+    B, H = state.shape
+    dev = state.device
+    to_target = (lambda ids: ids) if remap is None else (lambda ids: remap[ids])  # noqa: E731
+    score, ids = head.compute_logits(state).log_softmax(-1).topk(K, dim=-1)  # [B, K]
+    tokens, scores, parents, depths = [to_target(ids)], [score], [torch.full((B, K), -1, device=dev)], [1] * K
+    frontier = dict(tokens=tokens[0], score=score, state=state[:, None].expand(B, K, H),
+                    candidate=torch.arange(K, device=dev).expand(B, K),
+                    lineage=torch.zeros((B, K), dtype=torch.int64, device=dev))
+    offset = K
+    lane = torch.arange(K, device=dev)
+    for d in range(1, k):
+        lineage = frontier["lineage"] | torch.bitwise_left_shift(torch.ones_like(lane), (d - 1) * K + lane)
+        meta = frontier_metadata(attn, kv_cache, start, d, K, lineage, slot_limit, max_seq_len)
+        with attention_context(meta):
+            out = head(frontier["state"].reshape(B * K, H), frontier["tokens"].reshape(-1),
+                       (start + d).repeat_interleave(K))  # [B * K, H]
+        child = head.compute_logits(out).log_softmax(-1).view(B, K, -1)
+        child = child + frontier["score"][..., None]  # cumulative
+        c_score, c_ids = child.topk(K, dim=-1)  # [B, K, K]: each frontier node's best children
+        c_score, c_ids = c_score.reshape(B, K * K), to_target(c_ids.reshape(B, K * K))
+        tokens.append(c_ids)
+        scores.append(c_score)
+        parents.append(frontier["candidate"].repeat_interleave(K, dim=1))
+        depths += [d + 1] * (K * K)
+        best, pick = c_score.topk(K, dim=-1)  # [B, K] the next frontier
+        parent_lane = pick // K
+        frontier = dict(tokens=c_ids.gather(1, pick), score=best,
+                        state=out.view(B, K, H).gather(1, parent_lane[..., None].expand(B, K, H)),
+                        candidate=offset + pick, lineage=lineage.gather(1, parent_lane))
+        offset += K * K
+    return choose(torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1),
+                  torch.tensor(depths, device=dev), N)
+
+
+def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+           n: int) -> DraftTree:
+    """Candidates [B, C] (in depth order; parents: a candidate index, -1 for the root) -> the tree of the n best.
+    A stable sort keeps a parent before a child of equal score (a draft of probability 1), so the n best
+    always hold every chosen node's parent."""
+    B, C = scores.shape
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
+    chosen = order.sort(dim=1).values  # [B, n] candidate indices in depth order
+    node_of = torch.zeros((B, C), dtype=torch.int64, device=scores.device)
+    node_of.scatter_(1, chosen, torch.arange(1, n + 1, device=scores.device).expand(B, n))
+    parent = parents.gather(1, chosen)
+    node_parents = torch.where(parent < 0, 0, node_of.gather(1, parent.clamp(min=0)))
+    depth = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=scores.device),
+                       depths[chosen]], 1)
+    return DraftTree(tokens.gather(1, chosen), node_parents, depth, ancestor_bits(node_parents))
+
+
+def head_tree(proposer, inp, shape: TreeShape) -> DraftTree | None:
+    """A HeadProposer's tree proposal (engine/speculative/proposer.py): the head's first step over every row
+    (its KV, and the state at each request's last verified row), then the expansion. None without `inp.chain`."""
+    cache = proposer._kv_cache()
+    with attention_context(replace(inp.attn, kv_cache=cache)):
+        state = proposer.head(inp.hidden, inp.next_tokens, inp.positions)  # [R, H]
+    if not inp.chain:
+        return None
+    start = inp.positions.index_select(0, inp.out_rows)
+    return expand(proposer.head, state.index_select(0, inp.out_rows), start, inp.attn, cache, inp.slot_limit,
+                  inp.max_seq_len + shape.margin, shape, proposer.remap)

@@ -1,0 +1,101 @@
+"""The engine's step with draft trees (SpecConfig(topk > 1)): engine/runner/step.py's model_step for trees.
+
+A decoding request's rows are its verified token (the root) and its N tree nodes in depth order
+(engine/speculative/tree.py), laid out as a chain's would be: row j at KV position start + j. Then:
+
+1. the target runs every row with each node at position start + depth and a tree mask (kernels/tree_mask.py):
+   a node attends to the prefix and its ancestors only;
+2. verification along the tree (tree_verify.py) gives the accepted path, emitted as a chain's tokens;
+3. the path is made a chain: the target's KV of the path's nodes moves to positions start + 1.., and the rows
+   are permuted so that row j holds the path's j-th node (hidden state, token after it); from here on the step
+   is a chain's that accepted `a` drafts: the scheduler keeps a + 1 positions and rewinds the rest (the rejected
+   nodes' slots are freed by lengths), and the head drafts from the last accepted row;
+4. the head fills its KV over the permuted rows and expands the next tree, kept by slot in TreeSlots.
+
+No host syncs; shapes are fixed by (B, N, topk, k). Eager only for now (no CUDA graph is captured with trees).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from engine.layers.attention import attention_context
+from engine.masking.masker import LogitsMasker, StepMasks
+from engine.models.llama import LlamaForCausalLM
+from engine.runner.batch import StepBatch
+from engine.speculative.proposer import ProposeInputs
+from engine.speculative.tree import TreeShape, TreeSlots, head_tree
+from engine.speculative.tree_verify import verify_tree
+from kernels.tree_mask import window_bits
+
+
+def tree_layout(batch: StepBatch, slots: TreeSlots):
+    """-> (the trees at the batch's slots, positions [T] with each node at start + depth, tree masks [T])."""
+    vr = batch.verify_rows  # [B, N+1]
+    B, n1 = vr.shape
+    tree = slots.read(batch.slots, batch.drafts)
+    # Column j of a request with fewer nodes repeats its last row: clip so that repeats write equal values.
+    col = torch.minimum(torch.arange(n1, device=vr.device)[None, :], batch.num_drafts[:, None])
+    depth = tree.depth.gather(1, col)
+    root = batch.positions.index_select(0, vr[:, 0])
+    positions = batch.positions.scatter(0, vr.reshape(-1), (root[:, None] + depth).reshape(-1))
+    bits = window_bits(tree.ancestors.gather(1, col), batch.num_drafts[:, None] + 1)
+    bits = torch.where(col == 0, -1, bits)  # the root (and prompt rows): plain causal
+    mask = torch.full_like(batch.positions, -1).scatter(0, vr.reshape(-1), bits.reshape(-1))
+    return tree, positions, mask
+
+
+def compact(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, vr: torch.Tensor, path: torch.Tensor,
+            accepted: torch.Tensor) -> None:
+    """Move the KV of the accepted path's nodes (every layer) to the positions after the root, in place:
+    column c <= accepted takes node path[c]'s slot. Columns past the accepted repeat the last one's copy,
+    so duplicate destinations always receive equal values."""
+    c = torch.minimum(torch.arange(path.shape[1], device=path.device)[None, :], accepted[:, None])
+    src = slot_mapping.index_select(0, vr.gather(1, path.gather(1, c)).reshape(-1))
+    dst = slot_mapping.index_select(0, vr.gather(1, c).reshape(-1))
+    L, P = kv_cache.shape[:2]
+    flat = kv_cache.view(L, P, -1, *kv_cache.shape[4:])
+    flat.index_copy_(2, dst, flat.index_select(2, src))
+
+
+def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker: LogitsMasker | None):
+    """model_step (engine/runner/step.py) with draft trees; -> its StepOutput. A guided request drafts no tree
+    (drafter.tree_drafts): its one verification row is masked as a chain's would be."""
+    from engine.runner.step import StepOutput
+
+    shape: TreeShape = proposer.tree_shape
+    slots: TreeSlots = proposer.tree_slots
+    tree, positions, tree_mask = tree_layout(batch, slots)
+    with attention_context(replace(batch.attn, tree_mask=tree_mask)):
+        final, captured = target(batch.input_ids, positions, tuple(sorted(set(proposer.capture_layers))))
+    vr = batch.verify_rows
+    B, n1 = vr.shape
+    logits = target.compute_logits(final.index_select(0, vr.reshape(-1))).view(B, n1, -1)
+    grammar = StepMasks(masker, batch).verify if masker is not None else None
+    v = verify_tree(logits, batch.drafts, tree.parents, tree.depth, tree.ancestors, batch.num_drafts,
+                    batch.sampling, shape.depth, grammar)
+    a = v.num_accepted
+    compact(batch.attn.kv_cache, batch.attn.slot_mapping, vr, v.path, a)
+
+    # The rows as the chain of the accepted path: row of column c <- row of node path[c] (c <= a).
+    c = torch.minimum(torch.arange(shape.depth + 1, device=vr.device)[None, :], a[:, None])
+    dst_rows = vr.gather(1, c).reshape(-1)
+    perm = torch.arange(batch.positions.shape[0], device=vr.device).scatter(
+        0, dst_rows, vr.gather(1, v.path.gather(1, c)).reshape(-1))
+    after = batch.next_tokens.index_select(0, dst_rows).view(B, -1)
+    emitted = torch.where(batch.samples[:, None], v.tokens.gather(1, c), after)
+    next_tokens = batch.next_tokens.scatter(0, dst_rows, emitted.reshape(-1))
+    out_rows = vr.gather(1, a[:, None])[:, 0]
+    hidden = proposer.first_hidden(final, captured)
+    hidden = hidden.index_select(0, perm) if hidden is not None else None
+    tree_next = head_tree(proposer, ProposeInputs(
+        hidden=hidden, input_ids=batch.input_ids.index_select(0, perm), next_tokens=next_tokens,
+        positions=batch.positions, attn=batch.attn, out_rows=out_rows, slot_limit=batch.slot_limit,
+        max_seq_len=batch.chain_max_seq_len, chain=batch.propose, sampling=batch.sampling), shape)
+    drafts = None
+    if tree_next is not None:
+        slots.write(batch.slots, tree_next)
+        drafts = tree_next.tokens
+    first_hidden = hidden.index_select(0, out_rows) if hidden is not None else None
+    return StepOutput(v.tokens, a, drafts, first_hidden, v.logprobs, v.top_ids, v.top_logprobs)
