@@ -12,6 +12,11 @@ class DecodeConfig(EngineSettings):
     attention_dp: int = Field(1, ge=1, description="Attention data parallelism inside a decode group: 1 = off "
                                                    "(attention heads sharded over the tp ranks); equal to tp = each "
                                                    "rank owns its requests' whole-head KV and the MLP stays sharded.")
+    expert_parallel: bool = Field(False, description="MoE models (DeepSeek-V3, Qwen3-MoE): the routed experts sharded "
+                                                     "whole over the tp ranks (each holds num_experts / tp of them) "
+                                                     "instead of every expert's intermediate dim; with attention_dp "
+                                                     "= tp this is DeepSeek's serving layout (DP attention + EP "
+                                                     "MoE). No effect on dense models.")
     handover_stock: float = Field(0.125, ge=0, lt=1, description="Share of each decode rank's KV blocks set aside "
                                                                  "for incoming hand-overs, so that a payload is let "
                                                                  "in as soon as its header arrives instead of after "

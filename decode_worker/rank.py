@@ -76,7 +76,8 @@ class DecodeRank:
         """Build the TP group (rank 0's store is the rendezvous) and the engine shard."""
         # No rank keeps text: the router detokenizes the reporting rank's tokens and applies stop strings.
         cfg = self.settings.engine_config(tp_size=self.tp_size, tp_rank=self.tp_rank, detokenize=False,
-                                          attention_dp=self.tp_size if self.attention_dp else 1)
+                                          attention_dp=self.tp_size if self.attention_dp else 1,
+                                          expert_parallel=getattr(self.settings, "expert_parallel", False))
         cpu_group = None
         if self.tp_size > 1:
             store = self.server.store if self.tp_rank == 0 else connect_store(tp_store, timeout_s)

@@ -321,6 +321,10 @@ class EngineConfig:
     # sharded over the group. Attention TP inside DP groups (1 < attention_dp < tp_size) is not built yet.
     attention_dp: int = 1
     adp_exchange: str = "reduce_scatter"  # how MLP rows come back: reduce_scatter | all_reduce
+    # MoE models: the routed experts sharded whole across the tp_size ranks (each holds num_experts / tp_size of
+    # them) instead of every expert's intermediate dim; with attention_dp, the SGLang / TensorRT-LLM DeepSeek layout
+    # (DP attention + EP MoE). No effect on dense layers or a single rank.
+    expert_parallel: bool = False
     speculative: SpecConfig | None = None  # speculative decoding (a dict of SpecConfig's fields works too); None = off
     cuda_graphs: bool = True  # on CUDA, capture the decode step per padded batch size
     max_graph_batch: int | None = None  # None: max_num_seqs

@@ -52,10 +52,11 @@ class LLMEngine:
         self.model_cfg = ModelConfig.from_dir(cfg.model)
         self.dp: DPContext | None = None
         if cfg.attention_dp > 1:
-            self.dp = DPContext(cfg.tp_rank, cfg.tp_size, tp_group, cpu_group, cfg.adp_exchange, tp_shm)
+            self.dp = DPContext(cfg.tp_rank, cfg.tp_size, tp_group, cpu_group, cfg.adp_exchange, tp_shm,
+                                cfg.expert_parallel)
             self.tp = TPContext()  # attention, embeddings and the draft network are replicated on every rank
         else:
-            self.tp = TPContext(cfg.tp_rank, cfg.tp_size, tp_group, tp_shm)
+            self.tp = TPContext(cfg.tp_rank, cfg.tp_size, tp_group, tp_shm, cfg.expert_parallel)
         limit = self.model_cfg.max_position_embeddings
         if self.model_cfg.sliding_window:
             limit = min(limit, self.model_cfg.sliding_window)  # no sliding-window attention yet: stay inside it

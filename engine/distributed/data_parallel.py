@@ -46,6 +46,7 @@ class DPContext:
     # and the agreement that fit its slots go through shared memory instead of gloo (all ranks alike: they
     # see the same shapes)
     shm: object | None = None
+    expert_parallel: bool = False  # the MoE layers' routed experts sharded whole (TPContext.expert_parallel)
 
     def __post_init__(self) -> None:
         if self.size < 2:
@@ -60,7 +61,7 @@ class DPContext:
     @property
     def mlp_tp(self) -> TPContext:
         """How the MLP weights are sharded: across the whole group."""
-        return TPContext(self.rank, self.size, self.group)
+        return TPContext(self.rank, self.size, self.group, expert_parallel=self.expert_parallel)
 
     # ------------------------------------------------------------------ the MLP's row exchange
     def mlp(self, x: torch.Tensor, shard_fn) -> torch.Tensor:

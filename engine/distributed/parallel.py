@@ -19,6 +19,8 @@ class TPContext:
     size: int = 1
     group: object | None = None  # torch.distributed ProcessGroup when size > 1
     shm: object | None = None  # ShmCollectives of the same ranks (CPU, one host), or None
+    # MoE layers: routed experts sharded whole across the ranks (engine/layers/moe.py), not by intermediate dim
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.size > 1 and self.group is None:

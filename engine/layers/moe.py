@@ -7,6 +7,13 @@ expert weights): no Python loop over experts or tokens, no host sync and no shap
 routing, so a CUDA graph can capture it. Tensor parallelism shards every expert's intermediate dim
 (and the shared experts'); the block returns its rank's partial sum and reduces once (under attention data
 parallelism the group's row exchange reduces it, engine/distributed/data_parallel.py).
+
+Expert parallelism (TPContext.expert_parallel) shards the routed experts instead: each rank holds
+num_experts / N whole experts and computes, over the same rows, only the (token, choice) pairs routed to them;
+the other pairs are sorted past its last group and never multiplied. The partial sums meet in the same one
+reduction (an all-reduce, or under attention data parallelism the all-gather of rows before and the
+reduce-scatter after: vLLM's and TensorRT-LLM's default dispatch), so the collectives per step stay fixed and
+an idle rank stays safe. The shared experts stay sharded by their intermediate dim, each rank's slice summed once.
 """
 from __future__ import annotations
 
@@ -70,31 +77,43 @@ class TopKRouter(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """All experts' weights as two batched tensors: w13 [E, 2 * I_local, H] (gate rows, then up rows) and
-    w2 [E, H, I_local]; this rank holds the slice I_local of every expert's intermediate dim."""
+    """This rank's experts' weights as two batched tensors: w13 [E_local, 2 * I_local, H] (gate rows, then up rows)
+    and w2 [E_local, H, I_local]. Tensor parallelism: every expert (E_local = E), the slice I_local of each one's
+    intermediate dim; expert parallelism: the experts first_expert .. first_expert + E_local, whole."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, tp: TPContext):
         super().__init__()
         self.tp = tp
         self.intermediate = intermediate
-        _, self.local = tp.shard(intermediate, "moe_intermediate_size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
+        self.num_experts = num_experts
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            self.first_expert, local_experts = tp.shard(num_experts, "n_routed_experts")
+            self.local = intermediate
+        else:
+            self.first_expert, local_experts = 0, num_experts
+            _, self.local = tp.shard(intermediate, "moe_intermediate_size")
+        self.w13 = nn.Parameter(torch.empty(local_experts, 2 * self.local, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local_experts, hidden, self.local), requires_grad=False)
 
     def load(self, name: str, tensor: torch.Tensor, shard_id: tuple[int, int]) -> None:
         """shard_id: (expert, part) with part an index into EXPERT_PARTS."""
         expert, part = shard_id
-        E, _, H = self.w13.shape
-        if not 0 <= expert < E:
-            raise ModelLoadError(f"weight {name!r} names expert {expert}, but the config has {E} routed experts")
-        start, n = self.tp.shard(self.intermediate, name)
+        E_local, _, H = self.w13.shape
+        if not 0 <= expert < self.num_experts:
+            raise ModelLoadError(f"weight {name!r} names expert {expert}, but the config has {self.num_experts} "
+                                 f"routed experts")
         want = (self.intermediate, H) if part < 2 else (H, self.intermediate)
         if tuple(tensor.shape) != want:
             raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {want}")
+        local = expert - self.first_expert
+        if not 0 <= local < E_local:  # another rank's expert (expert parallelism)
+            return
+        start, n = (0, self.intermediate) if self.expert_parallel else self.tp.shard(self.intermediate, name)
         if part < 2:  # gate or up [I, H]: this rank's rows, at the part's half of w13
-            dst, src = self.w13.data[expert].narrow(0, part * self.local, n), tensor.narrow(0, start, n)
+            dst, src = self.w13.data[local].narrow(0, part * self.local, n), tensor.narrow(0, start, n)
         else:  # down [H, I]: this rank's columns
-            dst, src = self.w2.data[expert], tensor.narrow(1, start, n)
+            dst, src = self.w2.data[local], tensor.narrow(1, start, n)
         copy_checked(dst, src, name)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -105,20 +124,31 @@ class RoutedExperts(nn.Module):
             return self._grouped(x, weights, ids)
         return self._gathered(x, weights, ids)
 
+    def _local_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T, K] -> (each pair's expert among this rank's [T * K], with E_local for another rank's; whether
+        it is this rank's [T * K])."""
+        E_local = self.w13.shape[0]
+        flat = ids.reshape(-1) - self.first_expert
+        mine = (flat >= 0) & (flat < E_local)
+        return torch.where(mine, flat, E_local), mine
+
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Two grouped GEMMs over the (token, choice) pairs sorted by expert."""
+        """Two grouped GEMMs over the (token, choice) pairs sorted by expert; under expert parallelism other
+        ranks' pairs sort last, past the last group's offset: never multiplied, their rows dropped."""
         T, K = ids.shape
         E = self.w13.shape[0]
-        flat = ids.reshape(-1)  # [T * K] expert of each (token, choice) pair
+        flat, mine = self._local_ids(ids)  # [T * K] expert of each (token, choice) pair
         order = flat.argsort(stable=True)  # pairs grouped by expert
-        counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+        counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))  # (bincount would read its max on the host)
-        offsets = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's rows
+        offsets = counts[:E].cumsum(0, dtype=torch.int32)  # [E] end of each expert's rows
         token = order // K  # [T * K] the token of each sorted pair
         h = F.grouped_mm(x.index_select(0, token), self.w13.transpose(1, 2), offs=offsets)  # [T * K, 2 * I_local]
         gate, up = h.split(self.local, dim=-1)
         y = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)  # [T * K, H]
         y = y * weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
+        if self.expert_parallel:  # rows past the last offset hold whatever the output's memory held
+            y = torch.where(mine.index_select(0, order)[:, None], y, 0)
         return torch.zeros_like(x).index_add_(0, token, y)
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -127,7 +157,9 @@ class RoutedExperts(nn.Module):
         GEMM. The pairs go in chunks whose gathered weights stay under GATHER_BYTES (a fixed count for a given
         T, so a captured graph holds the same chunks)."""
         T, K = ids.shape
-        flat = ids.reshape(-1)
+        flat, mine = self._local_ids(ids)
+        if self.expert_parallel:  # another rank's pair reads expert 0 and its weight is dropped
+            flat, weights = flat.clamp(max=self.w13.shape[0] - 1), weights * mine.view(T, K)
         xs = x.repeat_interleave(K, dim=0)  # [T * K, H]
         per_pair = self.w13[0].numel() * self.w13.element_size()
         chunk = max(1, GATHER_BYTES // per_pair)

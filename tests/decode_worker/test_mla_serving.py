@@ -2,7 +2,8 @@
 hand-over of the latent cache -> a tp=2 decode group, as the topology table's two rows deploy it:
 - decode-tp2: attention heads sharded, the latent replicated: every rank receives every request's whole latent
   (one plane of kv_lora_rank + qk_rope_head_dim per token and cache layer, the MTP layer's included);
-- decode-tp2-adp: attention data parallelism, the layout MLA is made for: one rank receives a request's latent.
+- decode-tp2-adp: attention data parallelism, the layout MLA is made for: one rank receives a request's latent;
+  with expert parallelism on top (each rank holds 4 of the 8 routed experts), DeepSeek's DP attention + EP MoE.
 Greedy outputs equal the single-process engine's, a guided JSON request is valid against its schema, the
 hand-over moves exactly the latent's bytes to the ranks it should, and every KV block is free afterwards."""
 from __future__ import annotations
@@ -59,7 +60,8 @@ def mla_app(request, tandem_server, deepseek_dir):
     topology = BY_NAME[request.param]
     app = f"mla-{topology.name}"
     args = topology.serve_args("cpu", deepseek_dir, None)
-    cfg = TandemConfig(**{**args, "served_model_name": app, "block_size": BLOCK})
+    cfg = TandemConfig(**{**args, "served_model_name": app, "block_size": BLOCK,
+                          "expert_parallel": topology.attention_dp > 1})
     serve.run(build_app(cfg), name=app, route_prefix=f"/{app}")
     try:
         yield topology, app, f"{tandem_server.proxy_url}/{app}"

@@ -4,8 +4,10 @@
 - attention data parallelism (dp=2): each rank attends for its own requests over its own latent cache, the
   MoE and dense MLPs run sharded over both ranks' rows (DPContext's exchange), a rank without requests runs
   idle forwards;
-greedy and seeded sampling, DeepSeek-V3 with and without its MTP layer drafting, Qwen3-MoE. One pair of
-processes runs every case (spawning is the slow part)."""
+greedy and seeded sampling, DeepSeek-V3 with and without its MTP layer drafting, Qwen3-MoE;
+- expert parallelism (tp_ep, dp_ep): the routed experts sharded whole (4 of 8 per rank), composed with tp=2 and
+  with attention data parallelism (DP attention + EP MoE, DeepSeek's serving layout).
+One pair of processes runs every case (spawning is the slow part)."""
 from __future__ import annotations
 
 import socket
@@ -16,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine.layers.moe import RoutedExperts
 from tests.support.deepseek import add_mtp_layer, make_deepseek_checkpoint
 from tests.support.qwen3_moe import make_qwen3_moe_checkpoint
 
@@ -57,7 +60,8 @@ def _cases(models: dict[str, str]) -> list[tuple[str, str, bool, str]]:
     eagerly here), padded to the group's agreed batch size, pad rows routed through the experts too."""
     cases = [(mode, "deepseek", mtp, p) for mode in ("tp", "dp") for mtp in (False, True) for p in PARAMS]
     cases += [("dp_padded", "deepseek", mtp, "greedy") for mtp in (False, True)]
-    return cases + [(mode, "qwen3_moe", False, "greedy") for mode in ("tp", "dp")]
+    cases += [(mode, "deepseek", True, "greedy") for mode in ("tp_ep", "dp_ep")]
+    return cases + [(mode, "qwen3_moe", False, "greedy") for mode in ("tp", "dp", "dp_ep")]
 
 
 def _rank_main(rank: int, port: int, models: dict[str, str], queue) -> None:
@@ -65,12 +69,15 @@ def _rank_main(rank: int, port: int, models: dict[str, str], queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         for mode, key, mtp, p in _cases(models):
-            dp = 1 if mode == "tp" else 2
-            engine = LLMEngine(_config(models[key], mtp, tp_size=2, tp_rank=rank, attention_dp=dp),
-                               tp_group=dist.group.WORLD)
+            dp = 1 if mode.startswith("tp") else 2
+            engine = LLMEngine(_config(models[key], mtp, tp_size=2, tp_rank=rank, attention_dp=dp,
+                                       expert_parallel=mode.endswith("_ep")), tp_group=dist.group.WORLD)
+            if mode.endswith("_ep"):  # the target's routed experts: this rank's half, whole
+                experts = [m for m in engine.runner.model.modules() if isinstance(m, RoutedExperts)]
+                assert experts and all(e.w13.shape[0] == 4 and e.first_expert == 4 * rank for e in experts)
             if mode == "dp_padded":
                 engine.runner.use_graphs(8, capture=False, capture_on_demand=False)
-            mine = [(i, PARAMS[p]) for i in range(len(PROMPTS)) if mode == "tp" or OWNER[i] == rank]
+            mine = [(i, PARAMS[p]) for i in range(len(PROMPTS)) if mode.startswith("tp") or OWNER[i] == rank]
             done = _drive(engine, mine, dist.group.WORLD)
             if mode == "dp_padded":
                 assert engine.runner.graphs.num_runs > 0, "no step took the padded layout"
@@ -113,7 +120,7 @@ def test_two_ranks_equal_one_process(models):
         mode, key, mtp, p = case
         single = _drive(LLMEngine(_config(models[key], mtp)), [(i, PARAMS[p]) for i in range(len(PROMPTS))], None)
         (d0, s0), (d1, s1) = got[(0, case)], got[(1, case)]
-        if mode == "tp":
+        if mode.startswith("tp"):
             assert d0 == d1 == single, case
         else:  # each rank returns its own requests
             assert {**d0, **d1} == single and set(d0) == {0, 2} and set(d1) == {1}, case

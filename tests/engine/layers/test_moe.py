@@ -130,6 +130,34 @@ def test_tensor_parallel_shards_sum_to_the_whole():
     torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["_grouped", "_gathered"])
+@pytest.mark.parametrize("ranks, T", [(2, 11), (4, 5), (2, 0)])
+def test_expert_parallel_shards_sum_to_the_whole(form, ranks, T):
+    """Expert parallelism: each rank loads only its E / N experts, whole, and computes only the pairs routed to
+    them (the rest sort past its last group, or read weight 0 in the gathered form); the shards' outputs sum to
+    the unsharded experts' (the block's one reduction). Routing that leaves one rank with no pair at all too."""
+    w = expert_weights(3)
+    g = torch.Generator().manual_seed(ranks * 100 + T)
+    x, weights = torch.randn(T, H, generator=g), torch.rand(T, 3, generator=g)
+    ids = (torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(T)]) if T
+           else torch.zeros(0, 3, dtype=torch.long))
+    whole = loaded_experts(w)._gathered(x, weights, ids)
+    shards = [loaded_experts(w, TPContext(r, ranks, group=object(), expert_parallel=True)) for r in range(ranks)]
+    per = E // ranks
+    for r, shard in enumerate(shards):  # its own experts, whole
+        assert shard.w13.shape == (per, 2 * I, H) and shard.first_expert == r * per
+        torch.testing.assert_close(shard.w2[0], w[(r * per, 2)])
+    torch.testing.assert_close(sum(getattr(s, form)(x, weights, ids) for s in shards), whole, atol=1e-4, rtol=1e-5)
+    if T:  # every pair on rank 0's experts: the other ranks add exactly nothing
+        low = ids % per
+        assert all(getattr(s, form)(x, weights, low).eq(0).all() for s in shards[1:])
+
+
+def test_expert_parallel_needs_experts_divisible_by_ranks():
+    with pytest.raises(ValueError, match="n_routed_experts=8 is not divisible by tp_size=3"):
+        RoutedExperts(H, I, E, TPContext(0, 3, group=object(), expert_parallel=True))
+
+
 def test_expert_load_errors():
     experts = RoutedExperts(H, I, E, TPContext())
     with pytest.raises(ModelLoadError, match="expert 8"):
