@@ -10,6 +10,7 @@ for hours) and callers pass explicit deadlines to `Work.wait` where an operation
 """
 from __future__ import annotations
 
+import secrets
 import threading
 from abc import ABC, abstractmethod
 from datetime import timedelta
@@ -22,6 +23,8 @@ from cluster.nccl_env import pin_nccl_sockets
 from cluster.rendezvous import handshake, node_ip
 
 IDLE_TIMEOUT = timedelta(days=7)
+PROOF_BYTES = 16
+PROOF_TAG = 0x7A6E  # the p2p tag of the proofs: no other message is in flight while a group forms
 
 
 class GroupBackend(ABC):
@@ -46,11 +49,37 @@ class GlooBackend(GroupBackend):
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip())]
-        return dist.ProcessGroupGloo(store, rank, size, opts)
+        group = dist.ProcessGroupGloo(store, rank, size, opts)
+        prove_members(store, group, rank, size)
+        return group
 
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+
+def prove_members(store: dist.Store, group: dist.ProcessGroup, rank: int, size: int) -> None:
+    """Every pair of a gloo group leads to the member the store says it does, or ChannelError.
+
+    Gloo's listener hands an incoming connection to whichever pair waits for the sequence number it writes first
+    (a small counter; gloo `transport/tcp/listener.cc`), with no credential: a stranger who reaches the port while
+    the group forms can take a pair's place and write into it. So before anything goes over the group, each
+    member sends every other one, over their pair, a random proof it put in the store, which only members reach
+    (cluster/rendezvous.py: through Ray); a pair that delivers anything else, or nothing, fails the group.
+    """
+    mine = secrets.token_bytes(PROOF_BYTES)
+    store.set(f"proof/{rank}", mine)
+    peers = [r for r in range(size) if r != rank]
+    outgoing = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    received = {r: torch.empty(PROOF_BYTES, dtype=torch.uint8) for r in peers}
+    works = [group.send([outgoing], r, PROOF_TAG) for r in peers]
+    works += [group.recv([received[r]], r, PROOF_TAG) for r in peers]
+    for work in works:
+        work.wait()  # bounded by the caller: build_group runs this on a helper thread it waits for
+    for r in peers:
+        if received[r].numpy().tobytes() != store.get(f"proof/{r}"):
+            raise ChannelError(f"the gloo pair to rank {r} leads to someone else (a stranger took its place while "
+                               f"the group formed): refused")
 
 
 class NcclBackend(GroupBackend):
