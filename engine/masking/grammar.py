@@ -189,6 +189,48 @@ class GrammarMasker(LogitsMasker):
                 flags[b] = True
             state.rollback(n)
 
+    # ------------------------------------------------------------------ draft trees (engine/speculative/tree.py)
+    def fill_verify_tree(self, bitmask: torch.Tensor, flags: torch.Tensor, parents: list[list[int]]) -> None:
+        for b, state, row in self._rows:
+            on_cpu = bitmask.device.type == "cpu"
+            target = bitmask[b] if on_cpu else self._scratch(bitmask.shape[1:])
+            state.fill_bitmask(target, 0)
+            filled = [0]
+            for j in range(1, len(row.drafts) + 1):
+                path, i = [], j
+                while i:  # the node's path from the root, read back through its parents
+                    path.append(row.drafts[i - 1])
+                    i = parents[b][i - 1]
+                advanced, goes_on = _advance(state, path[::-1])
+                if goes_on:
+                    state.fill_bitmask(target, j)
+                    filled.append(j)
+                state.rollback(advanced)
+            if not on_cpu:
+                bitmask[b, : len(row.drafts) + 1].copy_(target[: len(row.drafts) + 1])
+            flags[b, filled] = True
+
+    def fill_draft_tree(self, emitted: torch.Tensor, num_accepted: torch.Tensor, paths: list[list[list[int]]],
+                        bitmask: torch.Tensor, flags: torch.Tensor) -> None:
+        if not self._rows:
+            return
+        emitted_rows = emitted.tolist()
+        accepted = num_accepted.tolist()
+        B, L, W = bitmask.shape
+        rows = bitmask.view(B * L, W)
+        on_cpu = bitmask.device.type == "cpu"
+        for b, state, _ in self._rows:
+            new = emitted_rows[b][: accepted[b] + 1]
+            target = rows if on_cpu else self._scratch((B * L, W))
+            for lane, path in enumerate(paths[b]):
+                advanced, goes_on = _advance(state, new + path)
+                if goes_on:
+                    state.fill_bitmask(target, b * L + lane)
+                    flags[b, lane] = True
+                state.rollback(advanced)
+            if not on_cpu:
+                rows[b * L : (b + 1) * L].copy_(target[b * L : (b + 1) * L])
+
     def _draftable(self, run: list[int]) -> list[int]:
         """The run up to its first token the draft network cannot draft (a reduced draft vocabulary)."""
         if self.draft_vocab is None:
@@ -208,6 +250,15 @@ class GrammarMasker(LogitsMasker):
         if self._cpu_rows is None or tuple(self._cpu_rows.shape) != tuple(shape):
             self._cpu_rows = torch.zeros(tuple(shape), dtype=torch.int32)
         return self._cpu_rows
+
+
+def _advance(state: GrammarState, tokens: list[int]) -> tuple[int, bool]:
+    """Advance a matcher through `tokens` -> (tokens it accepted, for the caller to roll back; whether it accepted
+    all and the grammar goes on after them: a terminated grammar has no next token to mask)."""
+    for n, t in enumerate(tokens):
+        if state.terminated or not state.accept(t):
+            return n, False
+    return len(tokens), not state.terminated
 
 
 def _only(bitmask: torch.Tensor, row: int, token_id: int) -> None:

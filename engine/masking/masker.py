@@ -55,6 +55,19 @@ class LogitsMasker(ABC):
         num_accepted [B] + 1), drafts: `step` tensors [B] int64 of new drafts so far (target ids);
         fill bitmask [B, W] / flags [B] for the next draft."""
 
+    def fill_verify_tree(self, bitmask: torch.Tensor, flags: torch.Tensor, parents: list[list[int]]) -> None:
+        """Draft trees (engine/speculative/tree.py): as fill_verify, with MaskRow.drafts a tree's nodes and
+        parents[b][j-1] node j's parent (0: the root): row j allows what may follow the request's tokens and the
+        drafts on the path from the root to node j."""
+        raise NotImplementedError(f"{type(self).__name__} does not mask draft trees")
+
+    def fill_draft_tree(self, emitted: torch.Tensor, num_accepted: torch.Tensor, paths: list[list[list[int]]],
+                        bitmask: torch.Tensor, flags: torch.Tensor) -> None:
+        """A draft tree's expansion at one depth: emitted, num_accepted as fill_draft; lane l of request b expands
+        the node reached by paths[b][l] (target ids after the emitted tokens); fill bitmask [B, L, W] / flags
+        [B, L] for its children."""
+        raise NotImplementedError(f"{type(self).__name__} does not mask draft trees")
+
     def end_step(self) -> None:
         """Host, after the step's outputs landed: drop what begin_step snapshotted."""
 

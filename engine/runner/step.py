@@ -48,7 +48,7 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
     masker: fills the batch's bitmasks (its host snapshot of the step was taken before launch);
     draft_masks: it masks the draft steps too, not only the verification rows."""
     if proposer is not None and proposer.tree_shape is not None:  # draft trees: their own step
-        return tree_model_step(target, proposer, batch, masker)
+        return tree_model_step(target, proposer, batch, masker, draft_masks)
     capture = proposer.capture_layers if proposer is not None else ()
     with attention_context(batch.attn):
         final, captured = target(batch.input_ids, batch.positions, tuple(sorted(set(capture))))

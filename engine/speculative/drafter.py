@@ -285,8 +285,8 @@ class Drafter:
 
 def tree_drafts(req: Request, step_drafts: list[int] | None, rejected: int) -> list[int]:
     """A tree's nodes a request verifies next step: the first n in depth order (still a tree), n within what it
-    may still emit. A guided request verifies none: grammars do not mask trees yet (only chains)."""
-    if step_drafts is None or req.params.structured_output is not None:
+    may still emit."""
+    if step_drafts is None:
         return []
     return list(step_drafts[: draft_room(req, rejected)])
 

@@ -19,6 +19,7 @@ overwrite them before anything else reads them, as a chain's drafts are.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -92,17 +93,32 @@ def frontier_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, start: to
         max_q_len=topk, max_seq_len=max_seq_len, tree_mask=window_bits(lineage, span).reshape(-1))
 
 
+# mask(paths [B, L, d] int64 target ids, logits [B * L, Vd]): constrains in place the draft logits of the L nodes per
+# request reached by those paths after the step's emitted tokens (a grammar's masks along each node's path)
+TreeMask = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _log_probs(logits: torch.Tensor, paths: torch.Tensor, mask: TreeMask | None) -> torch.Tensor:
+    if mask is not None:
+        mask(paths, logits)
+    # A row its mask closes entirely (a path the grammar refused at its end) scores -inf, never NaN.
+    return logits.log_softmax(-1).nan_to_num(nan=float("-inf"))
+
+
 def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor,
-           slot_limit: torch.Tensor, max_seq_len: int, shape: TreeShape, remap: torch.Tensor | None) -> DraftTree:
+           slot_limit: torch.Tensor, max_seq_len: int, shape: TreeShape, remap: torch.Tensor | None,
+           mask: TreeMask | None = None) -> DraftTree:
     """state [B, H]: the head's output at each request's last verified row (position start [B]) -> its tree.
-    attn: the step's metadata (block tables); remap: target id of each draft id (None: the same vocabulary)."""
+    attn: the step's metadata (block tables); remap: target id of each draft id (None: the same vocabulary);
+    mask: the grammar's, at every expansion (a node's candidates are what its path admits)."""
     K, k, N = shape.topk, shape.depth, shape.num_nodes
     B, H = state.shape
     dev = state.device
     to_target = (lambda ids: ids) if remap is None else (lambda ids: remap[ids])  # noqa: E731
-    score, ids = head.compute_logits(state).log_softmax(-1).topk(K, dim=-1)  # [B, K]
+    root_paths = torch.zeros((B, 1, 0), dtype=torch.int64, device=dev)
+    score, ids = _log_probs(head.compute_logits(state), root_paths, mask).topk(K, dim=-1)  # [B, K]
     tokens, scores, parents, depths = [to_target(ids)], [score], [torch.full((B, K), -1, device=dev)], [1] * K
-    frontier = dict(tokens=tokens[0], score=score, state=state[:, None].expand(B, K, H),
+    frontier = dict(tokens=tokens[0], score=score, state=state[:, None].expand(B, K, H), path=tokens[0][..., None],
                     candidate=torch.arange(K, device=dev).expand(B, K),
                     lineage=torch.zeros((B, K), dtype=torch.int64, device=dev))
     offset = K
@@ -113,7 +129,7 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
         with attention_context(meta):
             out = head(frontier["state"].reshape(B * K, H), frontier["tokens"].reshape(-1),
                        (start + d).repeat_interleave(K))  # [B * K, H]
-        child = head.compute_logits(out).log_softmax(-1).view(B, K, -1)
+        child = _log_probs(head.compute_logits(out), frontier["path"], mask).view(B, K, -1)
         child = child + frontier["score"][..., None]  # cumulative
         c_score, c_ids = child.topk(K, dim=-1)  # [B, K, K]: each frontier node's best children
         c_score, c_ids = c_score.reshape(B, K * K), to_target(c_ids.reshape(B, K * K))
@@ -123,7 +139,9 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
         depths += [d + 1] * (K * K)
         best, pick = c_score.topk(K, dim=-1)  # [B, K] the next frontier
         parent_lane = pick // K
-        frontier = dict(tokens=c_ids.gather(1, pick), score=best,
+        next_tokens = c_ids.gather(1, pick)
+        path = frontier["path"].gather(1, parent_lane[..., None].expand(B, K, d))
+        frontier = dict(tokens=next_tokens, score=best, path=torch.cat([path, next_tokens[..., None]], 2),
                         state=out.view(B, K, H).gather(1, parent_lane[..., None].expand(B, K, H)),
                         candidate=offset + pick, lineage=lineage.gather(1, parent_lane))
         offset += K * K
@@ -148,7 +166,7 @@ def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, de
     return DraftTree(tokens.gather(1, chosen), node_parents, depth, ancestor_bits(node_parents))
 
 
-def head_tree(proposer, inp, shape: TreeShape) -> DraftTree | None:
+def head_tree(proposer, inp, shape: TreeShape, mask: TreeMask | None = None) -> DraftTree | None:
     """A HeadProposer's tree proposal (engine/speculative/proposer.py): the head's first step over every row
     (its KV, and the state at each request's last verified row), then the expansion. None without `inp.chain`."""
     cache = proposer._kv_cache()
@@ -158,4 +176,4 @@ def head_tree(proposer, inp, shape: TreeShape) -> DraftTree | None:
         return None
     start = inp.positions.index_select(0, inp.out_rows)
     return expand(proposer.head, state.index_select(0, inp.out_rows), start, inp.attn, cache, inp.slot_limit,
-                  inp.max_seq_len + shape.margin, shape, proposer.remap)
+                  inp.max_seq_len + shape.margin, shape, proposer.remap, mask)

@@ -21,12 +21,13 @@ from dataclasses import replace
 import torch
 
 from engine.layers.attention import attention_context
-from engine.masking.masker import LogitsMasker, StepMasks
+from engine.masking.masker import LogitsMasker
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.batch import StepBatch
 from engine.speculative.proposer import ProposeInputs
 from engine.speculative.tree import TreeShape, TreeSlots, head_tree
 from engine.speculative.tree_verify import verify_tree
+from kernels.bitmask import apply_token_bitmask
 from kernels.tree_mask import window_bits
 
 
@@ -59,9 +60,38 @@ def compact(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, vr: torch.Tensor
     flat.index_copy_(2, dst, flat.index_select(2, src))
 
 
-def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker: LogitsMasker | None):
-    """model_step (engine/runner/step.py) with draft trees; -> its StepOutput. A guided request drafts no tree
-    (drafter.tree_drafts): its one verification row is masked as a chain's would be."""
+def verify_mask(masker: LogitsMasker, batch: StepBatch, parents: torch.Tensor):
+    """-> mask(logits [B * (N+1), V]) of the tree's verification rows: node j's row masked by the grammar state
+    its path reaches. Reads the parents on the host (eager steps only, as the grammar's fills are)."""
+
+    def mask(logits: torch.Tensor) -> None:
+        batch.verify_mask_flags.zero_()
+        masker.fill_verify_tree(batch.verify_bitmask, batch.verify_mask_flags, parents.tolist())
+        apply_token_bitmask(logits, batch.verify_bitmask.flatten(0, 1), batch.verify_mask_flags.flatten())
+
+    return mask
+
+
+def expansion_mask(masker: LogitsMasker, batch: StepBatch, emitted: torch.Tensor, accepted: torch.Tensor,
+                   d2t: torch.Tensor | None):
+    """-> the TreeMask (tree.py) of the next tree's expansion: each node's candidates masked by the grammar state
+    after this step's emitted tokens and the node's path."""
+    words = batch.verify_bitmask.shape[-1]
+
+    def mask(paths: torch.Tensor, logits: torch.Tensor) -> None:
+        B, L, _ = paths.shape
+        bitmask = torch.zeros((B, L, words), dtype=torch.int32, device=logits.device)
+        flags = torch.zeros((B, L), dtype=torch.bool, device=logits.device)
+        masker.fill_draft_tree(emitted, accepted, paths.tolist(), bitmask, flags)
+        apply_token_bitmask(logits, bitmask.view(B * L, words), flags.view(-1), d2t=d2t)
+
+    return mask
+
+
+def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker: LogitsMasker | None,
+                    draft_masks: bool = True):
+    """model_step (engine/runner/step.py) with draft trees; -> its StepOutput. draft_masks: the grammar masks the
+    expansion too, not only the verification rows."""
     from engine.runner.step import StepOutput
 
     shape: TreeShape = proposer.tree_shape
@@ -72,7 +102,7 @@ def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker
     vr = batch.verify_rows
     B, n1 = vr.shape
     logits = target.compute_logits(final.index_select(0, vr.reshape(-1))).view(B, n1, -1)
-    grammar = StepMasks(masker, batch).verify if masker is not None else None
+    grammar = verify_mask(masker, batch, tree.parents) if masker is not None else None
     v = verify_tree(logits, batch.drafts, tree.parents, tree.depth, tree.ancestors, batch.num_drafts,
                     batch.sampling, shape.depth, grammar)
     a = v.num_accepted
@@ -92,7 +122,8 @@ def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker
     tree_next = head_tree(proposer, ProposeInputs(
         hidden=hidden, input_ids=batch.input_ids.index_select(0, perm), next_tokens=next_tokens,
         positions=batch.positions, attn=batch.attn, out_rows=out_rows, slot_limit=batch.slot_limit,
-        max_seq_len=batch.chain_max_seq_len, chain=batch.propose, sampling=batch.sampling), shape)
+        max_seq_len=batch.chain_max_seq_len, chain=batch.propose, sampling=batch.sampling), shape,
+        expansion_mask(masker, batch, v.tokens, a, proposer.d2t) if masker is not None and draft_masks else None)
     drafts = None
     if tree_next is not None:
         slots.write(batch.slots, tree_next)
