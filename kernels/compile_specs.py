@@ -185,6 +185,14 @@ def _handover_launches(m: ModelShape, dtype: torch.dtype, page: int) -> None:
             unpack_kv_triton(buffer, kv_cache, ids, head_start=h0)
 
 
+def _latent_handover_launches(latent: int, rope: int, dtype: torch.dtype, page: int) -> None:
+    """KV hand-over of an MLA cache: one plane, the whole latent row to every rank (never a head slice)."""
+    kv_cache = _meta(2, 1, 64, page, 1, latent + rope, dtype=dtype)
+    for n in (1, 5, 64):
+        ids = _meta(n, dtype=torch.int64)
+        unpack_kv_triton(pack_kv_triton(kv_cache, ids), kv_cache, ids)
+
+
 def _distinct(models: list[ModelShape], *fields: str) -> list[ModelShape]:
     """One model per distinct value of `fields` (what a scenario reads of a model)."""
     seen = {}
@@ -220,6 +228,10 @@ def scenarios(models: list[ModelShape], space: EngineSpace) -> Iterator[tuple[st
         for m in _distinct(models, "num_kv_heads", "head_dim"):
             for page in space.block_sizes:
                 yield f"{m.name} {dt} block {page}: hand-over", lambda m=m, d=dtype, p=page: _handover_launches(m, d, p)
+        for latent, rope in sorted({(latent, rope) for _, latent, rope in MLA_SHAPES}):
+            for page in space.block_sizes:
+                yield (f"MLA {latent}+{rope} {dt} block {page}: hand-over",
+                       lambda lt=latent, r=rope, d=dtype, p=page: _latent_handover_launches(lt, r, d, p))
     for m in _distinct(models, "vocab", "draft_vocab"):
         for B in space.batches:
             for k in range(space.max_k + 1):
