@@ -358,7 +358,8 @@ class DecodeRank:
         self.engine.warm_grammar(header.request.params.structured_output, _compiled(header))
 
     def kv_blocks(self, request_id: str):
-        """[L, 2, n, S, local heads, D] copy of a request's KV blocks (for checks; not on the hot path)."""
+        """[L, P, n, S, local heads, D] copy of a request's KV blocks (P planes: 2 for K and V, 1 for MLA's
+        latent; for checks, not on the hot path)."""
         table = self.engine.blocks.table(request_id)
         return self.engine.kv_cache.index_select(2, torch.tensor(table, dtype=torch.long)).clone()
 
