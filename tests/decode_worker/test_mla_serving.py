@@ -89,6 +89,9 @@ def test_served_deepseek_equals_the_engine_and_moves_only_the_latent(mla_app, re
     *greedy, guided = asyncio.run(main())
     assert all(r.status_code == 200 for r in greedy + [guided]), [r.text for r in greedy + [guided]]
     assert [r.json()["choices"][0]["text"] for r in greedy] == want_greedy
+    for r in greedy:  # the MTP layer drafted behind the hand-over (its KV and input row arrived with the latent)
+        spec = r.json()["usage"]["speculative"]
+        assert spec["method"] == "mtp" and spec["draft_tokens"] > 0 and spec["verify_steps"] > 0, spec
     body = guided.json()["choices"][0]
     assert body["text"] == want_guided and body["finish_reason"] == "stop", body
     jsonschema.validate(json.loads(body["text"]), SCHEMA)
