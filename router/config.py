@@ -37,14 +37,16 @@ class RouterSettings(BaseModel):
                                                          "replica whose group holds most of it, weighed against "
                                                          "load (router/policy.py); false: by load alone, "
                                                          "equal replicas in turn.")
-    local_prefill_max_tokens: int = Field(128, ge=0, description="Conditional disaggregation: a request whose "
+    local_prefill_max_tokens: int = Field(0, ge=0, description="Conditional disaggregation: a request whose "
                                                                  "decode group already holds its prompt's leading "
                                                                  "blocks (an earlier request's: a shared system "
                                                                  "prompt, the previous turn of a chat) and lacks at "
                                                                  "most this many of its tokens is prefilled by that "
                                                                  "group itself, without a prefill replica or a KV "
                                                                  "hand-over (not guided requests nor prompt "
-                                                                 "logprobs); 0: always disaggregated.")
+                                                                 "logprobs); 0 (the default until an open "
+                                                                 "stream-vs-whole mismatch is understood): always "
+                                                                 "disaggregated; 128 is what it was measured with.")
     resume_attempts: int = Field(3, ge=0, description="When a worker dies under a request (a decode rank or "
                                                       "replica, a prefill replica, a KV hand-over), submit it "
                                                       "again as a continuation of what its client was sent, up "

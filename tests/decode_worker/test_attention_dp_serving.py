@@ -30,7 +30,7 @@ def adp_app(tandem_server, tmp_path_factory):
     head = make_mtp_head(tmp_path_factory.mktemp("adp") / "mtp", tandem_server.model_dir, seed=1)
     # The ADP row of the integration tests' topology table (its CPU twin), with a hand-over stock on top.
     args = BY_NAME["decode-tp2-adp"].serve_args("cpu", tandem_server.model_dir, str(head))
-    cfg = TandemConfig(**{**args, "served_model_name": "adp", "handover_stock": 0.125})
+    cfg = TandemConfig(**{**args, "served_model_name": "adp", "handover_stock": 0.125, "local_prefill_max_tokens": 128})
     serve.run(build_app(cfg), name="adp", route_prefix="/adp")
     try:
         yield f"{tandem_server.proxy_url}/adp", str(head)

@@ -42,8 +42,15 @@ def _prefill_handovers(server) -> int:
     return server.prefill_handle().stats.remote().result()["handovers_total"]
 
 
-def test_a_prompt_the_decode_group_nearly_holds_is_prefilled_there(tandem_server):
-    server = tandem_server
+@pytest.fixture(scope="module")
+def local(tandem_server):
+    """The session's workers behind a router that offers prompts to the decode group (off by default)."""
+    yield start_router(tandem_server, "local-prefill", local_prefill_max_tokens=128)
+    stop_router("local-prefill")
+
+
+def test_a_prompt_the_decode_group_nearly_holds_is_prefilled_there(tandem_server, local):
+    server = local
     first, second, third = _prompts(server, 343, 3)
     before = wait_decode_settled(server.app)
     _complete(server, first)
@@ -95,10 +102,10 @@ def test_a_prompt_sharing_a_prefix_moves_only_the_rest(tandem_server):
     assert exported == [counted]
 
 
-def test_a_locally_prefilled_request_ends_cleanly_at_its_first_token_or_when_its_client_leaves(tandem_server):
+def test_a_locally_prefilled_request_ends_cleanly_at_its_first_token_or_when_its_client_leaves(tandem_server, local):
     """The first delta of a local request can be its last (max_tokens 1: the router closes it without a
     cancel), and a client that leaves mid-stream aborts it on the decode group; every block comes back."""
-    server = tandem_server
+    server = local
     first, second, third = _prompts(server, 344, 3)
     _complete(server, first)
     before = wait_decode_settled(server.app)
