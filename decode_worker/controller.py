@@ -121,7 +121,7 @@ class DecodeController:
             self.placed_total[r] += 1
         t = Tracked(request_id, sink, time.monotonic() + self.handover_timeout_s, ranks, prompt_blocks)
         self.requests[request_id] = t
-        remainder = self._local_remainder(ranks, held, admit)
+        remainder = self._local_remainder(ranks[0], len(prompt[0]), held, admit) if prompt is not None else None
         if remainder is not None:
             request = admit[0]
             t.local, t.phase = True, Phase.RUNNING
@@ -135,19 +135,16 @@ class DecodeController:
                 self._commands[rank].append(Command(CommandKind.PIN, request_id, tuple(prompt[0]), prompt[1]))
         return ranks
 
-    def _local_remainder(self, ranks: Placement, held: list[int],
+    def _local_remainder(self, lead: int, known: int, held: list[int],
                          admit: tuple[PrefillRequest, int] | None) -> int | None:
-        """The prompt tokens the group would compute itself if it admitted `admit` on `ranks`, or None when it
-        should not: nothing of the prompt is held there (a prompt is disaggregated unless its prefix is here:
-        that is what keeps long prefills off the decode step), or more than the allowed remainder is missing."""
-        if admit is None or not held[ranks[0]]:
+        """Of the `known` tokens (prompt and continuation), those the group would compute itself if it admitted
+        `admit` with `lead` as its lead rank, or None when it should not: nothing of the prompt is held there (a
+        prompt is disaggregated unless its prefix is here: that is what keeps long prefills off the decode
+        step), or more than the allowed remainder is missing."""
+        if admit is None or not held[lead]:
             return None
-        request, max_tokens = admit
-        view = self.rank_views[ranks[0]]
-        known = len(request.prompt_token_ids) + (len(request.continuation.output_token_ids)
-                                                 if request.continuation is not None else 0)
-        remainder = known - held[ranks[0]] * view[0]
-        return remainder if remainder <= max_tokens else None
+        remainder = known - held[lead] * self.rank_views[lead][0]
+        return remainder if remainder <= admit[1] else None
 
     def _place(self, prompt_blocks: int, held: list[int]) -> Placement:
         """Under TP every rank holds every request (its KV-head slice) and rank 0 reports the tokens all

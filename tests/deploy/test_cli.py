@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
@@ -216,7 +215,6 @@ def test_a_taken_port_fails_tandem_serve_at_once_with_the_reason():
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        started = time.monotonic()
         proc = _tandem_serve(port, ray_tmp)
         try:
             out = _finish(proc)
@@ -224,7 +222,7 @@ def test_a_taken_port_fails_tandem_serve_at_once_with_the_reason():
             shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 1, out
     assert f"tandem serve: the router cannot serve the API on 127.0.0.1:{port}: Address already in use" in out, out
-    assert "deploying:" not in out and time.monotonic() - started < 60, out
+    assert "deploying:" not in out, out  # refused before Ray started, not after the deployment
 
 
 def test_prefix_caching_is_on_unless_turned_off(tiny_model_dir):
