@@ -48,6 +48,10 @@ class DecodeFeeds:
         target says how many leading blocks the prefill may skip (DecodeTarget.reused_blocks). avoid: a decode
         replica to rank last (a resumed request's, whose worker died there). local: (PrefillRequest wire form,
         most uncached tokens) offers the request to the group to prefill itself (DecodeOpened.local)."""
+        # The queue exists before the call: a request the group prefills itself can have its first token on the
+        # feed before the open's answer is back here, and the reader drops items of requests it does not know.
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
         try:
             opened: DecodeOpened | StreamError = await self.decode.open.remote(
                 request_id, num_prompt_tokens, self.caller, prompt_token_ids, cache_salt, avoid=avoid, local=local)
@@ -55,14 +59,17 @@ class DecodeFeeds:
             # The client left while the decode side was opening it: it may be open there already, and which
             # replica holds it is not known; a cancel goes to whichever Serve picks (with one decode replica,
             # the right one; else the request's hand-over deadline ends it there).
+            self._queues.pop(request_id, None)
             task = _detached(self._cancel(request_id, None))
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
             raise
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
         if isinstance(opened, StreamError):
+            self._queues.pop(request_id, None)
             raise APIError(opened.status, opened.message, opened.error_type)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
         self._replica_of[request_id] = opened.replica
         reader = self._readers.get(opened.replica)
         if reader is None or reader.done():
