@@ -44,9 +44,9 @@ class RouterSettings(BaseModel):
                                                                  "most this many of its tokens is prefilled by that "
                                                                  "group itself, without a prefill replica or a KV "
                                                                  "hand-over (not guided requests nor prompt "
-                                                                 "logprobs); 0 (the default until an open "
-                                                                 "stream-vs-whole mismatch is understood): always "
-                                                                 "disaggregated; 128 is what it was measured with.")
+                                                                 "logprobs); 0 (the default until the whole suite "
+                                                                 "has run with it on): always disaggregated; 128 is "
+                                                                 "what it was measured with.")
     resume_attempts: int = Field(3, ge=0, description="When a worker dies under a request (a decode rank or "
                                                       "replica, a prefill replica, a KV hand-over), submit it "
                                                       "again as a continuation of what its client was sent, up "
