@@ -38,7 +38,10 @@ def test_chat_logprobs_rebuild_the_content_in_text_and_bytes(tandem_server):
         assert "".join(e.token for e in entries) == whole.message.content
     streamed = [e for chunk in client.chat.completions.create(stream=True, **kw) if chunk.choices
                 and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
-    assert [(e.token, e.bytes, e.logprob) for e in streamed] == [(e.token, e.bytes, e.logprob) for e in entries]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in entries]
+    # the repeat may be prefilled by the decode group itself (conditional disaggregation), in other chunks than
+    # the prefill replica used: the same tokens, logprobs equal to float rounding
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
 
 
 def test_completions_logprobs_offsets_and_the_sampled_token(tandem_server):
