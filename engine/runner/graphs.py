@@ -31,16 +31,11 @@ from engine.masking.masker import LogitsMasker
 from engine.runner.batch import Padding, StepBatch, build_batch
 from engine.runner.staging import in_buffer, rebase
 from engine.runner.step import StepOutput
-from engine.sample.sampler import SamplingBatch
+from engine.sample.sampler import SamplingMode
 
 log = logging.getLogger(__name__)
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
-def sampling_mode(b: SamplingBatch) -> tuple:
-    return (b.all_greedy, b.use_top_k, b.use_top_p, b.use_min_p, b.max_logprobs, b.repetition is not None,
-            b.logit_bias is not None, b.early_stop_block is not None, b.coupled is not None)
 
 
 def _tensor_pairs(static, new):
@@ -166,11 +161,11 @@ class StepGraphs:
         masker: the engine's masker of a guided step; the graph's host functions call it."""
         size = batch.verify_rows.shape[0]
         masked = masker is not None
-        key = (size, sampling_mode(batch.sampling), masked)
+        key = (size, batch.sampling.mode, masked)
         cap = self._captured.get(key)
         if cap is None:
             assert self.capture_on_demand, f"no graph captured for {key}"
-            cap = self._capture(key, self._dummy(size, batch.sampling, masked))
+            cap = self._capture(key, self._dummy(size, batch.sampling.mode, masked))
         cap.load(batch)
         self.num_runs += 1
         staged = self.staged if masked else None
@@ -195,9 +190,8 @@ class StepGraphs:
             self._staged = StagedMasker(lay.device, self.sizes[-1], lay.k, lay.vocab_size)
         return self._staged
 
-    def captured_at_every_size(self, sampling: SamplingBatch, masked: bool = False) -> bool:
+    def captured_at_every_size(self, mode: SamplingMode, masked: bool = False) -> bool:
         """A batch of this sampling mode can replay a graph at whatever size the group pads to."""
-        mode = sampling_mode(sampling)
         return all((s, mode, masked) in self._captured for s in self.sizes)
 
     def reset(self, scratch_slot: int | None = None) -> None:
@@ -214,9 +208,9 @@ class StepGraphs:
         self.block_size = kv_cache.shape[3]
         for size in reversed(self.sizes):  # without capture: the static buffers of the padded eager path
             dummy = self._dummy(size, None)
-            self._capture((size, sampling_mode(dummy.sampling), False), dummy)
+            self._capture((size, dummy.sampling.mode, False), dummy)
 
-    def _dummy(self, size: int, like: SamplingBatch | None, masked: bool = False) -> StepBatch:
+    def _dummy(self, size: int, like: SamplingMode | None, masked: bool = False) -> StepBatch:
         """A batch of idle requests only (it writes no KV and only the scratch draft state) with the
         sampling branches of `like`: what a graph is warmed up and captured on."""
         lay = self.layout
@@ -227,16 +221,16 @@ class StepGraphs:
         b = dummy.sampling
         flags = dict(all_greedy=like.all_greedy, use_top_k=like.use_top_k, use_top_p=like.use_top_p,
                      use_min_p=like.use_min_p, max_logprobs=like.max_logprobs)
-        if like.repetition is not None:
+        if like.penalties:
             ones = torch.ones(size, device=lay.device)
             flags.update(repetition=ones, presence=ones * 0, frequency=ones * 0,
                          output_counts=torch.zeros(size, lay.vocab_size, device=lay.device),
                          seen_mask=torch.zeros(size, lay.vocab_size, dtype=torch.bool, device=lay.device))
-        if like.logit_bias is not None:
+        if like.logit_bias:
             flags.update(logit_bias=torch.zeros(size, lay.vocab_size, device=lay.device))
-        if like.coupled is not None:
+        if like.coupled:
             flags.update(coupled=torch.zeros(size, dtype=torch.bool, device=lay.device))
-        if like.early_stop_block is not None:
+        if like.min_tokens:
             flags.update(early_stop_block=torch.zeros(size, lay.vocab_size, dtype=torch.bool, device=lay.device),
                          min_tokens_left=torch.zeros(size, dtype=torch.int64, device=lay.device))
         return replace(dummy, sampling=replace(b, **flags))

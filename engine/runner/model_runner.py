@@ -30,6 +30,7 @@ from engine.models.registry import build_model
 from engine.runner.batch import StepBatch, build_batch
 from engine.runner.overlap import InFlight, carry_inputs
 from engine.runner.step import StepOutput, model_step
+from engine.sample.sampler import SamplingMode
 from engine.speculative.drafter import Drafter
 from engine.speculative.loading import DraftTarget
 from engine.speculative.proposer import Proposer
@@ -215,23 +216,21 @@ class ModelRunner:
         masked = masker is not None
         # A guided step replays a graph too: its grammar fills are host functions captured in it.
         graph = self.graphs is not None and self.graphs.fits(scheduled, masked)
-        graph_batch, rows, batch = None, None, None
-        if self.dp is not None:
+        graph_batch, rows = None, None
+        if self.dp is not None:  # the group agrees on counts and sampling modes first: the batch is built once
             if graph and scheduled:
                 # Under ADP a graph is never captured on demand (its warm-up forwards would run collectives
                 # no other rank joins): replay only sampling modes captured up front at every size.
-                batch = self.graphs.padded_batch(scheduled, blocks, slots, masked=masked)
-                graph = self.graphs.captured_at_every_size(batch.sampling, masked)
+                mode = SamplingMode.of([s.request for s in scheduled], self.vocab_size)
+                graph = self.graphs.captured_at_every_size(mode, masked)
             plan = self.last_plan = self._agree(scheduled, graph)
             if not plan.forward:
                 return None
             graph, graph_batch, rows = plan.graph, plan.graph_batch or None, plan.max_tokens
             if not scheduled and not graph:
                 return PreparedStep(None, 0, False, None, rows)
-            if batch is not None and not (graph and batch.verify_rows.shape[0] == graph_batch):
-                batch = None  # padded to another size than the group's, or the group runs eagerly
         if graph:
-            batch = batch or self.graphs.padded_batch(scheduled, blocks, slots, graph_batch, masked=masked)
+            batch = self.graphs.padded_batch(scheduled, blocks, slots, graph_batch, masked=masked)
         else:
             batch = build_batch(scheduled, blocks, self.kv_cache, self.device, self.vocab_size, self.k, slots,
                                 masked=masker is not None, draft_passes=self.drafter.draft_passes)

@@ -51,6 +51,48 @@ class SamplingBatch:
     coupled: torch.Tensor | None = None
 
 
+    @property
+    def mode(self) -> "SamplingMode":
+        """The branches sampling this batch takes (what its CUDA graph is captured for)."""
+        return SamplingMode(self.all_greedy, self.use_top_k, self.use_top_p, self.use_min_p, self.max_logprobs,
+                            self.repetition is not None, self.logit_bias is not None,
+                            self.early_stop_block is not None, self.coupled is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingMode:
+    """The host facts of a batch that pick sampling's branches, known from its requests alone: a CUDA graph
+    is captured per mode (engine/runner/graphs.py), and an ADP group agrees on replay before any batch is
+    built (engine/runner/model_runner.py)."""
+
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    max_logprobs: int | None
+    penalties: bool  # repetition / presence / frequency tensors
+    logit_bias: bool
+    min_tokens: bool  # some row may not end yet (early_stop_block)
+    coupled: bool  # some sampled row has the user's seed
+
+    @staticmethod
+    def of(requests: list["Request"], vocab_size: int) -> "SamplingMode":
+        """The mode build_sampling gives these requests (padding rows are greedy and change nothing)."""
+        params = [r.params for r in requests]
+        sampling_rows = [p for p in params if not p.greedy]
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMode(
+            all_greedy=not sampling_rows,
+            use_top_k=any(0 < p.top_k < vocab_size for p in sampling_rows),
+            use_top_p=any(p.top_p < 1.0 for p in sampling_rows),
+            use_min_p=any(p.min_p > 0.0 for p in sampling_rows),
+            max_logprobs=max(asked) if asked else None,
+            penalties=any(p.uses_penalties for p in params),
+            logit_bias=any(p.logit_bias for p in params),
+            min_tokens=any(r.params.min_tokens > r.num_output_tokens and r.min_tokens_block for r in requests),
+            coupled=_any_coupled(params))
+
+
 @dataclass(frozen=True, slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
@@ -159,9 +201,7 @@ def sampling_columns(requests: list["Request"], positions: np.ndarray, size: int
                    min_p=column([p.min_p for p in params], 0.0, np.float32),
                    seeds=column([r.seed for r in requests], 0, np.int64),
                    positions=np.asarray(positions, dtype=np.int64))
-    # host fact, like all_greedy: a batch with no sampled seeded request skips the coupled draw (greedy rows
-    # are checked against the argmax either way; engine/sample/verify.py), and keeps the graph mode of one
-    if any(p.seed is not None and not p.greedy for p in params):
+    if _any_coupled(params):
         columns["coupled"] = column([p.seed is not None for p in params], False, np.bool_)
     return columns
 
@@ -174,26 +214,26 @@ def build_sampling(requests: list["Request"], positions: np.ndarray, size: int, 
     if columns is None:
         columns = {name: torch.from_numpy(a).to(device, non_blocking=True)
                    for name, a in sampling_columns(requests, positions, size).items()}
-    params = [r.params for r in requests]
-    sampling_rows = [p for p in params if not p.greedy]
-    asked = [p.logprobs for p in params if p.logprobs is not None]
+    mode = SamplingMode.of(requests, vocab_size)
     penalties = {}
-    if any(p.uses_penalties for p in params):
+    if mode.penalties:
         penalties = _penalty_tensors(requests, size, vocab_size, device)
-    if any(p.logit_bias for p in params):
-        penalties["logit_bias"] = _bias_tensor(params, size, vocab_size, device)
-    if any(r.params.min_tokens > r.num_output_tokens and r.min_tokens_block for r in requests):
+    if mode.logit_bias:
+        penalties["logit_bias"] = _bias_tensor([r.params for r in requests], size, vocab_size, device)
+    if mode.min_tokens:
         penalties.update(_min_tokens_tensors(requests, size, vocab_size, device))
     return SamplingBatch(
         temperature=columns["temperature"], top_k=columns["top_k"], top_p=columns["top_p"], min_p=columns["min_p"],
         seeds=columns["seeds"], coupled=columns.get("coupled"), positions=columns["positions"],
-        all_greedy=not sampling_rows,
-        use_top_k=any(0 < p.top_k < vocab_size for p in sampling_rows),
-        use_top_p=any(p.top_p < 1.0 for p in sampling_rows),
-        use_min_p=any(p.min_p > 0.0 for p in sampling_rows),
-        max_logprobs=max(asked) if asked else None,
-        **penalties,
+        all_greedy=mode.all_greedy, use_top_k=mode.use_top_k, use_top_p=mode.use_top_p, use_min_p=mode.use_min_p,
+        max_logprobs=mode.max_logprobs, **penalties,
     )
+
+
+def _any_coupled(params: list) -> bool:
+    """A batch with no sampled seeded row skips the coupled draw (greedy rows are checked against the argmax
+    either way; engine/sample/verify.py), and keeps the graph mode of one."""
+    return any(p.seed is not None and not p.greedy for p in params)
 
 
 def _min_tokens_tensors(requests: list["Request"], size: int, vocab_size: int, device: torch.device) -> dict:

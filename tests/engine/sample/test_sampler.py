@@ -1,9 +1,12 @@
 """engine/sample/sampler.py against plain-torch references written here."""
+import numpy as np
 import pytest
 import torch
 from scipy import stats
 
-from engine.sample.sampler import SamplingBatch, apply_penalties, processed_logits, sample
+from engine.core.request import Request
+from engine.sample.sampler import SamplingBatch, SamplingMode, apply_penalties, build_sampling, processed_logits, sample
+from engine.sampling_params import SamplingParams
 
 
 def batch(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, positions=None, logprobs=None, **pen):
@@ -115,3 +118,42 @@ def test_logprobs_are_raw_model_logprobs():
     torch.testing.assert_close(out.logprobs, lp.gather(-1, out.token_ids[:, None])[:, 0])
     torch.testing.assert_close(out.top_logprobs, lp.topk(4).values)
     assert torch.equal(out.top_ids[:, 0], logits.argmax(-1))
+
+
+_MODE_PARAMS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "greedy_seeded": SamplingParams(temperature=0.0, seed=3),
+    "sampled": SamplingParams(),
+    "seeded": SamplingParams(seed=5),
+    "top_k": SamplingParams(top_k=4),
+    "top_k_whole_vocab": SamplingParams(top_k=50),  # top_k >= V filters nothing: no top-k branch
+    "top_p": SamplingParams(top_p=0.9),
+    "min_p": SamplingParams(min_p=0.1),
+    "greedy_top_p": SamplingParams(temperature=0.0, top_p=0.5),  # filters of a greedy row take no branch
+    "logprobs": SamplingParams(temperature=0.0, logprobs=3),
+    "penalty": SamplingParams(temperature=0.0, presence_penalty=0.5),
+    "bias": SamplingParams(temperature=0.0, logit_bias={2: 5.0}),
+    "min_tokens": SamplingParams(temperature=0.0, min_tokens=4),
+}
+
+
+@pytest.mark.parametrize("names", [("greedy",), ("greedy_seeded",), ("sampled", "greedy"), ("seeded", "greedy"),
+                                   ("top_k",), ("top_k_whole_vocab",), ("top_p", "min_p"), ("greedy_top_p",),
+                                   ("logprobs", "sampled"), ("penalty",), ("bias", "greedy"),
+                                   ("min_tokens",), ("min_tokens_done",), tuple(_MODE_PARAMS)])
+def test_sampling_mode_of_requests_is_the_built_batch_mode(names):
+    """SamplingMode.of (what an ADP group agrees on before building a batch) names the branches build_sampling
+    takes for the same requests, padded or not: a mismatch would make ranks replay different graphs."""
+    vocab = 50
+    requests = []
+    for i, name in enumerate(names):
+        params = _MODE_PARAMS.get(name, SamplingParams(temperature=0.0, min_tokens=2))
+        req = Request(f"r{i}", [1, 2, 3], params, seed=7, max_total_tokens=64,
+                      min_tokens_block=(0,) if params.min_tokens else ())
+        if name == "min_tokens_done":  # wrote its min_tokens: nothing is blocked any more
+            req.token_ids += [4, 5]
+        requests.append(req)
+    mode = SamplingMode.of(requests, vocab)
+    for size in (len(requests), len(requests) + 3):
+        built = build_sampling(requests, np.zeros(size, dtype=np.int64), size, torch.device("cpu"), vocab)
+        assert built.mode == mode, (names, size)
