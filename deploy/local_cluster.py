@@ -9,7 +9,7 @@ laptop-sized run changes, and why, is all in `start_argv`:
   by ending its own `ray start --block` process group (`LocalNode.stop`);
 - the fixed ports (6379, 8076) become free ones, and every address (the head's, each
   node's, the dashboard's) the cluster's `host`: loopback by default; this machine's network address where a
-  test must see what a stranger on the network sees (tests/deploy/test_two_node_exposure.py). Several nodes
+  test must see what a stranger on the network sees (tests/deploy/test_two_node.py). Several nodes
   (and other users' Rays) share this machine's ports;
 - `--autoscaling-config` is dropped: no autoscaler here;
 - the node's resources, which the autoscaler passes from `available_node_types`, are given as flags, with

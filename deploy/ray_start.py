@@ -16,7 +16,7 @@ builds its processes' command lines (here, in this process):
   `prometheus_client.start_http_server` raises, which `dashboard/head.py` (`_setup_metrics`) catches, logs
   and goes on from.
 A Ray whose command lines no longer look like this makes `tandem ray-start` fail, rather than start a node
-with its exporters open (tests/deploy/test_two_node_exposure.py knocks on every port of a cluster started so).
+with its exporters open (tests/deploy/test_two_node.py knocks on every port of a cluster started so).
 """
 from __future__ import annotations
 

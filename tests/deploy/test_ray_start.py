@@ -1,5 +1,5 @@
 """`tandem ray-start`'s edits of Ray's command lines (deploy/ray_start.py); that a node started so has no
-exporter listening is tests/deploy/test_two_node_exposure.py's check."""
+exporter listening is tests/deploy/test_two_node.py's check."""
 from __future__ import annotations
 
 import subprocess

@@ -1,5 +1,5 @@
 """A local multi-node Ray cluster (deploy/local_cluster.py) and deploy/serve.yaml made tiny for it: the set-up
-of tests/deploy/test_two_node.py and tests/deploy/test_two_node_exposure.py."""
+of tests/deploy/test_two_node.py."""
 from __future__ import annotations
 
 import contextlib

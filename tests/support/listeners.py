@@ -1,5 +1,5 @@
 """What a stranger finds: the listening sockets of a process tree, and a knock on each one without any
-credential (tests/deploy/test_exposure.py for `tandem serve`, tests/deploy/test_two_node_exposure.py for a
+credential (tests/deploy/test_exposure.py for `tandem serve`, tests/deploy/test_two_node.py for a
 two-node cluster).
 
 A knock tries, in turn, the protocols the deployment speaks, and says what the listener did:
