@@ -30,8 +30,9 @@ from engine.outputs import RequestOutput, TokenLogprob
 from engine.prompt_logprobs import prompt_logprobs
 from engine.runner.model_runner import ModelRunner, StepResult
 from engine.runner.overlap import InFlight, carry_blocker
+from engine.runner.target import load_target
 from engine.sampling_params import SamplingParams
-from engine.speculative.drafter import draft_room
+from engine.speculative.drafter import Drafter, draft_room
 from engine.speculative.stats import SpecStats
 from structured.request import SerializedGrammar
 
@@ -61,13 +62,14 @@ class LLMEngine:
         if self.model_cfg.sliding_window:
             limit = min(limit, self.model_cfg.sliding_window)  # no sliding-window attention yet: stay inside it
         max_model_len = min(cfg.max_model_len or limit, limit)
-        self.runner = ModelRunner(cfg, self.model_cfg, self.tp, max_model_len, self.dp)
+        target = load_target(cfg, self.model_cfg, self.tp, max_model_len, self.dp)
+        self.drafter = Drafter(cfg.speculative, target)  # the engine's; k = 0 without speculation
+        self.runner = ModelRunner(cfg, target, self.drafter, max_model_len, self.dp)
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(max_model_len)
         self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         # A request alone must always fit, or preemption could not make progress.
         self.max_model_len = min(max_model_len, num_blocks * cfg.block_size)
-        self.drafter = self.runner.drafter  # the k = 0 drafter without speculation
         # A draft head with KV (MTP, EAGLE-3, a draft model) writes a position's KV once the next token is known:
         # its blocks are final for the prefix cache one token after the target's
         draft_lag = 1 if getattr(self.drafter.proposer, "num_cache_layers", 0) else 0

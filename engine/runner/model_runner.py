@@ -16,17 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig, position_margin
+from engine.config import EngineConfig, position_margin
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledRequest
 from engine.distributed.data_parallel import DPContext, GroupPlan, RankPlan, dp_rows
-from engine.distributed.parallel import TPContext
-from engine.errors import UnsupportedModelError
-from engine.layers.linear import VERIFY_ROWS_BUDGET, matvec_layout
 from engine.masking.masker import LogitsMasker, MaskRow
 from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import load_weights
-from engine.models.registry import build_model
 from engine.runner.batch import StepBatch, build_batch
 from engine.runner.overlap import InFlight, carry_inputs
 from engine.runner.step import StepOutput, model_step
@@ -72,45 +67,31 @@ class PreparedStep:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, tp: TPContext, max_model_len: int,
+    def __init__(self, cfg: EngineConfig, target: DraftTarget, drafter: Drafter, max_model_len: int,
                  dp: DPContext | None = None):
-        """tp: attention's sharding (and the draft network's); dp: the attention-data-parallel group
-        (then tp is size 1 and every rank steps in lockstep with the group, engine/distributed/data_parallel.py)."""
+        """target: the loaded model (engine/runner/target.py); drafter: the engine's, built beside it (the
+        k = 0 drafter without speculation: one step for every configuration); dp: the attention-data-parallel
+        group (then every rank steps in lockstep with the group, engine/distributed/data_parallel.py)."""
         self.cfg = cfg
         self.dp = dp
         self.last_plan: GroupPlan | None = None  # ADP: the group's last agreement
-        self.model_cfg = model_cfg
-        self.device = torch.device(cfg.device)
-        self.dtype = cfg.torch_dtype(model_cfg)
-        self.vocab_size = model_cfg.vocab_size
+        self.model_cfg = target.model_cfg
+        self.model = target.model
+        self.device = target.device
+        self.dtype = target.dtype
+        self.vocab_size = self.model_cfg.vocab_size
         self.max_model_len = max_model_len
-        # Draft chains and padded verification rows run past the last token: the rope table covers them.
-        k = cfg.speculative.num_nodes if cfg.speculative is not None else 0  # a tree's rows: num_nodes >= k
-        max_pos = max_model_len + position_margin(k)
-        if model_cfg.mla is not None and cfg.speculative is not None and cfg.speculative.tree:
-            raise UnsupportedModelError("draft trees (speculative topk > 1) are not built for MLA targets yet")
-        if model_cfg.mla is not None and cfg.speculative is not None and cfg.speculative.method in ("eagle3",
-                                                                                                   "draft_model"):
-            raise UnsupportedModelError(f"speculative method {cfg.speculative.method!r} is not built for MLA "
-                                        f"targets yet; use 'mtp' (the checkpoint's own layer), 'ngram' or 'grammar'")
-        with torch.device(self.device):
-            self.model = build_model(model_cfg, tp, self.dtype, max_pos, dp)
-        load_weights(self.model, cfg.model, self.dtype, getattr(self.model, "name_map", None))
-        matvec_layout(self.model, VERIFY_ROWS_BUDGET if k else 0)
-        self.model.eval()
         # What one layer caches per token, as the model states it (KV heads, or MLA's latent row).
         self.kv_spec = self.model.kv_cache_spec()
         self.num_kv_heads = self.kv_spec.heads
         self.kv_cache: torch.Tensor | None = None
-        # the k = 0 drafter without speculation: one step for every configuration
-        self.drafter = Drafter(cfg.speculative, DraftTarget(cfg, model_cfg, self.model, tp, self.dtype, self.device,
-                                                            max_pos, self.num_kv_heads, lambda: self.kv_cache))
-        self.k = self.drafter.num_nodes  # drafts verified per request: a chain's k, a tree's nodes
+        self.drafter = drafter
+        self.k = drafter.num_nodes  # drafts verified per request: a chain's k, a tree's nodes
         self.draft_masks = cfg.speculative is not None and cfg.speculative.draft_masks
         if cfg.cpu_compile != "off" and self.device.type == "cpu":
-            self._compile_cpu(layers=cfg.cpu_compile == "layers" and tp.size == 1 and dp is None)
+            self._compile_cpu(layers=cfg.cpu_compile == "layers" and target.tp.size == 1 and dp is None)
         self.graphs = None
-        if self.device.type == "cuda" and cfg.cuda_graphs and not self.drafter.tree:  # trees run eagerly for now
+        if self.device.type == "cuda" and cfg.cuda_graphs and not drafter.tree:  # trees run eagerly for now
             self.use_graphs(min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
                             capture_on_demand=dp is None, masks=cfg.graph_masks)
 

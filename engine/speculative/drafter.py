@@ -35,7 +35,7 @@ class Drafter:
         self.method = spec.method if spec is not None else None  # what a hand-over names
         self.device = target.device
         self.vocab_size = target.model_cfg.vocab_size
-        self._target_cache = target.kv_cache
+        self._target_cache: torch.Tensor | None = None  # the target's KV cache (allocated after the drafter)
         self.draft_cache: torch.Tensor | None = None  # a cache of its own when the draft's KV shape differs
         self.proposer: Proposer | None = None
         self.draft_kv_shape: tuple[int, int] | None = None  # (kv heads, head dim) of the draft layers
@@ -113,7 +113,7 @@ class Drafter:
 
     def cache(self) -> torch.Tensor:
         """The cache tensor holding the draft's KV layers."""
-        return self._target_cache() if self.shares_cache else self.draft_cache
+        return self._target_cache if self.shares_cache else self.draft_cache
 
     # ------------------------------------------------------------------ KV layout
     @property
@@ -122,6 +122,8 @@ class Drafter:
         return self.proposer.num_cache_layers if self.proposer is not None and self.shares_cache else 0
 
     def attach_caches(self, kv_cache: torch.Tensor, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        """kv_cache: the target's, just allocated (the draft's layers extend it when they share its shape)."""
+        self._target_cache = kv_cache
         if self.proposer is not None and not self.shares_cache:
             heads, head_dim = self.draft_kv_shape
             self.draft_cache = torch.zeros((self.proposer.num_cache_layers, 2, num_blocks, block_size, heads, head_dim),
@@ -256,7 +258,7 @@ class Drafter:
         slot_mapping = kv_slots(tables, np.arange(len(reqs)), pos, bs)
         dev = lambda a: torch.from_numpy(np.asarray(a)).to(self.device)  # noqa: E731
         seq_lens = (pos + 1).astype(np.int32)
-        attn = AttentionMetadata(kv_cache=self._target_cache(), slot_mapping=dev(slot_mapping), block_tables=dev(tables),
+        attn = AttentionMetadata(kv_cache=self._target_cache, slot_mapping=dev(slot_mapping), block_tables=dev(tables),
                                  seq_lens=dev(seq_lens), query_start_loc=dev(np.arange(len(reqs) + 1, dtype=np.int32)),
                                  max_q_len=1, max_seq_len=int(seq_lens.max()))
         sampling = build_sampling(reqs, pos + 1, len(reqs), self.device, self.vocab_size)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -28,8 +27,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class DraftTarget:
-    """The target a drafter drafts for, as the model runner built it: what a draft network is built beside
-    (a head shares its embeddings and LM head) and sized by."""
+    """The target a drafter drafts for, as engine/runner/target.py loaded it: what a draft network is built
+    beside (a head shares its embeddings and LM head) and sized by, and what the model runner runs."""
 
     cfg: EngineConfig
     model_cfg: ModelConfig
@@ -39,7 +38,6 @@ class DraftTarget:
     device: torch.device
     max_pos: int  # the rope table's length (draft chains run past the last token)
     num_kv_heads: int  # the target's KV heads on this rank
-    kv_cache: Callable[[], torch.Tensor | None]  # the target's KV cache (allocated after the drafter)
 
 
 def load_proposer(spec: SpecConfig, target: DraftTarget, kv_cache_ref) -> tuple[Proposer, tuple[int, int], bool]:

@@ -33,7 +33,7 @@ def _both(llama_dir, spec, prompts, params, **kw):
 def _clean(engine) -> None:
     assert engine.stats()["kv_blocks_used"] == 0
     assert engine._inflight is None and not engine.has_unfinished()
-    assert not engine.runner.drafter._slot_of
+    assert not engine.drafter._slot_of
 
 
 @pytest.mark.parametrize("method", [None, "mtp", "eagle3", "draft_model", "self_draft"])

@@ -43,7 +43,7 @@ def test_greedy_equals_no_speculation(llama_dir, spec_drafts, reference, method,
     outs = llm.generate(random_prompts(batch), greedy_params())
     assert [o.token_ids for o in outs] == reference(batch)
     engine = llm.engine
-    assert engine.stats()["kv_blocks_used"] == 0 and not engine.runner.drafter._slot_of
+    assert engine.stats()["kv_blocks_used"] == 0 and not engine.drafter._slot_of
     m = [o.metrics for o in outs]
     assert sum(sum(x.accepted_lengths) for x in m) + batch == sum(len(o.token_ids) for o in outs)
     assert all(x.num_accepted_tokens <= x.num_draft_tokens for x in m)
@@ -142,7 +142,7 @@ def test_abort_mid_generation_frees_everything(llama_dir, spec_drafts, reference
     assert done["r1"].finish_reason == done["r3"].finish_reason == "abort"
     for i in (0, 2, 4):
         assert done[f"r{i}"].token_ids == reference(5)[i]
-    assert engine.stats()["kv_blocks_used"] == 0 and not engine.runner.drafter._slot_of
+    assert engine.stats()["kv_blocks_used"] == 0 and not engine.drafter._slot_of
 
 
 def test_preemption_under_block_pressure(llama_dir, spec_drafts, reference):
@@ -276,8 +276,8 @@ def test_handovers_beyond_max_num_seqs(llama_dir, spec_drafts, reference):
     while decode.has_unfinished():
         done.update({o.request_id: o for o in decode.step() if o.finished})
     assert [done[f"r{i}"].token_ids for i in range(4)] == reference(5)[:4]
-    assert len(done["r4"].token_ids) == 20 and decode.runner.drafter.num_slots >= 5
-    assert decode.stats()["kv_blocks_used"] == 0 and not decode.runner.drafter._slot_of
+    assert len(done["r4"].token_ids) == 20 and decode.drafter.num_slots >= 5
+    assert decode.stats()["kv_blocks_used"] == 0 and not decode.drafter._slot_of
 
 
 def test_draft_model_with_another_kv_shape_keeps_its_own_cache(checkpoints, llama_dir, reference):
@@ -287,7 +287,7 @@ def test_draft_model_with_another_kv_shape_keeps_its_own_cache(checkpoints, llam
 
     draft = checkpoints["llama3"][0]  # one KV head where the target has two
     llm = LLM(llama_dir, num_kv_blocks=256, block_size=4, speculative=SpecConfig("draft_model", 3, draft))
-    spec = llm.engine.runner.drafter
+    spec = llm.engine.drafter
     assert not spec.shares_cache and spec.draft_cache.shape[4] == 1
     assert llm.engine.kv_cache.shape[0] == 2  # the target's layers only
     assert [o.token_ids for o in llm.generate(random_prompts(5), greedy_params())] == reference(5)

@@ -1,0 +1,39 @@
+"""The target model of one process, loaded: built for its sharding, weights read, its matmuls laid out for
+verification rows. The engine loads it, builds its drafter beside it (a draft head shares its embeddings and
+LM head: engine/speculative/drafter.py) and hands both to the model runner, which runs them."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig, position_margin
+from engine.distributed.data_parallel import DPContext
+from engine.distributed.parallel import TPContext
+from engine.errors import UnsupportedModelError
+from engine.layers.linear import VERIFY_ROWS_BUDGET, matvec_layout
+from engine.models.loader import load_weights
+from engine.models.registry import build_model
+from engine.speculative.loading import DraftTarget
+
+
+def load_target(cfg: EngineConfig, model_cfg: ModelConfig, tp: TPContext, max_model_len: int,
+                dp: DPContext | None = None) -> DraftTarget:
+    """tp: attention's sharding (and the draft network's); dp: the attention-data-parallel group (then tp is
+    size 1). UnsupportedModelError for a speculation method the target's architecture cannot draft with."""
+    spec = cfg.speculative
+    if model_cfg.mla is not None and spec is not None and spec.tree:
+        raise UnsupportedModelError("draft trees (speculative topk > 1) are not built for MLA targets yet")
+    if model_cfg.mla is not None and spec is not None and spec.method in ("eagle3", "draft_model"):
+        raise UnsupportedModelError(f"speculative method {spec.method!r} is not built for MLA targets yet; use "
+                                    f"'mtp' (the checkpoint's own layer), 'ngram' or 'grammar'")
+    device = torch.device(cfg.device)
+    dtype = cfg.torch_dtype(model_cfg)
+    # Draft chains and padded verification rows run past the last token: the rope table covers them.
+    k = spec.num_nodes if spec is not None else 0  # a tree's rows: num_nodes >= k
+    max_pos = max_model_len + position_margin(k)
+    with torch.device(device):
+        model = build_model(model_cfg, tp, dtype, max_pos, dp)
+    load_weights(model, cfg.model, dtype, getattr(model, "name_map", None))
+    matvec_layout(model, VERIFY_ROWS_BUDGET if k else 0)
+    model.eval()
+    # What one layer caches per token, as the model states it (KV heads, or MLA's latent row).
+    return DraftTarget(cfg, model_cfg, model, tp, dtype, device, max_pos, model.kv_cache_spec().heads)
