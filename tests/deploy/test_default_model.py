@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from tests.support.served import tandem_serve
+from tests.support.served import DEFAULT_SERVER
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.default_model_server]
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
@@ -20,18 +20,12 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city", "unit"]}}}
 
 
-@pytest.fixture(scope="module")
-def served(smollm2_dir):
-    """`tandem serve` with no flags (smollm2_dir: the default model's conversion is cached before it starts)."""
-    with tandem_serve() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(served):
+@pytest.fixture
+def client(smollm2_dir):
+    """On `tandem serve` with no flags (smollm2_dir: the default model's conversion is cached before it starts)."""
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{served.base_url}/v1", api_key="none", timeout=300)
+    return OpenAI(base_url=f"{DEFAULT_SERVER.get()}/v1", api_key="none", timeout=300)
 
 
 def test_the_default_is_smollm2(client):

@@ -1,6 +1,7 @@
 """`tandem serve` in a process of its own, with a Ray of its own, as a user starts it: the default model
 (SmolLM2-135M-Instruct) for the slow conformance runs of the client-library suite (tests/router/conftest.py's
-`served`) and tests/deploy/test_default_model.py, any model for tests/deploy/test_exposure.py."""
+`served`) and tests/deploy/test_default_model.py (one server for both: `DEFAULT_SERVER`, see tests/conftest.py),
+any model for tests/deploy/test_exposure.py."""
 from __future__ import annotations
 
 import contextlib
@@ -60,3 +61,28 @@ def default_model_server(num_cpus: int = 4) -> Iterator[str]:
     """Serve the default model (no flags) until the block exits; yields its base URL."""
     with tandem_serve(num_cpus=num_cpus) as server:
         yield server.base_url
+
+
+class DefaultModelServer:
+    """The session's one `tandem serve` of the default model, for every case marked `default_model_server`
+    (starting it is most of their cost): started by the first that asks, closed after the last; tests/conftest.py
+    runs those cases one after another and closes it."""
+
+    def __init__(self) -> None:
+        self._stack: contextlib.ExitStack | None = None
+        self.base_url: str | None = None
+
+    def get(self) -> str:
+        if self._stack is None:
+            stack = contextlib.ExitStack()
+            self.base_url = stack.enter_context(default_model_server())
+            self._stack = stack
+        return self.base_url
+
+    def close(self) -> None:
+        stack, self._stack, self.base_url = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+
+DEFAULT_SERVER = DefaultModelServer()
