@@ -149,6 +149,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._finished_unreported) or self._inflight is not None
 
+    @property
+    def in_flight(self) -> tuple[str, ...]:
+        """Async scheduling: the requests of the step launched and not read yet (empty: none is)."""
+        return tuple(s.request.request_id for s in self._inflight.scheduled) if self._inflight is not None else ()
+
     def stats(self) -> dict:
         out = {
             "num_running": len(self.scheduler.running),

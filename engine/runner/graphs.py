@@ -190,6 +190,12 @@ class StepGraphs:
             self._staged = StagedMasker(lay.device, self.sizes[-1], lay.k, lay.vocab_size)
         return self._staged
 
+    @property
+    def captured(self) -> dict[tuple, bool]:
+        """(padded size, sampling mode, masked) of each graph held -> whether it is a CUDA graph (False: the
+        padded layout's static buffers, run eagerly, capture=False)."""
+        return {key: cap.graph is not None for key, cap in self._captured.items()}
+
     def captured_at_every_size(self, mode: SamplingMode, masked: bool = False) -> bool:
         """A batch of this sampling mode can replay a graph at whatever size the group pads to."""
         return all((s, mode, masked) in self._captured for s in self.sizes)

@@ -165,6 +165,11 @@ class Drafter:
         if self.on_slots_grown is not None:  # captured graphs hold the old buffer and scratch row
             self.on_slots_grown()
 
+    @property
+    def num_held(self) -> int:
+        """Requests holding a draft-state slot (every one released once its request ends)."""
+        return len(self._slot_of)
+
     def release(self, request_id: str) -> None:
         if self.adaptive is not None:
             self.adaptive.acceptance.forget(request_id)

@@ -36,7 +36,7 @@ def test_guided_steps_through_the_padded_graph_layout_equal_eager(llama_dir, spe
     llm = LLM(llama_dir, **kw)
     graphs = use_graphs(llm, capture=False)
     outs = llm.generate(prompts, params)
-    masked_runs = [key for key in graphs._captured if key[2]]
+    masked_runs = [key for key in graphs.captured if key[2]]
     assert masked_runs and graphs.num_runs > 2, "guided decode steps went through the graph path"
     _check(outs, ref, kinds, llm)
 
@@ -81,8 +81,8 @@ def test_captured_guided_step_replays_equal_eager(llama_dir, spec_drafts, method
     llm = LLM(llama_dir, **kw)
     outs = llm.generate(prompts, params)
     graphs = llm.engine.runner.graphs
-    masked = [cap for key, cap in graphs._captured.items() if key[2]]
-    assert masked and all(cap.graph is not None for cap in masked), "guided steps replayed captured graphs"
+    masked = [cuda for key, cuda in graphs.captured.items() if key[2]]
+    assert masked and all(masked), "guided steps replayed captured graphs"
     assert graphs.num_runs > 10
     _check(outs, ref, kinds, llm)
 

@@ -32,8 +32,8 @@ def _both(llama_dir, spec, prompts, params, **kw):
 
 def _clean(engine) -> None:
     assert engine.stats()["kv_blocks_used"] == 0
-    assert engine._inflight is None and not engine.has_unfinished()
-    assert not engine.drafter._slot_of
+    assert not engine.in_flight and not engine.has_unfinished()
+    assert engine.drafter.num_held == 0
 
 
 @pytest.mark.parametrize("method", [None, "mtp", "eagle3", "draft_model", "self_draft"])
@@ -86,7 +86,7 @@ def test_abort_while_in_flight(llama_dir, spec_drafts):
     done = {}
     for step in range(60):
         if step == 4:
-            assert engine._inflight is not None and "r1" in engine._inflight.index()
+            assert "r1" in engine.in_flight
             engine.abort("r1")
             engine.abort("r3")
         for out in engine.step():
@@ -154,7 +154,7 @@ def test_handover_committed_while_a_step_is_in_flight(llama_dir, spec_drafts):
                                     async_scheduling=True))
     decode.add_request("a", random_prompts(2)[0], params)
     outs = decode.step() + decode.step() + decode.step()
-    assert decode._inflight is not None
+    assert decode.in_flight
     prefill.add_request("r", random_prompts(2)[1], params, prefill_only=True)
     while prefill.requests["r"].status.value != "parked":
         prefill.step()

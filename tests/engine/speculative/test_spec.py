@@ -43,7 +43,7 @@ def test_greedy_equals_no_speculation(llama_dir, spec_drafts, reference, method,
     outs = llm.generate(random_prompts(batch), greedy_params())
     assert [o.token_ids for o in outs] == reference(batch)
     engine = llm.engine
-    assert engine.stats()["kv_blocks_used"] == 0 and not engine.drafter._slot_of
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.drafter.num_held == 0
     m = [o.metrics for o in outs]
     assert sum(sum(x.accepted_lengths) for x in m) + batch == sum(len(o.token_ids) for o in outs)
     assert all(x.num_accepted_tokens <= x.num_draft_tokens for x in m)
@@ -142,7 +142,7 @@ def test_abort_mid_generation_frees_everything(llama_dir, spec_drafts, reference
     assert done["r1"].finish_reason == done["r3"].finish_reason == "abort"
     for i in (0, 2, 4):
         assert done[f"r{i}"].token_ids == reference(5)[i]
-    assert engine.stats()["kv_blocks_used"] == 0 and not engine.drafter._slot_of
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.drafter.num_held == 0
 
 
 def test_preemption_under_block_pressure(llama_dir, spec_drafts, reference):
@@ -240,9 +240,9 @@ def test_cuda_graph_replay_equals_eager(llama_dir, spec_drafts, method):
     eager = eager_llm.generate(prompts, params)
     llm = LLM(llama_dir, speculative=spec, **kw)
     graphs = llm.engine.runner.graphs
-    assert graphs is not None and graphs.capture and len(graphs._captured) == len(graphs.sizes)
+    assert graphs is not None and graphs.capture and len(graphs.captured) == len(graphs.sizes)
     outs = llm.generate(prompts, params)
-    assert graphs.num_runs > 2 and any(g.graph is not None for g in graphs._captured.values())
+    assert graphs.num_runs > 2 and any(graphs.captured.values())
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
     for o, e in zip(outs, eager):
         if o.logprobs is not None:
@@ -277,7 +277,7 @@ def test_handovers_beyond_max_num_seqs(llama_dir, spec_drafts, reference):
         done.update({o.request_id: o for o in decode.step() if o.finished})
     assert [done[f"r{i}"].token_ids for i in range(4)] == reference(5)[:4]
     assert len(done["r4"].token_ids) == 20 and decode.drafter.num_slots >= 5
-    assert decode.stats()["kv_blocks_used"] == 0 and not decode.drafter._slot_of
+    assert decode.stats()["kv_blocks_used"] == 0 and decode.drafter.num_held == 0
 
 
 def test_draft_model_with_another_kv_shape_keeps_its_own_cache(checkpoints, llama_dir, reference):
