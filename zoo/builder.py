@@ -103,25 +103,35 @@ def corpus_token_counts(recipe, tokenizer_dir: Path) -> torch.Tensor:
     return token_counts(docs, tokenizer.get_vocab_size())
 
 
+def prepare_data(recipe: Recipe, out_dir: Path) -> tuple:
+    """Train and save the tokenizer (out_dir/tokenizer) and tokenize the training documents; -> (tokenizer,
+    special ids, JSON documents, their prompt lengths, code/text documents), the inputs of `pack`."""
+    train_docs = training_docs(recipe)
+    rng = random.Random(recipe.seed)
+    sample = rng.sample(train_docs, min(recipe.tokenizer_docs, len(train_docs)))
+    tokenizer = train_tokenizer((d.text for d in sample), recipe.vocab_size)
+    save_tokenizer(tokenizer, out_dir / "tokenizer", model_max_length=2048)
+    tokenizer = load_tokenizer(out_dir / "tokenizer")
+    json_train = [d for d in train_docs if d.domain == "json"]
+    json_docs = _encode(tokenizer, json_train)
+    prompt_lens = [len(ids) for ids in _encode_texts(tokenizer, [d.text[: d.prompt_chars] for d in json_train])]
+    filler_docs = _encode(tokenizer, [d for d in train_docs if d.domain != "json"])
+    return tokenizer, _special_ids(tokenizer), json_docs, prompt_lens, filler_docs
+
+
 def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
     """Build every part into `out_dir` (created); -> the manifest (also written to zoo.json)."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if recipe.moe is not None:
+        from zoo.moe import build_moe_zoo  # a DeepSeek-V3-shaped target and its own MTP layer
+
+        return build_moe_zoo(recipe, out_dir)
     stages = tqdm(total=5, desc=f"zoo[{recipe.name}]", unit="stage")
     with torch_threads(recipe.threads):
         stages.set_postfix_str("corpus + tokenizer")
-        train_docs = training_docs(recipe)
-        rng = random.Random(recipe.seed)
-        sample = rng.sample(train_docs, min(recipe.tokenizer_docs, len(train_docs)))
-        tokenizer = train_tokenizer((d.text for d in sample), recipe.vocab_size)
-        save_tokenizer(tokenizer, out_dir / "tokenizer", model_max_length=2048)
-        tokenizer = load_tokenizer(out_dir / "tokenizer")
-        special = _special_ids(tokenizer)
-        json_train = [d for d in train_docs if d.domain == "json"]
-        json_docs = _encode(tokenizer, json_train)
-        prompt_lens = [len(ids) for ids in _encode_texts(tokenizer, [d.text[: d.prompt_chars] for d in json_train])]
-        filler_docs = _encode(tokenizer, [d for d in train_docs if d.domain != "json"])
+        tokenizer, special, json_docs, prompt_lens, filler_docs = prepare_data(recipe, out_dir)
         stages.update()
 
         stages.set_postfix_str("target")

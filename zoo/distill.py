@@ -93,10 +93,13 @@ def draft_model_loss(draft, probs: torch.Tensor, ids: torch.Tensor, weight: torc
 
 def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, weight: torch.Tensor,
             schedule: Schedule, depth: int, aux_layer_ids: list[int] | None, device: str = "cpu",
-            desc: str = "heads", hard_labels: tuple[str, ...] = (), bf16: bool = False) -> dict[str, list[float]]:
+            desc: str = "heads", hard_labels: tuple[str, ...] = (), bf16: bool = False,
+            after_step=None) -> dict[str, list[float]]:
     """Train every student on rows ids/weight [steps * batch, T]; -> per-student step losses.
 
-    students: name -> MTPHead | Eagle3Head | an HF causal LM sharing the target's tokenizer.
+    students: name -> MTPHead | Eagle3Head | an HF causal LM sharing the target's tokenizer (or any head with
+    their kind/first_hidden/step_hidden/logits_from, as zoo.heads.deepseek_mtp's). `after_step` runs after
+    each step's optimizer steps.
     """
     if ids.shape[0] < schedule.steps * schedule.batch_size:
         raise ValueError(f"need {schedule.steps * schedule.batch_size} sequences, got {ids.shape[0]}")
@@ -127,6 +130,8 @@ def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, wei
             optimizers[name].step()
             optimizers[name].zero_grad(set_to_none=True)
             losses[name].append(loss.item())
+        if after_step is not None:
+            after_step()
         bar.set_postfix({n: f"{v[-1]:.2f}" for n, v in losses.items()})
     for student in students.values():
         student.eval()

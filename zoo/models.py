@@ -6,6 +6,8 @@
   its own answers (zoo/selfdistill.py, zoo/selfdistill_train.py) and ship prebuilt under
   zoo/prebuilt/smollm2-135m-instruct/.
 - `tandem-tiny`: the zoo's 3.9M-parameter target and its heads (zoo/prebuilt/writer/): the fast model of the tests.
+- `tandem-tiny-moe`: the zoo's DeepSeek-V3 in miniature (MLA + MoE, zoo/prebuilt/tiny-moe/); its MTP layer is in
+  the target's own checkpoint, as DeepSeek-V3's is, so its "mtp" head is the target directory.
 
 Nothing is downloaded: a model whose files are not on this machine is listed as unavailable, with the command
 that installs it.
@@ -73,7 +75,14 @@ def _tiny() -> ModelPaths:
                                                     "draft_model": paths.draft})
 
 
-_REGISTRY = {"smollm2-135m-instruct": _smollm2, "tandem-tiny": _tiny}
+def _tiny_moe() -> ModelPaths:
+    import zoo
+
+    target = zoo.layout(zoo.build("tiny-moe")).target
+    return ModelPaths("tandem-tiny-moe", target, {"mtp": target})
+
+
+_REGISTRY = {"smollm2-135m-instruct": _smollm2, "tandem-tiny": _tiny, "tandem-tiny-moe": _tiny_moe}
 
 
 def names() -> list[str]:

@@ -25,6 +25,31 @@ class ModelShape:
 
 
 @dataclass(frozen=True, slots=True)
+class MoeShape:
+    """What makes a recipe's target DeepSeek-V3-shaped (zoo/moe.py): MLA attention and a MoE MLP. The target's
+    ModelShape still gives the width, depth, heads and the dense layers' intermediate size."""
+
+    q_lora_rank: int | None  # None: one q_proj (DeepSeek-V2-Lite), else q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int  # the cached latent's width
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # the decoupled rope key, cached beside the latent
+    v_head_dim: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    first_k_dense_replace: int  # the first layers keep a dense MLP
+    n_group: int  # group-limited routing: the experts in n_group groups, tokens routed within topk_group of them
+    topk_group: int
+    routed_scaling_factor: float
+    bias_update_speed: float  # aux-loss-free balancing: e_score_correction_bias moves this much per step
+
+    def __post_init__(self):
+        if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
+            raise ValueError(f"n_group must divide n_routed_experts and topk_group <= n_group: {self}")
+
+
+@dataclass(frozen=True, slots=True)
 class Schedule:
     steps: int
     batch_size: int  # sequences per step
@@ -64,6 +89,9 @@ class Recipe:
     save_dtype: str = "float32"
     tokenizer_docs: int = 6000  # documents the tokenizer trains on
     max_docs_per_domain: int | None = None  # cap on training documents per domain (tests)
+    # A DeepSeek-V3-shaped target (MLA + MoE) with its own MTP layer, built by zoo/moe.py; such a zoo has no
+    # EAGLE-3 head and no draft model (draft_model and draft_vocab_size go unused).
+    moe: MoeShape | None = None
     seed: int = 0
     threads: int = 2
 
@@ -78,6 +106,8 @@ class Recipe:
         for key in ("target_schedule", "heads_schedule"):
             fields[key] = Schedule(**fields[key])
         fields["hard_labels"] = tuple(fields.get("hard_labels", ()))
+        if fields.get("moe") is not None:
+            fields["moe"] = MoeShape(**fields["moe"])
         return cls(**fields)
 
     def with_seed(self, seed: int) -> "Recipe":
@@ -93,6 +123,19 @@ RECIPES: dict[str, Recipe] = {
         heads_schedule=Schedule(steps=4, batch_size=4, lr=3e-3, warmup_steps=1),
         ttt_depth=2, draft_vocab_size=128, stdlib_modules=4, tokenizer_docs=200,
         max_docs_per_domain=150, threads=1,
+    ),
+    # micro's MoE twin (tests, seconds): every stage of zoo/moe.py at the smallest shapes.
+    "micro-moe": Recipe(
+        name="micro-moe", vocab_size=384, seq_len=64,
+        target=ModelShape(32, 2, 2, 2, 64),
+        target_schedule=Schedule(steps=4, batch_size=4, lr=3e-3, warmup_steps=1),
+        draft_model=ModelShape(32, 1, 2, 2, 64),
+        heads_schedule=Schedule(steps=3, batch_size=4, lr=3e-3, warmup_steps=1),
+        ttt_depth=2, draft_vocab_size=128, stdlib_modules=4, tokenizer_docs=200, max_docs_per_domain=150, threads=1,
+        moe=MoeShape(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                     n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+                     first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                     bias_update_speed=1e-3),
     ),
     "tiny": Recipe(
         name="tiny", vocab_size=4096, seq_len=512,
@@ -121,6 +164,24 @@ RECIPES: dict[str, Recipe] = {
         ttt_depth=3, draft_vocab_size=2048, stdlib_modules=120, json_fraction=0.85, prompt_weight=0.5,
         max_schema_chars=1500, hard_labels=("eagle3",), generated_per_schema=32, bf16_autocast=True,
         save_dtype="bfloat16",
+    ),
+    # DeepSeek-V3 in miniature (issue 38): MLA (q_lora, a 32-wide latent + 16-wide rope key), a dense first layer,
+    # then MoE layers of 8 routed experts (top 2 within 2 of 4 groups) + 1 shared, and its MTP layer (a MLA + MoE
+    # block) distilled two steps deep. In fp32: CPU bf16 autocast ran the per-expert loop of transformers' MoE
+    # slower, not faster. 1.47M target tokens and 0.4M MTP tokens took 946 s on two cores shared with other jobs
+    # (load average 20-40; 240 target steps left it looping); committed prebuilt as zoo/prebuilt/tiny-moe.
+    "tiny-moe": Recipe(
+        name="tiny-moe", vocab_size=2048, seq_len=256,
+        target=ModelShape(128, 3, 4, 4, 384),
+        target_schedule=Schedule(steps=720, batch_size=8, lr=3e-3, warmup_steps=30),
+        draft_model=ModelShape(128, 1, 4, 4, 384),
+        heads_schedule=Schedule(steps=200, batch_size=8, lr=2e-3, warmup_steps=10),
+        ttt_depth=2, draft_vocab_size=2048, stdlib_modules=40, json_fraction=0.85, prompt_weight=0.5,
+        max_schema_chars=600, generated_per_schema=8, tokenizer_docs=3000, save_dtype="bfloat16",
+        moe=MoeShape(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                     n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
+                     first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                     bias_update_speed=1e-3),
     ),
     "small": Recipe(
         name="small", vocab_size=8192, seq_len=512,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -78,8 +79,10 @@ def autocast(device: str, enabled: bool):
 
 
 def train_lm(model: LlamaForCausalLM, ids: torch.Tensor, weight: torch.Tensor, schedule: Schedule,
-             desc: str = "target", device: str = "cpu", bf16: bool = False) -> list[float]:
-    """Next-token training on packed rows ids/weight [steps * batch, seq_len]; -> the step losses."""
+             desc: str = "target", device: str = "cpu", bf16: bool = False,
+             after_step: Callable[[], None] | None = None) -> list[float]:
+    """Next-token training on packed rows ids/weight [steps * batch, seq_len]; -> the step losses.
+    `after_step` runs after each optimizer step (a MoE target's routing-bias update, zoo/moe.py)."""
     if ids.shape[0] < schedule.steps * schedule.batch_size:
         raise ValueError(f"need {schedule.steps * schedule.batch_size} sequences, got {ids.shape[0]}")
     model.to(device).train()
@@ -97,6 +100,8 @@ def train_lm(model: LlamaForCausalLM, ids: torch.Tensor, weight: torch.Tensor, s
         set_lr(optimizer, lr_at(step, schedule))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
