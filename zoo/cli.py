@@ -168,6 +168,10 @@ def _eval(args) -> int:
     if root is None or not zoo.layout(root).manifest.is_file():
         print("tandem zoo eval: no built zoo; run `tandem zoo build` or pass --zoo DIR", file=sys.stderr)
         return 1
+    if not zoo.layout(root).eagle3.is_dir():  # a MoE zoo (zoo/moe.py): target and its own MTP layer only
+        print("tandem zoo eval: evaluates the Llama zoos' three drafters; a MoE zoo's MTP layer is measured by "
+              "`python -m bench.moe_spec`", file=sys.stderr)
+        return 2
     baseline = json.loads(args.baseline.read_text()) if args.baseline else None
     result = evaluate_zoo(Path(root), max_docs=args.docs, gen_prompts=args.prompts,
                           max_new_tokens=args.max_new_tokens, k=args.k, baseline=baseline,

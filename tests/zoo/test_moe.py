@@ -147,3 +147,18 @@ def test_prebuilt_tiny_moe_equals_transformers_and_its_mtp_layer_accepts(tiny_mo
     assert spec.generate([prompt], greedy)[0].token_ids == plain
     hist = spec.engine.spec_stats.accepted_length_hist
     assert sum(hist[2:]) > 0, f"the trained MTP layer never had a draft accepted: {hist}"
+
+
+def test_named_model_and_cli_point_at_the_moe_zoo(tiny_moe, capsys):
+    """`tandem models path tandem-tiny-moe --head mtp` is the target directory (the layer lives in its checkpoint);
+    `tandem zoo eval`, written for the Llama zoos' three drafters, refuses a MoE zoo saying what measures it."""
+    from pathlib import Path
+
+    from zoo.cli import main as zoo_main
+    from zoo.models import main as models_main
+
+    assert models_main(["path", "tandem-tiny-moe", "--head", "mtp"]) == 0
+    head = Path(capsys.readouterr().out.strip())
+    assert head == tiny_moe.target and (head / "mtp.safetensors").is_file()
+    assert zoo_main(["eval", "--recipe", "tiny-moe"]) == 2
+    assert "bench.moe_spec" in capsys.readouterr().err
