@@ -29,6 +29,7 @@ from engine.sample.sampler import SamplingMode
 from engine.speculative.drafter import Drafter
 from engine.speculative.loading import DraftTarget
 from engine.speculative.proposer import Proposer
+from engine.speculative.tree_step import tree_model_step
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,8 @@ class ModelRunner:
         padded batch shares with every rank)."""
         scope = dp_rows(rows or batch.input_ids.shape[0]) if self.dp is not None else contextlib.nullcontext()
         with scope:
+            if self.drafter.tree:  # draft trees have a step of their own (eager only)
+                return tree_model_step(self.model, self.proposer, batch, masker, self.draft_masks)
             return model_step(self.model, self.proposer, batch, self.draft_probs, masker, self.draft_masks)
 
     # ------------------------------------------------------------------ the step

@@ -26,7 +26,6 @@ from engine.models.llama import LlamaForCausalLM
 from engine.runner.batch import StepBatch
 from engine.sample.verify import verify
 from engine.speculative.proposer import ProposeInputs, Proposer
-from engine.speculative.tree_step import tree_model_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +46,6 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
     read at the requests' slots for verification, overwritten there with the new drafts'.
     masker: fills the batch's bitmasks (its host snapshot of the step was taken before launch);
     draft_masks: it masks the draft steps too, not only the verification rows."""
-    if proposer is not None and proposer.tree_shape is not None:  # draft trees: their own step
-        return tree_model_step(target, proposer, batch, masker, draft_masks)
     capture = proposer.capture_layers if proposer is not None else ()
     with attention_context(batch.attn):
         final, captured = target(batch.input_ids, batch.positions, tuple(sorted(set(capture))))
