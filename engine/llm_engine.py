@@ -65,7 +65,7 @@ class LLMEngine:
         target = load_target(cfg, self.model_cfg, self.tp, max_model_len, self.dp)
         self.drafter = Drafter(cfg.speculative, target)  # the engine's; k = 0 without speculation
         self.runner = ModelRunner(cfg, target, self.drafter, max_model_len, self.dp)
-        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(max_model_len)
+        num_blocks = cfg.num_kv_blocks or self.runner.auto_num_blocks(max_model_len)
         self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         # A request alone must always fit, or preemption could not make progress.
@@ -92,16 +92,6 @@ class LLMEngine:
         self._finished_unreported: list[Request] = []
         self._inflight: InFlight | None = None  # async scheduling: the launched step not read yet
         self.num_overlapped_steps = 0  # steps launched before the previous step's outputs were read
-
-    def _auto_num_blocks(self, max_model_len: int) -> int:
-        per_block = self.runner.kv_block_bytes()
-        if self.runner.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.runner.device)
-            budget = int(free * self.cfg.gpu_memory_utilization)
-        else:
-            budget = int(self.cfg.kv_cache_memory_gb * 2**30)
-        wanted = self.cfg.max_num_seqs * -(-max_model_len // self.cfg.block_size)
-        return max(1, min(budget // per_block, wanted))
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

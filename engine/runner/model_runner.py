@@ -155,6 +155,17 @@ class ModelRunner:
         per = self.num_cache_layers * self.cfg.block_size * self.kv_spec.bytes_per_token(self.dtype)
         return per + self.drafter.separate_block_bytes(self.cfg.block_size, self.dtype)
 
+    def auto_num_blocks(self, max_model_len: int) -> int:
+        """KV blocks that fit the budget (gpu_memory_utilization of the free device memory; kv_cache_memory_gb
+        on a CPU), and no more than max_num_seqs requests of max_model_len tokens hold."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.cfg.gpu_memory_utilization)
+        else:
+            budget = int(self.cfg.kv_cache_memory_gb * 2**30)
+        wanted = self.cfg.max_num_seqs * -(-max_model_len // self.cfg.block_size)
+        return max(1, min(budget // self.kv_block_bytes(), wanted))
+
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         shape = self.kv_spec.shape(self.num_cache_layers, num_blocks, self.cfg.block_size)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
