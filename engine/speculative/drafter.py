@@ -229,7 +229,10 @@ class Drafter:
         return bool(self._arrivals)
 
     def draft_arrivals(self, blocks: BlockManager) -> None:
-        """Drafts for the hand-overs that arrived since the last step and still run."""
+        """Drafts for the hand-overs that arrived since the last step and still run, before that step: its first
+        verification needs them on the host (grammar masks snapshot them, the scheduler counts their rows), so
+        they cannot be rows of the step itself; this eager pass runs the draft network alone, which under ADP
+        is replicated (no collective to match) and leaves the step's captured graph as it is."""
         reqs = [r for r in self._arrivals if r.status is RequestStatus.RUNNING and r.num_computed_tokens >= 1]
         self._arrivals = []
         if reqs:
