@@ -12,6 +12,9 @@ request's emitted output tokens. Per step (docs/architecture.md, "Grammar with s
     string, retokenized canonically), and each draft step they cover gets a row that admits that one token:
     the draft network drafts them, feeds them through its own chain like accepted tokens, and drafts
     on after them (mask rows, not a second path, so the captured step is unchanged);
+  draft trees: the same per node, along the node's path (fill_draft_tree); a node the grammar forces from
+    gets the one-token row of its run's next token, so its only child is that token, of probability 1, and
+    the run goes on as a single-child stretch while the tree has depth left (engine/speculative/tree.py);
   after the step: the engine hands back the tokens it kept (accept) and the matcher advances for good.
 A request whose matcher has terminated (the grammar's end, with its stop token) finishes with "stop".
 A refused keyword is an InvalidRequestError from add_request at once; the compile itself runs on
@@ -50,6 +53,8 @@ class GrammarMasker(LogitsMasker):
         self._rows: list[tuple[int, GrammarState, MaskRow]] = []  # (batch row, state, snapshot) this step
         self._step_tails: dict[int, tuple[int, ...]] = {}  # batch row -> its tail, snapshotted by begin_step
         self._runs: dict[int, tuple[int, list[int]]] = {}  # batch row -> (first draft step, forced run) this step
+        # (batch row, a draft tree node's path) -> the forced run after it, this expansion (fill_draft_tree)
+        self._tree_runs: dict[tuple[int, tuple[int, ...]], list[int]] = {}
         self._cpu_rows: torch.Tensor | None = None  # [k+1, W] host scratch when the step's device is not the CPU
         self._one_row: torch.Tensor | None = None  # [1, W] host scratch of forced runs' single-token checks
         self._forced_bits: dict[int, int] = {}  # batch row -> draft steps (bit j: draft j) given a forced token
@@ -128,6 +133,7 @@ class GrammarMasker(LogitsMasker):
         self._rows = []
         self._step_tails = {}
         self._runs = {}
+        self._tree_runs = {}
 
     def fill_verify(self, bitmask: torch.Tensor, flags: torch.Tensor) -> None:
         for b, state, row in self._rows:
@@ -178,8 +184,7 @@ class GrammarMasker(LogitsMasker):
             if n == len(path) and not state.terminated:
                 run = []
                 if self.forced is not None:  # a run may start at any draft step (after a drafted `",` say)
-                    context = self._step_tails.get(b, ()) + tuple(path)
-                    run = self._draftable(forced_run(state, self.forced, k - step, context))
+                    run = self._forced_after(b, state, path, k - step)
                     self._runs[b] = (step, run)
                 if run:
                     self._write_row(bitmask, b, lambda target, row, t=run[0]: _only(target, row, t))
@@ -219,17 +224,40 @@ class GrammarMasker(LogitsMasker):
         B, L, W = bitmask.shape
         rows = bitmask.view(B * L, W)
         on_cpu = bitmask.device.type == "cpu"
+        depth = len(paths[0][0]) if paths and paths[0] else 0
+        if depth == 0:  # the root: a new expansion
+            self._tree_runs = {}
+        left = emitted.shape[1] - 1 - depth  # depths of the tree below these lanes (emitted: [B, k+1])
         for b, state, _ in self._rows:
             new = emitted_rows[b][: accepted[b] + 1]
             target = rows if on_cpu else self._scratch((B * L, W))
             for lane, path in enumerate(paths[b]):
+                row = b * L + lane
+                # A node whose parent was forced to it continues its parent's run: no matcher work.
+                run = self._tree_runs.get((b, tuple(path[:-1]))) if path else None
+                if run is not None and len(run) > 1 and run[0] == path[-1]:
+                    self._tree_runs[(b, tuple(path))] = run[1:]
+                    _only(target, row, run[1])
+                    flags[b, lane] = True
+                    continue
                 advanced, goes_on = _advance(state, new + path)
                 if goes_on:
-                    state.fill_bitmask(target, b * L + lane)
+                    run = self._forced_after(b, state, new + path, left) if self.forced is not None else []
+                    self._tree_runs[(b, tuple(path))] = run
+                    if run:  # a forced child: the only one, of probability 1 (tree.py)
+                        _only(target, row, run[0])
+                    else:
+                        state.fill_bitmask(target, row)
                     flags[b, lane] = True
                 state.rollback(advanced)
             if not on_cpu:
                 rows[b * L : (b + 1) * L].copy_(target[b * L : (b + 1) * L])
+
+    def _forced_after(self, b: int, state: GrammarState, path: list[int], limit: int) -> list[int]:
+        """The draftable tokens (up to `limit`) the grammar forces after `path` (the step's emitted tokens and
+        drafts, which `state` has just accepted), retokenized after batch row b's tail."""
+        context = self._step_tails.get(b, ()) + tuple(path)
+        return self._draftable(forced_run(state, self.forced, limit, context))
 
     def _draftable(self, run: list[int]) -> list[int]:
         """The run up to its first token the draft network cannot draft (a reduced draft vocabulary)."""

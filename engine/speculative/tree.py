@@ -8,7 +8,22 @@ score are verified next step. A child never scores above its parent and candidat
 order, so a node's parent is always among the chosen; the chosen nodes are put in depth order, each after its
 parent, which is what lets the host cut a tree to its first n nodes near max_tokens and keep a tree.
 
-Shapes are fixed by (B, topk, k, N): k - 1 head passes of B * topk rows, one top-k per pass, one stable sort.
+Why the N best by cumulative probability, and why that makes guided trees deep: a node's tokens are all emitted
+only if the target agrees with every draft on its path, and the expected tokens a step accepts are the sum, over
+the verified nodes, of those probabilities. With a calibrated head a path's probability is the product of its draft
+probabilities, so the N nodes of largest cumulative probability are the N that maximize the expected accepted
+length (a closed tree: a child never scores above its parent). The rule spends the budget where the probability
+is, with no separate width or depth rule: where the head is confident the best nodes form one deep path (a chain),
+where it is unsure they are siblings. Under a grammar the head's distribution is renormalized over what the grammar
+admits, and a grammar-forced token (engine/masking/grammar.py: the node's only admissible child, or its forced
+run's next token) has probability 1, so a forced stretch keeps its parent's score and is chosen whenever its parent
+is: with depth k = N the tree reaches as far as a chain of N drafts wherever the grammar decides,
+and branches only where the head is unsure. A shallower k caps every path at k drafts, which under a grammar
+costs more than the width gains (bench/results/tree_vs_chain_cpu.md).
+
+Shapes are fixed by (B, topk, k, N): k - 1 head passes of B * topk rows, one top-k per pass, one stable sort. A forced
+node's other topk - 1 candidates score -inf (never chosen while a finite one is left); its lanes still run, which
+is what the fixed shape costs.
 
 Where the frontier's KV lives: the head's pass at depth d writes the frontier's rows at KV positions
 start + 1 + (d-1) * topk + lane (start: the last verified position), inside the request's lookahead slots
