@@ -71,16 +71,23 @@ def _heads():
     return resolve("smollm2-135m-instruct").heads
 
 
+LOSSLESS = SamplingParams(max_tokens=48, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(prompts, plain):
+    """The engine's greedy tokens without speculation, once for every method's case."""
+    return [list(o.token_ids) for o in plain.generate(prompts, LOSSLESS)]
+
+
 @pytest.mark.parametrize("method", ["ngram", "mtp", "eagle3"])
-def test_speculation_is_lossless_on_the_real_model(smollm2_dir, prompts, plain, method):
+def test_speculation_is_lossless_on_the_real_model(smollm2_dir, prompts, plain_tokens, method):
     heads = _heads()
     if method != "ngram" and method not in heads:
         pytest.skip(f"no prebuilt {method} head for smollm2-135m-instruct in zoo/prebuilt/")
     spec = SpecConfig(method=method, k=3, draft=str(heads[method]) if method in heads else None)
     llm = LLM(smollm2_dir, num_kv_blocks=256, speculative=spec)
-    params = SamplingParams(max_tokens=48, temperature=0)
-    want = [list(o.token_ids) for o in plain.generate(prompts, params)]
-    assert [list(o.token_ids) for o in llm.generate(prompts, params)] == want
+    assert [list(o.token_ids) for o in llm.generate(prompts, LOSSLESS)] == plain_tokens
 
 
 def test_a_guided_answer_is_valid_against_its_schema(plain, hf):
