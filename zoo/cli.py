@@ -186,7 +186,7 @@ def _eval(args) -> int:
 def _token_map(args) -> int:
     import zoo
     from zoo.prompts import END
-    from zoo.builder import corpus_token_counts
+    from zoo.stages import corpus_token_counts
     from zoo.token_map import hot_token_ids, write_token_map
     from zoo.tokenizer import load_tokenizer
 

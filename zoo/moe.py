@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from zoo.builder import _DTYPES, _tail_mean, prepare_data, save_hf_model, torch_threads
 from zoo.cache import code_version, software_versions
 from zoo.distill import distill
 from zoo.heads.deepseek_mtp import DeepseekMTPLayer
 from zoo.packing import pack
 from zoo.recipe import Recipe
+from zoo.stages import DTYPES, prepare_data, save_hf_model, tail_mean, torch_threads
 from zoo.training import MAX_POSITIONS, ROPE_THETA, train_lm
 
 PARTS = ("tokenizer", "target")
@@ -133,7 +133,7 @@ def build_moe_zoo(recipe: Recipe, out_dir: Path) -> dict:
 
         stages.set_postfix_str("save")
         save_hf_model(target, out_dir / "target", out_dir / "tokenizer", recipe.save_dtype)
-        mtp.save_beside(out_dir / "target", _DTYPES[recipe.save_dtype])
+        mtp.save_beside(out_dir / "target", DTYPES[recipe.save_dtype])
         stages.update()
     stages.close()
     manifest = {
@@ -141,8 +141,8 @@ def build_moe_zoo(recipe: Recipe, out_dir: Path) -> dict:
         "parts": {name: name for name in PARTS},
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "mtp_parameters": sum(p.numel() for n, p in mtp.named_parameters() if p.requires_grad),
-        "losses": {"target_first": target_losses[0], "target_last": _tail_mean(target_losses),
-                   "mtp_last": _tail_mean(head_losses["mtp"])},
+        "losses": {"target_first": target_losses[0], "target_last": tail_mean(target_losses),
+                   "mtp_last": tail_mean(head_losses["mtp"])},
         # max / mean (token, choice) pairs per expert over the last training step, per MoE layer
         "routing_imbalance": {"target": balancer.last, "mtp": mtp_balancer.last},
         "versions": software_versions(),
