@@ -81,8 +81,12 @@ def start_local_serve() -> int:
     return port
 
 
-async def prefix_cache_counts(prefill) -> tuple[int, int] | None:
-    """(prompt tokens looked up, tokens reused) so far by a prefill deployment (its handle); None with prefix
-    caching off."""
-    pc = (await prefill.stats.remote()).get("prefix_cache") or {}
-    return (pc["query_tokens"], pc["hit_tokens"]) if pc else None
+async def prefix_cache_counts(*handles) -> tuple[int, int] | None:
+    """(prompt tokens looked up, tokens reused) so far, summed over deployments (their handles: the prefill
+    replica and the decode group). Each prompt is counted once, where it was prefilled: by a prefill replica,
+    or by the decode group itself (conditional disaggregation; a hand-over's arrival is not a lookup there).
+    The decode group's counters are its ranks' last step reports. None with prefix caching off."""
+    counts = [(await h.stats.remote()).get("prefix_cache") or {} for h in handles]
+    if not any(counts):
+        return None
+    return (sum(pc.get("query_tokens", 0) for pc in counts), sum(pc.get("hit_tokens", 0) for pc in counts))

@@ -47,10 +47,11 @@ async def _separate(http: httpx.AsyncClient, app: str, prompt: list[int], n: int
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-async def _computed(handle) -> int | None:
-    """Prompt tokens the prefill replica computed so far (looked up less reused); None with the cache off
-    (it then computes every prompt whole)."""
-    counts = await prefix_cache_counts(handle)
+async def _computed(handles) -> int | None:
+    """Prompt tokens the application computed so far (looked up less reused, by its prefill replica and by its
+    decode group, which prefills a repeat itself); None with the cache off (every prompt is then computed whole)."""
+    await asyncio.sleep(0.5)  # the decode group's counters come with its ranks' step reports
+    counts = await prefix_cache_counts(*handles)
     return None if counts is None else counts[0] - counts[1]
 
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[p[0], *tokenizer.encode(f"Round {i}. ", add_special_tokens=False), *p[1:]] for i, p in enumerate(prompts)]
     port = start_local_serve()
     apps = serve_cache_and_none(target)  # no speculation: the draws compared are the plain sampler's
-    handles = {app: serve.get_deployment_handle("prefill", app_name=app) for app in apps}
+    handles = {app: [serve.get_deployment_handle(name, app_name=app) for name in ("prefill", "decode")] for app in apps}
     ways = {"n": ("cache", _n_request), "separate": ("cache", _separate), "separate, no cache": ("nocache", _separate)}
 
     async def measure():

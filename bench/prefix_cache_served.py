@@ -5,7 +5,8 @@ The workload is bench/prefix_cache.py's `shared`: a ~1,500-token system prompt w
 MT-Bench user turns, sent one after another (TTFT is the prompt's cost) and then `--concurrency` at a time
 (tokens/s). A fresh system prompt per round (its first line differs), so each round starts cold and its first
 request pays for the prefix. Reports TTFT p50 (to the first streamed token), output tokens/s, the ratios, and
-the prefill replica's hit rate (its prefix-cache counters' deltas). Greedy outputs must be equal.
+the application's hit rate (the prefix-cache counters' deltas of its prefill replica and its decode group, which
+prefills a prompt itself when it holds all but a short remainder: conditional disaggregation). Greedy outputs must be equal.
 
     python -m bench.prefix_cache_served [--requests 8] [--concurrency 4] [--new-tokens 16] [--rounds 2]
 """
@@ -92,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     base = shared_workload(tokenizer, args.requests)
     port = start_local_serve()
     apps = serve_cache_and_none(target)
-    prefill = serve.get_deployment_handle("prefill", app_name="cache")
+    workers = [serve.get_deployment_handle(name, app_name="cache") for name in ("prefill", "decode")]
 
     async def counts():
-        return await prefix_cache_counts(prefill) or (0, 0)
+        await asyncio.sleep(0.5)  # the decode group's counters come with its ranks' step reports
+        return await prefix_cache_counts(*workers) or (0, 0)
 
     async def measure():
         rows = []
