@@ -107,6 +107,18 @@ class HandoverRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class HandoverDrafts:
+    """A handed-over request's first drafts, drafted by the prefill side in the step that sampled its first
+    token (its draft head is the decode side's: the same speculation), so the decode side's first step
+    verifies them like any other request's, with no draft pass of its own before it."""
+    token_ids: tuple[int, ...]  # the drafts after the first sampled token (a tree's nodes in depth order)
+    # [n, V] f32 the chain's draft distributions, which lossless rejection sampling reads (sampled requests only)
+    probs: torch.Tensor | None = None
+    # a tree's shape (engine/speculative/tree.py DraftTree rows): parents [N], depth [N+1], ancestors [N+1]
+    tree: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Handover:
     """A parked request and where its KV lives, as `LLMEngine.take_handover` gives it."""
 
@@ -114,6 +126,7 @@ class Handover:
     block_ids: list[int]  # blocks holding the prompt's KV (target and draft layers), in order
     hidden: torch.Tensor | None = None  # [H_in] the draft head's input at the last prompt row (speculation)
     compiled_grammar: SerializedGrammar | None = None  # a guided request's compiled grammar, serialized
+    drafts: HandoverDrafts | None = None  # the first drafts, drafted where the first token was sampled
 
     def reusing(self, reused_blocks: int) -> "Handover":
         """This hand-over for a receiver that holds the prompt's first `reused_blocks` blocks (capped so that

@@ -23,7 +23,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.errors import CapacityError, InvalidRequestError
-from engine.handover import Handover, HandoverRequest, max_reusable_blocks
+from engine.handover import Handover, HandoverDrafts, HandoverRequest, max_reusable_blocks
 from engine.layers.kv_spec import KVCacheSpec
 from engine.masking.guided import GuidedRequests
 from engine.outputs import TokenLogprob
@@ -69,7 +69,7 @@ class Handovers:
         compiled = None
         if req.params.structured_output is not None:
             compiled = self._guided.serialized(req.params.structured_output)
-        return Handover(state, list(self._blocks.table(request_id)), req.draft_hidden, compiled)
+        return Handover(state, list(self._blocks.table(request_id)), req.draft_hidden, compiled, req.handover_drafts)
 
     def release(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
@@ -186,11 +186,14 @@ class Handovers:
                                           f"its hand-over's", param="handover")
         return reused
 
-    def commit(self, request_id: str, hidden: torch.Tensor | None = None) -> None:
-        """Decode side: the received KV is in place; the request joins the running batch. `hidden` is
-        the hand-over's draft-head input (Handover.hidden): with it, the request's first step already
-        verifies a full set of drafts."""
+    def commit(self, request_id: str, hidden: torch.Tensor | None = None, drafts: HandoverDrafts | None = None) -> None:
+        """Decode side: the received KV is in place; the request joins the running batch. `drafts` are the
+        hand-over's first drafts (Handover.drafts): its first step verifies them. Without them, `hidden` (the
+        hand-over's draft-head input, Handover.hidden) lets the drafter draft for it before that step."""
         req = self._requests[request_id]
         assert req.status is RequestStatus.RESERVED, req.status
         self._scheduler.add_running(req)
-        self._drafter.arrive(req, hidden)
+        if drafts is not None:
+            self._drafter.received(req, drafts)
+        else:
+            self._drafter.arrive(req, hidden)

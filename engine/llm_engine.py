@@ -21,7 +21,7 @@ from engine.core.scheduler import Scheduler, ScheduledRequest
 from engine.distributed.data_parallel import DPContext
 from engine.distributed.parallel import TPContext
 from engine.errors import InvalidRequestError
-from engine.handover import Handover, HandoverRequest
+from engine.handover import Handover, HandoverDrafts, HandoverRequest
 from engine.handovers import Handovers
 from engine.intake import RequestIntake
 from engine.masking.guided import GuidedRequests
@@ -274,6 +274,7 @@ class LLMEngine:
                 keep = min(held, self.scheduler.slots_needed(req, next_rows[req.request_id]))
             self.blocks.rewind(req.request_id, held - keep)
             if req.status is RequestStatus.PARKED:
+                req.handover_drafts = self.drafter.parked(req, res.drafts[b] if res.drafts else None)
                 self.drafter.release(req.request_id)
                 if res.first_hidden is not None:
                     req.draft_hidden = res.first_hidden[b].clone()
@@ -389,7 +390,7 @@ class LLMEngine:
         """Decode side: blocks for an incoming request's KV (Handovers.reserve); CapacityError if full."""
         return self.handovers.reserve(handover, compiled_grammar, block_ids)
 
-    def commit(self, request_id: str, hidden: torch.Tensor | None = None) -> None:
+    def commit(self, request_id: str, hidden: torch.Tensor | None = None, drafts: HandoverDrafts | None = None) -> None:
         """Decode side: the received KV is in place; the request joins the running batch."""
-        self.handovers.commit(request_id, hidden)
+        self.handovers.commit(request_id, hidden, drafts)
 

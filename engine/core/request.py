@@ -14,6 +14,8 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from engine.handover import HandoverDrafts
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -77,6 +79,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (after token_ids)
     spec_forced: int = 0  # bit j set: spec_token_ids[j] is a token the grammar forced, not a guess
     draft_hidden: torch.Tensor | None = None  # the draft head's input at the last prompt row (hand-over)
+    handover_drafts: HandoverDrafts | None = None  # a parked request's first drafts (engine/handover.py)
     status: RequestStatus = RequestStatus.WAITING
     prefill_only: bool = False
     finish_reason: str | None = None

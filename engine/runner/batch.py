@@ -122,7 +122,7 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
                 drafts[b, :nd] = req.spec_token_ids[:nd]
             first = t + num_tokens - 1 - start  # row of the last verified token
             verify_rows[b] = first + np.minimum(np.arange(k1), nd)
-            propose |= not req.prefill_only
+            propose = True  # a prefill-only request's first drafts travel with its hand-over (engine/handover.py)
         else:
             verify_rows[b] = t + real - 1
         first_pos[b] = num_tokens

@@ -16,13 +16,14 @@ import torch
 from engine.config import SpecConfig, chain_margin
 from engine.core.block_manager import BlockManager, kv_slots
 from engine.core.request import Request, RequestStatus
+from engine.handover import HandoverDrafts
 from engine.layers.attention import AttentionMetadata
 from engine.sample.sampler import build_sampling
 from engine.speculative.adaptive import AdaptiveK, Vote
 from engine.speculative.loading import DraftTarget, load_proposer
 from engine.speculative.ngram import propose_ngram
 from engine.speculative.proposer import ProposeInputs, Proposer
-from engine.speculative.tree import TreeShape, TreeSlots, head_tree
+from engine.speculative.tree import DraftTree, TreeShape, TreeSlots, head_tree
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,45 @@ class Drafter:
                                     self.spec.prompt_lookup_max)
 
     # ------------------------------------------------------------------ hand-over
+    def parked(self, req: Request, step_drafts: list[int] | None) -> HandoverDrafts | None:
+        """A prefill-only request's first drafts, from the step that sampled its first token (which drafts for
+        prefill-only rows too), with what its verification on the decode side reads: a sampled chain's draft
+        distributions, a tree's shape. Call before `release`. None at k = 0."""
+        if not self.k:
+            return None
+        tokens = self.next_drafts(req, step_drafts)
+        s = self._slot_of.get(req.request_id)
+        probs = tree = None
+        if tokens and s is not None and self.tree:
+            t = self.proposer.tree_slots
+            tree = (tuple(t.parents[s].tolist()), tuple(t.depth[s].tolist()), tuple(t.ancestors[s].tolist()))
+        elif tokens and s is not None and self.draft_probs is not None and not req.params.greedy:
+            probs = self.draft_probs[s, : len(tokens)].clone()
+        return HandoverDrafts(tuple(tokens), probs, tree)
+
+    def received(self, req: Request, drafts: HandoverDrafts) -> None:
+        """A hand-over joined the running batch with its first drafts: its first step verifies them. Drafts its
+        verification could not read losslessly (a sampled chain's without their distributions, a tree's without
+        its shape) are dropped: the request then starts without drafts."""
+        req.spec_token_ids, req.spec_forced = [], 0
+        tokens = list(drafts.token_ids[: max(0, min(self.k, draft_room(req, 0)))])
+        if not tokens:
+            return
+        slot = torch.tensor([self.slot(req.request_id)], device=self.device)
+        if self.tree:
+            if drafts.tree is None or len(drafts.tree[0]) != self.num_nodes:
+                return
+            parents, depth, ancestors = (torch.tensor([row], dtype=torch.int64, device=self.device)
+                                         for row in drafts.tree)
+            self.proposer.tree_slots.write(slot, DraftTree(torch.tensor([tokens], device=self.device), parents,
+                                                           depth, ancestors))
+        elif self.proposer is not None and not req.params.greedy:
+            if drafts.probs is None or drafts.probs.shape != (len(drafts.token_ids), self.vocab_size):
+                return
+            self.prepare([req])
+            self.draft_probs[slot, : len(tokens)] = drafts.probs[: len(tokens)].to(self.device, torch.float32)
+        req.spec_token_ids = tokens
+
     def arrive(self, req: Request, hidden: torch.Tensor | None) -> None:
         """A hand-over joined the running batch: draft for it before its first step (`hidden`: the draft
         head's input at its last prompt row). Nothing to draft at k = 0."""

@@ -156,9 +156,10 @@ def test_preemption_under_block_pressure(llama_dir, spec_drafts, reference):
 
 @pytest.mark.parametrize("method", ["mtp", "eagle3", "self_draft", "ngram"])
 def test_handover_carries_the_draft_state(checkpoints, llama_dir, spec_drafts, reference, method):
-    """Prefill-only on one engine, hand-over (target and draft KV blocks, the head's hidden state),
-    decode on another: same tokens; the first decode step already verifies k drafts, and the drafts
-    after it are those of a from-scratch recomputation (the draft KV over the prompt arrived)."""
+    """Prefill-only on one engine, hand-over (target and draft KV blocks, the first drafts, drafted by the
+    prefill in the step that sampled the first token), decode on another: same tokens; the first decode step
+    verifies those k drafts (their acceptance counted), and the drafts after it are those of a from-scratch
+    recomputation (the draft KV over the prompt arrived)."""
     spec = spec_config(method, 3, spec_drafts, llama_dir)
     prefill = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4, speculative=spec))
     decode = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=64, block_size=4, speculative=spec))
@@ -170,14 +171,17 @@ def test_handover_carries_the_draft_state(checkpoints, llama_dir, spec_drafts, r
         others += prefill.step()
     h = prefill.take_handover("r")
     assert h.request.cache_layers == prefill.kv_cache.shape[0]
-    assert (h.hidden is not None) == (method in ("mtp", "eagle3"))
+    assert h.drafts.probs is None and h.drafts.tree is None  # greedy: its verification reads no distributions
+    if method != "ngram":  # drafted by the prefill's step: the first decode step verifies a full chain
+        assert len(h.drafts.token_ids) == 3
     blocks = decode.reserve(h.request)
     decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
     prefill.release("r")
-    decode.commit("r", hidden=h.hidden)
+    decode.commit("r", drafts=h.drafts)
+    assert decode.requests["r"].spec_token_ids == list(h.drafts.token_ids)
     outs = decode.step()
     req = decode.requests["r"]
-    if method != "ngram":  # drafted at commit: the first step verifies a full chain
+    if method != "ngram":
         assert req.metrics.num_draft_tokens == 3
     if method == "self_draft":
         assert req.metrics.num_accepted_tokens == 3
@@ -271,7 +275,8 @@ def test_handovers_beyond_max_num_seqs(llama_dir, spec_drafts, reference):
         blocks = decode.reserve(h.request)
         decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
         prefill.release(f"r{i}")
-        decode.commit(f"r{i}", hidden=h.hidden)
+        assert (h.drafts.probs is not None) == (i == 4)  # the sampled request's drafts come with their distributions
+        decode.commit(f"r{i}", drafts=h.drafts)
     done = {}
     while decode.has_unfinished():
         done.update({o.request_id: o for o in decode.step() if o.finished})
