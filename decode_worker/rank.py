@@ -281,11 +281,7 @@ class DecodeRank:
         eng = self.engine
         if not self._adopt_stocked(rid, failed):
             return
-        hidden = self.receiver.take_hidden(rid)
-        if hidden is not None:
-            eng.commit(rid, hidden.to(eng.kv_cache.device))
-        else:
-            eng.commit(rid)
+        eng.commit(rid, drafts=self.receiver.take_drafts(rid))
 
     def _commit_landed(self, failed: list[tuple[str, str]]) -> int:
         """A one-rank group commits each stocked hand-over whose payload has landed at this step boundary,

@@ -24,6 +24,7 @@ from cluster.errors import ChannelError, HandoverHeaderError
 from cluster.faults import FaultPoints
 from cluster.protocol import HandoverHeader, HandoverPayload
 from decode_worker.stock import HandoverStock
+from engine.handover import HandoverDrafts
 from kernels.kv_transfer import unpack_kv
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class HandoverReceiver:
         self._landed: list[str] = []
         self._failed: list[tuple[str, str]] = []
         self._timings: list[tuple[str, float, float, int]] = []  # (rid, receive s, unpack s, bytes)
-        self._hidden: dict[str, torch.Tensor] = {}  # request id -> the draft head's input (speculation)
+        self._drafts: dict[str, HandoverDrafts] = {}  # request id -> its first drafts (speculation)
         self._channels: list[KVChannel] = []
         self._stopping = False
 
@@ -111,13 +112,14 @@ class HandoverReceiver:
         with self._lock:
             return [rid for rid, a in self._pending.items() if a.stocked and a.decided.is_set() and not a.dropped]
 
-    def take_hidden(self, request_id: str) -> torch.Tensor | None:
+    def take_drafts(self, request_id: str) -> HandoverDrafts | None:
+        """At commit: a landed request's first drafts, with their distributions (None: none came)."""
         with self._lock:
-            return self._hidden.pop(request_id, None)
+            return self._drafts.pop(request_id, None)
 
     def drop(self, request_id: str) -> None:
         with self._lock:
-            self._hidden.pop(request_id, None)
+            self._drafts.pop(request_id, None)
             arrival = self._pending.pop(request_id, None)
             if arrival is not None and arrival.stocked:
                 if arrival.decided.is_set():  # landed: its blocks go back now
@@ -220,8 +222,8 @@ class HandoverReceiver:
                             continue
                     else:
                         self._pending.pop(rid, None)
-                    if payload.draft_hidden is not None:
-                        self._hidden[rid] = payload.draft_hidden
+                    if header.drafts is not None:
+                        self._drafts[rid] = header.drafts.with_probs(payload.draft_probs)
                     self._landed.append(rid)
                     self._timings.append((rid, received - start, unpacked - received, payload.nbytes))
                     self._lock.notify_all()

@@ -124,7 +124,6 @@ class Handover:
 
     request: HandoverRequest
     block_ids: list[int]  # blocks holding the prompt's KV (target and draft layers), in order
-    hidden: torch.Tensor | None = None  # [H_in] the draft head's input at the last prompt row (speculation)
     compiled_grammar: SerializedGrammar | None = None  # a guided request's compiled grammar, serialized
     drafts: HandoverDrafts | None = None  # the first drafts, drafted where the first token was sampled
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
@@ -69,7 +67,7 @@ class Handovers:
         compiled = None
         if req.params.structured_output is not None:
             compiled = self._guided.serialized(req.params.structured_output)
-        return Handover(state, list(self._blocks.table(request_id)), req.draft_hidden, compiled, req.handover_drafts)
+        return Handover(state, list(self._blocks.table(request_id)), compiled, req.handover_drafts)
 
     def release(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
@@ -186,14 +184,12 @@ class Handovers:
                                           f"its hand-over's", param="handover")
         return reused
 
-    def commit(self, request_id: str, hidden: torch.Tensor | None = None, drafts: HandoverDrafts | None = None) -> None:
+    def commit(self, request_id: str, drafts: HandoverDrafts | None = None) -> None:
         """Decode side: the received KV is in place; the request joins the running batch. `drafts` are the
-        hand-over's first drafts (Handover.drafts): its first step verifies them. Without them, `hidden` (the
-        hand-over's draft-head input, Handover.hidden) lets the drafter draft for it before that step."""
+        hand-over's first drafts (Handover.drafts): its first step verifies them, as any request's (without
+        them it starts with none)."""
         req = self._requests[request_id]
         assert req.status is RequestStatus.RESERVED, req.status
         self._scheduler.add_running(req)
         if drafts is not None:
             self._drafter.received(req, drafts)
-        else:
-            self._drafter.arrive(req, hidden)

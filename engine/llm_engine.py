@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import BlockManager
 from engine.core.prefix_cache import PrefixCache
@@ -182,9 +180,7 @@ class LLMEngine:
         return [self._output(r) for r in reports]
 
     def _admit_pending(self) -> None:
-        """Before a step planned on the host's state: drafts for hand-overs that arrived, matchers for the
-        grammars that finished compiling."""
-        self.drafter.draft_arrivals(self.blocks)
+        """Before a step planned on the host's state: matchers for the grammars that finished compiling."""
         if self.guided.compiling:
             self._install_grammars(wait=False)
 
@@ -217,7 +213,7 @@ class LLMEngine:
     def _can_plan_ahead(self) -> bool:
         """Can a step be planned before the running one is read: the option is on and no request waits on
         the host for the running step's tokens (carry_blocker)."""
-        if (not self.cfg.async_scheduling or self.dp is not None or self.drafter.arrivals_pending or self.guided.compiling
+        if (not self.cfg.async_scheduling or self.dp is not None or self.guided.compiling
                 or self.drafter.adaptive is not None):  # adaptive k decides each step from the last one's outcome
             return False
         return all(carry_blocker(r, self.drafter.drafts_on_host) is None
@@ -276,8 +272,6 @@ class LLMEngine:
             if req.status is RequestStatus.PARKED:
                 req.handover_drafts = self.drafter.parked(req, res.drafts[b] if res.drafts else None)
                 self.drafter.release(req.request_id)
-                if res.first_hidden is not None:
-                    req.draft_hidden = res.first_hidden[b].clone()
             else:
                 req.spec_token_ids = self.drafter.next_drafts(req, res.drafts[b] if res.drafts else None,
                                                               rejected=num_drafts - accepted,
@@ -358,7 +352,6 @@ class LLMEngine:
         self.drafter.release(req.request_id)
         self.guided.release(req.request_id)
         req.spec_token_ids = []
-        req.draft_hidden = None
         req.status = status
         req.finish_reason = status.value
         req.metrics.finished_time = time.monotonic()
@@ -390,7 +383,8 @@ class LLMEngine:
         """Decode side: blocks for an incoming request's KV (Handovers.reserve); CapacityError if full."""
         return self.handovers.reserve(handover, compiled_grammar, block_ids)
 
-    def commit(self, request_id: str, hidden: torch.Tensor | None = None, drafts: HandoverDrafts | None = None) -> None:
-        """Decode side: the received KV is in place; the request joins the running batch."""
-        self.handovers.commit(request_id, hidden, drafts)
+    def commit(self, request_id: str, drafts: HandoverDrafts | None = None) -> None:
+        """Decode side: the received KV is in place; the request joins the running batch, verifying `drafts`
+        (Handover.drafts) in its first step."""
+        self.handovers.commit(request_id, drafts)
 

@@ -31,7 +31,8 @@ from cluster.channel import SENDER, KVChannel, connect_channel
 from cluster.errors import ChannelError
 from cluster.faults import FaultPoints
 from cluster.groups import backend_for
-from cluster.protocol import DecodeTarget, GrammarHandover, HandoverHeader, HandoverPayload, RankEndpoint
+from cluster.protocol import (DecodeTarget, DraftsHandover, GrammarHandover, HandoverHeader, HandoverPayload,
+                              RankEndpoint)
 from engine import Handover
 from kernels.kv_transfer import pack_kv
 
@@ -163,14 +164,16 @@ class HandoverSender:
         block_ids = handover.payload_block_ids  # past the blocks the decode rank holds already (reused_blocks)
         by_slice: dict[tuple[int, int], torch.Tensor] = {}
         # With speculation the cache's extra layers hold the draft's KV (same heads, same slices; DeepSeek-V3's MTP
-        # layer: its latent rows), and the draft head's input at the last prompt row travels along whole to every
-        # rank. Ranks holding the same heads (a replicated MLA latent) share one packed buffer.
-        hidden = handover.hidden.contiguous() if handover.hidden is not None else None
+        # layer: its latent rows), and a sampled request's first drafts' distributions travel along whole to every
+        # rank (the drafts themselves ride in the header). Ranks holding the same heads (a replicated MLA latent)
+        # share one packed buffer.
+        drafts = handover.drafts
+        probs = drafts.probs.contiguous() if drafts is not None and drafts.probs is not None else None
         payloads = []
         for rank in target.ranks:
             if rank.kv_heads not in by_slice:
                 by_slice[rank.kv_heads] = pack_blocks(self.kv_cache, block_ids, rank.kv_heads)
-            payloads.append(HandoverPayload(kv=by_slice[rank.kv_heads], draft_hidden=hidden))
+            payloads.append(HandoverPayload(kv=by_slice[rank.kv_heads], draft_probs=probs))
         if self.kv_cache.device.type == "cuda":
             torch.cuda.current_stream(self.kv_cache.device).synchronize()
         return payloads, time.perf_counter() - start
@@ -180,7 +183,8 @@ class HandoverSender:
         self.faults.hit("handover.send_header", rid)
         channels = [self._channel(target, rank) for rank in target.ranks]
         start = time.perf_counter()
-        header = HandoverHeader(handover.request, payloads[0].parts, _grammar(handover)).to_wire()  # same for every rank
+        header = HandoverHeader(handover.request, payloads[0].parts, _grammar(handover),  # same for every rank
+                                DraftsHandover.of(handover.drafts)).to_wire()
         for ch, payload in zip(channels, payloads):
             ch.send_header(header, payload.tensors, self.transfer_timeout_s)
         self.faults.hit("handover.send_payload", rid, channels[0].name)

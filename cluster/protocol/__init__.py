@@ -19,14 +19,14 @@ as a wire form (the prefill request, routing stats) carries its version in it.
 """
 from cluster.protocol.decode import DecodeOpened, DecodeTarget, KVLayout, RankEndpoint
 from cluster.protocol.feed import FEED_LINK_VERSION, FeedBatch, StreamError
-from cluster.protocol.handover import (HANDOVER_VERSION, GrammarHandover, HandoverHeader, HandoverPayload,
-                                       PayloadPart)
+from cluster.protocol.handover import (HANDOVER_VERSION, DraftsHandover, GrammarHandover, HandoverHeader,
+                                       HandoverPayload, PayloadPart)
 from cluster.protocol.prefill import (PREFILL_VERSION, RESUMED_MARK, ModelInfo, PrefillRequest, PrefillResult,
                                      attempt_id)
 from cluster.protocol.step import STEP_LINK_VERSION, Command, CommandKind, RankStep, StepReport, TokenDelta
 
 __all__ = ["Command", "CommandKind", "DecodeOpened", "DecodeTarget", "KVLayout", "RankEndpoint", "RankStep",
            "StepReport", "StreamError", "TokenDelta", "STEP_LINK_VERSION", "FEED_LINK_VERSION", "FeedBatch",
-           "HANDOVER_VERSION", "GrammarHandover", "HandoverHeader", "HandoverPayload", "PayloadPart",
+           "HANDOVER_VERSION", "DraftsHandover", "GrammarHandover", "HandoverHeader", "HandoverPayload", "PayloadPart",
            "PREFILL_VERSION", "RESUMED_MARK", "ModelInfo", "PrefillRequest", "PrefillResult",
            "attempt_id"]

@@ -9,9 +9,11 @@ the payload tensors in order. For a hand-over the header frame carries `Handover
                                        #   reused_blocks (leading blocks the receiver holds: "kv" starts after them)
       "parts":   ["kv", ...],          # the payload tensors' names, in the order they are sent
       "grammar": {...} | nil,          # GrammarHandover of a guided request: its backend and compiled grammar
+      "drafts":  {...} | nil,          # DraftsHandover with speculation: the first drafts, drafted by the prefill
+                                       #   in the step that sampled the first token (engine/handover.py)
     }
 
-The payload is reached by name (`HandoverPayload.kv`, `.draft_hidden`), never by position. A header
+The payload is reached by name (`HandoverPayload.kv`, `.draft_probs`), never by position. A header
 that is not this (wrong version, missing or mistyped field, cut short) raises HandoverHeaderError, which
 names what is wrong and, when it can be read, the request it belonged to.
 """
@@ -25,7 +27,7 @@ import msgpack
 
 from cluster.errors import HandoverHeaderError
 from engine.errors import InvalidRequestError
-from engine.handover import HandoverRequest
+from engine.handover import HandoverDrafts, HandoverRequest
 from structured.request import BACKENDS, SerializedGrammar
 
 if TYPE_CHECKING:
@@ -34,15 +36,18 @@ if TYPE_CHECKING:
 # Bump on any change to the fields below or to HandoverRequest's (3: GrammarHandover.backend; 4: no "draft_kv"
 # part, which no draft ever sent: a draft keeping a cache of its own gets its part when one is built;
 # 5: HandoverRequest.reused_blocks, the leading blocks the receiver holds already and the payload skips;
-# 6: HandoverRequest.cache_planes and cache_head_dim, so an MLA latent row and K/V heads cannot be confused).
-HANDOVER_VERSION = 6
+# 6: HandoverRequest.cache_planes and cache_head_dim, so an MLA latent row and K/V heads cannot be confused;
+# 7: "drafts" and the "draft_probs" part instead of "draft_hidden": the prefill drafts, the decode side verifies).
+HANDOVER_VERSION = 7
 
 
 class PayloadPart(str, enum.Enum):
     KV = "kv"  # [L, P, n, S, h, D] the request's blocks past its reused ones (n = num_blocks - reused_blocks): the
     #            target's cache layers, then a cache-sharing draft's; P planes (2: K and V; 1: MLA's latent row), h
     #            the receiving rank's heads (its slice; all of them under ADP; MLA: the one latent, on every rank)
-    DRAFT_HIDDEN = "draft_hidden"  # [H_in] the draft head's input at the last prompt row (MTP, EAGLE-3)
+    # [n, V] f32 the first drafts' distributions, which the decode side's rejection sampling reads (a sampled
+    # request's chain; greedy verification and trees read none)
+    DRAFT_PROBS = "draft_probs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +55,7 @@ class HandoverPayload:
     """The tensors of one hand-over, by name. Every rank gets its KV heads of `kv` (RankEndpoint.kv_heads) and the
     rest whole."""
     kv: torch.Tensor
-    draft_hidden: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
 
     @property
     def parts(self) -> tuple[PayloadPart, ...]:
@@ -110,10 +115,44 @@ class GrammarHandover:
 
 
 @dataclass(frozen=True, slots=True)
+class DraftsHandover:
+    """A hand-over's first drafts as the header carries them (HandoverDrafts without its distributions, which
+    travel as the DRAFT_PROBS payload part)."""
+    token_ids: tuple[int, ...]
+    tree: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None  # parents, depth, ancestors
+
+    @staticmethod
+    def of(drafts: HandoverDrafts | None) -> "DraftsHandover | None":
+        return None if drafts is None else DraftsHandover(drafts.token_ids, drafts.tree)
+
+    def with_probs(self, probs: torch.Tensor | None) -> HandoverDrafts:
+        return HandoverDrafts(self.token_ids, probs, self.tree)
+
+    def to_wire(self) -> dict:
+        return {"token_ids": list(self.token_ids), "tree": None if self.tree is None else [list(r) for r in self.tree]}
+
+    @staticmethod
+    def from_wire(raw: object) -> "DraftsHandover":
+        fields = _fields(raw, "drafts", {"token_ids", "tree"})
+        token_ids, tree = fields["token_ids"], fields["tree"]
+        if not _ints(token_ids):
+            raise HandoverHeaderError(f"hand-over field 'drafts.token_ids' must be a list of int, got {token_ids!r}")
+        if tree is not None and not (isinstance(tree, list) and len(tree) == 3 and all(_ints(r) for r in tree)):
+            raise HandoverHeaderError(f"hand-over field 'drafts.tree' must be nil or three lists of int "
+                                      f"(parents, depth, ancestors), got {tree!r}")
+        return DraftsHandover(tuple(token_ids), None if tree is None else tuple(tuple(r) for r in tree))
+
+
+def _ints(raw: object) -> bool:
+    return isinstance(raw, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in raw)
+
+
+@dataclass(frozen=True, slots=True)
 class HandoverHeader:
     request: HandoverRequest
     parts: tuple[PayloadPart, ...]  # the payload's tensors, in the order they follow the header
     grammar: GrammarHandover | None = None
+    drafts: DraftsHandover | None = None
     version: int = HANDOVER_VERSION
 
     def __post_init__(self) -> None:
@@ -126,7 +165,8 @@ class HandoverHeader:
     def to_wire(self) -> bytes:
         return msgpack.packb({"version": self.version, "request": self.request.to_dict(),
                               "parts": [p.value for p in self.parts],
-                              "grammar": None if self.grammar is None else self.grammar.to_wire()}, use_bin_type=True)
+                              "grammar": None if self.grammar is None else self.grammar.to_wire(),
+                              "drafts": None if self.drafts is None else self.drafts.to_wire()}, use_bin_type=True)
 
     @staticmethod
     def from_wire(data: bytes) -> "HandoverHeader":
@@ -147,7 +187,7 @@ class HandoverHeader:
 
 
 def _header(raw: object) -> HandoverHeader:
-    fields = _fields(raw, "header", {"version", "request", "parts", "grammar"})
+    fields = _fields(raw, "header", {"version", "request", "parts", "grammar", "drafts"})
     version = fields["version"]
     if version != HANDOVER_VERSION:
         raise HandoverHeaderError(f"hand-over header version {version!r}, this rank speaks {HANDOVER_VERSION}: "
@@ -165,7 +205,10 @@ def _header(raw: object) -> HandoverHeader:
         raise HandoverHeaderError(f"hand-over field 'parts' must list distinct payload parts {sorted(known)} "
                                   f"starting with 'kv', got {names!r}")
     grammar = None if fields["grammar"] is None else GrammarHandover.from_wire(fields["grammar"])
-    return HandoverHeader(request, tuple(PayloadPart(n) for n in names), grammar, version)
+    drafts = None if fields["drafts"] is None else DraftsHandover.from_wire(fields["drafts"])
+    if PayloadPart.DRAFT_PROBS.value in names and drafts is None:
+        raise HandoverHeaderError("the hand-over sends draft distributions but no drafts")
+    return HandoverHeader(request, tuple(PayloadPart(n) for n in names), grammar, drafts, version)
 
 
 def _fields(raw: object, what: str, names: set[str]) -> dict:

@@ -12,8 +12,6 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
     from engine.handover import HandoverDrafts
 
 
@@ -78,7 +76,6 @@ class Request:
     num_cached_blocks: int = 0  # leading blocks of its table registered in the prefix cache (or found there)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (after token_ids)
     spec_forced: int = 0  # bit j set: spec_token_ids[j] is a token the grammar forced, not a guess
-    draft_hidden: torch.Tensor | None = None  # the draft head's input at the last prompt row (hand-over)
     handover_drafts: HandoverDrafts | None = None  # a parked request's first drafts (engine/handover.py)
     status: RequestStatus = RequestStatus.WAITING
     prefill_only: bool = False

@@ -1,29 +1,26 @@
 """Drafter: the draft half of the step. Loads the draft network (or prompt lookup), owns the per-request
-draft state (a slot in the draft-distribution buffer), picks each request's next drafts, and drafts for
-requests that arrive by hand-over. The step itself is engine/runner/step.py.
+draft state (a slot in the draft-distribution buffer), picks each request's next drafts, and keeps a
+hand-over's first drafts on the prefill side (`parked`) and gives them back on the decode side (`received`),
+where the request's first step verifies them like any other. The step itself is engine/runner/step.py.
 
-A drafter always exists: without speculation it is the k = 0 drafter, which proposes nothing, keeps no
-state and queues no arrivals, so the engine's step has one path for every configuration."""
+A drafter always exists: without speculation it is the k = 0 drafter, which proposes nothing and keeps no
+state, so the engine's step has one path for every configuration."""
 from __future__ import annotations
 
 import logging
 from collections import deque
 from typing import Callable
 
-import numpy as np
 import torch
 
-from engine.config import SpecConfig, chain_margin
-from engine.core.block_manager import BlockManager, kv_slots
-from engine.core.request import Request, RequestStatus
+from engine.config import SpecConfig
+from engine.core.request import Request
 from engine.handover import HandoverDrafts
-from engine.layers.attention import AttentionMetadata
-from engine.sample.sampler import build_sampling
 from engine.speculative.adaptive import AdaptiveK, Vote
 from engine.speculative.loading import DraftTarget, load_proposer
 from engine.speculative.ngram import propose_ngram
-from engine.speculative.proposer import ProposeInputs, Proposer
-from engine.speculative.tree import DraftTree, TreeShape, TreeSlots, head_tree
+from engine.speculative.proposer import Proposer
+from engine.speculative.tree import DraftTree, TreeShape, TreeSlots
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +51,6 @@ class Drafter:
         self._slot_of: dict[str, int] = {}
         self.draft_probs: torch.Tensor | None = None  # [slots + 1, k, V] (last row: scratch), on first sampled request
         self.on_slots_grown = None  # callable: buffers captured graphs read were replaced
-        self._arrivals: list[Request] = []  # hand-overs committed since the last step, to draft before it
         self.lookahead_slots = spec.lookahead_slots if spec is not None else 0
         # Drafts proposed on the host from the tokens (prompt lookup): a step planned before the previous
         # one is read cannot draft for its requests.
@@ -256,81 +252,6 @@ class Drafter:
             self.prepare([req])
             self.draft_probs[slot, : len(tokens)] = drafts.probs[: len(tokens)].to(self.device, torch.float32)
         req.spec_token_ids = tokens
-
-    def arrive(self, req: Request, hidden: torch.Tensor | None) -> None:
-        """A hand-over joined the running batch: draft for it before its first step (`hidden`: the draft
-        head's input at its last prompt row). Nothing to draft at k = 0."""
-        if self.k:
-            req.draft_hidden = hidden
-            self._arrivals.append(req)
-
-    @property
-    def arrivals_pending(self) -> bool:
-        return bool(self._arrivals)
-
-    def draft_arrivals(self, blocks: BlockManager) -> None:
-        """Drafts for the hand-overs that arrived since the last step and still run, before that step: its first
-        verification needs them on the host (grammar masks snapshot them, the scheduler counts their rows), so
-        they cannot be rows of the step itself; this eager pass runs the draft network alone, which under ADP
-        is replicated (no collective to match) and leaves the step's captured graph as it is."""
-        reqs = [r for r in self._arrivals if r.status is RequestStatus.RUNNING and r.num_computed_tokens >= 1]
-        self._arrivals = []
-        if reqs:
-            self.propose_received(reqs, [r.draft_hidden for r in reqs], blocks)
-        for r in reqs:
-            r.draft_hidden = None
-
-    @torch.inference_mode()
-    def propose_received(self, reqs: list[Request], hidden: list[torch.Tensor | None], blocks: BlockManager) -> None:
-        """Drafts for requests that arrived by hand-over (KV through their prompt, one sampled token):
-        one draft step over each request's last prompt row (reading the sent hidden state), then the
-        chain. Requests whose hidden state is missing, or that cannot get lookahead blocks, start
-        without drafts."""
-        if self.proposer is None:
-            for req in reqs:
-                req.spec_token_ids = self.next_drafts(req, None)
-            return
-        needs_hidden = self.proposer.needs_hidden
-        ready = [(r, h) for r, h in zip(reqs, hidden) if (h is not None or not needs_hidden) and
-                 blocks.allocate(r.request_id, r.num_computed_tokens + self.lookahead_slots)]
-        if not ready:
-            return
-        reqs = [r for r, _ in ready]
-        self.prepare(reqs)
-        bs = blocks.block_size
-        pos = np.array([r.num_tokens - 2 for r in reqs], dtype=np.int64)
-        max_blocks = max(len(blocks.table(r.request_id)) for r in reqs)
-        tables = np.zeros((len(reqs), max_blocks), dtype=np.int32)
-        for b, r in enumerate(reqs):
-            tables[b, : len(blocks.table(r.request_id))] = blocks.table(r.request_id)
-        slot_mapping = kv_slots(tables, np.arange(len(reqs)), pos, bs)
-        dev = lambda a: torch.from_numpy(np.asarray(a)).to(self.device)  # noqa: E731
-        seq_lens = (pos + 1).astype(np.int32)
-        attn = AttentionMetadata(kv_cache=self._target_cache, slot_mapping=dev(slot_mapping), block_tables=dev(tables),
-                                 seq_lens=dev(seq_lens), query_start_loc=dev(np.arange(len(reqs) + 1, dtype=np.int32)),
-                                 max_q_len=1, max_seq_len=int(seq_lens.max()))
-        sampling = build_sampling(reqs, pos + 1, len(reqs), self.device, self.vocab_size)
-        first = torch.stack([h.to(self.device) for _, h in ready]) if needs_hidden else None
-        inputs = ProposeInputs(
-            hidden=first, input_ids=dev([r.token_ids[-2] for r in reqs]),
-            next_tokens=dev([r.token_ids[-1] for r in reqs]), positions=dev(pos), attn=attn,
-            out_rows=torch.arange(len(reqs), device=self.device),
-            slot_limit=dev([blocks.num_slots[r.request_id] for r in reqs]),
-            max_seq_len=int(seq_lens.max()) + chain_margin(self.k), chain=True, sampling=sampling)
-        probs = None
-        if self.tree:
-            tree = head_tree(self.proposer, inputs, self.proposer.tree_shape)
-            self.proposer.tree_slots.write(torch.tensor([self.slot(r.request_id) for r in reqs], device=self.device),
-                                           tree)
-            drafts = tree.tokens
-        else:
-            drafts, probs = self.proposer.propose(inputs)
-        if probs is not None:
-            slots = torch.tensor([self.slot(r.request_id) for r in reqs], device=self.device)
-            self.draft_probs.index_copy_(0, slots, probs)
-        for r, row in zip(reqs, drafts.tolist()):
-            r.spec_token_ids = self.next_drafts(r, row)
-            blocks.rewind(r.request_id, blocks.num_slots[r.request_id] - r.num_computed_tokens)
 
 
 def tree_drafts(req: Request, step_drafts: list[int] | None, rejected: int) -> list[int]:

@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from cluster.errors import HandoverHeaderError
-from cluster.protocol import (HANDOVER_VERSION, GrammarHandover, HandoverHeader, HandoverPayload, PayloadPart)
+from cluster.protocol import (HANDOVER_VERSION, DraftsHandover, GrammarHandover, HandoverHeader, HandoverPayload,
+                              PayloadPart)
 from engine import HandoverRequest, SamplingParams
 
-KV, HIDDEN = PayloadPart.KV, PayloadPart.DRAFT_HIDDEN
+KV, PROBS = PayloadPart.KV, PayloadPart.DRAFT_PROBS
+CHAIN = DraftsHandover((11, 12, 13))
+TREE = DraftsHandover((11, 12, 13), ((0, 0, 1), (0, 1, 1, 2), (1, 3, 5, 11)))
 
 
 def request(rid: str = "req-1") -> HandoverRequest:
@@ -29,9 +32,9 @@ def wire_dict(header: HandoverHeader) -> dict:
 @pytest.mark.parametrize("grammar", [None, GrammarHandover("ab12", '{"vocab": [1, 2], "ü": "\\u0000"}'),
                                      GrammarHandover("ab12", None),
                                      GrammarHandover("cd34", '{"grammars": []}', "llguidance")])
-@pytest.mark.parametrize("parts", [(KV,), (KV, HIDDEN)])
-def test_round_trip(grammar, parts):
-    header = HandoverHeader(request(), parts, grammar)
+@pytest.mark.parametrize("parts, drafts", [((KV,), None), ((KV,), CHAIN), ((KV, PROBS), CHAIN), ((KV,), TREE)])
+def test_round_trip(grammar, parts, drafts):
+    header = HandoverHeader(request(), parts, grammar, drafts)
     back = HandoverHeader.from_wire(header.to_wire())
     assert back == header and back.version == HANDOVER_VERSION and back.request_id == "req-1"
     assert back.request.params == SamplingParams(max_tokens=8, temperature=0.7)
@@ -48,7 +51,7 @@ def test_a_guided_request_keeps_its_structured_output():
 
 
 def test_the_wire_carries_only_fields_that_are_read():
-    assert set(wire_dict(HandoverHeader(request(), (KV,)))) == {"version", "request", "parts", "grammar"}
+    assert set(wire_dict(HandoverHeader(request(), (KV,)))) == {"version", "request", "parts", "grammar", "drafts"}
 
 
 def test_wrong_version_is_refused_naming_both_versions():
@@ -59,7 +62,7 @@ def test_wrong_version_is_refused_naming_both_versions():
     assert e.value.request_id == "req-1"  # the decode side can still fail that request's stream
 
 
-@pytest.mark.parametrize("field", ["version", "request", "parts", "grammar"])
+@pytest.mark.parametrize("field", ["version", "request", "parts", "grammar", "drafts"])
 def test_missing_field_is_named(field):
     raw = wire_dict(HandoverHeader(request(), (KV,)))
     del raw[field]
@@ -72,6 +75,13 @@ def test_missing_field_is_named(field):
     ("parts", [], "parts"),
     ("parts", ["kv", "kv"], "parts"),
     ("parts", ["kv", "draft_kv"], "parts"),  # a part of version 3 that no draft ever sent
+    ("parts", ["kv", "draft_hidden"], "parts"),  # version 6's: the decode side no longer drafts for an arrival
+    ("parts", ["kv", "draft_probs"], "draft distributions but no drafts"),
+    ("drafts", [1, 2], "drafts must be a map"),
+    ("drafts", {"token_ids": [1, "x"], "tree": None}, "drafts.token_ids"),
+    ("drafts", {"token_ids": [1, True], "tree": None}, "drafts.token_ids"),
+    ("drafts", {"token_ids": [1, 2], "tree": [[0], [0, 1]]}, "drafts.tree"),
+    ("drafts", {"token_ids": [1, 2]}, "drafts lacks"),
     ("parts", "kv", "parts"),
     ("request", [1, 2], "'request' must be a map"),
     ("grammar", {"cache_key": 7, "backend": "xgrammar", "compiled": None}, "grammar.cache_key"),
@@ -117,7 +127,7 @@ def test_unknown_field_is_refused():
 
 @pytest.mark.parametrize("cut", [1, 10, -1])
 def test_truncated_bytes(cut):
-    wire = HandoverHeader(request(), (KV, HIDDEN)).to_wire()
+    wire = HandoverHeader(request(), (KV, PROBS), drafts=CHAIN).to_wire()
     with pytest.raises(HandoverHeaderError, match="not valid msgpack"):
         HandoverHeader.from_wire(wire[:cut])
 
@@ -129,11 +139,12 @@ def test_not_a_header_at_all(data):
 
 
 def test_payload_parts_are_reached_by_name():
-    kv, hidden = torch.zeros(2, 2, 1, 16, 1, 8), torch.arange(24.0)
-    payload = HandoverPayload(kv=kv, draft_hidden=hidden)
-    assert payload.parts == (KV, HIDDEN) and payload.tensors == [kv, hidden]
-    back = HandoverPayload.assemble(HandoverHeader(request(), payload.parts).parts, payload.tensors)
-    assert back.kv is kv and back.draft_hidden is hidden
+    kv, probs = torch.zeros(2, 2, 1, 16, 1, 8), torch.rand(3, 24)
+    payload = HandoverPayload(kv=kv, draft_probs=probs)
+    assert payload.parts == (KV, PROBS) and payload.tensors == [kv, probs]
+    back = HandoverPayload.assemble(HandoverHeader(request(), payload.parts, drafts=CHAIN).parts, payload.tensors)
+    assert back.kv is kv and back.draft_probs is probs
+    assert CHAIN.with_probs(back.draft_probs).probs is probs and CHAIN.with_probs(None).token_ids == (11, 12, 13)
     assert HandoverPayload(kv=kv).parts == (KV,)
     with pytest.raises(HandoverHeaderError, match="2 payload parts but 1"):
-        HandoverPayload.assemble((KV, HIDDEN), [kv])
+        HandoverPayload.assemble((KV, PROBS), [kv])

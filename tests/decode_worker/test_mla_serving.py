@@ -89,7 +89,7 @@ def test_served_deepseek_equals_the_engine_and_moves_only_the_latent(mla_app, re
     *greedy, guided = asyncio.run(main())
     assert all(r.status_code == 200 for r in greedy + [guided]), [r.text for r in greedy + [guided]]
     assert [r.json()["choices"][0]["text"] for r in greedy] == want_greedy
-    for r in greedy:  # the MTP layer drafted behind the hand-over (its KV and input row arrived with the latent)
+    for r in greedy:  # the MTP layer drafted behind the hand-over (its KV came with the latent, its first drafts too)
         spec = r.json()["usage"]["speculative"]
         assert spec["method"] == "mtp" and spec["draft_tokens"] > 0 and spec["verify_steps"] > 0, spec
     body = guided.json()["choices"][0]
@@ -105,15 +105,15 @@ def test_served_deepseek_equals_the_engine_and_moves_only_the_latent(mla_app, re
         assert sum(placed) == len(PROMPTS) + 1 and min(placed) >= 1, placed
 
     # The hand-over of each request: its blocks x (3 target layers + the MTP layer) x one latent row of
-    # kv_lora_rank + qk_rope_head_dim fp32 elements, plus the MTP layer's input row; once per rank that holds it
-    # (tp=2: both ranks, whole; ADP: its one rank), never a head slice.
+    # kv_lora_rank + qk_rope_head_dim fp32 elements (greedy: the first drafts ride in the header); once per rank
+    # that holds it (tp=2: both ranks, whole; ADP: its one rank), never a head slice.
     m = ModelConfig.from_dir(deepseek_dir)
     receivers = 1 if topology.attention_dp > 1 else topology.decode_tp
     latent_row = (m.num_layers + 1) * m.mla.cache_width * 4  # per token, every cache layer, fp32
 
     def handover_bytes(response) -> int:
         blocks = -(-response.json()["usage"]["prompt_tokens"] // BLOCK)
-        return receivers * (blocks * BLOCK * latent_row + m.hidden_size * 4)
+        return receivers * blocks * BLOCK * latent_row
 
     timings = prefill.handover_timings.remote(len(PROMPTS) + 1).result()
     assert not any(dropped for *_, dropped in timings)

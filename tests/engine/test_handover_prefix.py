@@ -48,7 +48,7 @@ def _hand_over(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int
     if not stocked:
         decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, payload]
     prefill.release(rid)
-    decode.commit(rid, hidden=handover.hidden)
+    decode.commit(rid, drafts=handover.drafts)
     return reused
 
 
@@ -134,7 +134,7 @@ def test_pinned_prefix_survives_eviction_pressure(llama_dir):
     blocks = decode.reserve(handover.request)
     decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, handover.payload_block_ids]
     prefill.release("b")
-    decode.commit("b", hidden=handover.hidden)
+    decode.commit("b", drafts=handover.drafts)
     assert _run(decode)["b"] == _reference(llama_dir, prompts[1:], [greedy_params(6)])[0]
     _no_block_held(decode)
 

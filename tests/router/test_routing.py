@@ -86,9 +86,11 @@ def test_speculative_decode_group_gets_the_draft_kv_and_stays_lossless(tandem_se
         serve.delete("spec")
 
 
-def test_mtp_hand_over_carries_the_hidden_state_and_stays_lossless(tandem_server, tmp_path):
-    """MTP needs the draft head's input at the last prompt row: it travels with the KV to both ranks, and
-    the tp=2 group's greedy text still equals the plain engine's."""
+def test_mtp_hand_over_carries_the_drafts_and_stays_lossless(tandem_server, tmp_path):
+    """The prefill drafts a request's first MTP drafts in the step that samples its first token; they travel in
+    the header, and a sampled request's draft distributions (k x V fp32) with the KV to both ranks, whose first
+    step verifies them. The tp=2 group's greedy text equals the plain engine's, and so does a seeded sampled
+    request's (sampling keyed by seed and position)."""
     from ray import serve
 
     from deploy.app import build_app
@@ -102,18 +104,22 @@ def test_mtp_hand_over_carries_the_hidden_state_and_stays_lossless(tandem_server
                        rank_num_cpus=0.5, prefill_num_cpus=0.5)
     serve.run(build_app(cfg), name="mtp", route_prefix="/mtp")
     try:
-        prompts = ["Hello, how are you?", "def add(a, b):"]
+        prompts = ["Hello, how are you?", "def add(a, b):", "Once upon a time"]
+        temps = [(0.0, None), (0.0, None), (0.8, 5)]
         with httpx.Client(base_url=f"{tandem_server.proxy_url}/mtp", timeout=120) as http:
-            texts = [http.post("/v1/completions", json={"model": "mtp", "prompt": p, "max_tokens": 16,
-                                                        "temperature": 0, "ignore_eos": True}).json()
-                     ["choices"][0]["text"] for p in prompts]
+            bodies = [http.post("/v1/completions", json={"model": "mtp", "prompt": p, "max_tokens": 16,
+                                                         "temperature": t, "seed": seed, "ignore_eos": True}).json()
+                      for p, (t, seed) in zip(prompts, temps)]
         llm = LLM(tandem_server.model_dir, num_kv_blocks=128)
-        want = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
-        assert texts == want
+        want = [llm.generate([p], SamplingParams(max_tokens=16, temperature=t, seed=seed, ignore_eos=True))[0].text
+                for p, (t, seed) in zip(prompts, temps)]
+        assert [b["choices"][0]["text"] for b in bodies] == want
         prefill = serve.get_deployment_handle("prefill", app_name="mtp")
-        hidden = llm.engine.model_cfg.hidden_size
-        for _, _, _, nbytes, dropped in prefill.handover_timings.remote(2).result():
-            assert not dropped and nbytes % 4 == 0
-            assert (nbytes - 2 * hidden * 4) % (2 * 16 * 4) == 0  # KV blocks plus one hidden vector per rank
+        m = llm.engine.model_cfg
+        for body, (t, _), (*_, nbytes, dropped) in zip(bodies, temps, prefill.handover_timings.remote(3).result()):
+            blocks = -(-body["usage"]["prompt_tokens"] // 16)
+            kv = blocks * (m.num_layers + 1) * 2 * 16 * m.num_kv_heads * m.head_dim * 4  # both ranks' heads, fp32
+            probs = 2 * 2 * m.vocab_size * 4 if t else 0  # k x V fp32 to each of the two ranks; greedy: none
+            assert not dropped and nbytes == kv + probs
     finally:
         serve.delete("mtp")

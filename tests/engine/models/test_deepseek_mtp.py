@@ -128,9 +128,9 @@ def test_handover_moves_the_latent_cache_and_its_mtp_layer(checkpoint):
     blocks = decode.reserve(HandoverRequest.from_dict(h.request.to_dict()))  # through its wire form
     unpack_kv(buffer, decode.kv_cache, torch.tensor(blocks))
     prefill.release("r")
-    decode.commit("r", hidden=h.hidden)
+    decode.commit("r", drafts=h.drafts)
     outs = decode.step()
-    assert decode.requests["r"].metrics.num_draft_tokens == 2  # drafted at commit from the MTP layer's KV
+    assert decode.requests["r"].metrics.num_draft_tokens == 2  # the prefill step's drafts, verified at once
     while decode.has_unfinished():
         outs += decode.step()
     want = LLM(path, num_kv_blocks=48, block_size=4).generate([PROMPT], greedy)[0].token_ids

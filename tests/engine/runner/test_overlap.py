@@ -162,7 +162,7 @@ def test_handover_committed_while_a_step_is_in_flight(llama_dir, spec_drafts):
     blocks = decode.reserve(h.request)
     decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
     prefill.release("r")
-    decode.commit("r", hidden=h.hidden)
+    decode.commit("r", drafts=h.drafts)
     while decode.has_unfinished():
         outs += decode.step()
     final = {o.request_id: o.token_ids for o in outs if o.finished}
