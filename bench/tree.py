@@ -1,21 +1,25 @@
 """Draft trees against chains at equal verification budget on the default real model (SmolLM2-135M-Instruct with
 its prebuilt MTP and EAGLE-3 heads), issue 37's goals.
 
-    python -m bench.tree [--budget 6] [--methods mtp,eagle3] [--prompts 6] [--max-tokens 64] [--quick]
+    python -m bench.tree [--budget 6] [--methods mtp,eagle3] [--prompts 6] [--max-tokens 64] [--quick] [--sets gsm8k]
     python -m bench.tree --zoo [--budget 6]     # the zoo's writer and its heads, held-out schema prompts
 
 Per prompt set (MT-Bench, GSM8K unguided; json-mode-eval guided) and head, batch 1, greedy: the engine without
-speculation, the chain of k = budget drafts and of k = 3 (the chain's usual k), and trees verifying `budget` nodes
-(topk 2 at depth budget - 2, topk 3 and 4 at depth 3); guided prompts also run each tree with the grammar masking
-verification only (draft_masks=False), so the gain of masking the expansion shows. Reported: acceptance length
-per verification step including the bonus token, tokens/s and its ratio to no speculation (the configurations
-run in turn, `--repeats` rounds, each keeping its fastest), and whether the outputs equal no speculation's.
+speculation, the chain of k = budget drafts and of k = 3 (the chain's usual k), and trees verifying `budget` nodes:
+depth-first (depth = budget, topk 2 and 4: the cumulative-probability rule decides how deep, engine/speculative/
+tree.py) and shallow (topk 3 and 4 at depth 3). Guided prompts also run each tree with the grammar masking
+verification only (draft_masks=False), so the gain of masking the expansion shows, and without forced drafts
+(forced_drafts=False), so the gain of the grammar's single-child stretches shows. Reported: acceptance length per
+verification step including the bonus token, the median tokens/s over `--repeats` rounds (the configurations run
+in turn, in reverse order every other round, so a drift of the machine's load hits both sides of a comparison
+alike) and its ratio to no speculation's median, and whether the outputs equal no speculation's.
 Writes bench/results/tree_vs_chain_{device}.{json,md}.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 
@@ -27,7 +31,7 @@ def configs(method: str, draft: str, budget: int, full: bool) -> list[tuple[str,
     """(label, SpecConfig fields) of one head: chains and trees at the verification budget."""
     base = dict(method=method, draft=draft)
     rows = [(f"chain k={budget}", dict(base, k=budget))] + ([("chain k=3", dict(base, k=3))] if full else [])
-    shapes = [(2, max(2, budget - 2)), (3, 3), (4, 3)] if full else [(4, 3)]
+    shapes = [(2, budget), (4, budget), (3, 3), (4, 3)] if full else [(2, budget), (4, budget)]
     for topk, depth in shapes:
         if depth <= budget <= topk * depth:
             rows.append((f"tree topk={topk} depth={depth}", dict(base, k=depth, topk=topk, num_verify_tokens=budget)))
@@ -56,7 +60,11 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--name", default=None)
-    ap.add_argument("--quick", action="store_true", help="one tree shape (topk 4, depth 3) and no chain at k=3")
+    ap.add_argument("--quick", action="store_true",
+                    help="the depth-first tree shapes only (topk 2 and 4 at depth budget) and no chain at k=3")
+    ap.add_argument("--sets", default=None, help="comma-separated prompt sets to run (default: all)")
+    ap.add_argument("--variants", default="masks,verify-only,no-forced",
+                    help="grammar variants of each tree on guided prompts (masks: the full grammar)")
     ap.add_argument("--zoo", action="store_true", help="the zoo's writer target and heads on held-out schemas "
                                                        "(unguided and guided) instead of SmolLM2")
     args = ap.parse_args(argv)
@@ -73,40 +81,45 @@ def main(argv=None) -> None:
         paths = resolve("smollm2-135m-instruct")
         target, heads = str(paths.target), {m: str(p) for m, p in paths.heads.items()}
         sets = prompt_sets(AutoTokenizer.from_pretrained(target), args.prompts)
+    if args.sets:
+        sets = {name: sets[name] for name in args.sets.split(",")}
     rows: list[dict] = []
-    engines = {("none", "none", True): LLM(target, device=args.device, max_num_seqs=1, num_kv_blocks=160)}
+    # (head, config, grammar variant) -> engine; variants change guided requests only: "masks" (expansion and
+    # verification masks, forced drafts), "verify-only" (draft_masks=False), "no-forced" (forced_drafts=False)
+    engines = {("none", "none", "masks"): LLM(target, device=args.device, max_num_seqs=1, num_kv_blocks=160)}
+    variants = {"masks": {}, "verify-only": dict(draft_masks=False), "no-forced": dict(forced_drafts=False)}
     for method in args.methods.split(","):
         for label, fields in configs(method, heads[method], args.budget, not args.quick):
-            for masks in ((True, False) if "tree" in label else (True,)):
-                engines[(method, label, masks)] = LLM(target, device=args.device, max_num_seqs=1, num_kv_blocks=160,
-                                                      speculative=SpecConfig(**fields, draft_masks=masks))
+            for variant in (args.variants.split(",") if "tree" in label else ("masks",)):
+                engines[(method, label, variant)] = LLM(target, device=args.device, max_num_seqs=1, num_kv_blocks=160,
+                                                        speculative=SpecConfig(**fields, **variants[variant]))
     for name, prompts in sets.items():
         guided = any(schema is not None for _, schema in prompts)
-        best: dict = {}
-        for _ in range(args.repeats):
-            for key, llm in engines.items():
-                if not key[2] and not guided:
-                    continue  # masks only change guided requests
-                run = run_engine(llm, prompts, args.max_tokens)
-                if key not in best or run["tok_s"] > best[key]["tok_s"]:
-                    best[key] = run
-        base = best[("none", "none", True)]
-        for (method, label, masks), run in best.items():
-            row = {"prompts": name, "guided": guided, "method": method, "config": label, "expansion_masks": masks,
-                   "accepted_incl_bonus": run["accepted"], "tok_s": round(run["tok_s"], 2),
-                   "vs_none": round(run["tok_s"] / base["tok_s"], 3), "lossless": run["outputs"] == base["outputs"],
-                   "tokens": run["tokens"]}
+        keys = [key for key in engines if guided or key[2] == "masks"]
+        runs: dict = {key: [] for key in keys}
+        for round_ in range(args.repeats):
+            for key in (keys if round_ % 2 == 0 else keys[::-1]):
+                runs[key].append(run_engine(llm=engines[key], prompts=prompts, max_tokens=args.max_tokens))
+        base = statistics.median(r["tok_s"] for r in runs[("none", "none", "masks")])
+        for (method, label, variant), rounds in runs.items():
+            tok_s = statistics.median(r["tok_s"] for r in rounds)
+            row = {"prompts": name, "guided": guided, "method": method, "config": label, "grammar": variant,
+                   "accepted_incl_bonus": rounds[0]["accepted"], "tok_s": round(tok_s, 2),
+                   "tok_s_rounds": [round(r["tok_s"], 2) for r in rounds], "vs_none": round(tok_s / base, 3),
+                   "lossless": all(r["outputs"] == runs[("none", "none", "masks")][0]["outputs"] for r in rounds),
+                   "tokens": rounds[0]["tokens"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    table = ["| prompts | head | config | expansion masks | accepted/step (incl. bonus) | tok/s | vs none | lossless |",
+    table = ["| prompts | head | config | grammar | accepted/step (incl. bonus) | median tok/s | vs none | lossless |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f"{r['accepted_incl_bonus']:.2f}" if r["accepted_incl_bonus"] else "-"
-        masks = ("on" if r["expansion_masks"] else "off (verify only)") if r["guided"] else "-"
-        table.append(f"| {r['prompts']} | {r['method']} | {r['config']} | {masks} | {acc} | {r['tok_s']} "
+        grammar = {"masks": "expansion + verification masks, forced drafts", "verify-only": "verification masks only",
+                   "no-forced": "masks, no forced drafts"}[r["grammar"]] if r["guided"] else "-"
+        table.append(f"| {r['prompts']} | {r['method']} | {r['config']} | {grammar} | {acc} | {r['tok_s']} "
                      f"| {r['vs_none']:.2f}x | {r['lossless']} |")
-    results = {"model": "zoo writer" if args.zoo else "smollm2-135m-instruct", "device": device_name(args.device), "budget": args.budget,
-               "prompts": args.prompts, "max_tokens": args.max_tokens, "batch": 1, "runs": rows}
+    results = {"model": "zoo writer" if args.zoo else "smollm2-135m-instruct", "device": device_name(args.device),
+               "budget": args.budget, "prompts": args.prompts, "max_tokens": args.max_tokens, "batch": 1, "runs": rows}
     print(write_results(args.name or f"tree_vs_chain_{args.device}", results, "\n".join(table)))
 
 
