@@ -44,7 +44,6 @@ class StepResult:
     logprobs: list[list[float]] | None
     top_ids: list[list[list[int]]] | None
     top_logprobs: list[list[list[float]]] | None
-    first_hidden: torch.Tensor | None  # [B, H_in] on the device
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,8 +266,7 @@ class ModelRunner:
             out = StepOutput(**{f.name: _cloned(getattr(out, f.name)) for f in dataclasses.fields(out)})
         if out.tokens.device.type != "cuda":
             return Launched(out, out, None)
-        host = StepOutput(**{f.name: _pinned_copy(getattr(out, f.name)) if f.name != "first_hidden" else None
-                             for f in dataclasses.fields(out)})
+        host = StepOutput(**{f.name: _pinned_copy(getattr(out, f.name)) for f in dataclasses.fields(out)})
         ready = torch.cuda.Event()
         ready.record()
         return Launched(out, host, ready)
@@ -280,8 +278,7 @@ class ModelRunner:
         try:
             if launched.ready is not None:
                 launched.ready.synchronize()
-            return _to_host(launched.host, step.num_requests, step.batch.host_num_drafts, step.batch.host_samples,
-                            launched.out.first_hidden)
+            return _to_host(launched.host, step.num_requests, step.batch.host_num_drafts, step.batch.host_samples)
         finally:
             if step.masker is not None:
                 step.masker.end_step()
@@ -300,9 +297,7 @@ def _begin_masks(masker: LogitsMasker, scheduled: list[ScheduledRequest]) -> Log
     return masker if masker.begin_step(tuple(rows)) else None
 
 
-def _to_host(out: StepOutput, B: int, num_drafts: list[int], samples: list[bool],
-             first_hidden: torch.Tensor | None) -> StepResult:
-    """first_hidden: the device's (the host copies leave it out: only a parked request keeps it)."""
+def _to_host(out: StepOutput, B: int, num_drafts: list[int], samples: list[bool]) -> StepResult:
     # The one host sync of a step, after everything ran.
     tokens = out.tokens[:B].tolist()
     accepted = out.num_accepted[:B].tolist()
@@ -311,8 +306,7 @@ def _to_host(out: StepOutput, B: int, num_drafts: list[int], samples: list[bool]
     lps = out.logprobs[:B].tolist() if out.logprobs is not None else None
     top_ids = out.top_ids[:B].tolist() if out.top_ids is not None else None
     top_lps = out.top_logprobs[:B].tolist() if out.top_logprobs is not None else None
-    first_hidden = first_hidden[:B] if first_hidden is not None else None
-    return StepResult(emitted, num_drafts, drafts, lps, top_ids, top_lps, first_hidden)
+    return StepResult(emitted, num_drafts, drafts, lps, top_ids, top_lps)
 
 
 def _cloned(value):

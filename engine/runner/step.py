@@ -33,7 +33,6 @@ class StepOutput:
     tokens: torch.Tensor  # [B, k+1] int64 emitted tokens, -1 after the last
     num_accepted: torch.Tensor  # [B] int64 accepted drafts
     drafts: torch.Tensor | None  # [B, k] int64 next step's drafts (None: no draft network ran)
-    first_hidden: torch.Tensor | None  # [B, H_in] the head's input at each request's last verified row
     logprobs: torch.Tensor | None  # [B, k+1] f32
     top_ids: torch.Tensor | None  # [B, k+1, n] int64
     top_logprobs: torch.Tensor | None  # [B, k+1, n] f32
@@ -57,7 +56,7 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
     v = verify(logits, batch.drafts, batch.num_drafts, q, batch.sampling, batch.full_drafts,
                masks.verify if masks is not None else None)
     if proposer is None:
-        return StepOutput(v.tokens, v.num_accepted, None, None, v.logprobs, v.top_ids, v.top_logprobs)
+        return StepOutput(v.tokens, v.num_accepted, None, v.logprobs, v.top_ids, v.top_logprobs)
 
     a = v.num_accepted[:, None]
     out_rows = batch.verify_rows.gather(1, a)[:, 0]  # [B] last verified row
@@ -75,5 +74,4 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
             draft_probs.index_copy_(0, batch.slots, probs.to(draft_probs.dtype))
         else:  # a shorter chain (adaptive k, eager steps only): the columns past it are never read
             draft_probs[batch.slots, : probs.shape[1]] = probs.to(draft_probs.dtype)
-    first_hidden = hidden.index_select(0, out_rows) if hidden is not None else None
-    return StepOutput(v.tokens, v.num_accepted, drafts, first_hidden, v.logprobs, v.top_ids, v.top_logprobs)
+    return StepOutput(v.tokens, v.num_accepted, drafts, v.logprobs, v.top_ids, v.top_logprobs)

@@ -128,5 +128,4 @@ def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker
     if tree_next is not None:
         slots.write(batch.slots, tree_next)
         drafts = tree_next.tokens
-    first_hidden = hidden.index_select(0, out_rows) if hidden is not None else None
-    return StepOutput(v.tokens, a, drafts, first_hidden, v.logprobs, v.top_ids, v.top_logprobs)
+    return StepOutput(v.tokens, a, drafts, v.logprobs, v.top_ids, v.top_logprobs)
