@@ -11,7 +11,6 @@ Layout of a built zoo (all HF-loadable where HF has a class for it):
 from __future__ import annotations
 
 import json
-import random
 import resource
 import time
 from pathlib import Path
@@ -23,9 +22,8 @@ from zoo.cache import code_version, software_versions
 from zoo.distill import distill
 from zoo.heads.eagle3 import Eagle3Head, default_aux_layer_ids, draft_vocab
 from zoo.heads.mtp import MTPHead
-from zoo.packing import pack
 from zoo.recipe import Recipe
-from zoo.stages import DTYPES, prepare_data, save_hf_model, tail_mean, torch_threads
+from zoo.stages import DTYPES, prepare_data, save_hf_model, tail_mean, torch_threads, training_batches
 from zoo.token_map import token_counts
 from zoo.training import new_llama, train_lm
 
@@ -49,9 +47,8 @@ def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
 
         stages.set_postfix_str("target")
         sched = recipe.target_schedule
-        ids, weight = pack(json_docs, filler_docs, recipe.seq_len, sched.steps * sched.batch_size,
-                           recipe.json_fraction, special["pad"], random.Random(recipe.seed + 1),
-                           prompt_lens, recipe.prompt_weight)
+        docs = (json_docs, filler_docs, prompt_lens, special["pad"])
+        ids, weight = training_batches(recipe, docs, sched, 1)
         target = new_llama(recipe.target, tokenizer.get_vocab_size(), special, recipe.seed)
         target_losses = train_lm(target, ids, weight, sched, desc="target", bf16=recipe.bf16_autocast)
         save_hf_model(target, out_dir / "target", out_dir / "tokenizer", recipe.save_dtype)
@@ -68,9 +65,7 @@ def build_zoo(recipe: Recipe, out_dir: Path) -> dict:
         with torch.no_grad():
             draft.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
         hs = recipe.heads_schedule
-        ids, weight = pack(json_docs, filler_docs, recipe.seq_len, hs.steps * hs.batch_size,
-                           recipe.json_fraction, special["pad"], random.Random(recipe.seed + 4),
-                           prompt_lens, recipe.prompt_weight)
+        ids, weight = training_batches(recipe, docs, hs, 4)
         head_losses = distill(target, {"mtp": mtp, "eagle3": eagle3, "draft": draft}, ids, weight, hs,
                               recipe.ttt_depth, aux_ids, hard_labels=tuple(recipe.hard_labels),
                               bf16=recipe.bf16_autocast)

@@ -16,7 +16,6 @@ layer then distills from the frozen target through zoo.distill, `ttt_depth` step
 from __future__ import annotations
 
 import json
-import random
 import resource
 import time
 from pathlib import Path
@@ -27,9 +26,8 @@ from tqdm import tqdm
 from zoo.cache import code_version, software_versions
 from zoo.distill import distill
 from zoo.heads.deepseek_mtp import DeepseekMTPLayer
-from zoo.packing import pack
 from zoo.recipe import Recipe
-from zoo.stages import DTYPES, prepare_data, save_hf_model, tail_mean, torch_threads
+from zoo.stages import DTYPES, prepare_data, save_hf_model, tail_mean, torch_threads, training_batches
 from zoo.training import MAX_POSITIONS, ROPE_THETA, train_lm
 
 PARTS = ("tokenizer", "target")
@@ -110,9 +108,8 @@ def build_moe_zoo(recipe: Recipe, out_dir: Path) -> dict:
 
         stages.set_postfix_str("target")
         sched = recipe.target_schedule
-        ids, weight = pack(json_docs, filler_docs, recipe.seq_len, sched.steps * sched.batch_size,
-                           recipe.json_fraction, special["pad"], random.Random(recipe.seed + 1),
-                           prompt_lens, recipe.prompt_weight)
+        docs = (json_docs, filler_docs, prompt_lens, special["pad"])
+        ids, weight = training_batches(recipe, docs, sched, 1)
         target = new_deepseek(recipe, vocab, special, recipe.seed)
         balancer = RoutingBalancer([target], recipe.moe.bias_update_speed)
         target_losses = train_lm(target, ids, weight, sched, desc="target", after_step=balancer.update)
@@ -123,9 +120,7 @@ def build_moe_zoo(recipe: Recipe, out_dir: Path) -> dict:
         mtp = DeepseekMTPLayer.from_target(target, torch.Generator().manual_seed(recipe.seed + 2))
         mtp_balancer = RoutingBalancer([mtp], recipe.moe.bias_update_speed)
         hs = recipe.heads_schedule
-        ids, weight = pack(json_docs, filler_docs, recipe.seq_len, hs.steps * hs.batch_size,
-                           recipe.json_fraction, special["pad"], random.Random(recipe.seed + 4),
-                           prompt_lens, recipe.prompt_weight)
+        ids, weight = training_batches(recipe, docs, hs, 4)
         head_losses = distill(target, {"mtp": mtp}, ids, weight, hs, recipe.ttt_depth, None,
                               after_step=mtp_balancer.update)
         mtp_balancer.close()

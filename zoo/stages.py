@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from zoo.corpus import build_corpus, generated_json_docs
+from zoo.packing import pack
 from zoo.prompts import BOS, END, PAD, json_schema_prompt
 from zoo.recipe import Recipe
 from zoo.token_map import token_counts
@@ -123,3 +124,12 @@ def _limit(docs, per_domain: int | None) -> list:
 def tail_mean(values: list[float], n: int = 10) -> float:
     tail = values[-n:]
     return round(sum(tail) / len(tail), 4)
+
+
+def training_batches(recipe: Recipe, docs: tuple, schedule, seed_offset: int) -> tuple:
+    """Training rows (ids, loss weights) for a whole `schedule`, packed from `prepare_data`'s documents `docs`
+    (JSON documents, code/text documents, the JSON prompts' lengths, the pad id); the target packs with seed
+    offset 1 and the heads with 4, in every zoo."""
+    json_docs, filler_docs, prompt_lens, pad = docs
+    return pack(json_docs, filler_docs, recipe.seq_len, schedule.steps * schedule.batch_size, recipe.json_fraction,
+                pad, random.Random(recipe.seed + seed_offset), prompt_lens, recipe.prompt_weight)
