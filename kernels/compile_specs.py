@@ -65,6 +65,8 @@ def zoo_shapes(root: Path = ZOO_PREBUILT) -> list[ModelShape]:
     shapes = {}
     for path in sorted(root.glob("*/*/config.json")):
         raw = json.loads(path.read_text())
+        if "kv_lora_rank" in raw:  # MLA (the tiny-moe zoo): its attention is the latent kernel's, checked apart
+            continue
         heads = raw["num_attention_heads"]
         draft_vocab = raw.get("draft_vocab_size")
         shape = ModelShape(
