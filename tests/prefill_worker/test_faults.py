@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -48,7 +49,10 @@ def _kill_prefill_under_requests(tandem_server, router):
     async def main():
         async with router.async_openai(timeout=300) as client:
             reference = await asyncio.gather(*[completion(client, tandem_server.model, p, s, **kw) for p, s in prompts])
-            resumed = [asyncio.create_task(completion(client, tandem_server.model, p, s, **kw)) for p, s in prompts]
+            # Their own cache salt: the prefill replica computes the prompts again (from its cache they would be
+            # done before the kill could land among them), the greedy tokens are the same.
+            salted = {**kw, "extra_body": {**kw["extra_body"], "cache_salt": f"resumed-{os.getpid()}-{time.time()}"}}
+            resumed = [asyncio.create_task(completion(client, tandem_server.model, p, s, **salted)) for p, s in prompts]
             await asyncio.to_thread(wait_for, lambda: prefill.stats.remote().result()["num_prompts"] > 0,
                                     "prompts running on the prefill replica", 60, 0.01)
             os.kill(pid, signal.SIGKILL)
