@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bench.common import device_name, write_results
-from kernels import attention, bitmask, kv_transfer, norm_rope, verify
+from kernels import attention, bitmask, kv_transfer, norm_rope, store_kv, verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +106,9 @@ def store_kv_cases(device, dtype, quick):
     key, value = torch.randn(2, T, Hkv, D, dtype=dtype, device=device)
     slots = torch.randperm(N * S, device=device)[:T]
     args = (key, value, kv[0], kv[1], slots)
-    impls = {"ref": lambda: attention.store_kv_ref(*args)}
+    impls = {"ref": lambda: store_kv.store_kv_ref(*args)}
     if device == "cuda":
-        impls["triton"] = lambda: attention.store_kv_triton(*args)
+        impls["triton"] = lambda: store_kv.store_kv_triton(*args)
     yield "store_kv", f"T={T} 8x128", 4 * T * Hkv * D * kv.element_size(), impls
 
 

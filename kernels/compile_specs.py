@@ -22,7 +22,8 @@ import torch
 
 from kernels._launch import Launch, recording
 from kernels._verify_triton import rejection_from_probs
-from kernels.attention import paged_attention_triton, store_kv_triton
+from kernels.attention import paged_attention_triton
+from kernels.store_kv import store_kv_triton
 from kernels.bitmask import apply_token_bitmask_triton
 from kernels.kv_transfer import pack_kv_triton, unpack_kv_triton
 from kernels.mla_attention import mla_attention_triton, store_latent_triton

@@ -20,7 +20,8 @@ from kernels import _attention_triton as _attn
 from kernels import _mla_attention_triton as _tr
 from kernels._dispatch import next_pow2, use_triton
 from kernels._launch import launch, multiprocessor_count, on_gpu
-from kernels.attention import AttentionPlan, StorePlan, paged_attention_ref, plan_store_kv
+from kernels.attention import AttentionPlan, paged_attention_ref
+from kernels.store_kv import StorePlan, plan_store_kv
 
 
 MAX_COMBINE_ELEMENTS = 64 * 128

@@ -13,7 +13,8 @@ from torch import nn
 
 from engine.scoped import ForwardScoped
 from kernels._dispatch import use_triton
-from kernels.attention import AttentionPlan, StorePlan, paged_attention, plan_paged_attention, plan_store_kv, store_kv
+from kernels.attention import AttentionPlan, paged_attention, plan_paged_attention
+from kernels.store_kv import StorePlan, plan_store_kv, store_kv
 
 
 @dataclass(frozen=True, slots=True)

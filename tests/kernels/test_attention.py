@@ -1,4 +1,4 @@
-"""kernels/attention.py: store_kv and paged attention, reference and Triton, against dense per-request math."""
+"""kernels/store_kv.py and kernels/attention.py: store_kv and paged attention, reference and Triton, against dense per-request math."""
 import math
 import random
 
@@ -11,11 +11,8 @@ from kernels.attention import (
     paged_attention_triton,
     plan_chain,
     plan_paged_attention,
-    plan_store_kv,
-    store_kv,
-    store_kv_ref,
-    store_kv_triton,
 )
+from kernels.store_kv import plan_store_kv, store_kv, store_kv_ref, store_kv_triton
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
