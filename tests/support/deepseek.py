@@ -89,3 +89,22 @@ def add_mtp_layer(path, hf, seed: int = 0) -> dict[str, torch.Tensor]:
     named = {f"model.layers.{n}.{k}": v.to(hf.dtype).contiguous() for k, v in tensors.items()}
     save_file(named, str(path / "mtp.safetensors"), metadata={"format": "pt"})
     return named
+
+
+def mtp_logits_over_prompt(engine, prompt: list[int]) -> torch.Tensor:
+    """[n - 1, V] the engine's MTP head over a prompt in one eager pass (the first draft step at every prompt
+    position: the target's hidden state at i with token i + 1), writing the head's KV after the target's."""
+    from engine import SamplingParams
+    from engine.core.request import Request
+    from engine.core.scheduler import ScheduledRequest
+    from engine.layers.attention import attention_context
+    from engine.runner.batch import build_batch
+
+    head, n = engine.runner.proposer.head, len(prompt)
+    req = Request("r", prompt, SamplingParams(), seed=0, max_total_tokens=engine.max_model_len)
+    assert engine.blocks.allocate("r", n - 1)
+    batch = build_batch([ScheduledRequest(req, n - 1, sample=False)], engine.blocks, engine.kv_cache,
+                        engine.runner.device, engine.model_cfg.vocab_size, 0, None)
+    with torch.inference_mode(), attention_context(batch.attn):
+        hidden, _ = engine.runner.model(batch.input_ids, batch.positions)
+        return head.compute_logits(head(hidden, torch.tensor(prompt[1:]), batch.positions))

@@ -73,23 +73,13 @@ def random_layer(micro_moe, tmp_path_factory):
 
 def test_the_engine_reads_the_saved_layer_as_trained(random_layer):
     """The engine's draft logits over a prompt (the first chain step) equal the zoo module's step 0."""
-    from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
-    from engine.core.request import Request
-    from engine.core.scheduler import ScheduledRequest
-    from engine.layers.attention import attention_context
-    from engine.runner.batch import build_batch
+    from engine import EngineConfig, LLMEngine, SpecConfig
+    from tests.support.deepseek import mtp_logits_over_prompt
 
     path, hf, layer = random_layer
     engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=32, block_size=4,
                                     speculative=SpecConfig("mtp", k=1)))
-    head, n = engine.runner.proposer.head, len(PROMPT)
-    req = Request("r", PROMPT, SamplingParams(), seed=0, max_total_tokens=engine.max_model_len)
-    assert engine.blocks.allocate("r", n - 1)
-    batch = build_batch([ScheduledRequest(req, n - 1, sample=False)], engine.blocks, engine.kv_cache,
-                        engine.runner.device, engine.model_cfg.vocab_size, 0, None)
-    with torch.inference_mode(), attention_context(batch.attn):
-        hidden, _ = engine.runner.model(batch.input_ids, batch.positions)
-        got = head.compute_logits(head(hidden, torch.tensor(PROMPT[1:]), batch.positions))
+    got, n = mtp_logits_over_prompt(engine, PROMPT), len(PROMPT)
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         final = hf.model(ids).last_hidden_state[:, :-1]

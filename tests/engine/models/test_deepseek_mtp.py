@@ -8,13 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from engine.core.request import Request
-from engine.core.scheduler import ScheduledRequest
 from engine.errors import ModelLoadError
-from engine.layers.attention import attention_context
 from engine.models.deepseek_mtp import DeepseekMTPHead
-from engine.runner.batch import build_batch
-from tests.support.deepseek import add_mtp_layer, make_deepseek_checkpoint
+from tests.support.deepseek import add_mtp_layer, make_deepseek_checkpoint, mtp_logits_over_prompt
 
 PROMPT = [0, 17, 43, 99, 5, 250, 31, 7, 300, 12, 64, 128, 3, 77, 201]
 PROMPTS = [PROMPT, PROMPT[:4], PROMPT[3:12] * 2]
@@ -68,14 +64,7 @@ def test_mtp_layer_matches_its_formula(checkpoint):
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=4, speculative=SpecConfig("mtp", k=1)))
     head = engine.runner.proposer.head
     assert isinstance(head, DeepseekMTPHead) and engine.kv_cache.shape[0] == hf.config.num_hidden_layers + 1
-    n = len(PROMPT)
-    req = Request("r", PROMPT, SamplingParams(), seed=0, max_total_tokens=engine.max_model_len)
-    assert engine.blocks.allocate("r", n - 1)
-    batch = build_batch([ScheduledRequest(req, n - 1, sample=False)], engine.blocks, engine.kv_cache,
-                        engine.runner.device, engine.model_cfg.vocab_size, 0, None)
-    with torch.inference_mode(), attention_context(batch.attn):
-        hidden, _ = engine.runner.model(batch.input_ids, batch.positions)
-        got = head.compute_logits(head(hidden, torch.tensor(PROMPT[1:]), batch.positions))
+    got = mtp_logits_over_prompt(engine, PROMPT)
     torch.testing.assert_close(got, reference_mtp_logits(hf, mtp, PROMPT), atol=2e-4, rtol=1e-4)
 
 
