@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-FROZEN = ("embed_tokens.weight", "shared_head.norm.weight", "shared_head.head.weight")
+from zoo.heads.mtp import FROZEN, share_target_weights
+
 
 
 def ttt_mask(t: int, steps: int, device=None) -> torch.Tensor:
@@ -78,11 +79,7 @@ class DeepseekMTPLayer(nn.Module):
             for name, buf in head.block.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.zero_()
-            head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-            head.shared_head.head.weight.copy_(target.get_output_embeddings().weight)
-            head.shared_head.norm.weight.copy_(target.model.norm.weight)
-        for name, param in head.named_parameters():
-            param.requires_grad_(name not in FROZEN)
+        share_target_weights(head, target)
         return head
 
     def first_hidden(self, features: dict) -> torch.Tensor:

@@ -84,12 +84,7 @@ class MTPHead(nn.Module):
                 if isinstance(sub, nn.Linear):
                     with torch.no_grad():
                         sub.weight.normal_(0.0, std, generator=generator)
-        with torch.no_grad():
-            head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-            head.shared_head.head.weight.copy_(target.get_output_embeddings().weight)
-            head.shared_head.norm.weight.copy_(target.model.norm.weight)
-        for name, param in head.named_parameters():
-            param.requires_grad_(name not in FROZEN)
+        share_target_weights(head, target)
         return head
 
     def step_hidden(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
@@ -140,3 +135,14 @@ class MTPHead(nn.Module):
 def _stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     tensor = tensor.detach()
     return (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous().clone()
+
+
+def share_target_weights(head: nn.Module, target) -> None:
+    """An MTP head's copies of the target's embeddings, output head and final norm (DeepSeek-V3 shares them), kept
+    frozen in training (FROZEN); every other parameter trains."""
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        head.shared_head.head.weight.copy_(target.get_output_embeddings().weight)
+        head.shared_head.norm.weight.copy_(target.model.norm.weight)
+    for name, param in head.named_parameters():
+        param.requires_grad_(name not in FROZEN)
