@@ -9,7 +9,10 @@ speculation, the chain of k = budget drafts and of k = 3 (the chain's usual k), 
 depth-first (depth = budget, topk 2 and 4: the cumulative-probability rule decides how deep, engine/speculative/
 tree.py) and shallow (topk 3 and 4 at depth 3). Guided prompts also run each tree with the grammar masking
 verification only (draft_masks=False), so the gain of masking the expansion shows, and without forced drafts
-(forced_drafts=False), so the gain of the grammar's single-child stretches shows. Reported: acceptance length per
+(forced_drafts=False), so the gain of the grammar's single-child stretches shows; every tree also runs with nodes
+ranked by the head's probability (tree_score="draft", EAGLE-2's rule) beside the default, by acceptance rate
+estimated online (engine/speculative/tree_score.py; the engine learns from the first request on, and the reported
+acceptance is the first round's, learning included). Reported: acceptance length per
 verification step including the bonus token, the median tokens/s over `--repeats` rounds (the configurations run
 in turn, in reverse order every other round, so a drift of the machine's load hits both sides of a comparison
 alike) and its ratio to no speculation's median, and whether the outputs equal no speculation's.
@@ -63,8 +66,9 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="the depth-first tree shapes only (topk 2 and 4 at depth budget) and no chain at k=3")
     ap.add_argument("--sets", default=None, help="comma-separated prompt sets to run (default: all)")
-    ap.add_argument("--variants", default="masks,verify-only,no-forced",
-                    help="grammar variants of each tree on guided prompts (masks: the full grammar)")
+    ap.add_argument("--variants", default="masks,verify-only,no-forced,draft-score",
+                    help="variants of each tree: on guided prompts masks (the full grammar), verify-only, no-forced; "
+                         "on all prompts draft-score (nodes ranked by draft probability)")
     ap.add_argument("--zoo", action="store_true", help="the zoo's writer target and heads on held-out schemas "
                                                        "(unguided and guided) instead of SmolLM2")
     args = ap.parse_args(argv)
@@ -84,10 +88,12 @@ def main(argv=None) -> None:
     if args.sets:
         sets = {name: sets[name] for name in args.sets.split(",")}
     rows: list[dict] = []
-    # (head, config, grammar variant) -> engine; variants change guided requests only: "masks" (expansion and
-    # verification masks, forced drafts), "verify-only" (draft_masks=False), "no-forced" (forced_drafts=False)
+    # (head, config, variant) -> engine; "masks" (expansion and verification masks, forced drafts, calibrated
+    # scores); for guided requests only "verify-only" (draft_masks=False), "no-forced" (forced_drafts=False);
+    # "draft-score" (tree_score="draft") for all
     engines = {("none", "none", "masks"): LLM(target, device=args.device, max_num_seqs=1, num_kv_blocks=160)}
-    variants = {"masks": {}, "verify-only": dict(draft_masks=False), "no-forced": dict(forced_drafts=False)}
+    variants = {"masks": {}, "verify-only": dict(draft_masks=False), "no-forced": dict(forced_drafts=False),
+                "draft-score": dict(tree_score="draft")}
     for method in args.methods.split(","):
         for label, fields in configs(method, heads[method], args.budget, not args.quick):
             for variant in (args.variants.split(",") if "tree" in label else ("masks",)):
@@ -95,7 +101,7 @@ def main(argv=None) -> None:
                                                         speculative=SpecConfig(**fields, **variants[variant]))
     for name, prompts in sets.items():
         guided = any(schema is not None for _, schema in prompts)
-        keys = [key for key in engines if guided or key[2] == "masks"]
+        keys = [key for key in engines if guided or key[2] in ("masks", "draft-score")]
         runs: dict = {key: [] for key in keys}
         for round_ in range(args.repeats):
             for key in (keys if round_ % 2 == 0 else keys[::-1]):
@@ -110,12 +116,15 @@ def main(argv=None) -> None:
                    "tokens": rounds[0]["tokens"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    table = ["| prompts | head | config | grammar | accepted/step (incl. bonus) | median tok/s | vs none | lossless |",
+    table = ["| prompts | head | config | grammar, node score | accepted/step (incl. bonus) | median tok/s | vs none "
+             "| lossless |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f"{r['accepted_incl_bonus']:.2f}" if r["accepted_incl_bonus"] else "-"
         grammar = {"masks": "expansion + verification masks, forced drafts", "verify-only": "verification masks only",
-                   "no-forced": "masks, no forced drafts"}[r["grammar"]] if r["guided"] else "-"
+                   "no-forced": "masks, no forced drafts", "draft-score": "as masks"}[r["grammar"]] if r["guided"] else "-"
+        if "tree" in r["config"]:
+            grammar += ", nodes by draft probability" if r["grammar"] == "draft-score" else ", nodes by est. acceptance"
         table.append(f"| {r['prompts']} | {r['method']} | {r['config']} | {grammar} | {acc} | {r['tok_s']} "
                      f"| {r['vs_none']:.2f}x | {r['lossless']} |")
     results = {"model": "zoo writer" if args.zoo else "smollm2-135m-instruct", "device": device_name(args.device),

@@ -54,6 +54,9 @@ class EngineSettings(BaseModel):
                                                      "-k is the tree's depth. 1: the chain of k drafts.")
     num_verify_tokens: int | None = Field(None, ge=1, description="Draft trees: the nodes verified per request and "
                                                                   "step, k..topk*k; default k.")
+    tree_score: Literal["calibrated", "draft"] = Field("calibrated", description="Draft trees: rank nodes by the "
+                                                       "target's acceptance rate estimated online ('calibrated') or "
+                                                       "by the head's probability ('draft', EAGLE-2's rule).")
     dynamic_k: str | None = Field(None, description="Dynamic speculation: comma-separated decode batch sizes at "
                                                     "which the drafts verified per request drop by one (e.g. "
                                                     "'16,32,64' with k=3); the decode group's batch decides, the "
@@ -119,6 +122,8 @@ class EngineSettings(BaseModel):
             spec["topk"] = self.speculative_topk
         if self.num_verify_tokens is not None:
             spec["num_verify_tokens"] = self.num_verify_tokens
+        if self.tree_score != "calibrated":
+            spec["tree_score"] = self.tree_score
         if self.dynamic_k:
             try:
                 spec["dynamic_k"] = tuple(int(t) for t in self.dynamic_k.split(","))

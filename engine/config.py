@@ -92,6 +92,9 @@ class SpecConfig:
     # `num_verify_tokens` best nodes are verified in one forward. topk=1 is the chain of k drafts.
     topk: int = 1
     num_verify_tokens: int | None = None  # draft nodes verified per request; None: k (the chain's)
+    # How a tree ranks its nodes: "calibrated" by the target's acceptance rate estimated online from the head's
+    # probability (engine/speculative/tree_score.py), "draft" by the head's probability (EAGLE-2; to measure it).
+    tree_score: str = "calibrated"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -115,6 +118,8 @@ class SpecConfig:
     def _check_tree(self) -> None:
         if not isinstance(self.topk, int) or not 1 <= self.topk <= MAX_TOPK:
             raise ValueError(f"speculative topk must be an integer in [1, {MAX_TOPK}], got {self.topk!r}")
+        if self.tree_score not in ("calibrated", "draft"):
+            raise ValueError(f"speculative tree_score must be 'calibrated' or 'draft', got {self.tree_score!r}")
         if self.topk > 1 and self.method not in ("mtp", "eagle3"):
             raise ValueError(f"speculative topk > 1 (draft trees) is built for the heads mtp and eagle3, "
                              f"not {self.method!r}")

@@ -21,6 +21,7 @@ from engine.speculative.loading import DraftTarget, load_proposer
 from engine.speculative.ngram import propose_ngram
 from engine.speculative.proposer import Proposer
 from engine.speculative.tree import DraftTree, TreeShape, TreeSlots
+from engine.speculative.tree_score import AcceptanceTable
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class Drafter:
         if self.tree:
             self.proposer.tree_shape = TreeShape(spec.topk, spec.k, spec.num_nodes)
             self.proposer.tree_slots = TreeSlots(self.num_slots, spec.num_nodes, self.device)
+            if spec.tree_score == "calibrated":
+                self.proposer.tree_table = AcceptanceTable(spec.topk, self.device)
         self._free_slots = deque(range(self.num_slots))
         self._slot_of: dict[str, int] = {}
         self.draft_probs: torch.Tensor | None = None  # [slots + 1, k, V] (last row: scratch), on first sampled request

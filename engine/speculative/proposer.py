@@ -108,6 +108,7 @@ class Proposer(ABC):
     # (engine/speculative/tree.py); None for chains
     tree_shape = None
     tree_slots = None
+    tree_table = None  # AcceptanceTable (tree_score.py) when trees rank nodes by estimated acceptance
     remap: torch.Tensor | None = None  # [Vd] target id of each draft id, when the vocabularies differ
     d2t: torch.Tensor | None = None  # [Vd] the same map as offsets (target id = draft id + d2t): bitmask kernels
 

@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from engine.layers.attention import AttentionMetadata, attention_context
+from engine.speculative.tree_score import AcceptanceTable
 from kernels.tree_mask import ancestor_bits, window_bits
 
 
@@ -48,6 +49,7 @@ class DraftTree:
     parents: torch.Tensor  # [B, N] int64 node j+1's parent among nodes 0..j (0: the root)
     depth: torch.Tensor  # [B, N+1] int64 node depth (the root 0)
     ancestors: torch.Tensor  # [B, N+1] int64 bit i: node i is the node or one of its ancestors
+    cells: torch.Tensor | None = None  # [B, N] int64 each node's AcceptanceTable cell (-1 or None: not scored)
 
 
 class TreeSlots:
@@ -59,20 +61,22 @@ class TreeSlots:
         self.parents = torch.zeros((num_slots + 1, num_nodes), dtype=torch.int64, device=device)
         self.depth = torch.zeros((num_slots + 1, num_nodes + 1), dtype=torch.int64, device=device)
         self.ancestors = torch.ones((num_slots + 1, num_nodes + 1), dtype=torch.int64, device=device)
+        self.cells = torch.full((num_slots + 1, num_nodes), -1, dtype=torch.int64, device=device)
 
     def write(self, slots: torch.Tensor, tree: DraftTree) -> None:
         self.parents.index_copy_(0, slots, tree.parents)
         self.depth.index_copy_(0, slots, tree.depth)
         self.ancestors.index_copy_(0, slots, tree.ancestors)
+        self.cells.index_copy_(0, slots, tree.cells if tree.cells is not None else torch.full_like(tree.parents, -1))
 
     def read(self, slots: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
         """The trees at `slots` with their tokens [B, N] (the batch's drafts)."""
-        return DraftTree(tokens, self.parents[slots], self.depth[slots], self.ancestors[slots])
+        return DraftTree(tokens, self.parents[slots], self.depth[slots], self.ancestors[slots], self.cells[slots])
 
     def grow(self, num_slots: int) -> None:
-        for name in ("parents", "depth", "ancestors"):
+        for name in ("parents", "depth", "ancestors", "cells"):
             old = getattr(self, name)
-            grown = old.new_zeros((num_slots + 1, old.shape[1]))
+            grown = old.new_full((num_slots + 1, old.shape[1]), -1 if name == "cells" else 0)
             grown[: old.shape[0]] = old
             setattr(self, name, grown)
 
@@ -120,19 +124,39 @@ def _log_probs(logits: torch.Tensor, paths: torch.Tensor, mask: TreeMask | None)
     return logits.log_softmax(-1).nan_to_num(nan=float("-inf"))
 
 
+class _Scorer:
+    """A candidate's score from its draft log-probability: itself, or the AcceptanceTable's estimate of the
+    target accepting it (tree_score.py), with the cell it was looked up in (-1 without a table)."""
+
+    def __init__(self, table: AcceptanceTable | None, sampled: torch.Tensor, topk: int):
+        self.table, self.sampled = table, sampled
+        self.rank = torch.arange(topk, device=sampled.device)  # a candidate's rank among its parent's
+
+    def __call__(self, log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is None:
+            return log_probs, torch.full_like(log_probs, -1, dtype=torch.int64)
+        cells = self.table.cells(log_probs, self.rank, self.sampled)
+        return self.table.score(log_probs, cells), cells
+
+
 def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor,
            slot_limit: torch.Tensor, max_seq_len: int, shape: TreeShape, remap: torch.Tensor | None,
-           mask: TreeMask | None = None) -> DraftTree:
+           mask: TreeMask | None = None, table: AcceptanceTable | None = None,
+           sampled: torch.Tensor | None = None) -> DraftTree:
     """state [B, H]: the head's output at each request's last verified row (position start [B]) -> its tree.
     attn: the step's metadata (block tables); remap: target id of each draft id (None: the same vocabulary);
-    mask: the grammar's, at every expansion (a node's candidates are what its path admits)."""
+    mask: the grammar's, at every expansion (a node's candidates are what its path admits); table: scores nodes by
+    estimated acceptance (None: by draft probability); sampled [B] bool: which requests sample (the table's class)."""
     K, k, N = shape.topk, shape.depth, shape.num_nodes
     B, H = state.shape
     dev = state.device
     to_target = (lambda ids: ids) if remap is None else (lambda ids: remap[ids])  # noqa: E731
+    scorer = _Scorer(table, sampled if sampled is not None else torch.zeros(B, dtype=torch.bool, device=dev), K)
     root_paths = torch.zeros((B, 1, 0), dtype=torch.int64, device=dev)
-    score, ids = _log_probs(head.compute_logits(state), root_paths, mask).topk(K, dim=-1)  # [B, K]
+    lp, ids = _log_probs(head.compute_logits(state), root_paths, mask).topk(K, dim=-1)  # [B, K]
+    score, cell = scorer(lp)
     tokens, scores, parents, depths = [to_target(ids)], [score], [torch.full((B, K), -1, device=dev)], [1] * K
+    cells = [cell]
     frontier = dict(tokens=tokens[0], score=score, state=state[:, None].expand(B, K, H), path=tokens[0][..., None],
                     candidate=torch.arange(K, device=dev).expand(B, K),
                     lineage=torch.zeros((B, K), dtype=torch.int64, device=dev))
@@ -145,11 +169,13 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
             out = head(frontier["state"].reshape(B * K, H), frontier["tokens"].reshape(-1),
                        (start + d).repeat_interleave(K))  # [B * K, H]
         child = _log_probs(head.compute_logits(out), frontier["path"], mask).view(B, K, -1)
-        child = child + frontier["score"][..., None]  # cumulative
-        c_score, c_ids = child.topk(K, dim=-1)  # [B, K, K]: each frontier node's best children
+        c_lp, c_ids = child.topk(K, dim=-1)  # [B, K, K]: each frontier node's best children
+        c_score, c_cell = scorer(c_lp)
+        c_score = c_score + frontier["score"][..., None]  # cumulative
         c_score, c_ids = c_score.reshape(B, K * K), to_target(c_ids.reshape(B, K * K))
         tokens.append(c_ids)
         scores.append(c_score)
+        cells.append(c_cell.reshape(B, K * K))
         parents.append(frontier["candidate"].repeat_interleave(K, dim=1))
         depths += [d + 1] * (K * K)
         best, pick = c_score.topk(K, dim=-1)  # [B, K] the next frontier
@@ -161,12 +187,13 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
                         candidate=offset + pick, lineage=lineage.gather(1, parent_lane))
         offset += K * K
     return choose(torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1),
-                  torch.tensor(depths, device=dev), N)
+                  torch.tensor(depths, device=dev), N, torch.cat(cells, 1))
 
 
 def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-           n: int) -> DraftTree:
-    """Candidates [B, C] (in depth order; parents: a candidate index, -1 for the root) -> the tree of the n best.
+           n: int, cells: torch.Tensor | None = None) -> DraftTree:
+    """Candidates [B, C] (in depth order; parents: a candidate index, -1 for the root; cells: their table cells)
+    -> the tree of the n best.
     A stable sort keeps a parent before a child of equal score (a draft of probability 1), so the n best
     always hold every chosen node's parent."""
     B, C = scores.shape
@@ -178,7 +205,8 @@ def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, de
     node_parents = torch.where(parent < 0, 0, node_of.gather(1, parent.clamp(min=0)))
     depth = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=scores.device),
                        depths[chosen]], 1)
-    return DraftTree(tokens.gather(1, chosen), node_parents, depth, ancestor_bits(node_parents))
+    return DraftTree(tokens.gather(1, chosen), node_parents, depth, ancestor_bits(node_parents),
+                     cells.gather(1, chosen) if cells is not None else None)
 
 
 def head_tree(proposer, inp, shape: TreeShape, mask: TreeMask | None = None) -> DraftTree | None:
@@ -191,4 +219,5 @@ def head_tree(proposer, inp, shape: TreeShape, mask: TreeMask | None = None) -> 
         return None
     start = inp.positions.index_select(0, inp.out_rows)
     return expand(proposer.head, state.index_select(0, inp.out_rows), start, inp.attn, cache, inp.slot_limit,
-                  inp.max_seq_len + shape.margin, shape, proposer.remap, mask)
+                  inp.max_seq_len + shape.margin, shape, proposer.remap, mask, proposer.tree_table,
+                  inp.sampling.temperature > 0)

@@ -26,6 +26,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.runner.batch import StepBatch
 from engine.speculative.proposer import ProposeInputs
 from engine.speculative.tree import TreeShape, TreeSlots, head_tree
+from engine.speculative.tree_score import outcome
 from engine.speculative.tree_verify import verify_tree
 from kernels.bitmask import apply_token_bitmask
 from kernels.tree_mask import window_bits
@@ -106,6 +107,8 @@ def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker
     v = verify_tree(logits, batch.drafts, tree.parents, tree.depth, tree.ancestors, batch.num_drafts,
                     batch.sampling, shape.depth, grammar)
     a = v.num_accepted
+    if proposer.tree_table is not None:  # what this verification says about the scores the tree was chosen by
+        proposer.tree_table.observe(tree.cells, *outcome(v.path, tree.parents, batch.num_drafts))
     compact(batch.attn.kv_cache, batch.attn.slot_mapping, vr, v.path, a)
 
     # The rows as the chain of the accepted path: row of column c <- row of node path[c] (c <= a).
