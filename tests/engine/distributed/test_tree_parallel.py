@@ -1,0 +1,200 @@
+"""Draft trees (SpecConfig(topk > 1), engine/speculative/tree_step.py) under tensor parallelism (tp=2: attention
+heads, the head's layer and the MLP sharded, every rank running the whole batch) and attention data parallelism
+(ADP=2: each rank its own requests, the MLP's rows exchanged, an idle rank's forward matching the busy rank's
+collectives while it drafts nothing) over gloo in two processes.
+
+Each case's tokens equal one process WITHOUT speculation (trees are lossless: greedy, guided and seeded sampled
+outputs are bit for bit the plain sampler's), and each request's accepted lengths equal one process running the
+same tree config: the group drafted the same trees and verified them the same way as one rank would. Trees whose
+nodes are ranked by the learned acceptance table (SpecConfig.tree_score="calibrated", the default) learn it per
+engine: tp ranks see the same verifications and stay equal to one process, while an ADP rank learns from its own
+requests only, so its acceptance equals one process running just that rank's requests. Every KV block and
+draft-state slot is free at the end. One pair of processes runs every case (spawning is the slow part).
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from structured.request import StructuredOutput
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@dataclass(frozen=True)
+class Req:
+    rank: int  # the ADP rank that owns it (under plain tp every rank runs every request)
+    prompt: int  # index into _prompts()
+    max_tokens: int = 16
+    start_step: int = 0  # added once the group has run this many steps
+    guided: bool = False
+    temperature: float = 0.0
+
+    def params(self) -> SamplingParams:
+        so = StructuredOutput(json_schema=SCHEMA) if self.guided else None
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, seed=11,
+                              ignore_eos=not self.guided, structured_output=so)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    requests: tuple[Req, ...]
+    adp: bool  # attention_dp=2 (else plain tp=2)
+    method: str = "mtp"
+    topk: int = 2
+    nodes: int = 5  # num_verify_tokens
+    score: str = "calibrated"  # SpecConfig.tree_score
+    engine: dict = field(default_factory=dict)
+
+
+CASES = [
+    Case("tp_mtp", (Req(0, 0), Req(0, 1, 10), Req(0, 2, 12, start_step=3)), adp=False),
+    # no guided request under plain tp: each rank compiles an added request's grammar on its own thread, and
+    # the ranks would schedule its first sample in different steps (served groups get the grammar compiled, in
+    # the hand-over)
+    Case("tp_eagle3_sampled", (Req(0, 0), Req(0, 1, temperature=0.8)), adp=False, method="eagle3", topk=3,
+         nodes=6),
+    Case("adp_mtp", (Req(0, 0), Req(1, 1), Req(0, 2, 10)), adp=True, score="draft"),
+    Case("adp_mtp_calibrated", (Req(0, 0), Req(1, 1), Req(0, 2, 10)), adp=True),
+    # rank 1 idles for the first steps, runs a short request, idles again while rank 0 goes on (unequal loads)
+    Case("adp_idle_then_late", (Req(0, 0, 24), Req(0, 1, 24), Req(1, 2, 4, start_step=5)), adp=True,
+         score="draft"),
+    # rank 0 prefills a long prompt in chunks while rank 1 verifies trees
+    Case("adp_chunked_prefill_beside_trees", (Req(1, 1, 20), Req(0, 5, 6, start_step=2)), adp=True,
+         score="draft", engine={"max_num_batched_tokens": 64}),
+    # expansion and verification masked by the grammar on both ranks; a seeded sampled request beside them
+    Case("adp_guided_sampled", (Req(0, 0, 40, guided=True), Req(1, 1, 40, guided=True), Req(1, 2, temperature=0.8)),
+         adp=True, topk=3, nodes=6, score="draft"),
+]
+
+
+def _prompts() -> list[str]:
+    from zoo.corpus import heldout_cases
+    from zoo.prompts import json_schema_prompt
+
+    p = [json_schema_prompt(row["schema"]) for row in heldout_cases()[:5]]
+    return p + [" ".join(p[:3])]  # the last: a few hundred tokens, several 64-token chunks
+
+
+def _config(root: str, case: Case | None, spec: bool, **overrides) -> EngineConfig:
+    s = None
+    if spec:
+        s = SpecConfig(method=case.method, k=3, draft=f"{root}/{case.method}", topk=case.topk,
+                       num_verify_tokens=case.nodes, tree_score=case.score)
+    return EngineConfig(model=f"{root}/target", num_kv_blocks=256, block_size=16, speculative=s,
+                        **(case.engine if case is not None else {}), **overrides)
+
+
+def _drive(engine: LLMEngine, reqs: list[tuple[str, Req]], prompts: list[str], group) -> dict:
+    """Steps until no rank of the group (None: this engine alone) has work; -> request id -> (tokens, accepted
+    lengths)."""
+    done, step = {}, 0
+    pending = list(reqs)
+    while True:
+        for rid, r in [x for x in pending if x[1].start_step <= step]:
+            engine.add_request(rid, prompts[r.prompt], r.params())
+            pending.remove((rid, r))
+        busy = torch.tensor([int(engine.has_unfinished() or bool(pending))])
+        if group is not None:
+            dist.all_reduce(busy, group=group)
+        if not busy.item():
+            return done
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = (o.token_ids, list(o.metrics.accepted_lengths))
+        step += 1
+
+
+def _rank_main(rank: int, port: int, root: str, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    prompts = _prompts()
+    try:
+        for case in CASES:
+            cfg = _config(root, case, True, tp_size=2, tp_rank=rank, attention_dp=2 if case.adp else 1)
+            engine = LLMEngine(cfg, tp_group=dist.group.WORLD)
+            mine = [(f"{case.name}-{i}", r) for i, r in enumerate(case.requests) if not case.adp or r.rank == rank]
+            done = _drive(engine, mine, prompts, dist.group.WORLD)
+            queue.put((rank, case.name, done, (engine.stats()["kv_blocks_used"], engine.drafter.num_held)))
+    except BaseException as e:  # noqa: BLE001 - reported to the test, which would otherwise wait
+        queue.put((rank, "error", repr(e), None))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def group_results(zoo_dir):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, str(zoo_dir), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(2 * len(CASES)):
+            rank, name, done, held = queue.get(timeout=600)
+            assert name != "error", f"rank {rank} failed: {done}"
+            got[(rank, name)] = (done, held)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_thread_module):
+    """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_trees_in_a_group_equal_one_process(group_results, zoo_dir, case):
+    prompts = _prompts()
+    reqs = [(f"{case.name}-{i}", r) for i, r in enumerate(case.requests)]
+    plain = _drive(LLMEngine(_config(str(zoo_dir), case, False)), reqs, prompts, None)
+    if case.adp and case.score == "calibrated":  # each rank's table learns from that rank's requests alone
+        tree = {}
+        for rank in range(2):
+            tree |= _drive(LLMEngine(_config(str(zoo_dir), case, True)), [x for x in reqs if x[1].rank == rank],
+                           prompts, None)
+    else:
+        tree = _drive(LLMEngine(_config(str(zoo_dir), case, True)), reqs, prompts, None)
+    got = {}
+    for rank in range(2):
+        done, (used, slots) = group_results[(rank, case.name)]
+        assert (used, slots) == (0, 0), f"rank {rank} still holds {used} KV blocks and {slots} draft slots"
+        owned = {rid for rid, r in reqs if not case.adp or r.rank == rank}
+        assert set(done) == owned, (rank, sorted(done), sorted(owned))
+        for rid, out in done.items():  # under plain tp both ranks emit every request: the same
+            assert got.setdefault(rid, out) == out, f"{rid}: the tp ranks disagree"
+    for rid, (tokens, _) in plain.items():
+        assert got[rid][0] == tokens, f"{rid}: not the output without speculation"
+        assert got[rid][1] == tree[rid][1], f"{rid}: acceptance in the group {got[rid][1]} vs one process {tree[rid][1]}"
+    assert sum(sum(a) - len(a) for _, a in tree.values()) > 0  # the trees accepted drafts
+
+
+def test_trees_refuse_async_scheduling_naming_the_field(zoo_dir):
+    """Draft trees now run with attention_dp; steps planned ahead are still refused, by name."""
+    spec = SpecConfig(method="mtp", k=3, draft=f"{zoo_dir}/mtp", topk=2, num_verify_tokens=5)
+    EngineConfig(model=f"{zoo_dir}/target", speculative=spec, tp_size=2, attention_dp=2)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(model=f"{zoo_dir}/target", speculative=spec, tp_size=2, attention_dp=2, async_scheduling=True)
