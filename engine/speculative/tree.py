@@ -117,11 +117,14 @@ def frontier_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, start: to
 TreeMask = Callable[[torch.Tensor, torch.Tensor], None]
 
 
-def _log_probs(logits: torch.Tensor, paths: torch.Tensor, mask: TreeMask | None) -> torch.Tensor:
-    if mask is not None:
-        mask(paths, logits)
+def _log_probs(logits: torch.Tensor, paths: torch.Tensor,
+               mask: TreeMask | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (log-probabilities [R, V], masked [R] bool: the grammar removed tokens from the row)."""
+    if mask is None:
+        return logits.log_softmax(-1), torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    mask(paths, logits)
     # A row its mask closes entirely (a path the grammar refused at its end) scores -inf, never NaN.
-    return logits.log_softmax(-1).nan_to_num(nan=float("-inf"))
+    return logits.log_softmax(-1).nan_to_num(nan=float("-inf")), torch.isneginf(logits).any(-1)
 
 
 class _Scorer:
@@ -132,10 +135,11 @@ class _Scorer:
         self.table, self.sampled = table, sampled
         self.rank = torch.arange(topk, device=sampled.device)  # a candidate's rank among its parent's
 
-    def __call__(self, log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, log_probs: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """log_probs [B, ..., topk] of candidates, masked [B, ...] their rows' -> (scores, cells)."""
         if self.table is None:
             return log_probs, torch.full_like(log_probs, -1, dtype=torch.int64)
-        cells = self.table.cells(log_probs, self.rank, self.sampled)
+        cells = self.table.cells(log_probs, self.rank, self.sampled, masked[..., None])
         return self.table.score(log_probs, cells), cells
 
 
@@ -153,8 +157,9 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
     to_target = (lambda ids: ids) if remap is None else (lambda ids: remap[ids])  # noqa: E731
     scorer = _Scorer(table, sampled if sampled is not None else torch.zeros(B, dtype=torch.bool, device=dev), K)
     root_paths = torch.zeros((B, 1, 0), dtype=torch.int64, device=dev)
-    lp, ids = _log_probs(head.compute_logits(state), root_paths, mask).topk(K, dim=-1)  # [B, K]
-    score, cell = scorer(lp)
+    root_lp, root_masked = _log_probs(head.compute_logits(state), root_paths, mask)
+    lp, ids = root_lp.topk(K, dim=-1)  # [B, K]
+    score, cell = scorer(lp, root_masked)
     tokens, scores, parents, depths = [to_target(ids)], [score], [torch.full((B, K), -1, device=dev)], [1] * K
     cells = [cell]
     frontier = dict(tokens=tokens[0], score=score, state=state[:, None].expand(B, K, H), path=tokens[0][..., None],
@@ -168,9 +173,9 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
         with attention_context(meta):
             out = head(frontier["state"].reshape(B * K, H), frontier["tokens"].reshape(-1),
                        (start + d).repeat_interleave(K))  # [B * K, H]
-        child = _log_probs(head.compute_logits(out), frontier["path"], mask).view(B, K, -1)
-        c_lp, c_ids = child.topk(K, dim=-1)  # [B, K, K]: each frontier node's best children
-        c_score, c_cell = scorer(c_lp)
+        child, masked = _log_probs(head.compute_logits(out), frontier["path"], mask)
+        c_lp, c_ids = child.view(B, K, -1).topk(K, dim=-1)  # [B, K, K]: each frontier node's best children
+        c_score, c_cell = scorer(c_lp, masked.view(B, K))
         c_score = c_score + frontier["score"][..., None]  # cumulative
         c_score, c_ids = c_score.reshape(B, K * K), to_target(c_ids.reshape(B, K * K))
         tokens.append(c_ids)

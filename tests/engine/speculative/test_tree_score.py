@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, SpecConfig
+from engine import LLM, SamplingParams, SpecConfig, StructuredOutput
 from engine.speculative.tree_score import MAX_TRIALS, NUM_BUCKETS, PRIOR_TRIALS, AcceptanceTable, outcome
 
 
@@ -21,21 +21,25 @@ def _one_thread(one_thread_module):
 def test_an_untrained_table_scores_as_the_head_and_leaves_forced_and_refused_alone():
     table = AcceptanceTable(topk=2, device=torch.device("cpu"))
     lp = torch.tensor([[math.log(0.9), math.log(0.05), 0.0, float("-inf")]])
-    cells = table.cells(lp, torch.tensor([0, 1, 0, 1]), torch.tensor([False]))
+    cells = table.cells(lp, torch.tensor([0, 1, 0, 1]), torch.tensor([False]), torch.tensor([False]))
     assert cells[0, 2] == -1 and cells[0, 3] == -1  # forced, refused: not estimated
     score = table.score(lp, cells)
     centre = lambda p: (int(p * NUM_BUCKETS) + 0.5) / NUM_BUCKETS  # noqa: E731
     assert score[0, 0].item() == pytest.approx(math.log(centre(0.9)), rel=1e-5)
     assert score[0, 1].item() == pytest.approx(math.log(centre(0.05)), rel=1e-5)
     assert score[0, 2].item() == 0.0 and math.isinf(score[0, 3].item())
-    sampled = table.cells(lp[:, :2], torch.tensor([0, 1]), torch.tensor([True]))
-    assert (sampled - cells[:, :2]).tolist() == [[2 * NUM_BUCKETS] * 2]  # its own class
+    # classes of their own: a sampled request's candidates, a masked row's
+    sampled = table.cells(lp[:, :2], torch.tensor([0, 1]), torch.tensor([True]), torch.tensor([False]))
+    assert (sampled - cells[:, :2]).tolist() == [[2 * 2 * NUM_BUCKETS] * 2]
+    masked = table.cells(lp[:, :2], torch.tensor([0, 1]), torch.tensor([False]), torch.tensor([[True, False]]))
+    assert (masked - cells[:, :2]).tolist() == [[2 * NUM_BUCKETS, 0]]
 
 
 def test_observations_move_the_estimate_and_old_ones_fade():
     table = AcceptanceTable(topk=2, device=torch.device("cpu"))
     lp = torch.tensor([[math.log(0.3), math.log(0.3)]])
-    cells = table.cells(lp, torch.tensor([0, 1]), torch.tensor([False]))  # rank 0 and rank 1, same probability
+    # rank 0 and rank 1, same probability
+    cells = table.cells(lp, torch.tensor([0, 1]), torch.tensor([False]), torch.tensor([False]))
     for _ in range(40):  # the best candidate always accepted, its sibling never
         table.observe(cells, torch.tensor([[True, True]]), torch.tensor([[True, False]]))
     table.observe(cells, torch.tensor([[False, False]]), torch.tensor([[False, False]]))  # not reached: no trial
@@ -74,10 +78,20 @@ def prompts():
             "The capital of France is"]
 
 
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def params() -> list[SamplingParams]:
+    """Three free requests and a guided one (its rows are masked: the table's masked classes)."""
+    free = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for _ in range(3)]
+    return free + [SamplingParams(max_tokens=24, temperature=0, structured_output=StructuredOutput(json_schema=SCHEMA))]
+
+
 @pytest.fixture(scope="module")
 def reference(zoo, prompts):
     llm = LLM(str(zoo / "target"), num_kv_blocks=512, block_size=16)
-    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))]
+    return [o.token_ids for o in llm.generate(prompts, params())]
 
 
 @pytest.mark.parametrize("rule", ["calibrated", "draft"])
@@ -87,11 +101,15 @@ def test_engine_learns_from_every_verification_and_emits_the_same_tokens(zoo, pr
     table = llm.engine.runner.proposer.tree_table if rule == "calibrated" else None
     assert (table is None) == (rule == "draft")
     hits0 = table.hits.sum().item() if table is not None else 0.0
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == reference
-    assert llm.engine.blocks.pool.num_used == 0
-    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    free = llm.generate(prompts[:3], params()[:3])
+    accepted = sum(o.metrics.num_accepted_tokens for o in free)
     assert accepted > 0
-    if table is not None:  # each accepted node is one hit (no grammar here: no forced nodes)
+    if table is not None:  # each accepted node is one hit (no grammar: no forced nodes, which are never scored)
         assert table.hits.sum().item() - hits0 == pytest.approx(accepted, abs=1e-2)
-        assert (table.trials.sum() - table.trials.numel() * PRIOR_TRIALS).item() > accepted
+        assert (table.trials[0] - PRIOR_TRIALS).sum() > accepted  # the free greedy class only
+        assert (table.trials[1:] == PRIOR_TRIALS).all()
+    guided = llm.generate(prompts[3:], params()[3:])
+    assert [o.token_ids for o in free + guided] == reference
+    assert llm.engine.blocks.pool.num_used == 0
+    if table is not None:
+        assert (table.trials[1] - PRIOR_TRIALS).sum() > 0  # the grammar's masked rows: a class of their own
