@@ -238,7 +238,7 @@ class Drafter:
         verification could not read losslessly (a sampled chain's without their distributions, a tree's without
         its shape) are dropped: the request then starts without drafts."""
         req.spec_token_ids, req.spec_forced = [], 0
-        tokens = list(drafts.token_ids[: max(0, min(self.k, draft_room(req, 0)))])
+        tokens = list(drafts.token_ids[: max(0, min(self.num_nodes, draft_room(req, 0)))])  # a tree: N, not its depth
         if not tokens:
             return
         slot = torch.tensor([self.slot(req.request_id)], device=self.device)
