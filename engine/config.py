@@ -359,11 +359,6 @@ class EngineConfig:
         if self.attention_dp not in (1, self.tp_size):
             raise ValueError(f"attention_dp must be 1 (off) or tp_size ({self.tp_size}), got {self.attention_dp}: "
                              f"attention tensor parallelism inside data-parallel groups is not supported")
-        if self.speculative is not None and self.speculative.tree and self.async_scheduling:
-            # A step planned ahead carries its requests' inputs from the running step's outputs
-            # (engine/runner/overlap.py), which knows a chain's layout only, not a tree's.
-            raise ValueError("speculative topk > 1 (draft trees) runs synchronous steps: async_scheduling must be "
-                             "off with draft trees")
 
     def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
         if self.dtype is None:

@@ -68,6 +68,8 @@ class Drafter:
 
     def k_for(self, batch: int) -> int:
         """Drafts to verify per request in a decode batch of `batch` requests (dynamic k's bound)."""
+        if self.tree:  # a tree's nodes (its size is fixed: no dynamic k)
+            return self.num_nodes
         return self.spec.k_for(batch) if self.spec is not None else 0
 
     @property

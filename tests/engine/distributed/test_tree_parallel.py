@@ -1,7 +1,8 @@
 """Draft trees (SpecConfig(topk > 1), engine/speculative/tree_step.py) under tensor parallelism (tp=2: attention
 heads, the head's layer and the MLP sharded, every rank running the whole batch) and attention data parallelism
 (ADP=2: each rank its own requests, the MLP's rows exchanged, an idle rank's forward matching the busy rank's
-collectives while it drafts nothing) over gloo in two processes.
+collectives while it drafts nothing) over gloo in two processes; tp=2 with async scheduling too (step N+1 planned
+before step N is read: its requests' trees are carried from N's outputs on the device, engine/runner/overlap.py).
 
 Each case's tokens equal one process WITHOUT speculation (trees are lossless: greedy, guided and seeded sampled
 outputs are bit for bit the plain sampler's), and each request's accepted lengths equal one process running the
@@ -54,11 +55,14 @@ class Case:
     topk: int = 2
     nodes: int = 5  # num_verify_tokens
     score: str = "calibrated"  # SpecConfig.tree_score
+    ahead: bool = False  # async scheduling: step N+1 launched before step N is read, its trees carried on the device
     engine: dict = field(default_factory=dict)
 
 
 CASES = [
     Case("tp_mtp", (Req(0, 0), Req(0, 1, 10), Req(0, 2, 12, start_step=3)), adp=False),
+    Case("tp_mtp_async", (Req(0, 0), Req(0, 1, 10), Req(0, 2, 14, temperature=0.8), Req(0, 3, 12, start_step=3)),
+         adp=False, ahead=True),
     # no guided request under plain tp: each rank compiles an added request's grammar on its own thread, and
     # the ranks would schedule its first sample in different steps (served groups get the grammar compiled, in
     # the hand-over)
@@ -121,13 +125,15 @@ def _rank_main(rank: int, port: int, root: str, queue) -> None:
     prompts = _prompts()
     try:
         for case in CASES:
-            cfg = _config(root, case, True, tp_size=2, tp_rank=rank, attention_dp=2 if case.adp else 1)
+            cfg = _config(root, case, True, tp_size=2, tp_rank=rank, attention_dp=2 if case.adp else 1,
+                          async_scheduling=case.ahead)
             engine = LLMEngine(cfg, tp_group=dist.group.WORLD)
             mine = [(f"{case.name}-{i}", r) for i, r in enumerate(case.requests) if not case.adp or r.rank == rank]
             done = _drive(engine, mine, prompts, dist.group.WORLD)
-            queue.put((rank, case.name, done, (engine.stats()["kv_blocks_used"], engine.drafter.num_held)))
+            queue.put((rank, case.name, done, (engine.stats()["kv_blocks_used"], engine.drafter.num_held),
+                       engine.num_overlapped_steps))
     except BaseException as e:  # noqa: BLE001 - reported to the test, which would otherwise wait
-        queue.put((rank, "error", repr(e), None))
+        queue.put((rank, "error", repr(e), None, None))
         raise
     finally:
         dist.destroy_process_group()
@@ -150,9 +156,9 @@ def group_results(zoo_dir):
     got = {}
     try:
         for _ in range(2 * len(CASES)):
-            rank, name, done, held = queue.get(timeout=600)
+            rank, name, done, held, overlapped = queue.get(timeout=600)
             assert name != "error", f"rank {rank} failed: {done}"
-            got[(rank, name)] = (done, held)
+            got[(rank, name)] = (done, held, overlapped)
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -178,10 +184,14 @@ def test_trees_in_a_group_equal_one_process(group_results, zoo_dir, case):
                            prompts, None)
     else:
         tree = _drive(LLMEngine(_config(str(zoo_dir), case, True)), reqs, prompts, None)
+    if case.ahead:  # one process planning ahead too: the same tokens and trees as its synchronous steps
+        ahead = LLMEngine(_config(str(zoo_dir), case, True, async_scheduling=True))
+        assert _drive(ahead, reqs, prompts, None) == tree and ahead.num_overlapped_steps > 0
     got = {}
     for rank in range(2):
-        done, (used, slots) = group_results[(rank, case.name)]
+        done, (used, slots), overlapped = group_results[(rank, case.name)]
         assert (used, slots) == (0, 0), f"rank {rank} still holds {used} KV blocks and {slots} draft slots"
+        assert (overlapped > 0) == case.ahead, (rank, overlapped)
         owned = {rid for rid, r in reqs if not case.adp or r.rank == rank}
         assert set(done) == owned, (rank, sorted(done), sorted(owned))
         for rid, out in done.items():  # under plain tp both ranks emit every request: the same
@@ -191,10 +201,3 @@ def test_trees_in_a_group_equal_one_process(group_results, zoo_dir, case):
         assert got[rid][1] == tree[rid][1], f"{rid}: acceptance {got[rid][1]} in the group, {tree[rid][1]} alone"
     assert sum(sum(a) - len(a) for _, a in tree.values()) > 0  # the trees accepted drafts
 
-
-def test_trees_refuse_async_scheduling_naming_the_field(zoo_dir):
-    """Draft trees now run with attention_dp; steps planned ahead are still refused, by name."""
-    spec = SpecConfig(method="mtp", k=3, draft=f"{zoo_dir}/mtp", topk=2, num_verify_tokens=5)
-    EngineConfig(model=f"{zoo_dir}/target", speculative=spec, tp_size=2, attention_dp=2)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(model=f"{zoo_dir}/target", speculative=spec, tp_size=2, attention_dp=2, async_scheduling=True)

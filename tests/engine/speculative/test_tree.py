@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, SpecConfig
+from engine import LLM, SamplingParams, SpecConfig
 from engine.speculative.tree import choose
 from engine.speculative.tree_step import compact
 from engine.speculative.tree_verify import walk
@@ -30,11 +30,9 @@ def test_bad_tree_configs_name_the_field(kw, field):
         SpecConfig(method="mtp", k=3, **kw)
 
 
-def test_trees_are_for_heads_and_synchronous_steps(llama_dir):
+def test_trees_are_for_heads():
     with pytest.raises(ValueError, match="mtp and eagle3"):
         SpecConfig(method="ngram", k=3, topk=2)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(model=llama_dir, speculative=SpecConfig(method="mtp", k=2, topk=2), async_scheduling=True)
     chain = SpecConfig(method="mtp", k=3)
     assert (chain.topk, chain.num_nodes, chain.tree, chain.lookahead_slots) == (1, 3, False, 3)
     tree = SpecConfig(method="mtp", k=3, topk=4, num_verify_tokens=10)
