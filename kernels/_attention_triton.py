@@ -92,8 +92,8 @@ def paged_attention_kernel(
     q_pos = ctx + tok
     if TREE:
         tree_bits = tl.load(tree_ptr + q_start + tok, mask=row_ok, other=-1)  # [BLOCK_M] int64
-        # Split into 32-bit halves once: a [BLOCK_M, BLOCK_N] tile of 64-bit shifts spilled 4 B on sm_90/sm_100 in
-        # 12 specializations (G=3, 16-bit), 32-bit halves in fewer (6 seen in a partial compile check): still open.
+        # 32-bit halves, each column's bit tested by an AND with a per-column mask: [BLOCK_M, BLOCK_N] tiles of
+        # variable shifts (of the int64, or of the halves) spilled 4 B on sm_90/sm_100 (G=3 16-bit split-KV).
         tree_lo = (tree_bits & 0xFFFFFFFF).to(tl.int32)
         tree_hi = (tree_bits >> 32).to(tl.int32)
         window = seq_len - 64  # the positions the bits speak of start here
@@ -118,10 +118,10 @@ def paged_attention_kernel(
             s = tl.dot(q, tl.trans(k))
         allowed = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if TREE:  # inside the last 64 positions a row sees only what its bit admits (its tree ancestors)
-            w = (pos - window)[None, :]
-            half = tl.where(w < 32, tree_lo[:, None], tree_hi[:, None])
-            bit = (half >> (w & 31)) & 1
-            allowed = allowed & ((w < 0) | (bit != 0))
+            w = pos - window  # [BLOCK_N]
+            col_bit = 1 << (w & 31)  # [BLOCK_N] int32: each column's bit within its half
+            half = tl.where((w < 32)[None, :], tree_lo[:, None], tree_hi[:, None])
+            allowed = allowed & ((w < 0)[None, :] | ((half & col_bit[None, :]) != 0))
         s = tl.where(allowed, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay at 0

@@ -3,8 +3,8 @@ recorded from the wrappers themselves (kernels/_launch.py) on meta tensors, with
 
 The inputs are engine facts, never kernel parameters: the supported models' shapes (the zoo's
 checkpoints, SmolLM2-135M, and the head dims / GQA groups / vocabularies of the supported families),
-the activation dtypes, KV block sizes, batch sizes, KV lengths, speculative k from 0 to MAX_K, draft
-vocabularies and tensor-parallel head slices. Each point runs the `*_triton` wrappers with tensors
+the activation dtypes, KV block sizes, batch sizes, KV lengths, speculative k from 0 to MAX_K, draft trees'
+widths and node counts (tree-masked attention), draft vocabularies and tensor-parallel head slices. Each point runs the `*_triton` wrappers with tensors
 shaped as the engine makes them (q/k/v as views of one fused projection, caches as slices of the
 [L, 2, N, S, H, D] cache), so grids, constexprs and launch options come from the launch code; a new
 launch shape in a wrapper shows up here without a table to update. kernels/compile_check.py compiles
@@ -90,6 +90,8 @@ class EngineSpace:
     max_k: int = 8  # speculative drafts per step: 0 (none, dynamic k's floor) .. SpecConfig's MAX_K
     prefill_tokens: int = 2048  # EngineConfig.max_num_batched_tokens: the longest prefill chunk
     batches: tuple[int, ...] = (1, 3, 16, 64, 256)  # decode batches: graph sizes and an odd one
+    max_topk: int = 8  # draft trees: SpecConfig's MAX_TOPK, the widest expansion (the head's rows per request)
+    max_tree_nodes: int = 63  # draft trees: MAX_TREE_NODES, the most nodes verified per request (plus the root)
     kv_lens: tuple[int, ...] = (17, 1000, 4096, 32768)  # short, split-KV and long contexts
 
 
@@ -121,18 +123,21 @@ def _token_launches(m: ModelShape, dtype: torch.dtype, T: int) -> None:
         apply_rope_triton(q, k, positions, _meta(4096, m.head_dim, dtype=table_dtype))
 
 
-def _attention_launches(m: ModelShape, dtype: torch.dtype, page: int, B: int, q_len: int, kv_len: int) -> None:
+def _attention_launches(m: ModelShape, dtype: torch.dtype, page: int, B: int, q_len: int, kv_len: int,
+                        tree: bool = False) -> None:
     """KV write and attention of one layer: B requests of q_len new tokens each over kv_len positions, the
-    layer's caches slices of the engine's [L, 2, N, S, Hkv, D] cache."""
+    layer's caches slices of the engine's [L, 2, N, S, Hkv, D] cache. `tree`: the attention of a draft-tree
+    step, with a tree mask over the rows (its KV write is the plain step's, not recorded again)."""
     T = B * q_len
     q, k, v = _qkv(m, dtype, T)
     blocks_per_seq = -(-kv_len // page)
     kv_cache = _meta(2, 2, B * blocks_per_seq + 1, page, m.num_kv_heads, m.head_dim, dtype=dtype)
     k_cache, v_cache = kv_cache[0, 0], kv_cache[0, 1]
-    store_kv_triton(k, v, k_cache, v_cache, _meta(T, dtype=torch.int64))
+    if not tree:
+        store_kv_triton(k, v, k_cache, v_cache, _meta(T, dtype=torch.int64))
     paged_attention_triton(q, k_cache, v_cache, _meta(B, blocks_per_seq, dtype=torch.int32),
                            _meta(B, dtype=torch.int32), _meta(B + 1, dtype=torch.int32), m.head_dim ** -0.5,
-                           q_len, kv_len)
+                           q_len, kv_len, tree_mask=_meta(T, dtype=torch.int64) if tree else None)
 
 
 # MLA (DeepSeek-V3: kv_lora_rank 512, qk_rope_head_dim 64): the heads one rank attends with, whole (ADP) and
@@ -209,6 +214,12 @@ def scenarios(models: list[ModelShape], space: EngineSpace) -> Iterator[tuple[st
     swept over the models' shapes it reads, so equal shapes are not recorded twice."""
     steps = [(B, k + 1) for B in space.batches for k in range(space.max_k + 1)]  # decode and verification
     steps += [(B, space.prefill_tokens) for B in (1, 3)]  # prefill chunks
+    # Draft trees (engine/speculative/tree.py, tree_step.py): the head's expansion attends with topk rows per
+    # request, the target verifies N + 1 rows (N = k .. 63 nodes and the root), and a prompt chunk can share
+    # the target's tree-masked forward.
+    tree_rows = range(2, max(space.max_topk, space.max_tree_nodes + 1) + 1)
+    tree_steps = [(B, q_len, [L for L in space.kv_lens if L > q_len]) for B in space.batches for q_len in tree_rows]
+    tree_steps += [(B, space.prefill_tokens, (space.prefill_tokens, 4 * space.prefill_tokens)) for B in (1, 3)]
     for dtype in space.dtypes:
         dt = str(dtype).removeprefix("torch.")
         for m in _distinct(models, "hidden", "num_heads", "num_kv_heads", "head_dim", "qk_norm"):
@@ -221,6 +232,11 @@ def scenarios(models: list[ModelShape], space: EngineSpace) -> Iterator[tuple[st
                         yield (f"{m.name} {dt} block {page}: attention B={B} q_len={q_len} kv={kv_len}",
                                lambda m=m, d=dtype, p=page, B=B, q=q_len, L=kv_len: _attention_launches(
                                    m, d, p, B, q, L))
+                for B, q_len, kv_lens in tree_steps:
+                    for kv_len in kv_lens:
+                        yield (f"{m.name} {dt} block {page}: tree attention B={B} q_len={q_len} kv={kv_len}",
+                               lambda m=m, d=dtype, p=page, B=B, q=q_len, L=kv_len: _attention_launches(
+                                   m, d, p, B, q, L, tree=True))
         for heads, latent, rope in MLA_SHAPES:
             for page in space.block_sizes:
                 for B, q_len in steps:

@@ -12,7 +12,7 @@ import torch
 
 from kernels._launch import multiprocessor_count, on_gpu, recording
 from kernels.attention import paged_attention_triton
-from kernels.compile_specs import EngineSpace
+from kernels.compile_specs import EngineSpace, ModelShape, scenarios
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,13 +65,32 @@ def test_engine_space_is_the_engines():
     """EngineSpace keeps the engine's defaults so the check runs without importing the engine; this holds
     them equal."""
     from engine import EngineConfig
-    from engine.config import MAX_K
+    from engine.config import MAX_K, MAX_TOPK, MAX_TREE_NODES
 
     fields = EngineConfig.__dataclass_fields__
     space = EngineSpace()
     assert space.block_sizes[0] == fields["block_size"].default
     assert space.prefill_tokens == fields["max_num_batched_tokens"].default
     assert space.max_k == MAX_K
+    assert (space.max_topk, space.max_tree_nodes) == (MAX_TOPK, MAX_TREE_NODES)
+
+
+def test_tree_launches_are_recorded():
+    """Draft trees launch paged attention with a tree mask (TREE): every frontier width and verified node count is
+    in the check, beside the plain launches (issue 37's tree mask once spilled where nothing compiled it)."""
+    models = [ModelShape("SmolLM2-135M", 576, 9, 3, 64, 49152)]
+    space = EngineSpace(dtypes=(torch.bfloat16,), block_sizes=(16,), batches=(1,), kv_lens=(1000,))
+    tree_rows = set()
+    for name, call in scenarios(models, space):
+        if "tree attention" not in name:
+            continue
+        with recording(sm_count=132) as rec:
+            call()
+        attention, *combine = rec.launches  # split-KV adds the combine
+        assert _kernel_name(attention.kernel) == "paged_attention_kernel" and attention.kwargs["TREE"]
+        assert [_kernel_name(c.kernel) for c in combine] in ([], ["combine_splits_kernel"])
+        tree_rows.add(int(re.search(r"q_len=(\d+)", name).group(1)))
+    assert tree_rows == set(range(2, space.max_tree_nodes + 2)) | {space.prefill_tokens}
 
 
 @pytest.mark.compile
