@@ -111,7 +111,8 @@ def write_report(results: list[Result], launch_failures: list[str], space: Engin
         f"Engine space: models {', '.join(m.name for m in models)}; dtypes "
         f"{', '.join(str(d).removeprefix('torch.') for d in space.dtypes)}; KV block sizes {space.block_sizes}; "
         f"k = 0..{space.max_k}; decode batches {space.batches}; KV lengths {space.kv_lens}; prefill chunks of "
-        f"{space.prefill_tokens} tokens; tp=2 head slices for the hand-over.",
+        f"{space.prefill_tokens} tokens; draft trees (tree-masked attention) up to topk {space.max_topk} and "
+        f"{space.max_tree_nodes} nodes; tp=2 head slices for the hand-over.",
         "",
         f"Result: {'PASS' if not failures and not launch_failures else 'FAIL'}: {len(failures)} failing "
         f"specializations, {len(launch_failures)} engine shapes a wrapper could not launch.",
