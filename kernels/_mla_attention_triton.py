@@ -49,6 +49,7 @@ def mla_attention_kernel(
     query_start_loc_ptr,  # [B+1] int32
     o_ptr,  # not SPLIT: out [T, H, L]; else partial outputs [num_splits, T, H, L] fp32
     lse_ptr,  # [num_splits, T, H] fp32 log2-sum-exp2 of each split (unused unless SPLIT)
+    tree_ptr,  # [T] int64 tree masks (kernels/tree_mask.py): bit w admits KV position seq_len - 64 + w; if TREE
     scale_log2,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_rt, stride_rh,
     stride_cn, stride_cs,
@@ -59,7 +60,7 @@ def mla_attention_kernel(
     num_splits,
     H: tl.constexpr, HB: tl.constexpr, PAGE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, FP32_DOT: tl.constexpr, TREE: tl.constexpr = False,
 ):
     TOKENS: tl.constexpr = BLOCK_M // HB
     HEAD_BLOCKS: tl.constexpr = (H + HB - 1) // HB
@@ -96,6 +97,11 @@ def mla_attention_kernel(
     kv_lo = split * split_len
     kv_hi = tl.minimum(kv_end, kv_lo + split_len)
     q_pos = ctx + tok
+    if TREE:  # as in paged_attention_kernel: 32-bit halves, a column's bit tested by an AND (no tile of shifts)
+        tree_bits = tl.load(tree_ptr + q_row, mask=row_ok, other=-1)  # [BLOCK_M] int64, one per row's token
+        tree_lo = (tree_bits & 0xFFFFFFFF).to(tl.int32)
+        tree_hi = (tree_bits >> 32).to(tl.int32)
+        window = seq_len - 64  # the positions the bits speak of start here
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -117,6 +123,11 @@ def mla_attention_kernel(
             s = tl.dot(q_lat, tl.trans(c))
             s += tl.dot(q_rope, tl.trans(kr))
         allowed = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if TREE:  # inside the last 64 positions a row sees only what its bit admits (its tree ancestors)
+            w = pos - window  # [BLOCK_N]
+            col_bit = 1 << (w & 31)  # [BLOCK_N] int32: each column's bit within its half
+            half = tl.where((w < 32)[None, :], tree_lo[:, None], tree_hi[:, None])
+            allowed = allowed & ((w < 0)[None, :] | ((half & col_bit[None, :]) != 0))
         s = tl.where(allowed, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay at 0

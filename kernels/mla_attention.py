@@ -94,22 +94,23 @@ def mla_attention_ref(
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [T, H, L]
     plan: AttentionPlan | None = None,  # plan_paged_attention(..., group=H) of this step, shared by its layers
+    tree_mask: torch.Tensor | None = None,  # [T] int64, bit w admits KV position seq_len - 64 + w (tree_mask.py)
 ) -> torch.Tensor:
     """The latent rows as one KV head whose keys are [c, k_rope] and whose values are the same rows; the
-    value's last R features (the rope key) are dropped from the output."""
+    value's last R features (the rope key) are dropped from the output. A plan made with a tree mask carries it."""
     _check_cache(latent_cache)
     T, H, L = q_latent.shape
     assert q_rope.shape[:2] == (T, H) and L + q_rope.shape[2] == latent_cache.shape[2], (q_latent.shape, q_rope.shape)
     rows = latent_cache.unsqueeze(2)  # [N, S, 1, L + R]
     query = torch.cat([q_latent, q_rope.to(q_latent.dtype)], -1)
     o = paged_attention_ref(query, rows, rows, block_tables, seq_lens, query_start_loc, scale, max_q_len, max_seq_len,
-                            plan=plan)[..., :L]
+                            plan=plan, tree_mask=tree_mask)[..., :L]
     return o.contiguous() if out is None else out.copy_(o)
 
 
 def mla_attention_triton(
     q_latent, q_rope, latent_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len, max_seq_len,
-    out=None, num_splits: int | None = None,
+    out=None, num_splits: int | None = None, tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton varlen latent paged attention; `num_splits > 1` splits each request's KV (flash decoding)
     and combines the partial results by log-sum-exp. None picks splits from the launch size.
@@ -126,6 +127,8 @@ def mla_attention_triton(
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (B,) and seq_lens.is_contiguous()
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (B + 1,)
     assert query_start_loc.is_contiguous()
+    if tree_mask is not None:
+        assert tree_mask.dtype == torch.int64 and tree_mask.shape == (T,) and tree_mask.is_contiguous()
     if out is None:
         out = torch.zeros_like(q_latent)
     assert out.shape == q_latent.shape and out.dtype == q_latent.dtype and out.stride(2) == 1
@@ -155,6 +158,7 @@ def mla_attention_triton(
     launch(
         _tr.mla_attention_kernel, (q_blocks, B, head_blocks * num_splits),
         q_latent, q_rope, latent_cache, block_tables, seq_lens, query_start_loc, part_out, part_lse,
+        tree_mask if tree_mask is not None else seq_lens,  # any pointer when TREE is off
         scale * math.log2(math.e),
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         latent_cache.stride(0), latent_cache.stride(1),
@@ -165,7 +169,7 @@ def mla_attention_triton(
         H=H, HB=tiles.heads_per_tile, PAGE=S, LATENT=L, ROPE=R,
         BLOCK_L=next_pow2(max(L, 16)), BLOCK_R=next_pow2(max(R, 16)),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, SPLIT=num_splits > 1, FP32_DOT=fp32_dot,
-        num_warps=tiles.num_warps,
+        TREE=tree_mask is not None, num_warps=tiles.num_warps,
     )
     if num_splits > 1:
         launch(
@@ -180,13 +184,15 @@ def mla_attention_triton(
 
 def mla_attention(
     q_latent, q_rope, latent_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len, max_seq_len,
-    out=None, plan: AttentionPlan | None = None,
+    out=None, plan: AttentionPlan | None = None, tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal latent attention of q_latent `[T, H, L]` and q_rope `[T, H, R]` over the latent paged
     cache; returns `[T, H, L]` in latent space. Rows past `query_start_loc[B]` belong to no request:
-    zero (reference, or a fresh `out`) or untouched (Triton with a caller `out`)."""
+    zero (reference, or a fresh `out`) or untouched (Triton with a caller `out`). `tree_mask` [T] int64: draft
+    trees' masks as in kernels/attention.py's paged_attention (all bits set: causal); a reference `plan` must
+    have been made with the same mask."""
     if use_triton(q_latent):
         return mla_attention_triton(q_latent, q_rope, latent_cache, block_tables, seq_lens, query_start_loc, scale,
-                                    max_q_len, max_seq_len, out)
+                                    max_q_len, max_seq_len, out, tree_mask=tree_mask)
     return mla_attention_ref(q_latent, q_rope, latent_cache, block_tables, seq_lens, query_start_loc, scale,
-                             max_q_len, max_seq_len, out, plan)
+                             max_q_len, max_seq_len, out, plan, tree_mask)
