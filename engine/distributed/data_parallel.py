@@ -92,6 +92,20 @@ class DPContext:
             _reduce_scatter(mine, partial.contiguous(), self.group)
         return mine[:T]
 
+    def gather_rows(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """x [n, C] this rank's rows (n <= rows, the group's agreed bound) -> [size * rows, C] every rank's, rank r's
+        at [r * rows, r * rows + n) and zeros after them. For small per-step records every rank must see alike (a
+        draft tree's verification outcomes: engine/speculative/tree_step.py), on the device group."""
+        n, C = x.shape
+        assert n <= rows, (n, rows)
+        padded = x if n == rows else torch.cat([x, x.new_zeros(rows - n, C)])
+        out = x.new_empty(self.size * rows, C)
+        if self.shm is not None and self.shm.fits(out):
+            self.shm.all_gather_rows(out, padded)
+        else:
+            _all_gather(out, padded.contiguous(), self.group)
+        return out
+
     # ------------------------------------------------------------------ the lockstep agreement
     def agree(self, mine: "RankPlan") -> "GroupPlan":
         """One all-gather of every rank's RankPlan; the same GroupPlan on every rank."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from engine.sample.sampler import SamplingMode
 from engine.speculative.drafter import Drafter
 from engine.speculative.loading import DraftTarget
 from engine.speculative.proposer import Proposer
-from engine.speculative.tree_step import tree_model_step
+from engine.speculative.tree_step import group_outcomes, idle_outcomes, tree_model_step
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class ModelRunner:
         scope = dp_rows(rows or batch.input_ids.shape[0]) if self.dp is not None else contextlib.nullcontext()
         with scope:
             if self.drafter.tree:  # draft trees have a step of their own (eager only)
-                return tree_model_step(self.model, self.proposer, batch, masker, self.draft_masks)
+                return tree_model_step(self.model, self.proposer, batch, masker, self.draft_masks, self._share())
             return model_step(self.model, self.proposer, batch, self.draft_probs, masker, self.draft_masks)
 
     # ------------------------------------------------------------------ the step
@@ -233,6 +234,12 @@ class ModelRunner:
             carry_inputs(batch, scheduled, carry_from, self.k, padded=graph)
         return PreparedStep(batch, len(scheduled), graph, masker, None if graph else rows)
 
+    def _share(self):
+        """ADP with draft trees: how a step's verification outcomes reach every rank (tree_step.group_outcomes)."""
+        if self.dp is None:
+            return None
+        return functools.partial(group_outcomes, self.dp, max(self.last_plan.requests))
+
     def _agree(self, scheduled: list[ScheduledRequest], can_graph: bool) -> GroupPlan:
         """ADP: one all-gather of what each rank would run; every rank gets the same GroupPlan."""
         tokens = sum(s.num_new_tokens for s in scheduled)
@@ -255,6 +262,8 @@ class ModelRunner:
         if step.batch is None:  # an ADP rank's idle forward: it joins the group's collectives
             with dp_rows(step.dp_rows):
                 self.model.idle_forward(self.dtype, self.device)
+            if self.drafter.tree:  # its acceptance table learns the group's verifications too
+                idle_outcomes(self.proposer, self._share())
             return Launched(None, None, None)
         try:
             out = self._forward(step)

@@ -12,11 +12,18 @@ A decoding request's rows are its verified token (the root) and its N tree nodes
    nodes' slots are freed by lengths), and the head drafts from the last accepted row;
 4. the head fills its KV over the permuted rows and expands the next tree, kept by slot in TreeSlots.
 
+With nodes ranked by the acceptance table (tree_score.py), step 2's outcomes update it before step 4 expands. Under
+attention data parallelism every rank's outcomes are gathered first (`share`, `group_outcomes`) and every rank,
+an idle one too (`idle_outcomes`), updates its table with all of them: the tables stay equal to the one a single
+process running every request would learn, so the group drafts the trees that process would. The table's counts
+are sums of 0s and 1s, so the order the ranks' rows come in does not change them.
+
 No host syncs; shapes are fixed by (B, N, topk, k). Eager only for now (no CUDA graph is captured with trees).
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -89,10 +96,32 @@ def expansion_mask(masker: LogitsMasker, batch: StepBatch, emitted: torch.Tensor
     return mask
 
 
+# share(cells, reached, accepted) of this rank's [B, N] -> the group's [G, N] (rows of no node: cell -1, unreached)
+Share = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def group_outcomes(dp, rows: int, cells: torch.Tensor, reached: torch.Tensor, accepted: torch.Tensor):
+    """ADP: every rank's verification outcomes (a Share). dp: the DPContext; rows: the most requests a rank of the
+    group runs this step (its agreement), what each rank pads to. One all-gather of [rows, 3N] int64."""
+    n = cells.shape[1]
+    packed = torch.cat([cells + 1, reached.long(), accepted.long()], 1)  # padding (zeros) reads as cell -1
+    every = dp.gather_rows(packed, rows)
+    return every[:, :n] - 1, every[:, n:2 * n].bool(), every[:, 2 * n:].bool()
+
+
+def idle_outcomes(proposer, share: Share) -> None:
+    """An ADP rank without rows this step: its table learns the group's outcomes too (its part is empty)."""
+    if proposer.tree_table is not None:
+        empty = torch.zeros((0, proposer.tree_shape.num_nodes), dtype=torch.int64,
+                            device=proposer.tree_slots.parents.device)
+        proposer.tree_table.observe(*share(empty, empty.bool(), empty.bool()))
+
+
 def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker: LogitsMasker | None,
-                    draft_masks: bool = True):
+                    draft_masks: bool = True, share: Share | None = None):
     """model_step (engine/runner/step.py) with draft trees; -> its StepOutput. draft_masks: the grammar masks the
-    expansion too, not only the verification rows."""
+    expansion too, not only the verification rows; share: under ADP, the group's outcomes from this rank's
+    (group_outcomes), for the acceptance table."""
     from engine.runner.step import StepOutput
 
     shape: TreeShape = proposer.tree_shape
@@ -108,7 +137,8 @@ def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker
                     batch.sampling, shape.depth, grammar)
     a = v.num_accepted
     if proposer.tree_table is not None:  # what this verification says about the scores the tree was chosen by
-        proposer.tree_table.observe(tree.cells, *outcome(v.path, tree.parents, batch.num_drafts))
+        seen = (tree.cells, *outcome(v.path, tree.parents, batch.num_drafts))
+        proposer.tree_table.observe(*(share(*seen) if share is not None else seen))
     compact(batch.attn.kv_cache, batch.attn.slot_mapping, vr, v.path, a)
 
     # The rows as the chain of the accepted path: row of column c <- row of node path[c] (c <= a).

@@ -6,11 +6,11 @@ before step N is read: its requests' trees are carried from N's outputs on the d
 
 Each case's tokens equal one process WITHOUT speculation (trees are lossless: greedy, guided and seeded sampled
 outputs are bit for bit the plain sampler's), and each request's accepted lengths equal one process running the
-same tree config: the group drafted the same trees and verified them the same way as one rank would. Trees whose
-nodes are ranked by the learned acceptance table (SpecConfig.tree_score="calibrated", the default) learn it per
-engine: tp ranks see the same verifications and stay equal to one process, while an ADP rank learns from its own
-requests only, so its acceptance equals one process running just that rank's requests. Every KV block and
-draft-state slot is free at the end. One pair of processes runs every case (spawning is the slow part).
+same tree config: the group drafted the same trees and verified them the same way as one rank would. That holds
+for nodes ranked by the learned acceptance table too (SpecConfig.tree_score="calibrated", the default): tp ranks see
+the same verifications, and ADP ranks, idle ones included, learn from the group's gathered outcomes, so every
+rank's table is the one process's. Every KV block and draft-state slot is free at the end. One pair of processes
+runs every case (spawning is the slow part).
 """
 from __future__ import annotations
 
@@ -68,15 +68,15 @@ CASES = [
     # the hand-over)
     Case("tp_eagle3_sampled", (Req(0, 0), Req(0, 1, temperature=0.8)), adp=False, method="eagle3", topk=3,
          nodes=6),
-    Case("adp_mtp", (Req(0, 0), Req(1, 1), Req(0, 2, 10)), adp=True, score="draft"),
-    Case("adp_mtp_calibrated", (Req(0, 0), Req(1, 1), Req(0, 2, 10)), adp=True),
+    Case("adp_mtp_draft_scores", (Req(0, 0), Req(1, 1), Req(0, 2, 10)), adp=True, score="draft"),
     # rank 1 idles for the first steps, runs a short request, idles again while rank 0 goes on (unequal loads)
-    Case("adp_idle_then_late", (Req(0, 0, 24), Req(0, 1, 24), Req(1, 2, 4, start_step=5)), adp=True,
-         score="draft"),
+    Case("adp_idle_then_late", (Req(0, 0, 24), Req(0, 1, 24), Req(1, 2, 4, start_step=5)), adp=True),
     # rank 0 prefills a long prompt in chunks while rank 1 verifies trees
     Case("adp_chunked_prefill_beside_trees", (Req(1, 1, 20), Req(0, 5, 6, start_step=2)), adp=True,
-         score="draft", engine={"max_num_batched_tokens": 64}),
-    # expansion and verification masked by the grammar on both ranks; a seeded sampled request beside them
+         engine={"max_num_batched_tokens": 64}),
+    # expansion and verification masked by the grammar on both ranks; a seeded sampled request beside them. Nodes
+    # ranked by draft probability: a guided request samples first in the step after its grammar compiled (wall-clock
+    # time), and a learned table would carry that timing into the other requests' trees.
     Case("adp_guided_sampled", (Req(0, 0, 40, guided=True), Req(1, 1, 40, guided=True), Req(1, 2, temperature=0.8)),
          adp=True, topk=3, nodes=6, score="draft"),
 ]
@@ -131,12 +131,18 @@ def _rank_main(rank: int, port: int, root: str, queue) -> None:
             mine = [(f"{case.name}-{i}", r) for i, r in enumerate(case.requests) if not case.adp or r.rank == rank]
             done = _drive(engine, mine, prompts, dist.group.WORLD)
             queue.put((rank, case.name, done, (engine.stats()["kv_blocks_used"], engine.drafter.num_held),
-                       engine.num_overlapped_steps))
+                       (engine.num_overlapped_steps, _table(engine))))
     except BaseException as e:  # noqa: BLE001 - reported to the test, which would otherwise wait
         queue.put((rank, "error", repr(e), None, None))
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _table(engine: LLMEngine) -> torch.Tensor | None:
+    """The acceptance table's estimates (tree_score="calibrated"; None for draft scores)."""
+    table = engine.drafter.proposer.tree_table
+    return table.rates() if table is not None else None
 
 
 def _free_port() -> int:
@@ -156,9 +162,9 @@ def group_results(zoo_dir):
     got = {}
     try:
         for _ in range(2 * len(CASES)):
-            rank, name, done, held, overlapped = queue.get(timeout=600)
+            rank, name, done, held, counts = queue.get(timeout=600)
             assert name != "error", f"rank {rank} failed: {done}"
-            got[(rank, name)] = (done, held, overlapped)
+            got[(rank, name)] = (done, held, counts)
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -177,21 +183,18 @@ def test_trees_in_a_group_equal_one_process(group_results, zoo_dir, case):
     prompts = _prompts()
     reqs = [(f"{case.name}-{i}", r) for i, r in enumerate(case.requests)]
     plain = _drive(LLMEngine(_config(str(zoo_dir), case, False)), reqs, prompts, None)
-    if case.adp and case.score == "calibrated":  # each rank's table learns from that rank's requests alone
-        tree = {}
-        for rank in range(2):
-            tree |= _drive(LLMEngine(_config(str(zoo_dir), case, True)), [x for x in reqs if x[1].rank == rank],
-                           prompts, None)
-    else:
-        tree = _drive(LLMEngine(_config(str(zoo_dir), case, True)), reqs, prompts, None)
+    alone = LLMEngine(_config(str(zoo_dir), case, True))
+    tree = _drive(alone, reqs, prompts, None)
     if case.ahead:  # one process planning ahead too: the same tokens and trees as its synchronous steps
         ahead = LLMEngine(_config(str(zoo_dir), case, True, async_scheduling=True))
         assert _drive(ahead, reqs, prompts, None) == tree and ahead.num_overlapped_steps > 0
     got = {}
     for rank in range(2):
-        done, (used, slots), overlapped = group_results[(rank, case.name)]
+        done, (used, slots), (overlapped, table) = group_results[(rank, case.name)]
         assert (used, slots) == (0, 0), f"rank {rank} still holds {used} KV blocks and {slots} draft slots"
         assert (overlapped > 0) == case.ahead, (rank, overlapped)
+        if case.score == "calibrated":  # every rank, an idle one too, learned what one process learned
+            assert torch.equal(table, _table(alone)), (rank, table, _table(alone))
         owned = {rid for rid, r in reqs if not case.adp or r.rank == rank}
         assert set(done) == owned, (rank, sorted(done), sorted(owned))
         for rid, out in done.items():  # under plain tp both ranks emit every request: the same
