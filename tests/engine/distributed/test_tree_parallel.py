@@ -64,8 +64,8 @@ CASES = [
     Case("tp_mtp_async", (Req(0, 0), Req(0, 1, 10), Req(0, 2, 14, temperature=0.8), Req(0, 3, 12, start_step=3)),
          adp=False, ahead=True),
     # no guided request under plain tp: each rank compiles an added request's grammar on its own thread, and
-    # the ranks would schedule its first sample in different steps (served groups get the grammar compiled, in
-    # the hand-over)
+    # the ranks schedule its first sample in different steps, chains too (a collective mismatch); served groups
+    # get the grammar compiled, in the hand-over
     Case("tp_eagle3_sampled", (Req(0, 0), Req(0, 1, temperature=0.8)), adp=False, method="eagle3", topk=3,
          nodes=6),
     Case("adp_mtp_draft_scores", (Req(0, 0), Req(1, 1), Req(0, 2, 10)), adp=True, score="draft"),
