@@ -19,8 +19,10 @@ the mask makes the target accept it. The estimate never changes what is emitted 
 lossless walk), only which nodes are verified. All of it runs on the device with fixed shapes: a lookup and a
 scatter-add per step, no host sync, capturable.
 
-Per engine (each attention-DP rank learns from its own requests; a tree's size is fixed by the config, so ranks
-that choose different nodes still run the same shapes); tensor-parallel ranks see the same rows and stay equal.
+One table per engine. Tensor-parallel ranks see the same rows and stay equal; attention-DP ranks add the whole
+group's outcomes, gathered each step (engine/speculative/tree_step.py group_outcomes), so every rank's table is
+the one a single process running every request would learn: ranks rank nodes alike, and acceptance under ADP equals
+one process's.
 """
 from __future__ import annotations
 
