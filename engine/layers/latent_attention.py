@@ -1,5 +1,7 @@
 """Latent paged attention (MLA): writes this step's latent rows into the layer's cache, then attends over
-each request's whole prefix in the absorbed form. Reads the step's AttentionMetadata like PagedAttention;
+each request's whole prefix in the absorbed form. Every row takes that one path (prompt chunks, decode, chains, a
+draft tree's verification and expansion rows: the metadata's tree mask goes to the kernel as PagedAttention's
+does). Reads the step's AttentionMetadata like PagedAttention;
 the layer's cache is `kv_cache[layer, 0, :, :, 0]` `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`
 (engine/layers/kv_spec.py)."""
 from __future__ import annotations
@@ -36,4 +38,4 @@ class LatentPagedAttention(nn.Module):
         store_latent(latent, rope_key, cache, meta.slot_mapping, meta.store_plan() if ref else None)
         plan = meta.attention_plan(q_latent.shape[0], cache.shape[1], self.num_heads) if ref else None
         return mla_attention(q_latent, q_rope, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                             self.scale, meta.max_q_len, meta.max_seq_len, plan=plan)
+                             self.scale, meta.max_q_len, meta.max_seq_len, plan=plan, tree_mask=meta.tree_mask)

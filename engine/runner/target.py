@@ -20,8 +20,6 @@ def load_target(cfg: EngineConfig, model_cfg: ModelConfig, tp: TPContext, max_mo
     """tp: attention's sharding (and the draft network's); dp: the attention-data-parallel group (then tp is
     size 1). UnsupportedModelError for a speculation method the target's architecture cannot draft with."""
     spec = cfg.speculative
-    if model_cfg.mla is not None and spec is not None and spec.tree:
-        raise UnsupportedModelError("draft trees (speculative topk > 1) are not built for MLA targets yet")
     if model_cfg.mla is not None and spec is not None and spec.method in ("eagle3", "draft_model"):
         raise UnsupportedModelError(f"speculative method {spec.method!r} is not built for MLA targets yet; use "
                                     f"'mtp' (the checkpoint's own layer), 'ngram' or 'grammar'")
