@@ -4,8 +4,8 @@ recorded from the wrappers themselves (kernels/_launch.py) on meta tensors, with
 The inputs are engine facts, never kernel parameters: the supported models' shapes (the zoo's
 checkpoints, SmolLM2-135M, and the head dims / GQA groups / vocabularies of the supported families),
 the activation dtypes, KV block sizes, batch sizes, KV lengths, speculative k from 0 to MAX_K, draft trees'
-widths and node counts (tree-masked attention), draft vocabularies and tensor-parallel head slices. Each point runs the `*_triton` wrappers with tensors
-shaped as the engine makes them (q/k/v as views of one fused projection, caches as slices of the
+widths and node counts (tree-masked attention, dense and latent), draft vocabularies and tensor-parallel head
+slices. Each point runs the `*_triton` wrappers with tensors shaped as the engine makes them (q/k/v as views of one fused projection, caches as slices of the
 [L, 2, N, S, H, D] cache), so grids, constexprs and launch options come from the launch code; a new
 launch shape in a wrapper shows up here without a table to update. kernels/compile_check.py compiles
 what is recorded.
@@ -146,19 +146,22 @@ MLA_SHAPES = ((128, 512, 64), (16, 512, 64))
 
 
 def _mla_launches(heads: int, latent: int, rope: int, dtype: torch.dtype, page: int, B: int, q_len: int,
-                  kv_len: int) -> None:
+                  kv_len: int, tree: bool = False) -> None:
     """Latent row write and latent attention of one layer, the layer's cache a slice of the engine's
     [L, 1, N, S, 1, latent + rope] cache; q_latent and q_rope as the model has them (a bmm output's transpose,
-    a slice of the q projection)."""
+    a slice of the q projection). `tree`: the attention of a draft-tree step, with a tree mask over the rows
+    (its row write is the plain step's, not recorded again)."""
     T = B * q_len
     blocks_per_seq = -(-kv_len // page)
     cache = _meta(2, 1, B * blocks_per_seq + 1, page, 1, latent + rope, dtype=dtype)[0, 0, :, :, 0]
-    kv = _meta(T, latent + rope, dtype=dtype)
-    store_latent_triton(kv[:, :latent], _meta(T, rope, dtype=dtype), cache, _meta(T, dtype=torch.int64))
+    if not tree:
+        kv = _meta(T, latent + rope, dtype=dtype)
+        store_latent_triton(kv[:, :latent], _meta(T, rope, dtype=dtype), cache, _meta(T, dtype=torch.int64))
     q_latent = _meta(heads, T, latent, dtype=dtype).transpose(0, 1)
     q_rope = _meta(T, heads, rope, dtype=dtype)
     mla_attention_triton(q_latent, q_rope, cache, _meta(B, blocks_per_seq, dtype=torch.int32),
-                         _meta(B, dtype=torch.int32), _meta(B + 1, dtype=torch.int32), 0.1, q_len, kv_len)
+                         _meta(B, dtype=torch.int32), _meta(B + 1, dtype=torch.int32), 0.1, q_len, kv_len,
+                         tree_mask=_meta(T, dtype=torch.int64) if tree else None)
 
 
 def _sampling_launches(m: ModelShape, B: int, k: int) -> None:
@@ -244,6 +247,11 @@ def scenarios(models: list[ModelShape], space: EngineSpace) -> Iterator[tuple[st
                         yield (f"MLA {heads}x{latent}+{rope} {dt} block {page}: B={B} q_len={q_len} kv={kv_len}",
                                lambda h=heads, lt=latent, r=rope, d=dtype, p=page, B=B, q=q_len, L=kv_len:
                                _mla_launches(h, lt, r, d, p, B, q, L))
+                for B, q_len, kv_lens in tree_steps:  # DeepSeek-V3 targets and their own MTP layer
+                    for kv_len in kv_lens:
+                        yield (f"MLA {heads}x{latent}+{rope} {dt} block {page}: tree B={B} q_len={q_len} "
+                               f"kv={kv_len}", lambda h=heads, lt=latent, r=rope, d=dtype, p=page, B=B, q=q_len,
+                               L=kv_len: _mla_launches(h, lt, r, d, p, B, q, L, tree=True))
         for m in _distinct(models, "num_kv_heads", "head_dim"):
             for page in space.block_sizes:
                 yield f"{m.name} {dt} block {page}: hand-over", lambda m=m, d=dtype, p=page: _handover_launches(m, d, p)

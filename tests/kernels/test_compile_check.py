@@ -76,21 +76,28 @@ def test_engine_space_is_the_engines():
 
 
 def test_tree_launches_are_recorded():
-    """Draft trees launch paged attention with a tree mask (TREE): every frontier width and verified node count is
-    in the check, beside the plain launches (issue 37's tree mask once spilled where nothing compiled it)."""
+    """Draft trees launch paged attention, and on MLA targets latent attention, with a tree mask (TREE): every
+    frontier width and verified node count is in the check, beside the plain launches (issue 37's tree mask once
+    spilled where nothing compiled it)."""
     models = [ModelShape("SmolLM2-135M", 576, 9, 3, 64, 49152)]
     space = EngineSpace(dtypes=(torch.bfloat16,), block_sizes=(16,), batches=(1,), kv_lens=(1000,))
-    tree_rows = set()
+    tree_rows = {"paged_attention_kernel": set(), "mla_attention_kernel": set()}
     for name, call in scenarios(models, space):
-        if "tree attention" not in name:
+        if "tree" not in name:
             continue
         with recording(sm_count=132) as rec:
             call()
         attention, *combine = rec.launches  # split-KV adds the combine
-        assert _kernel_name(attention.kernel) == "paged_attention_kernel" and attention.kwargs["TREE"]
+        assert _kernel_name(attention.kernel) == ("mla_attention_kernel" if name.startswith("MLA")
+                                                  else "paged_attention_kernel")
+        assert attention.kwargs["TREE"]
         assert [_kernel_name(c.kernel) for c in combine] in ([], ["combine_splits_kernel"])
-        tree_rows.add(int(re.search(r"q_len=(\d+)", name).group(1)))
-    assert tree_rows == set(range(2, space.max_tree_nodes + 2)) | {space.prefill_tokens}
+        tree_rows[_kernel_name(attention.kernel)].add((name.split(":")[0], int(re.search(r"q_len=(\d+)", name)[1])))
+    want = set(range(2, space.max_tree_nodes + 2)) | {space.prefill_tokens}
+    assert {q for _, q in tree_rows["paged_attention_kernel"]} == want
+    shapes = {shape for shape, _ in tree_rows["mla_attention_kernel"]}
+    assert len(shapes) == 2  # DeepSeek-V3's heads whole and under tp 8
+    assert tree_rows["mla_attention_kernel"] == {(shape, q) for shape in shapes for q in want}
 
 
 @pytest.mark.compile
