@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from engine.config import EngineConfig, ModelConfig
 from engine.core.block_manager import BlockManager
 from engine.core.prefix_cache import PrefixCache
@@ -84,6 +86,8 @@ class LLMEngine:
         self.guided = GuidedRequests(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids, logits_masker,
                                      cfg.speculative is not None and cfg.speculative.forced_drafts,
                                      frozenset(remap.tolist()) if remap is not None else None)
+        if self.tp.size > 1:  # every rank installs a grammar in the same step (GuidedRequests.agree)
+            self.guided.agree = self._agree_compiled
         self.handovers = Handovers(self.requests, self.blocks, self.scheduler, self.drafter, self.guided,
                                    self.intake.new, cfg.block_size, self.runner.num_cache_layers,
                                    self.runner.kv_spec)
@@ -119,6 +123,12 @@ class LLMEngine:
         """Load a hand-over's compiled grammar into the compiler's cache now, on the caller's thread
         (GuidedRequests.warm): `reserve` on the step thread then finds it there."""
         self.guided.warm(structured, compiled)
+
+    def _agree_compiled(self, done: list[bool]) -> list[bool]:
+        """Tensor-parallel ranks: which compiles in flight are done on every rank (one small all-reduce, run
+        only while some compile is in flight, at the same points of every rank's step)."""
+        x = torch.tensor(done, dtype=torch.float32, device=self.runner.device)
+        return (self.tp.all_reduce(x) == self.tp.size).tolist()
 
     def _install_grammars(self, wait: bool) -> None:
         """Matchers for the requests whose grammar finished compiling; a failed compile finishes its request

@@ -2,6 +2,11 @@
 to the engine, or the GrammarMasker made on the first guided request), the one GrammarCompiler (made
 on first use, from any thread), and the compiles still running: a guided request's grammar compiles
 while its prompt runs, and only the step that samples its first token waits for it.
+
+Tensor-parallel ranks (without attention data parallelism) each run the whole batch and schedule it alike, so a
+grammar must become ready in the same step on every rank: each compiles on its own thread and finishes at its own
+time, and a rank that samples the request a step before the others runs another batch than theirs (a collective
+mismatch). `agree` makes "ready" the group's decision: a compile counts as done once it is done on every rank.
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ class GuidedRequests:
         draft_vocab: the target ids the draft network can draft (None: all)."""
         self._forced_drafts = forced_drafts
         self._draft_vocab = draft_vocab
+        # done flags of the compiles in flight, in the order they started -> the group's (every rank's AND); None:
+        # this engine decides alone (one rank, or ADP ranks, each with its own requests)
+        self.agree: Callable[[list[bool]], list[bool]] | None = None
         self.masker = masker  # what the engine's steps are masked by (None: no request is constrained)
         self.grammar: GrammarMasker | None = None  # made on the first guided request
         self._tokenizer = tokenizer
@@ -94,8 +102,12 @@ class GuidedRequests:
             concurrent.futures.wait(list(self._compiling.values()), timeout=0.05,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
         failed = []
-        for request_id, fut in list(self._compiling.items()):
-            if not fut.done():
+        pending = list(self._compiling.items())  # the same requests in the same order on every tp rank
+        done = [fut.done() for _, fut in pending]
+        if self.agree is not None:
+            done = self.agree(done)
+        for (request_id, fut), ready in zip(pending, done):
+            if not ready:
                 continue
             del self._compiling[request_id]
             req = requests.get(request_id)

@@ -63,9 +63,11 @@ CASES = [
     Case("tp_mtp", (Req(0, 0), Req(0, 1, 10), Req(0, 2, 12, start_step=3)), adp=False),
     Case("tp_mtp_async", (Req(0, 0), Req(0, 1, 10), Req(0, 2, 14, temperature=0.8), Req(0, 3, 12, start_step=3)),
          adp=False, ahead=True),
-    # no guided request under plain tp: each rank compiles an added request's grammar on its own thread, and
-    # the ranks schedule its first sample in different steps, chains too (a collective mismatch); served groups
-    # get the grammar compiled, in the hand-over
+    # guided under plain tp: each rank compiles the grammar on its own thread, and the ranks agree on when it is
+    # ready (engine/masking/guided.py agree), or they would sample it in different steps (a collective mismatch;
+    # chains too). Nodes by draft probability: see adp_guided_sampled.
+    Case("tp_guided", (Req(0, 0, 40, guided=True), Req(0, 1, 12), Req(0, 3, 40, guided=True, start_step=2)),
+         adp=False, topk=3, nodes=6, score="draft"),
     Case("tp_eagle3_sampled", (Req(0, 0), Req(0, 1, temperature=0.8)), adp=False, method="eagle3", topk=3,
          nodes=6),
     Case("adp_mtp_draft_scores", (Req(0, 0), Req(1, 1), Req(0, 2, 10)), adp=True, score="draft"),
