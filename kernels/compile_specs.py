@@ -5,10 +5,10 @@ The inputs are engine facts, never kernel parameters: the supported models' shap
 checkpoints, SmolLM2-135M, and the head dims / GQA groups / vocabularies of the supported families),
 the activation dtypes, KV block sizes, batch sizes, KV lengths, speculative k from 0 to MAX_K, draft trees'
 widths and node counts (tree-masked attention, dense and latent), draft vocabularies and tensor-parallel head
-slices. Each point runs the `*_triton` wrappers with tensors shaped as the engine makes them (q/k/v as views of one fused projection, caches as slices of the
-[L, 2, N, S, H, D] cache), so grids, constexprs and launch options come from the launch code; a new
-launch shape in a wrapper shows up here without a table to update. kernels/compile_check.py compiles
-what is recorded.
+slices. Each point runs the `*_triton` wrappers with tensors shaped as the engine makes them (q/k/v as views
+of one fused projection, caches as slices of the [L, 2, N, S, H, D] cache), so grids, constexprs and launch
+options come from the launch code; a new launch shape in a wrapper shows up here without a table to update.
+kernels/compile_check.py compiles what is recorded.
 """
 from __future__ import annotations
 
