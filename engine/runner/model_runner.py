@@ -92,7 +92,9 @@ class ModelRunner:
         if cfg.cpu_compile != "off" and self.device.type == "cpu":
             self._compile_cpu(layers=cfg.cpu_compile == "layers" and target.tp.size == 1 and dp is None)
         self.graphs = None
-        if self.device.type == "cuda" and cfg.cuda_graphs and not drafter.tree:  # trees run eagerly for now
+        # Draft trees under ADP run eagerly: the outcomes' all-gather (tree_step.group_outcomes) pads each rank's
+        # rows to the most requests a rank runs, which a graph's padded batch may exceed.
+        if self.device.type == "cuda" and cfg.cuda_graphs and not (drafter.tree and dp is not None):
             self.use_graphs(min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
                             capture_on_demand=dp is None, masks=cfg.graph_masks)
 
@@ -104,6 +106,9 @@ class ModelRunner:
         from engine.runner.graphs import StepGraphs, StepLayout
 
         layout = StepLayout(self.device, self.vocab_size, self.k, self.max_model_len + position_margin(self.k))
+        # A guided tree step reads its trees' parents and paths on the host (tree_step.verify_mask, expansion_mask),
+        # which a graph cannot hold: guided tree batches run eagerly, unguided ones replay graphs.
+        masks = masks and not self.drafter.tree
         self.graphs = StepGraphs(self.run_step, layout, max_batch, self.scratch_slot, capture=capture,
                                  capture_on_demand=capture_on_demand, masks=masks)
         self.drafter.on_slots_grown = lambda: self.graphs.reset(self.scratch_slot)
@@ -193,7 +198,7 @@ class ModelRunner:
         padded batch shares with every rank)."""
         scope = dp_rows(rows or batch.input_ids.shape[0]) if self.dp is not None else contextlib.nullcontext()
         with scope:
-            if self.drafter.tree:  # draft trees have a step of their own (eager only)
+            if self.drafter.tree:  # draft trees have a step of their own
                 return tree_model_step(self.model, self.proposer, batch, masker, self.draft_masks, self._share())
             return model_step(self.model, self.proposer, batch, self.draft_probs, masker, self.draft_masks)
 

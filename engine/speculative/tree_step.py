@@ -18,7 +18,8 @@ an idle one too (`idle_outcomes`), updates its table with all of them: the table
 process running every request would learn, so the group drafts the trees that process would. The table's counts
 are sums of 0s and 1s, so the order the ranks' rows come in does not change them.
 
-No host syncs; shapes are fixed by (B, N, topk, k). Eager only for now (no CUDA graph is captured with trees).
+No host syncs; shapes are fixed by (B, N, topk, k), so an unguided step is captured in the engine's decode graphs
+(engine/runner/graphs.py, padded to N + 1 rows per request); a guided one reads the tree on the host and runs eagerly.
 """
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ def tree_layout(batch: StepBatch, slots: TreeSlots):
     depth = tree.depth.gather(1, col)
     root = batch.positions.index_select(0, vr[:, 0])
     positions = batch.positions.scatter(0, vr.reshape(-1), (root[:, None] + depth).reshape(-1))
-    bits = window_bits(tree.ancestors.gather(1, col), batch.num_drafts[:, None] + 1)
+    # The nodes' ancestor bits are over positions root.. root + num_drafts; the mask's window ends at the request's
+    # KV length, which a graph's padded layout (N + 1 rows per request, also past its nodes) puts further out.
+    span = batch.attn.seq_lens.to(torch.int64) - root
+    bits = window_bits(tree.ancestors.gather(1, col), span[:, None])
     bits = torch.where(col == 0, -1, bits)  # the root (and prompt rows): plain causal
     mask = torch.full_like(batch.positions, -1).scatter(0, vr.reshape(-1), bits.reshape(-1))
     return tree, positions, mask
@@ -96,6 +100,16 @@ def expansion_mask(masker: LogitsMasker, batch: StepBatch, emitted: torch.Tensor
     return mask
 
 
+def _root_fallback(slot_mapping: torch.Tensor, vr: torch.Tensor) -> torch.Tensor:
+    """slot_mapping [T] for `compact`, where a graph's padding requests (KV slot -1: they write nothing) take a real
+    request's root slot instead. A padding request accepts nothing, so compact copies its root's slot onto itself;
+    the root's slot is one every request's column 0 copies onto itself too, so all its writes carry its own value.
+    With no real request (a capture's batch of padding) that is slot 0 onto itself, from the value read before."""
+    roots = slot_mapping.index_select(0, vr[:, 0])  # [B]
+    fallback = roots.max().clamp(min=0)
+    return torch.where(slot_mapping < 0, fallback, slot_mapping)
+
+
 # share(cells, reached, accepted) of this rank's [B, N] -> the group's [G, N] (rows of no node: cell -1, unreached)
 Share = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -139,7 +153,7 @@ def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker
     if proposer.tree_table is not None:  # what this verification says about the scores the tree was chosen by
         seen = (tree.cells, *outcome(v.path, tree.parents, batch.num_drafts))
         proposer.tree_table.observe(*(share(*seen) if share is not None else seen))
-    compact(batch.attn.kv_cache, batch.attn.slot_mapping, vr, v.path, a)
+    compact(batch.attn.kv_cache, _root_fallback(batch.attn.slot_mapping, vr), vr, v.path, a)
 
     # The rows as the chain of the accepted path: row of column c <- row of node path[c] (c <= a).
     c = torch.minimum(torch.arange(shape.depth + 1, device=vr.device)[None, :], a[:, None])

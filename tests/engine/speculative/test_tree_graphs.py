@@ -1,0 +1,98 @@
+"""Draft trees through the engine's fixed-shape decode step (engine/runner/graphs.py): N + 1 rows per request,
+idle requests up to the padded size carrying an empty tree in the scratch slot, fixed-width block tables. Run here
+without capture (the same padded layout and static buffers, eagerly); on CUDA with capture."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams, SpecConfig, StructuredOutput
+
+from tests.support.spec import use_graphs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_thread_module):
+    """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
+
+
+@pytest.fixture(scope="module")
+def zoo(zoo_dir) -> Path:
+    return Path(zoo_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from zoo.corpus import heldout_cases
+    from zoo.prompts import json_schema_prompt
+
+    return [json_schema_prompt(row["schema"]) for row in heldout_cases()[:5]]
+
+
+def _params(n: int) -> list[SamplingParams]:
+    """Greedy and seeded-sampled requests; short max_tokens cut some trees to their first nodes (fewer than N
+    nodes in the padded N + 1 rows)."""
+    lengths = (24, 5, 24, 3, 24)
+    return [SamplingParams(max_tokens=lengths[i], ignore_eos=True, **(dict(temperature=0) if i % 2 == 0 else
+                                                                      dict(temperature=0.8, seed=70 + i)))
+            for i in range(n)]
+
+
+def _tree(zoo: Path) -> SpecConfig:
+    return SpecConfig(method="mtp", k=3, draft=str(zoo / "mtp"), topk=3, num_verify_tokens=8)
+
+
+@pytest.mark.parametrize("n,overlap", [(1, False), (3, False), (5, False), (5, True)])
+def test_padded_tree_layout_equals_eager(zoo, prompts, n, overlap):
+    """Batches of 1, 3 and 5 requests (padded to 1, 4 and 8), also with async scheduling (a step's tree requests
+    carried on the device into the padded rows): every token equals the engine without speculation, every request
+    accepts what it accepts under the eager synchronous tree engine, step by step, and all blocks are free."""
+    params = _params(n)
+    plain = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16).generate(prompts[:n], params)
+    eager = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16, speculative=_tree(zoo))
+    eager_outs = eager.generate(prompts[:n], params)
+    llm = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16, speculative=_tree(zoo),
+              async_scheduling=overlap)
+    graphs = use_graphs(llm, capture=False, max_batch=8)
+    outs = llm.generate(prompts[:n], params)
+    assert graphs.num_runs > 2
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.metrics.accepted_lengths for o in outs] == [o.metrics.accepted_lengths for o in eager_outs]
+    assert llm.engine.blocks.pool.num_used == 0
+
+
+def test_guided_tree_batches_run_eagerly(zoo, prompts):
+    """A guided tree step reads its trees on the host: it declines the padded layout (no graph), and its tokens
+    still equal the engine without speculation."""
+    from zoo.corpus import heldout_cases
+
+    params = [SamplingParams(max_tokens=16, temperature=0, structured_output=StructuredOutput(
+        json_schema=json.dumps(row["schema"]))) for row in heldout_cases()[:2]]
+    plain = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16).generate(prompts[:2], params)
+    llm = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16, speculative=_tree(zoo))
+    graphs = use_graphs(llm, capture=False, max_batch=8)
+    outs = llm.generate(prompts[:2], params)
+    assert graphs.num_runs == 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_tree_replay_equals_eager(zoo, prompts):
+    """On CUDA: the captured tree step, replayed for padded batch sizes, gives the tokens of the engine without
+    speculation and the acceptance of the eager tree engine (greedy and seeded sampling)."""
+    params = _params(5)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=1024, block_size=16, max_num_seqs=8)
+    plain = LLM(str(zoo / "target"), cuda_graphs=False, **kw)
+    eager = LLM(str(zoo / "target"), speculative=_tree(zoo), cuda_graphs=False, **kw)
+    llm = LLM(str(zoo / "target"), speculative=_tree(zoo), **kw)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.capture
+    for n in (1, 3, 5):  # the acceptance table learns across runs: the eager engine runs the same sequence
+        outs = llm.generate(prompts[:n], params[:n])
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts[:n], params[:n])]
+        eager_outs = eager.generate(prompts[:n], params[:n])
+        assert [o.metrics.accepted_lengths for o in outs] == [o.metrics.accepted_lengths for o in eager_outs]
+    assert graphs.num_runs > 2 and any(graphs.captured.values())
+    assert llm.engine.blocks.pool.num_used == 0
