@@ -80,19 +80,24 @@ def test_guided_tree_batches_run_eagerly(zoo, prompts):
 
 @pytest.mark.gpu
 def test_cuda_graph_tree_replay_equals_eager(zoo, prompts):
-    """On CUDA: the captured tree step, replayed for padded batch sizes, gives the tokens of the engine without
-    speculation and the acceptance of the eager tree engine (greedy and seeded sampling)."""
+    """On CUDA: the captured tree step, replayed for padded batch sizes 1, 4 and 8, gives the tokens and the
+    acceptance of the same padded step run eagerly (the same kernels: bit for bit), greedy and seeded sampled, and
+    its greedy requests the tokens of the engine without speculation."""
     params = _params(5)
     kw = dict(device="cuda", dtype="float32", num_kv_blocks=1024, block_size=16, max_num_seqs=8)
     plain = LLM(str(zoo / "target"), cuda_graphs=False, **kw)
     eager = LLM(str(zoo / "target"), speculative=_tree(zoo), cuda_graphs=False, **kw)
+    use_graphs(eager, capture=False, max_batch=8)
     llm = LLM(str(zoo / "target"), speculative=_tree(zoo), **kw)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.capture
     for n in (1, 3, 5):  # the acceptance table learns across runs: the eager engine runs the same sequence
         outs = llm.generate(prompts[:n], params[:n])
-        assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts[:n], params[:n])]
         eager_outs = eager.generate(prompts[:n], params[:n])
+        assert [o.token_ids for o in outs] == [o.token_ids for o in eager_outs]
         assert [o.metrics.accepted_lengths for o in outs] == [o.metrics.accepted_lengths for o in eager_outs]
+        greedy = [i for i in range(n) if params[i].temperature == 0]
+        ref = plain.generate([prompts[i] for i in greedy], [params[i] for i in greedy])
+        assert [outs[i].token_ids for i in greedy] == [o.token_ids for o in ref]
     assert graphs.num_runs > 2 and any(graphs.captured.values())
     assert llm.engine.blocks.pool.num_used == 0
