@@ -9,9 +9,11 @@ group holds already (an earlier request's) can go:
 Every block comes back."""
 from __future__ import annotations
 
+import json
 import random
 
 import httpx
+import jsonschema
 import pytest
 
 from deploy.metrics_probe import scrape
@@ -124,3 +126,31 @@ def test_a_locally_prefilled_request_ends_cleanly_at_its_first_token_or_when_its
         twin = client.completions.create(model=server.model, prompt=second, max_tokens=1, temperature=0,
                                          extra_body={"cache_salt": "nothing-shared-4"})
     assert one.choices[0].text == twin.choices[0].text
+
+
+def test_a_guided_request_goes_through_a_prefill_replica_even_when_the_group_holds_its_prompt(tandem_server, local):
+    """A guided request is never offered to the decode group (router/generation.py local_eligible): its grammar
+    compiles on the prefill replica, off the decode step, and comes over in the hand-over. Under a schema no
+    rank has seen, whose prompt the group holds: a hand-over each, output held by the grammar from its first
+    token, valid when complete."""
+    server = local
+    tag = random.Random().randrange(1 << 30)  # schemas this server has not compiled in any earlier test
+    schemas = [{"type": "object", "properties": {f"k{tag}_{i}": {"type": "integer"}}, "required": [f"k{tag}_{i}"],
+                "additionalProperties": False} for i in range(2)]
+    messages = [{"role": "user", "content": " ".join(f"item{i}" for i in range(80))}]  # its blocks: the prefix
+    with server.openai(timeout=300) as client:
+        client.chat.completions.create(model=server.model, messages=messages, max_tokens=4, temperature=0)
+        before = wait_decode_settled(server.app)
+        handed = _prefill_handovers(server)
+        outs = [client.chat.completions.create(
+            model=server.model, messages=messages, max_tokens=48, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": s}}) for s in schemas]
+    after = wait_decode_settled(server.app)
+    assert after["local_prefills"] == before["local_prefills"]
+    assert _prefill_handovers(server) == handed + 2
+    for out, schema in zip(outs, schemas):
+        choice = out.choices[0]
+        assert choice.finish_reason in ("stop", "length"), choice
+        assert choice.message.content.startswith("{"), choice.message.content
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), schema)
