@@ -93,7 +93,9 @@ class ModelRunner:
             self._compile_cpu(layers=cfg.cpu_compile == "layers" and target.tp.size == 1 and dp is None)
         self.graphs = None
         # Draft trees under ADP run eagerly: the outcomes' all-gather (tree_step.group_outcomes) pads each rank's
-        # rows to the most requests a rank runs, which a graph's padded batch may exceed.
+        # rows to the most requests a rank runs, which a graph's padded batch may exceed; and an idle rank would replay
+        # a batch of padding only, whose compaction copies KV slot 0 onto itself (tree_step._root_fallback) while a
+        # hand-over may be written into that block.
         if self.device.type == "cuda" and cfg.cuda_graphs and not (drafter.tree and dp is not None):
             self.use_graphs(min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
                             capture_on_demand=dp is None, masks=cfg.graph_masks)

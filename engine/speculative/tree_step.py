@@ -104,7 +104,9 @@ def _root_fallback(slot_mapping: torch.Tensor, vr: torch.Tensor) -> torch.Tensor
     """slot_mapping [T] for `compact`, where a graph's padding requests (KV slot -1: they write nothing) take a real
     request's root slot instead. A padding request accepts nothing, so compact copies its root's slot onto itself;
     the root's slot is one every request's column 0 copies onto itself too, so all its writes carry its own value.
-    With no real request (a capture's batch of padding) that is slot 0 onto itself, from the value read before."""
+    With no real request (a capture's warm-up batch of padding) that is slot 0 onto itself, from the value read before:
+    a hand-over written into that block at that moment could lose that slot's write (a KV slot reserved for padding
+    would remove this; ADP, whose idle ranks would replay such batches every step, keeps trees eager)."""
     roots = slot_mapping.index_select(0, vr[:, 0])  # [B]
     fallback = roots.max().clamp(min=0)
     return torch.where(slot_mapping < 0, fallback, slot_mapping)
