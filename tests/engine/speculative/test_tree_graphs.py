@@ -63,6 +63,19 @@ def test_padded_tree_layout_equals_eager(zoo, prompts, n, overlap):
     assert llm.engine.blocks.pool.num_used == 0
 
 
+def test_padded_trees_under_preemption(zoo, prompts):
+    """A small KV pool preempts requests mid-run (recomputed, drafting anew) while the others keep replaying the
+    padded step: tokens equal no speculation and every block is free afterwards."""
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 5
+    plain = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16).generate(prompts, params)
+    llm = LLM(str(zoo / "target"), num_kv_blocks=40, block_size=16, speculative=_tree(zoo), max_num_seqs=5)
+    graphs = use_graphs(llm, capture=False, max_batch=8)
+    outs = llm.generate(prompts, params)
+    assert graphs.num_runs > 2 and sum(o.metrics.num_preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.engine.blocks.pool.num_used == 0
+
+
 def test_guided_tree_batches_run_eagerly(zoo, prompts):
     """A guided tree step reads its trees on the host: it declines the padded layout (no graph), and its tokens
     still equal the engine without speculation."""
