@@ -93,9 +93,8 @@ class ModelRunner:
             self._compile_cpu(layers=cfg.cpu_compile == "layers" and target.tp.size == 1 and dp is None)
         self.graphs = None
         # Draft trees under ADP run eagerly: the outcomes' all-gather (tree_step.group_outcomes) pads each rank's
-        # rows to the most requests a rank runs, which a graph's padded batch may exceed; and an idle rank would replay
-        # a batch of padding only, whose compaction copies KV slot 0 onto itself (tree_step._root_fallback) while a
-        # hand-over may be written into that block.
+        # rows to the most requests a rank runs, which a graph's padded batch may exceed (the next step: gather
+        # the padded batch's rows when a graph replays).
         if self.device.type == "cuda" and cfg.cuda_graphs and not (drafter.tree and dp is not None):
             self.use_graphs(min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
                             capture_on_demand=dp is None, masks=cfg.graph_masks)
@@ -171,10 +170,18 @@ class ModelRunner:
         else:
             budget = int(self.cfg.kv_cache_memory_gb * 2**30)
         wanted = self.cfg.max_num_seqs * -(-max_model_len // self.cfg.block_size)
-        return max(1, min(budget // self.kv_block_bytes(), wanted))
+        return max(1, min(budget // self.kv_block_bytes() - self.scratch_blocks, wanted))
+
+    @property
+    def scratch_blocks(self) -> int:
+        """Blocks the cache holds past the pool's: with draft trees one, where a padded step's padding rows move KV
+        (tree_step.compact), so that they touch no block a request holds, not even one a hand-over is being written
+        into meanwhile; none for chains, whose padding rows write nothing."""
+        return 1 if self.drafter.tree else 0
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        shape = self.kv_spec.shape(self.num_cache_layers, num_blocks, self.cfg.block_size)
+        """The cache of the pool's `num_blocks` blocks and the scratch blocks past them, which no request holds."""
+        shape = self.kv_spec.shape(self.num_cache_layers, num_blocks + self.scratch_blocks, self.cfg.block_size)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.drafter.attach_caches(self.kv_cache, num_blocks, self.cfg.block_size, self.dtype)
         if self.graphs is not None:

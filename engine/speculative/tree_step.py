@@ -100,16 +100,12 @@ def expansion_mask(masker: LogitsMasker, batch: StepBatch, emitted: torch.Tensor
     return mask
 
 
-def _root_fallback(slot_mapping: torch.Tensor, vr: torch.Tensor) -> torch.Tensor:
-    """slot_mapping [T] for `compact`, where a graph's padding requests (KV slot -1: they write nothing) take a real
-    request's root slot instead. A padding request accepts nothing, so compact copies its root's slot onto itself;
-    the root's slot is one every request's column 0 copies onto itself too, so all its writes carry its own value.
-    With no real request (a capture's warm-up batch of padding) that is slot 0 onto itself, from the value read before:
-    a hand-over written into that block at that moment could lose that slot's write (a KV slot reserved for padding
-    would remove this; ADP, whose idle ranks would replay such batches every step, keeps trees eager)."""
-    roots = slot_mapping.index_select(0, vr[:, 0])  # [B]
-    fallback = roots.max().clamp(min=0)
-    return torch.where(slot_mapping < 0, fallback, slot_mapping)
+def _root_fallback(slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """slot_mapping [T] for `compact`, where a graph's padding requests (KV slot -1: they write nothing) take the
+    first slot of the cache's last block instead: the scratch block no request holds (ModelRunner.scratch_blocks),
+    so their copies of it onto itself touch no request's KV, not even one a hand-over is writing meanwhile."""
+    scratch = (kv_cache.shape[2] - 1) * kv_cache.shape[3]
+    return torch.where(slot_mapping < 0, scratch, slot_mapping)
 
 
 # share(cells, reached, accepted) of this rank's [B, N] -> the group's [G, N] (rows of no node: cell -1, unreached)
@@ -155,7 +151,7 @@ def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker
     if proposer.tree_table is not None:  # what this verification says about the scores the tree was chosen by
         seen = (tree.cells, *outcome(v.path, tree.parents, batch.num_drafts))
         proposer.tree_table.observe(*(share(*seen) if share is not None else seen))
-    compact(batch.attn.kv_cache, _root_fallback(batch.attn.slot_mapping, vr), vr, v.path, a)
+    compact(batch.attn.kv_cache, _root_fallback(batch.attn.slot_mapping, batch.attn.kv_cache), vr, v.path, a)
 
     # The rows as the chain of the accepted path: row of column c <- row of node path[c] (c <= a).
     c = torch.minimum(torch.arange(shape.depth + 1, device=vr.device)[None, :], a[:, None])

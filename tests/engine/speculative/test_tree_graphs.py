@@ -114,3 +114,25 @@ def test_cuda_graph_tree_replay_equals_eager(zoo, prompts):
         assert [outs[i].token_ids for i in greedy] == [o.token_ids for o in ref]
     assert graphs.num_runs > 2 and any(graphs.captured.values())
     assert llm.engine.blocks.pool.num_used == 0
+
+
+def test_padding_rows_move_kv_only_inside_the_scratch_block(zoo):
+    """A tree engine's cache holds one block past the pool's (a chain's none), and a padded step's padding rows
+    (KV slot -1) compact within it: a batch of padding only (a capture's warm-up) touches no block a request holds,
+    not even one a hand-over is being written into on another thread meanwhile."""
+    import torch
+
+    from engine.speculative.tree_step import _root_fallback, compact
+
+    tree = LLM(str(zoo / "target"), num_kv_blocks=64, block_size=16, speculative=_tree(zoo)).engine
+    chain = LLM(str(zoo / "target"), num_kv_blocks=64, block_size=16,
+                speculative=SpecConfig(method="mtp", k=3, draft=str(zoo / "mtp"))).engine
+    assert (tree.kv_cache.shape[2], tree.stats()["kv_blocks_total"]) == (65, 64)
+    assert chain.kv_cache.shape[2] == chain.stats()["kv_blocks_total"] == 64
+    cache = torch.randn(2, 2, 5, 4, 1, 3)  # [L, planes, 4 pool blocks + the scratch one, block size 4, heads, D]
+    pool = cache[:, :, :4].clone()
+    slots = _root_fallback(torch.full((6,), -1), cache)  # two padding requests of 3 rows
+    assert slots.tolist() == [16] * 6  # the scratch block's first slot
+    compact(cache, slots, torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([[0, 0, 0], [0, 0, 0]]),
+            torch.tensor([0, 0]))
+    assert torch.equal(cache[:, :, :4], pool)
