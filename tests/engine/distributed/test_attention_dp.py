@@ -10,18 +10,18 @@ all-reduce exchange. One pair of processes runs every case (spawning is the slow
 """
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine.distributed import shm_collectives
 from engine.distributed.data_parallel import GroupPlan
 from structured.request import StructuredOutput
+
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -150,32 +150,9 @@ def _rank_main(rank: int, port: int, root: str, queue) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def adp_results(zoo_dir):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(zoo_dir), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(2 * len(_cases())):
-            rank, name, done, used, heads = queue.get(timeout=600)
-            assert name != "error", f"rank {rank} failed: {done}"
-            got[(rank, name)] = (done, used, heads)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return got
+    return run_ranks(_rank_main, (str(zoo_dir),), len(_cases()))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -10,7 +10,6 @@ greedy and seeded sampling, DeepSeek-V3 with and without its MTP layer drafting,
 One pair of processes runs every case (spawning is the slow part)."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -22,18 +21,14 @@ from engine.layers.moe import RoutedExperts
 from tests.support.deepseek import add_mtp_layer, make_deepseek_checkpoint
 from tests.support.qwen3_moe import make_qwen3_moe_checkpoint
 
+from tests.support.ranks import free_port
+
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 9, 22, 41, 8, 120, 7], [3, 4, 5], list(range(10, 40))]
 OWNER = [0, 1, 0]  # under dp=2, the rank each prompt runs on
 PARAMS = {"greedy": SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
           "seeded": SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(model: str, mtp: bool, **kw) -> EngineConfig:
@@ -101,7 +96,7 @@ def models(tmp_path_factory, one_thread_module):
 def test_two_ranks_equal_one_process(models):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, models, queue)) for r in range(2)]
     for p in procs:
         p.start()

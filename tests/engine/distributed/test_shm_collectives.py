@@ -4,7 +4,6 @@ buffers), and setting up falls back to None on every rank when one rank cannot m
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
@@ -13,17 +12,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.distributed import shm_collectives
+
+from tests.support.ranks import free_port
 pytestmark = pytest.mark.skipif(not shm_collectives.available(), reason="shared-memory collectives: x86 Linux")
 
 SHAPES = [(3, 5), (1, 192), (16, 4, 8), (7,), (2, 3, 1)]  # odd count: both kinds meet every shape
 DTYPES = [torch.float32, torch.bfloat16]
 ROUNDS = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs(rank: int, shape, dtype, round_: int) -> torch.Tensor:
@@ -36,7 +31,7 @@ def _run_ranks(target, world: int, messages: int) -> list:
     put on the queue."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -3,7 +3,6 @@ heads, sharded MLP, row-parallel all-reduce), for MHA, GQA and more ranks than K
 scheduling, where every rank launches step N+1 before reading step N (the collectives stay in order), and
 with the collectives in shared memory (engine/distributed/shm_collectives.py) instead of gloo, and with
 cpu_compile (under tp the matmuls run as packed GEMMs, each rank's shard its own, before the all-reduce)."""
-import socket
 
 import torch
 import torch.distributed as dist
@@ -12,13 +11,9 @@ import torch.multiprocessing as mp
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.distributed import shm_collectives
 
+from tests.support.ranks import free_port
+
 PROMPTS = [[5, 9, 22, 41, 8, 120, 7], [3, 4, 5], list(range(10, 40))]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _generate(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
@@ -67,7 +62,7 @@ def test_tp2_matches_single_process(checkpoints):
               if m == checkpoints["qwen3"][0] and not ahead and not in_shm]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, 2, port, cases, queue)) for r in range(2)]
     for p in procs:
         p.start()

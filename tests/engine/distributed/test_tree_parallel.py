@@ -14,16 +14,16 @@ runs every case (spawning is the slow part).
 """
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from structured.request import StructuredOutput
+
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -158,32 +158,9 @@ def _table(engine: LLMEngine) -> list | None:
     return table.rates().tolist() if table is not None else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def group_results(zoo_dir):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(zoo_dir), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(2 * len(CASES)):
-            rank, name, done, held, counts = queue.get(timeout=600)
-            assert name != "error", f"rank {rank} failed: {done}"
-            got[(rank, name)] = (done, held, counts)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return got
+    return run_ranks(_rank_main, (str(zoo_dir),), len(CASES))
 
 
 @pytest.fixture(autouse=True, scope="module")
