@@ -1,5 +1,8 @@
-"""The speculation tests' own fixture: a draft model near the target (for the sampling distribution tests)."""
+"""The speculation tests' own fixtures: the zoo's writer and its heads, prompts from its held-out schemas, and a draft
+model near the target (for the sampling distribution tests)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,3 +23,18 @@ def near_draft(llama_dir, tmp_path_factory):
                for name, t in load_file(str(path / "model.safetensors")).items()}
     save_file(tensors, str(path / "model.safetensors"))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def zoo(zoo_dir) -> Path:
+    """The zoo's writer target with its trained heads (target/, mtp/, eagle3/, draft/)."""
+    return Path(zoo_dir)
+
+
+@pytest.fixture(scope="module")
+def json_prompts() -> list[str]:
+    """Prompts asking for JSON under five of the zoo's held-out schemas."""
+    from zoo.corpus import heldout_cases
+    from zoo.prompts import json_schema_prompt
+
+    return [json_schema_prompt(row["schema"]) for row in heldout_cases()[:5]]

@@ -2,8 +2,6 @@
 KV compaction, and greedy outputs equal to no speculation with the zoo's trained MTP and EAGLE-3 heads."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -82,19 +80,6 @@ def test_compact_moves_the_path_into_place():
     assert torch.equal(flat[..., 6], old[..., 7]) and torch.equal(flat[..., 7], old[..., 9])
     keep = [s for s in range(16) if s not in (6, 7)]
     assert torch.equal(flat[..., keep], old[..., keep])
-
-
-@pytest.fixture(scope="module")
-def zoo(zoo_dir) -> Path:
-    return Path(zoo_dir)
-
-
-@pytest.fixture(scope="module")
-def json_prompts():
-    from zoo.corpus import heldout_cases
-    from zoo.prompts import json_schema_prompt
-
-    return [json_schema_prompt(row["schema"]) for row in heldout_cases()[:5]]
 
 
 @pytest.fixture(scope="module")

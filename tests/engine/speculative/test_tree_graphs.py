@@ -18,19 +18,6 @@ def _one_thread(one_thread_module):
     """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
 
 
-@pytest.fixture(scope="module")
-def zoo(zoo_dir) -> Path:
-    return Path(zoo_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    from zoo.corpus import heldout_cases
-    from zoo.prompts import json_schema_prompt
-
-    return [json_schema_prompt(row["schema"]) for row in heldout_cases()[:5]]
-
-
 def _params(n: int) -> list[SamplingParams]:
     """Greedy and seeded-sampled requests; short max_tokens cut some trees to their first nodes (fewer than N
     nodes in the padded N + 1 rows)."""
@@ -45,54 +32,54 @@ def _tree(zoo: Path) -> SpecConfig:
 
 
 @pytest.mark.parametrize("n,overlap", [(1, False), (3, False), (5, False), (5, True)])
-def test_padded_tree_layout_equals_eager(zoo, prompts, n, overlap):
+def test_padded_tree_layout_equals_eager(zoo, json_prompts, n, overlap):
     """Batches of 1, 3 and 5 requests (padded to 1, 4 and 8), also with async scheduling (a step's tree requests
     carried on the device into the padded rows): every token equals the engine without speculation, every request
     accepts what it accepts under the eager synchronous tree engine, step by step, and all blocks are free."""
     params = _params(n)
-    plain = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16).generate(prompts[:n], params)
+    plain = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16).generate(json_prompts[:n], params)
     eager = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16, speculative=_tree(zoo))
-    eager_outs = eager.generate(prompts[:n], params)
+    eager_outs = eager.generate(json_prompts[:n], params)
     llm = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16, speculative=_tree(zoo),
               async_scheduling=overlap)
     graphs = use_graphs(llm, capture=False, max_batch=8)
-    outs = llm.generate(prompts[:n], params)
+    outs = llm.generate(json_prompts[:n], params)
     assert graphs.num_runs > 2
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert [o.metrics.accepted_lengths for o in outs] == [o.metrics.accepted_lengths for o in eager_outs]
     assert llm.engine.blocks.pool.num_used == 0
 
 
-def test_padded_trees_under_preemption(zoo, prompts):
+def test_padded_trees_under_preemption(zoo, json_prompts):
     """A small KV pool preempts requests mid-run (recomputed, drafting anew) while the others keep replaying the
     padded step: tokens equal no speculation and every block is free afterwards."""
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 5
-    plain = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16).generate(prompts, params)
+    plain = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16).generate(json_prompts, params)
     llm = LLM(str(zoo / "target"), num_kv_blocks=40, block_size=16, speculative=_tree(zoo), max_num_seqs=5)
     graphs = use_graphs(llm, capture=False, max_batch=8)
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(json_prompts, params)
     assert graphs.num_runs > 2 and sum(o.metrics.num_preemptions for o in outs) > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert llm.engine.blocks.pool.num_used == 0
 
 
-def test_guided_tree_batches_run_eagerly(zoo, prompts):
+def test_guided_tree_batches_run_eagerly(zoo, json_prompts):
     """A guided tree step reads its trees on the host: it declines the padded layout (no graph), and its tokens
     still equal the engine without speculation."""
     from zoo.corpus import heldout_cases
 
     params = [SamplingParams(max_tokens=16, temperature=0, structured_output=StructuredOutput(
         json_schema=json.dumps(row["schema"]))) for row in heldout_cases()[:2]]
-    plain = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16).generate(prompts[:2], params)
+    plain = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16).generate(json_prompts[:2], params)
     llm = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16, speculative=_tree(zoo))
     graphs = use_graphs(llm, capture=False, max_batch=8)
-    outs = llm.generate(prompts[:2], params)
+    outs = llm.generate(json_prompts[:2], params)
     assert graphs.num_runs == 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
 @pytest.mark.gpu
-def test_cuda_graph_tree_replay_equals_eager(zoo, prompts):
+def test_cuda_graph_tree_replay_equals_eager(zoo, json_prompts):
     """On CUDA: the captured tree step, replayed for padded batch sizes 1, 4 and 8, gives the tokens and the
     acceptance of the same padded step run eagerly (the same kernels: bit for bit), greedy and seeded sampled, and
     its greedy requests the tokens of the engine without speculation."""
@@ -105,12 +92,12 @@ def test_cuda_graph_tree_replay_equals_eager(zoo, prompts):
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.capture
     for n in (1, 3, 5):  # the acceptance table learns across runs: the eager engine runs the same sequence
-        outs = llm.generate(prompts[:n], params[:n])
-        eager_outs = eager.generate(prompts[:n], params[:n])
+        outs = llm.generate(json_prompts[:n], params[:n])
+        eager_outs = eager.generate(json_prompts[:n], params[:n])
         assert [o.token_ids for o in outs] == [o.token_ids for o in eager_outs]
         assert [o.metrics.accepted_lengths for o in outs] == [o.metrics.accepted_lengths for o in eager_outs]
         greedy = [i for i in range(n) if params[i].temperature == 0]
-        ref = plain.generate([prompts[i] for i in greedy], [params[i] for i in greedy])
+        ref = plain.generate([json_prompts[i] for i in greedy], [params[i] for i in greedy])
         assert [outs[i].token_ids for i in greedy] == [o.token_ids for o in ref]
     assert graphs.num_runs > 2 and any(graphs.captured.values())
     assert llm.engine.blocks.pool.num_used == 0

@@ -5,8 +5,6 @@ expansion masks make the tree's nodes admissible, so it accepts more than with v
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import jsonschema
 import pytest
 import torch
@@ -17,11 +15,6 @@ from engine import LLM, SamplingParams, SpecConfig, StructuredOutput
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread(one_thread_module):
     """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
-
-
-@pytest.fixture(scope="module")
-def zoo(zoo_dir) -> Path:
-    return Path(zoo_dir)
 
 
 def _allowed(row: torch.Tensor) -> set[int]:

@@ -4,8 +4,6 @@ once as a hit, outputs equal to no speculation with either scoring rule."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -65,11 +63,6 @@ def test_outcome_marks_the_reached_and_the_accepted_nodes():
                                 [True, True, False, False, False]]  # request 2 had 3 nodes: 4 and 5 never ran
     assert accepted.tolist() == [[True, False, True, False, False], [False] * 5,
                                  [False, True, False, False, False]]
-
-
-@pytest.fixture(scope="module")
-def zoo(zoo_dir) -> Path:
-    return Path(zoo_dir)
 
 
 @pytest.fixture(scope="module")
