@@ -1,6 +1,5 @@
 """kernels/store_kv.py and kernels/attention.py: store_kv and paged attention, reference and Triton, against dense per-request math."""
 import math
-import random
 
 import pytest
 import torch
@@ -14,8 +13,8 @@ from kernels.attention import (
 )
 from kernels.store_kv import plan_store_kv, store_kv, store_kv_ref, store_kv_triton
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
-
+from tests.support.paged_batches import TOL
+from tests.support.paged_batches import paged_batch as make_batch
 
 def dense_attention(q, k, v, ctx, scale):
     """One request: q [n, Hq, D] at positions ctx..ctx+n-1 over k/v [ctx+n, Hkv, D], fp64 math."""
@@ -27,40 +26,6 @@ def dense_attention(q, k, v, ctx, scale):
     allowed = torch.arange(k.shape[0])[None, :] <= (ctx + torch.arange(n))[:, None]
     s = s.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
-
-
-def make_batch(q_lens, seq_lens, Hq, Hkv, D, page, dtype, pad_rows=0, device="cpu", seed=0):
-    """A paged batch with blocks in random order, unused slots holding NaN, and T padded by pad_rows."""
-    gen = torch.Generator().manual_seed(seed)
-    rnd = random.Random(seed)
-    B = len(q_lens)
-    need = [-(-s // page) for s in seq_lens]
-    max_blocks = max(need + [1]) + 1
-    N = sum(need) + 3
-    ids = list(range(N))
-    rnd.shuffle(ids)
-    k_cache = torch.full((N, page, Hkv, D), float("nan"), dtype=dtype)
-    v_cache = torch.full((N, page, Hkv, D), float("nan"), dtype=dtype)
-    block_tables = torch.zeros((B, max_blocks), dtype=torch.int32)
-    dense_k, dense_v = [], []
-    for b, s in enumerate(seq_lens):
-        blocks = [ids.pop() for _ in range(need[b])]
-        block_tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        k = torch.randn(s, Hkv, D, generator=gen).to(dtype)
-        v = torch.randn(s, Hkv, D, generator=gen).to(dtype)
-        for p in range(s):
-            k_cache[blocks[p // page], p % page] = k[p]
-            v_cache[blocks[p // page], p % page] = v[p]
-        dense_k.append(k)
-        dense_v.append(v)
-    T = sum(q_lens) + pad_rows
-    query = torch.randn(T, Hq, D, generator=gen).to(dtype)
-    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
-    t = lambda x: x.to(device)
-    return dict(
-        query=t(query), k_cache=t(k_cache), v_cache=t(v_cache), block_tables=t(block_tables),
-        seq_lens=t(torch.tensor(seq_lens, dtype=torch.int32)), query_start_loc=t(qsl),
-    ), dense_k, dense_v
 
 
 def expected(batch, dense_k, dense_v, q_lens, seq_lens, scale):

@@ -1,7 +1,5 @@
 """kernels/mla_attention.py: latent cache writes and latent paged attention, reference and Triton, against
 dense per-request math over the latent rows."""
-import random
-
 import pytest
 import torch
 
@@ -15,7 +13,8 @@ from kernels.mla_attention import (
     store_latent_triton,
 )
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+from tests.support.paged_batches import TOL
+from tests.support.paged_batches import latent_batch as make_batch
 
 
 def dense_mla(q_lat, q_rope, rows, ctx, scale, L):
@@ -27,33 +26,6 @@ def dense_mla(q_lat, q_rope, rows, ctx, scale, L):
     allowed = torch.arange(rows.shape[0])[None, :] <= (ctx + torch.arange(n))[:, None]
     s = s.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,kl->qhl", s.softmax(-1), c)
-
-
-def make_batch(q_lens, seq_lens, H, L, R, page, dtype, pad_rows=0, seed=0, device="cpu"):
-    """A latent paged batch with blocks in random order, unused slots holding NaN, T padded by pad_rows."""
-    gen = torch.Generator().manual_seed(seed)
-    rnd = random.Random(seed)
-    B = len(q_lens)
-    need = [-(-s // page) for s in seq_lens]
-    N = sum(need) + 3
-    ids = list(range(N))
-    rnd.shuffle(ids)
-    cache = torch.full((N, page, L + R), float("nan"), dtype=dtype)
-    block_tables = torch.zeros((B, max(need + [1]) + 1), dtype=torch.int32)
-    dense = []
-    for b, s in enumerate(seq_lens):
-        blocks = [ids.pop() for _ in range(need[b])]
-        block_tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        rows = torch.randn(s, L + R, generator=gen).to(dtype)
-        for p in range(s):
-            cache[blocks[p // page], p % page] = rows[p]
-        dense.append(rows)
-    T = sum(q_lens) + pad_rows
-    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    batch = dict(q_latent=torch.randn(T, H, L, generator=gen).to(dtype), q_rope=torch.randn(T, H, R, generator=gen).to(dtype),
-                 latent_cache=cache, block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                 query_start_loc=qsl)
-    return {k: v.to(device) for k, v in batch.items()}, dense
 
 
 def expected(batch, dense, q_lens, seq_lens, scale, L):

@@ -8,8 +8,8 @@ from kernels.attention import plan_paged_attention
 from kernels.mla_attention import mla_attention, mla_attention_ref, mla_attention_triton
 from kernels.tree_mask import chain_bits, window_bits
 
-from tests.kernels.test_mla_attention import TOL, make_batch
-from tests.kernels.test_tree_mask import tree_case
+from tests.support.paged_batches import TOL, tree_case
+from tests.support.paged_batches import latent_batch as make_batch
 
 
 def dense_mla_masked(q_lat, q_rope, rows, allowed, scale, L):

@@ -1,7 +1,6 @@
 """Tree-masked paged attention (kernels/tree_mask.py): reference and Triton against dense math with an explicit
 boolean mask, and a chain (lower-triangular ancestors) equal to plain causal attention."""
 import math
-import random
 
 import pytest
 import torch
@@ -9,7 +8,8 @@ import torch
 from kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
 from kernels.tree_mask import ancestor_bits, chain_bits, window_bits
 
-from tests.kernels.test_attention import make_batch
+from tests.support.paged_batches import paged_batch as make_batch
+from tests.support.paged_batches import tree_case
 
 
 def dense_masked(q, k, v, allowed, scale):
@@ -19,36 +19,6 @@ def dense_masked(q, k, v, allowed, scale):
     v = v.double().repeat_interleave(G, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     return torch.einsum("hqk,khd->qhd", s.masked_fill(~allowed[None], float("-inf")).softmax(-1), v)
-
-
-def random_parents(n: int, rnd: random.Random) -> list[int]:
-    """Node j+1's parent among nodes 0..j (0: the root)."""
-    return [rnd.randrange(0, j + 1) for j in range(n)]
-
-
-def tree_case(q_lens, seq_lens, seed, prefill_rows: bool = True):
-    """Each request's new rows are a random tree (row 0 its root), or (q_len > 40) a prefill chunk with mask -1.
-    -> (tree_mask [T] int64, allowed [n, s] per request)."""
-    rnd = random.Random(seed)
-    masks, allowed = [], []
-    for n, s in zip(q_lens, seq_lens):
-        if n == 0:
-            allowed.append(torch.zeros(0, s, dtype=torch.bool))
-            continue
-        causal = torch.arange(s)[None, :] <= (s - n + torch.arange(n))[:, None]
-        if n > 40 and prefill_rows:
-            masks.append(torch.full((n,), -1, dtype=torch.int64))
-            allowed.append(causal)
-            continue
-        parents = torch.tensor([random_parents(n - 1, rnd)], dtype=torch.int64)
-        anc = ancestor_bits(parents)[0]  # [n] over the request's n new rows
-        masks.append(window_bits(anc, n))
-        sees = causal.clone()
-        for i in range(n):
-            for j in range(n):
-                sees[i, s - n + j] = bool((int(anc[i]) >> j) & 1)
-        allowed.append(sees)
-    return torch.cat(masks) if masks else torch.zeros(0, dtype=torch.int64), allowed
 
 
 # (q_lens, seq_lens): one tree, trees beside plain rows and empty requests, a tree whose prefix is shorter than

@@ -15,8 +15,8 @@ from engine.layers.latent_attention import LatentPagedAttention
 from engine.speculative.tree_step import compact
 from kernels.mla_attention import mla_attention_ref
 
-from tests.kernels.test_mla_attention import make_batch
-from tests.kernels.test_tree_mask import tree_case
+from tests.support.paged_batches import latent_batch as make_batch
+from tests.support.paged_batches import tree_case
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}},
           "required": ["id", "name"]}
