@@ -8,7 +8,7 @@ from kernels.attention import plan_paged_attention
 from kernels.mla_attention import mla_attention, mla_attention_ref, mla_attention_triton
 from kernels.tree_mask import chain_bits, window_bits
 
-from tests.support.paged_batches import TOL, tree_case
+from tests.support.paged_batches import TOL, TREE_CASES, tree_case
 from tests.support.paged_batches import latent_batch as make_batch
 
 
@@ -22,14 +22,7 @@ def dense_mla_masked(q_lat, q_rope, rows, allowed, scale, L):
 
 # (q_lens, seq_lens): one tree, trees beside a decode row and an empty request, a tree with no prefix before it,
 # trees whose rows span more than one query tile, prompt chunks (q_len > 40: mask -1) alone and beside trees.
-CASES = [
-    ([5], [40]),
-    ([4, 1, 0, 9], [100, 17, 0, 9]),
-    ([3], [3]),
-    ([17, 33], [90, 70]),
-    ([64], [200]),
-    ([2, 50, 6], [30, 50, 81]),
-]
+CASES = TREE_CASES
 # (heads, kv_lora_rank, qk_rope_head_dim): a tile of whole heads; 3 heads (a tile's last rows pad); widths that are
 # not powers of two.
 SHAPES = [(4, 32, 16), (3, 40, 24)]

@@ -9,7 +9,7 @@ from kernels.attention import paged_attention, paged_attention_ref, paged_attent
 from kernels.tree_mask import ancestor_bits, chain_bits, window_bits
 
 from tests.support.paged_batches import paged_batch as make_batch
-from tests.support.paged_batches import tree_case
+from tests.support.paged_batches import TREE_CASES, tree_case
 
 
 def dense_masked(q, k, v, allowed, scale):
@@ -23,14 +23,7 @@ def dense_masked(q, k, v, allowed, scale):
 
 # (q_lens, seq_lens): one tree, trees beside plain rows and empty requests, a tree whose prefix is shorter than
 # the 64-position window, trees of up to 63 drafts, a prefill chunk (mask -1) beside trees.
-CASES = [
-    ([5], [40]),
-    ([4, 1, 0, 9], [100, 17, 0, 9]),
-    ([3], [3]),
-    ([17, 33], [90, 70]),
-    ([64], [200]),
-    ([2, 50, 6], [30, 50, 81]),
-]
+CASES = TREE_CASES
 
 
 def _run(fn, q_lens, seq_lens, Hq, Hkv, dtype=torch.float32, seed=0, **kw):

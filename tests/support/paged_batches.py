@@ -101,3 +101,16 @@ def tree_case(q_lens, seq_lens, seed, prefill_rows: bool = True):
                 sees[i, s - n + j] = bool((int(anc[i]) >> j) & 1)
         allowed.append(sees)
     return torch.cat(masks) if masks else torch.zeros(0, dtype=torch.int64), allowed
+
+
+# (q_lens, seq_lens) of tree-masked batches: one tree, trees beside a decode row and an empty request, a tree with
+# no prefix before it (shorter than the 64-position window), trees of up to 63 drafts spanning more than one query
+# tile, prompt chunks (q_len > 40: mask -1) alone and beside trees.
+TREE_CASES = [
+    ([5], [40]),
+    ([4, 1, 0, 9], [100, 17, 0, 9]),
+    ([3], [3]),
+    ([17, 33], [90, 70]),
+    ([64], [200]),
+    ([2, 50, 6], [30, 50, 81]),
+]

@@ -1,10 +1,13 @@
-"""Engine groups in spawned processes (tests/engine/distributed): a free TCP port for the gloo rendezvous, and
-the ranks run and their results collected, each rank's failure reported instead of waited on."""
+"""Engine groups in spawned processes (tests/engine/distributed): a free TCP port for the gloo rendezvous, the ranks
+run and their results collected (each rank's failure reported instead of waited on), and a group's engines stepped
+together until none has work."""
 from __future__ import annotations
 
 import socket
 from typing import Callable
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -35,3 +38,24 @@ def run_ranks(target: Callable, args: tuple, per_rank: int, world: int = 2, time
             if p.is_alive():
                 p.kill()
     return got
+
+
+def drive(engine, requests: list[tuple], group) -> dict:
+    """requests: (request id, prompt, SamplingParams, the step to add it at) of this engine. Steps until no rank of
+    the group (None: this engine alone) has work (every rank steps as long as one has: an ADP rank's idle forward
+    matches the others'); -> request id -> (tokens, accepted lengths)."""
+    done, step = {}, 0
+    pending = list(requests)
+    while True:
+        for item in [x for x in pending if x[3] <= step]:
+            engine.add_request(item[0], item[1], item[2])
+            pending.remove(item)
+        busy = torch.tensor([int(engine.has_unfinished() or bool(pending))])
+        if group is not None:
+            dist.all_reduce(busy, group=group)
+        if not busy.item():
+            return done
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = (o.token_ids, list(o.metrics.accepted_lengths))
+        step += 1

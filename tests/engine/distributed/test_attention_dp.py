@@ -21,7 +21,7 @@ from engine.distributed import shm_collectives
 from engine.distributed.data_parallel import GroupPlan
 from structured.request import StructuredOutput
 
-from tests.support.ranks import run_ranks
+from tests.support.ranks import drive, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -105,23 +105,7 @@ def _config(root: str, case: Case, **overrides) -> EngineConfig:
 
 
 def _drive(engine: LLMEngine, reqs: list[tuple[str, Req]], group) -> dict:
-    """Steps until no rank of the group (None: this engine alone) has work; returns
-    request id -> (tokens, accepted lengths)."""
-    done, step = {}, 0
-    pending = list(reqs)
-    while True:
-        for rid, r in [x for x in pending if x[1].start_step <= step]:
-            engine.add_request(rid, r.prompt, r.params())
-            pending.remove((rid, r))
-        busy = torch.tensor([int(engine.has_unfinished() or bool(pending))])
-        if group is not None:
-            dist.all_reduce(busy, group=group)
-        if not busy.item():
-            return done
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = (o.token_ids, list(o.metrics.accepted_lengths))
-        step += 1
+    return drive(engine, [(rid, r.prompt, r.params(), r.start_step) for rid, r in reqs], group)
 
 
 def _rank_main(rank: int, port: int, root: str, queue) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from structured.request import StructuredOutput
 
-from tests.support.ranks import run_ranks
+from tests.support.ranks import drive, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -112,23 +112,7 @@ def _config(root: str, case: Case | None, spec: bool, **overrides) -> EngineConf
 
 
 def _drive(engine: LLMEngine, reqs: list[tuple[str, Req]], prompts: list[str], group) -> dict:
-    """Steps until no rank of the group (None: this engine alone) has work; -> request id -> (tokens, accepted
-    lengths)."""
-    done, step = {}, 0
-    pending = list(reqs)
-    while True:
-        for rid, r in [x for x in pending if x[1].start_step <= step]:
-            engine.add_request(rid, prompts[r.prompt], r.params())
-            pending.remove((rid, r))
-        busy = torch.tensor([int(engine.has_unfinished() or bool(pending))])
-        if group is not None:
-            dist.all_reduce(busy, group=group)
-        if not busy.item():
-            return done
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = (o.token_ids, list(o.metrics.accepted_lengths))
-        step += 1
+    return drive(engine, [(rid, prompts[r.prompt], r.params(), r.start_step) for rid, r in reqs], group)
 
 
 def _rank_main(rank: int, port: int, root: str, queue) -> None:
