@@ -286,7 +286,8 @@ class LLMEngine:
                 req.spec_token_ids = self.drafter.next_drafts(req, res.drafts[b] if res.drafts else None,
                                                               rejected=num_drafts - accepted,
                                                               forced=self.guided.forced_drafts(req),
-                                                              forced_steps=self.guided.forced_steps(req))
+                                                              forced_steps=self.guided.forced_steps(req)
+                                                              if res.draft_forced is None else res.draft_forced[b])
         if self.prefix_cache is not None:
             for s in scheduled:
                 if not s.request.status.finished:

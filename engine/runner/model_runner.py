@@ -45,6 +45,7 @@ class StepResult:
     logprobs: list[list[float]] | None
     top_ids: list[list[list[int]]] | None
     top_logprobs: list[list[list[float]]] | None
+    draft_forced: list[int] | None = None  # draft trees: which of the next drafts the grammar forced (bit j: node j)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +330,8 @@ def _to_host(out: StepOutput, B: int, num_drafts: list[int], samples: list[bool]
     lps = out.logprobs[:B].tolist() if out.logprobs is not None else None
     top_ids = out.top_ids[:B].tolist() if out.top_ids is not None else None
     top_lps = out.top_logprobs[:B].tolist() if out.top_logprobs is not None else None
-    return StepResult(emitted, num_drafts, drafts, lps, top_ids, top_lps)
+    forced = out.forced[:B].tolist() if out.forced is not None else None
+    return StepResult(emitted, num_drafts, drafts, lps, top_ids, top_lps, forced)
 
 
 def _cloned(value):

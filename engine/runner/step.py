@@ -36,6 +36,9 @@ class StepOutput:
     logprobs: torch.Tensor | None  # [B, k+1] f32
     top_ids: torch.Tensor | None  # [B, k+1, n] int64
     top_logprobs: torch.Tensor | None  # [B, k+1, n] f32
+    # [B] int64 draft trees: bit j set where the next tree's node j is one its grammar forced (a chain's host knows
+    # its forced drafts from the grammar's fills: GuidedRequests.forced_steps); None for chains
+    forced: torch.Tensor | None = None
 
 
 def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepBatch,

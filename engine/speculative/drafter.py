@@ -205,7 +205,9 @@ class Drafter:
         if room <= 0:  # always at k = 0
             return []
         if self.tree:
-            return tree_drafts(req, step_drafts, rejected)
+            drafts = tree_drafts(req, step_drafts, rejected)
+            req.spec_forced = forced_steps & ((1 << len(drafts)) - 1)
+            return drafts
         if self.proposer is not None:
             if step_drafts is None:
                 return []

@@ -50,6 +50,14 @@ class DraftTree:
     depth: torch.Tensor  # [B, N+1] int64 node depth (the root 0)
     ancestors: torch.Tensor  # [B, N+1] int64 bit i: node i is the node or one of its ancestors
     cells: torch.Tensor | None = None  # [B, N] int64 each node's AcceptanceTable cell (-1 or None: not scored)
+    forced: torch.Tensor | None = None  # [B, N] bool the node is its parent's only admissible child (the grammar's)
+
+    def forced_bits(self) -> torch.Tensor:
+        """[B] int64: bit j set where node j was forced (N <= 63 nodes fit), what the host counts as forced drafts."""
+        if self.forced is None:
+            return torch.zeros(self.tokens.shape[0], dtype=torch.int64, device=self.tokens.device)
+        j = torch.arange(self.forced.shape[1], device=self.forced.device)
+        return (self.forced.long() << j).sum(1)
 
 
 class TreeSlots:
@@ -161,7 +169,8 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
     lp, ids = root_lp.topk(K, dim=-1)  # [B, K]
     score, cell = scorer(lp, root_masked)
     tokens, scores, parents, depths = [to_target(ids)], [score], [torch.full((B, K), -1, device=dev)], [1] * K
-    cells = [cell]
+    # forced: probability 1 in a row the grammar masked (it admits nothing else there)
+    cells, forced = [cell], [(lp == 0) & root_masked[:, None]]
     frontier = dict(tokens=tokens[0], score=score, state=state[:, None].expand(B, K, H), path=tokens[0][..., None],
                     candidate=torch.arange(K, device=dev).expand(B, K),
                     lineage=torch.zeros((B, K), dtype=torch.int64, device=dev))
@@ -181,6 +190,7 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
         tokens.append(c_ids)
         scores.append(c_score)
         cells.append(c_cell.reshape(B, K * K))
+        forced.append(((c_lp == 0) & masked.view(B, K, 1)).reshape(B, K * K))
         parents.append(frontier["candidate"].repeat_interleave(K, dim=1))
         depths += [d + 1] * (K * K)
         best, pick = c_score.topk(K, dim=-1)  # [B, K] the next frontier
@@ -192,13 +202,13 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
                         candidate=offset + pick, lineage=lineage.gather(1, parent_lane))
         offset += K * K
     return choose(torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1),
-                  torch.tensor(depths, device=dev), N, torch.cat(cells, 1))
+                  torch.tensor(depths, device=dev), N, torch.cat(cells, 1), torch.cat(forced, 1))
 
 
 def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-           n: int, cells: torch.Tensor | None = None) -> DraftTree:
-    """Candidates [B, C] (in depth order; parents: a candidate index, -1 for the root; cells: their table cells)
-    -> the tree of the n best.
+           n: int, cells: torch.Tensor | None = None, forced: torch.Tensor | None = None) -> DraftTree:
+    """Candidates [B, C] (in depth order; parents: a candidate index, -1 for the root; cells: their table cells;
+    forced: which the grammar forced) -> the tree of the n best.
     A stable sort keeps a parent before a child of equal score (a draft of probability 1), so the n best
     always hold every chosen node's parent."""
     B, C = scores.shape
@@ -211,7 +221,8 @@ def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, de
     depth = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=scores.device),
                        depths[chosen]], 1)
     return DraftTree(tokens.gather(1, chosen), node_parents, depth, ancestor_bits(node_parents),
-                     cells.gather(1, chosen) if cells is not None else None)
+                     cells.gather(1, chosen) if cells is not None else None,
+                     forced.gather(1, chosen) if forced is not None else None)
 
 
 def head_tree(proposer, inp, shape: TreeShape, mask: TreeMask | None = None) -> DraftTree | None:

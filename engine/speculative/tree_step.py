@@ -169,8 +169,8 @@ def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker
         positions=batch.positions, attn=batch.attn, out_rows=out_rows, slot_limit=batch.slot_limit,
         max_seq_len=batch.chain_max_seq_len, chain=batch.propose, sampling=batch.sampling), shape,
         expansion_mask(masker, batch, v.tokens, a, proposer.d2t) if masker is not None and draft_masks else None)
-    drafts = None
+    drafts = forced = None
     if tree_next is not None:
         slots.write(batch.slots, tree_next)
-        drafts = tree_next.tokens
-    return StepOutput(v.tokens, a, drafts, v.logprobs, v.top_ids, v.top_logprobs)
+        drafts, forced = tree_next.tokens, tree_next.forced_bits()
+    return StepOutput(v.tokens, a, drafts, v.logprobs, v.top_ids, v.top_logprobs, forced)

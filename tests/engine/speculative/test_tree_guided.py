@@ -109,9 +109,10 @@ def test_guided_tree_equals_guided_plain_and_validates(zoo, cases, reference, me
     """A depth-first tree (depth = budget, engine/speculative/tree.py): the full grammar (expansion and verification
     masks, forced runs), verification masks only, and no forced drafts all equal the guided engine without
     speculation; finished outputs validate; expansion masks accept more than verification masks alone, and forced
-    runs no less than without them."""
+    runs no less than without them. Forced nodes (the one token a masked row admits) are counted in each request's
+    usage, more with forced runs filling the tree, none where the expansion is not masked."""
     prompts, schemas = cases
-    lengths = {}
+    lengths, forced = {}, {}
     for variant, kw in {"full": {}, "verify-only": dict(draft_masks=False), "no-forced": dict(forced_drafts=False)}.items():
         spec = SpecConfig(method=method, k=6, draft=str(zoo / method), topk=3, num_verify_tokens=6, **kw)
         llm = LLM(str(zoo / "target"), num_kv_blocks=2048, block_size=16, speculative=spec)
@@ -122,6 +123,9 @@ def test_guided_tree_equals_guided_plain_and_validates(zoo, cases, reference, me
                 jsonschema.validate(json.loads(o.text), schema)
         assert sum(o.finish_reason == "stop" for o in outs) >= len(outs) // 2
         lengths[variant] = llm.engine.stats()["spec"]["mean_accepted_length"]
+        forced[variant] = sum(o.metrics.num_forced_tokens for o in outs)
+        assert forced[variant] <= sum(o.metrics.num_draft_tokens for o in outs)
         assert llm.engine.blocks.pool.num_used == 0
     assert lengths["full"] > lengths["verify-only"], lengths
     assert lengths["full"] >= lengths["no-forced"], lengths
+    assert forced["full"] > forced["no-forced"] and forced["verify-only"] == 0, forced
