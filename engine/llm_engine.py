@@ -125,8 +125,7 @@ class LLMEngine:
         self.guided.warm(structured, compiled)
 
     def _agree_compiled(self, done: list[bool]) -> list[bool]:
-        """Tensor-parallel ranks: which compiles in flight are done on every rank (one small all-reduce, run
-        only while some compile is in flight, at the same points of every rank's step)."""
+        """TP ranks: which compiles in flight are done on every rank (a small all-reduce, only while any is)."""
         x = torch.tensor(done, dtype=torch.float32, device=self.runner.device)
         return (self.tp.all_reduce(x) == self.tp.size).tolist()
 
