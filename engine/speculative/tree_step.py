@@ -100,7 +100,7 @@ def expansion_mask(masker: LogitsMasker, batch: StepBatch, emitted: torch.Tensor
     return mask
 
 
-def _root_fallback(slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+def padding_to_scratch(slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
     """slot_mapping [T] for `compact`, where a graph's padding requests (KV slot -1: they write nothing) take the
     first slot of the cache's last block instead: the scratch block no request holds (ModelRunner.scratch_blocks),
     so their copies of it onto itself touch no request's KV, not even one a hand-over is writing meanwhile."""
@@ -151,7 +151,7 @@ def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker
     if proposer.tree_table is not None:  # what this verification says about the scores the tree was chosen by
         seen = (tree.cells, *outcome(v.path, tree.parents, batch.num_drafts))
         proposer.tree_table.observe(*(share(*seen) if share is not None else seen))
-    compact(batch.attn.kv_cache, _root_fallback(batch.attn.slot_mapping, batch.attn.kv_cache), vr, v.path, a)
+    compact(batch.attn.kv_cache, padding_to_scratch(batch.attn.slot_mapping, batch.attn.kv_cache), vr, v.path, a)
 
     # The rows as the chain of the accepted path: row of column c <- row of node path[c] (c <= a).
     c = torch.minimum(torch.arange(shape.depth + 1, device=vr.device)[None, :], a[:, None])

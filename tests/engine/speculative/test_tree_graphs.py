@@ -109,7 +109,7 @@ def test_padding_rows_move_kv_only_inside_the_scratch_block(zoo):
     not even one a hand-over is being written into on another thread meanwhile."""
     import torch
 
-    from engine.speculative.tree_step import _root_fallback, compact
+    from engine.speculative.tree_step import padding_to_scratch, compact
 
     tree = LLM(str(zoo / "target"), num_kv_blocks=64, block_size=16, speculative=_tree(zoo)).engine
     chain = LLM(str(zoo / "target"), num_kv_blocks=64, block_size=16,
@@ -118,7 +118,7 @@ def test_padding_rows_move_kv_only_inside_the_scratch_block(zoo):
     assert chain.kv_cache.shape[2] == chain.stats()["kv_blocks_total"] == 64
     cache = torch.randn(2, 2, 5, 4, 1, 3)  # [L, planes, 4 pool blocks + the scratch one, block size 4, heads, D]
     pool = cache[:, :, :4].clone()
-    slots = _root_fallback(torch.full((6,), -1), cache)  # two padding requests of 3 rows
+    slots = padding_to_scratch(torch.full((6,), -1), cache)  # two padding requests of 3 rows
     assert slots.tolist() == [16] * 6  # the scratch block's first slot
     compact(cache, slots, torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([[0, 0, 0], [0, 0, 0]]),
             torch.tensor([0, 0]))
