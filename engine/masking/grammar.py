@@ -21,8 +21,8 @@ A refused keyword is an InvalidRequestError from add_request at once; the compil
 the compiler's thread (start/install) while the prompt runs, and its failure finishes the request
 with that error (LLMEngine). The compiled grammar is cached by content (GrammarCompiler).
 
-This is the CPU sibling: fills run inline in the step. On CUDA the same fills are to become host
-functions captured in the step's graph; until then a guided step runs eagerly.
+Fills read the step's device tensors on the host (.tolist()): inline in an eager step; in a captured one
+they run in host functions on host copies (engine/masking/graph.py, StagedMasker), chains and trees alike.
 """
 from __future__ import annotations
 
@@ -195,7 +195,10 @@ class GrammarMasker(LogitsMasker):
             state.rollback(n)
 
     # ------------------------------------------------------------------ draft trees (engine/speculative/tree.py)
-    def fill_verify_tree(self, bitmask: torch.Tensor, flags: torch.Tensor, parents: list[list[int]]) -> None:
+    def fill_verify_tree(self, bitmask: torch.Tensor, flags: torch.Tensor, parents: torch.Tensor) -> None:
+        if not self._rows:
+            return
+        parents = parents.tolist()  # one host read (a captured step's host function hands a host copy)
         for b, state, row in self._rows:
             on_cpu = bitmask.device.type == "cpu"
             target = bitmask[b] if on_cpu else self._scratch(bitmask.shape[1:])
@@ -215,16 +218,17 @@ class GrammarMasker(LogitsMasker):
                 bitmask[b, : len(row.drafts) + 1].copy_(target[: len(row.drafts) + 1])
             flags[b, filled] = True
 
-    def fill_draft_tree(self, emitted: torch.Tensor, num_accepted: torch.Tensor, paths: list[list[list[int]]],
+    def fill_draft_tree(self, emitted: torch.Tensor, num_accepted: torch.Tensor, paths: torch.Tensor,
                         bitmask: torch.Tensor, flags: torch.Tensor) -> None:
         if not self._rows:
             return
         emitted_rows = emitted.tolist()
         accepted = num_accepted.tolist()
+        depth = paths.shape[2]
+        paths = paths.tolist()
         B, L, W = bitmask.shape
         rows = bitmask.view(B * L, W)
         on_cpu = bitmask.device.type == "cpu"
-        depth = len(paths[0][0]) if paths and paths[0] else 0
         if depth == 0:  # the root: a new expansion
             self._tree_runs = {}
         left = emitted.shape[1] - 1 - depth  # depths of the tree below these lanes (emitted: [B, k+1])

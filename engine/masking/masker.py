@@ -55,17 +55,18 @@ class LogitsMasker(ABC):
         num_accepted [B] + 1), drafts: `step` tensors [B] int64 of new drafts so far (target ids);
         fill bitmask [B, W] / flags [B] for the next draft."""
 
-    def fill_verify_tree(self, bitmask: torch.Tensor, flags: torch.Tensor, parents: list[list[int]]) -> None:
+    def fill_verify_tree(self, bitmask: torch.Tensor, flags: torch.Tensor, parents: torch.Tensor) -> None:
         """Draft trees (engine/speculative/tree.py): as fill_verify, with MaskRow.drafts a tree's nodes and
-        parents[b][j-1] node j's parent (0: the root): row j allows what may follow the request's tokens and the
-        drafts on the path from the root to node j."""
+        parents [B, N] int64 (parents[b, j-1]: node j's parent, 0 the root): row j allows what may follow the
+        request's tokens and the drafts on the path from the root to node j. parents is on the step's device, like
+        every tensor here: the masker reads it on the host itself (a captured step hands it host copies)."""
         raise NotImplementedError(f"{type(self).__name__} does not mask draft trees")
 
-    def fill_draft_tree(self, emitted: torch.Tensor, num_accepted: torch.Tensor, paths: list[list[list[int]]],
+    def fill_draft_tree(self, emitted: torch.Tensor, num_accepted: torch.Tensor, paths: torch.Tensor,
                         bitmask: torch.Tensor, flags: torch.Tensor) -> None:
-        """A draft tree's expansion at one depth: emitted, num_accepted as fill_draft; lane l of request b expands
-        the node reached by paths[b][l] (target ids after the emitted tokens); fill bitmask [B, L, W] / flags
-        [B, L] for its children."""
+        """A draft tree's expansion at one depth d: emitted, num_accepted as fill_draft; paths [B, L, d] int64: lane
+        l of request b expands the node reached by paths[b, l] (target ids after the emitted tokens); fill bitmask
+        [B, L, W] / flags [B, L] for its children."""
         raise NotImplementedError(f"{type(self).__name__} does not mask draft trees")
 
     def end_step(self) -> None:

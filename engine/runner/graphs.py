@@ -32,6 +32,7 @@ from engine.runner.batch import Padding, StepBatch, build_batch
 from engine.runner.staging import in_buffer, rebase
 from engine.runner.step import StepOutput
 from engine.sample.sampler import SamplingMode
+from engine.speculative.tree import TreeShape
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class StepLayout:
     vocab_size: int
     k: int  # drafts per request: k+1 rows per request
     max_seq_len: int  # fixed bound on KV lengths (max_model_len plus the chains' margin)
+    tree: TreeShape | None = None  # draft trees' shape: what a guided step's staged tree fills hold (None: chains)
 
 
 # step(batch, masker) -> outputs: the device step a graph captures (ModelRunner.run_step)
@@ -187,7 +189,7 @@ class StepGraphs:
         """The masker guided graphs are captured with (one for every size: host buffers at the largest)."""
         if self._staged is None:
             lay = self.layout
-            self._staged = StagedMasker(lay.device, self.sizes[-1], lay.k, lay.vocab_size)
+            self._staged = StagedMasker(lay.device, self.sizes[-1], lay.k, lay.vocab_size, lay.tree)
         return self._staged
 
     @property

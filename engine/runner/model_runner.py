@@ -107,10 +107,8 @@ class ModelRunner:
         layout run eagerly (how CPU tests exercise it)."""
         from engine.runner.graphs import StepGraphs, StepLayout
 
-        layout = StepLayout(self.device, self.vocab_size, self.k, self.max_model_len + position_margin(self.k))
-        # A guided tree step reads its trees' parents and paths on the host (tree_step.verify_mask, expansion_mask),
-        # which a graph cannot hold: guided tree batches run eagerly, unguided ones replay graphs.
-        masks = masks and not self.drafter.tree
+        layout = StepLayout(self.device, self.vocab_size, self.k, self.max_model_len + position_margin(self.k),
+                            self.proposer.tree_shape if self.drafter.tree else None)
         self.graphs = StepGraphs(self.run_step, layout, max_batch, self.scratch_slot, capture=capture,
                                  capture_on_demand=capture_on_demand, masks=masks)
         self.drafter.on_slots_grown = lambda: self.graphs.reset(self.scratch_slot)

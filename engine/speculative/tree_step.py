@@ -18,8 +18,11 @@ an idle one too (`idle_outcomes`), updates its table with all of them: the table
 process running every request would learn, so the group drafts the trees that process would. The table's counts
 are sums of 0s and 1s, so the order the ranks' rows come in does not change them.
 
-No host syncs; shapes are fixed by (B, N, topk, k), so an unguided step is captured in the engine's decode graphs
-(engine/runner/graphs.py, padded to N + 1 rows per request); a guided one reads the tree on the host and runs eagerly.
+No host syncs; shapes are fixed by (B, N, topk, k), so the step is captured in the engine's decode graphs
+(engine/runner/graphs.py, padded to N + 1 rows per request), a guided one too: its grammar fills take the tree's
+parents and paths as device tensors, which a captured step stages to the host for its host functions
+(engine/masking/graph.py). Under ADP a replayed graph gathers the outcomes of its padded batch, the same size on
+every rank, instead of the agreed request count (a number a graph would have baked in at capture).
 """
 from __future__ import annotations
 
@@ -74,11 +77,12 @@ def compact(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, vr: torch.Tensor
 
 def verify_mask(masker: LogitsMasker, batch: StepBatch, parents: torch.Tensor):
     """-> mask(logits [B * (N+1), V]) of the tree's verification rows: node j's row masked by the grammar state
-    its path reaches. Reads the parents on the host (eager steps only, as the grammar's fills are)."""
+    its path reaches. The masker gets the parents on the device: an eager one reads them itself, a captured step's
+    (StagedMasker) copies them to the host ahead of its host function, so the step never syncs."""
 
     def mask(logits: torch.Tensor) -> None:
         batch.verify_mask_flags.zero_()
-        masker.fill_verify_tree(batch.verify_bitmask, batch.verify_mask_flags, parents.tolist())
+        masker.fill_verify_tree(batch.verify_bitmask, batch.verify_mask_flags, parents)
         apply_token_bitmask(logits, batch.verify_bitmask.flatten(0, 1), batch.verify_mask_flags.flatten())
 
     return mask
@@ -87,14 +91,14 @@ def verify_mask(masker: LogitsMasker, batch: StepBatch, parents: torch.Tensor):
 def expansion_mask(masker: LogitsMasker, batch: StepBatch, emitted: torch.Tensor, accepted: torch.Tensor,
                    d2t: torch.Tensor | None):
     """-> the TreeMask (tree.py) of the next tree's expansion: each node's candidates masked by the grammar state
-    after this step's emitted tokens and the node's path."""
+    after this step's emitted tokens and the node's path (on the device, as verify_mask's parents)."""
     words = batch.verify_bitmask.shape[-1]
 
     def mask(paths: torch.Tensor, logits: torch.Tensor) -> None:
         B, L, _ = paths.shape
         bitmask = torch.zeros((B, L, words), dtype=torch.int32, device=logits.device)
         flags = torch.zeros((B, L), dtype=torch.bool, device=logits.device)
-        masker.fill_draft_tree(emitted, accepted, paths.tolist(), bitmask, flags)
+        masker.fill_draft_tree(emitted, accepted, paths, bitmask, flags)
         apply_token_bitmask(logits, bitmask.view(B * L, words), flags.view(-1), d2t=d2t)
 
     return mask
@@ -113,8 +117,10 @@ Share = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor,
 
 
 def group_outcomes(dp, rows: int, cells: torch.Tensor, reached: torch.Tensor, accepted: torch.Tensor):
-    """ADP: every rank's verification outcomes (a Share). dp: the DPContext; rows: the most requests a rank of the
-    group runs this step (its agreement), what each rank pads to. One all-gather of [rows, 3N] int64."""
+    """ADP: every rank's verification outcomes (a Share). dp: the DPContext; rows: what each rank pads its rows to,
+    equal on every rank: the most requests a rank runs this step (the group's agreement) in an eager step, the
+    padded batch size in a graph's (fixed per graph, which a graph may exceed the former by). One all-gather of
+    [rows, 3N] int64."""
     n = cells.shape[1]
     packed = torch.cat([cells + 1, reached.long(), accepted.long()], 1)  # padding (zeros) reads as cell -1
     every = dp.gather_rows(packed, rows)

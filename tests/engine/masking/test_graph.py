@@ -41,6 +41,62 @@ def test_guided_steps_through_the_padded_graph_layout_equal_eager(llama_dir, spe
     _check(outs, ref, kinds, llm)
 
 
+def test_staged_tree_fills_hand_the_masker_host_copies():
+    """StagedMasker's draft tree fills (the captured step's): the parents, emitted tokens, accepted counts and paths the
+    real masker gets are host copies equal to the step's tensors, in the fill's own shapes (the root expansion's
+    empty paths too, and batches smaller than the buffers), and what it writes comes back as the step's bitmask and
+    flags, the rows it leaves unflagged cleared of an earlier fill's flags."""
+    from engine.masking.graph import StagedMasker
+    from engine.masking.masker import LogitsMasker
+    from engine.speculative.tree import TreeShape
+
+    class Recording(LogitsMasker):
+        def __init__(self):
+            self.seen = []
+
+        def begin_step(self, rows):
+            return True
+
+        def fill_verify(self, bitmask, flags):
+            raise AssertionError("a tree step fills its trees' rows")
+
+        def fill_draft(self, *args):
+            raise AssertionError("a tree step fills its trees' rows")
+
+        def fill_verify_tree(self, bitmask, flags, parents):
+            self.seen.append(("verify", parents.clone()))
+            bitmask[:, 1] = 5
+            flags[:, 1] = True
+
+        def fill_draft_tree(self, emitted, num_accepted, paths, bitmask, flags):
+            self.seen.append(("draft", emitted.clone(), num_accepted.clone(), paths.clone()))
+            bitmask[0, -1] = paths.shape[2] + 1
+            flags[0, -1] = True
+
+    shape = TreeShape(topk=3, depth=3, num_nodes=5)
+    staged = StagedMasker(torch.device("cpu"), max_batch=4, k=5, vocab_size=100, tree=shape)
+    recording = Recording()
+    staged.bind(recording)
+    B, W = 2, 4  # fewer requests than the buffers hold
+    parents = torch.tensor([[0, 0, 1, 1, 3], [0, 1, 2, 0, 4]])
+    bits, flags = torch.zeros((B, 6, W), dtype=torch.int32), torch.ones((B, 6), dtype=torch.bool)
+    staged.fill_verify_tree(bits, flags, parents)
+    assert flags[:, 1].all() and not flags[:, 0].any() and not flags[:, 2:].any() and (bits[:, 1] == 5).all()
+    emitted, accepted = torch.tensor([[7, 8, -1, -1], [9, -1, -1, -1]]), torch.tensor([1, 0])
+    for paths in (torch.zeros((B, 1, 0), dtype=torch.int64), torch.arange(6).view(B, 3, 1),
+                  torch.arange(12).view(B, 3, 2)):
+        L, d = paths.shape[1:]
+        bits, flags = torch.zeros((B, L, W), dtype=torch.int32), torch.zeros((B, L), dtype=torch.bool)
+        staged.fill_draft_tree(emitted, accepted, paths, bits, flags)
+        assert flags.tolist() == [[False] * (L - 1) + [True], [False] * L] and int(bits[0, -1, 0]) == d + 1
+    staged.finish()
+    assert recording.seen[0][0] == "verify" and torch.equal(recording.seen[0][1], parents)
+    assert [s[3].shape for s in recording.seen[1:]] == [(B, 1, 0), (B, 3, 1), (B, 3, 2)]
+    for _, e, a, paths in recording.seen[1:]:
+        assert torch.equal(e, emitted) and torch.equal(a, accepted)
+    assert torch.equal(recording.seen[3][3], torch.arange(12).view(B, 3, 2))
+
+
 def test_a_failing_host_function_fails_the_step_after_it_ran():
     host = HostFunctions(torch.device("cpu"))
     ran = []

@@ -1,11 +1,13 @@
 """Draft trees through the engine's fixed-shape decode step (engine/runner/graphs.py): N + 1 rows per request,
-idle requests up to the padded size carrying an empty tree in the scratch slot, fixed-width block tables. Run here
-without capture (the same padded layout and static buffers, eagerly); on CUDA with capture."""
+idle requests up to the padded size carrying an empty tree in the scratch slot, fixed-width block tables; guided
+batches too (their tree fills staged as host functions). Run here without capture (the same padded layout and static
+buffers, eagerly); on CUDA with capture."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams, SpecConfig, StructuredOutput
@@ -63,19 +65,51 @@ def test_padded_trees_under_preemption(zoo, json_prompts):
     assert llm.engine.blocks.pool.num_used == 0
 
 
-def test_guided_tree_batches_run_eagerly(zoo, json_prompts):
-    """A guided tree step reads its trees on the host: it declines the padded layout (no graph), and its tokens
-    still equal the engine without speculation."""
+def _guided(n: int) -> tuple[list[dict], list[SamplingParams]]:
+    """(schemas, parameters) of n requests for json_prompts[:n] under their own schemas; every third sampled with a
+    seed."""
     from zoo.corpus import heldout_cases
 
-    params = [SamplingParams(max_tokens=16, temperature=0, structured_output=StructuredOutput(
-        json_schema=json.dumps(row["schema"]))) for row in heldout_cases()[:2]]
-    plain = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16).generate(json_prompts[:2], params)
-    llm = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16, speculative=_tree(zoo))
+    schemas = [row["schema"] for row in heldout_cases()[:n]]
+    params = [SamplingParams(max_tokens=96, temperature=0.8 if i % 3 == 1 else 0.0, seed=31 + i,
+                             structured_output=StructuredOutput(json_schema=json.dumps(s)))
+              for i, s in enumerate(schemas)]
+    return schemas, params
+
+
+def _check_guided(outs, ref, schemas) -> None:
+    """Tokens equal the reference's; finished outputs validate against their schemas (most finish)."""
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    for o, schema in zip(outs, schemas):
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), schema)
+    assert sum(o.finish_reason == "stop" for o in outs) >= len(outs) - 1
+
+
+def _guided_tree(zoo: Path) -> SpecConfig:
+    """Nodes ranked by draft probability: each request's trees are its own (a learned table would carry when a
+    grammar finished compiling, wall-clock time, into the other requests' trees), so acceptance compares exactly."""
+    return SpecConfig(method="mtp", k=3, draft=str(zoo / "mtp"), topk=3, num_verify_tokens=8, tree_score="draft")
+
+
+def test_guided_tree_batches_take_the_padded_layout(zoo, json_prompts):
+    """A guided tree step takes the padded (graph) layout like a guided chain's: its verification and expansion
+    fills get the trees' parents and paths as device tensors, staged to host buffers for host functions
+    (engine/masking/graph.py, run in place here). Greedy and seeded sampled tokens equal the guided engine without
+    speculation and the eager tree engine's, step by step (the same acceptance), and finished outputs validate."""
+    schemas, params = _guided(3)
+    kw = dict(num_kv_blocks=1024, block_size=16)
+    plain = LLM(str(zoo / "target"), **kw).generate(json_prompts[:3], params)
+    eager = LLM(str(zoo / "target"), speculative=_guided_tree(zoo), **kw).generate(json_prompts[:3], params)
+    llm = LLM(str(zoo / "target"), speculative=_guided_tree(zoo), **kw)
     graphs = use_graphs(llm, capture=False, max_batch=8)
-    outs = llm.generate(json_prompts[:2], params)
-    assert graphs.num_runs == 0
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    outs = llm.generate(json_prompts[:3], params)
+    assert graphs.num_runs > 2 and any(key[2] for key in graphs.captured), "guided tree steps took the padded layout"
+    _check_guided(outs, plain, schemas)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    assert [o.metrics.accepted_lengths for o in outs] == [o.metrics.accepted_lengths for o in eager]
+    assert sum(sum(o.metrics.accepted_lengths) - len(o.metrics.accepted_lengths) for o in outs) > 0
+    assert llm.engine.blocks.pool.num_used == 0 and not llm.engine.guided.grammar.states
 
 
 @pytest.mark.gpu
@@ -100,6 +134,28 @@ def test_cuda_graph_tree_replay_equals_eager(zoo, json_prompts):
         ref = plain.generate([json_prompts[i] for i in greedy], [params[i] for i in greedy])
         assert [outs[i].token_ids for i in greedy] == [o.token_ids for o in ref]
     assert graphs.num_runs > 2 and any(graphs.captured.values())
+    assert llm.engine.blocks.pool.num_used == 0
+
+
+@pytest.mark.gpu
+def test_cuda_graph_guided_tree_replay_equals_eager(zoo, json_prompts):
+    """On CUDA: a guided tree batch replays a captured graph whose grammar fills are host functions (the parents and
+    paths staged through pinned buffers), for many steps: tokens and acceptance equal the same padded step run
+    eagerly, every token equals the guided engine without speculation, and finished outputs validate."""
+    schemas, params = _guided(5)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=1024, block_size=16, max_num_seqs=8)
+    plain = LLM(str(zoo / "target"), cuda_graphs=False, **kw).generate(json_prompts, params)
+    eager = LLM(str(zoo / "target"), speculative=_guided_tree(zoo), cuda_graphs=False, **kw)
+    use_graphs(eager, capture=False, max_batch=8)
+    eager_outs = eager.generate(json_prompts, params)
+    llm = LLM(str(zoo / "target"), speculative=_guided_tree(zoo), **kw)
+    outs = llm.generate(json_prompts, params)
+    graphs = llm.engine.runner.graphs
+    masked = [cuda for key, cuda in graphs.captured.items() if key[2]]
+    assert masked and all(masked), "guided tree steps replayed captured graphs"
+    assert graphs.num_runs > 10
+    _check_guided(outs, plain, schemas)
+    assert [o.metrics.accepted_lengths for o in outs] == [o.metrics.accepted_lengths for o in eager_outs]
     assert llm.engine.blocks.pool.num_used == 0
 
 

@@ -52,7 +52,7 @@ def test_forced_runs_are_single_child_stretches(zoo):
         bitmask = torch.zeros((1, len(paths), words), dtype=torch.int32)
         flags = torch.zeros((1, len(paths)), dtype=torch.bool)
         emitted = torch.tensor([first + [-1] * 4])  # k = 4, the step emitted `{"`
-        masker.fill_draft_tree(emitted, torch.tensor([0]), [paths], bitmask, flags)
+        masker.fill_draft_tree(emitted, torch.tensor([0]), torch.tensor([paths], dtype=torch.int64), bitmask, flags)
         return [_allowed(r) for r in bitmask[0]], flags[0].tolist()
 
     def own_mask(tokens: list[int]) -> set[int]:
