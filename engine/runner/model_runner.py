@@ -93,10 +93,7 @@ class ModelRunner:
         if cfg.cpu_compile != "off" and self.device.type == "cpu":
             self._compile_cpu(layers=cfg.cpu_compile == "layers" and target.tp.size == 1 and dp is None)
         self.graphs = None
-        # Draft trees under ADP run eagerly: the outcomes' all-gather (tree_step.group_outcomes) pads each rank's
-        # rows to the most requests a rank runs, which a graph's padded batch may exceed (the next step: gather
-        # the padded batch's rows when a graph replays).
-        if self.device.type == "cuda" and cfg.cuda_graphs and not (drafter.tree and dp is not None):
+        if self.device.type == "cuda" and cfg.cuda_graphs:
             self.use_graphs(min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
                             capture_on_demand=dp is None, masks=cfg.graph_masks)
 
@@ -202,12 +199,13 @@ class ModelRunner:
         return self.drafter.num_slots if self.drafter.k else 0
 
     def run_step(self, batch: StepBatch, masker: LogitsMasker | None = None, rows: int | None = None) -> StepOutput:
-        """rows: under ADP, the group's padded row count (default: this batch's rows, which a graph's
-        padded batch shares with every rank)."""
+        """rows: under ADP, the group's padded row count of an eager step; None: a graph's step (captured or its
+        padded layout), whose padded batch every rank shares, rows and requests alike."""
         scope = dp_rows(rows or batch.input_ids.shape[0]) if self.dp is not None else contextlib.nullcontext()
         with scope:
             if self.drafter.tree:  # draft trees have a step of their own
-                return tree_model_step(self.model, self.proposer, batch, masker, self.draft_masks, self._share())
+                share = self._share(batch.verify_rows.shape[0] if rows is None else None)
+                return tree_model_step(self.model, self.proposer, batch, masker, self.draft_masks, share)
             return model_step(self.model, self.proposer, batch, self.draft_probs, masker, self.draft_masks)
 
     # ------------------------------------------------------------------ the step
@@ -247,11 +245,13 @@ class ModelRunner:
             carry_inputs(batch, scheduled, carry_from, self.k, padded=graph)
         return PreparedStep(batch, len(scheduled), graph, masker, None if graph else rows)
 
-    def _share(self):
-        """ADP with draft trees: how a step's verification outcomes reach every rank (tree_step.group_outcomes)."""
+    def _share(self, padded: int | None = None):
+        """ADP with draft trees: how a step's verification outcomes reach every rank (tree_step.group_outcomes).
+        padded: a graph's batch size, what every rank gathers then (a graph captured with the agreement's count
+        would replay it whatever later steps agree); None: an eager step's agreed count."""
         if self.dp is None:
             return None
-        return functools.partial(group_outcomes, self.dp, max(self.last_plan.requests))
+        return functools.partial(group_outcomes, self.dp, padded or max(self.last_plan.requests))
 
     def _agree(self, scheduled: list[ScheduledRequest], can_graph: bool) -> GroupPlan:
         """ADP: one all-gather of what each rank would run; every rank gets the same GroupPlan."""

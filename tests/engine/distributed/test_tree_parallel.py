@@ -9,8 +9,10 @@ outputs are bit for bit the plain sampler's), and each request's accepted length
 same tree config: the group drafted the same trees and verified them the same way as one rank would. That holds
 for nodes ranked by the learned acceptance table too (SpecConfig.tree_score="calibrated", the default): tp ranks see
 the same verifications, and ADP ranks, idle ones included, learn from the group's gathered outcomes, so every
-rank's table is the one process's. Every KV block and draft-state slot is free at the end. One pair of processes
-runs every case (spawning is the slow part).
+rank's table is the one process's. ADP cases marked `padded` run their decode steps through the padded graph layout
+(without capture here: the same static buffers and fixed shapes a GPU captures), where the outcomes' all-gather pads
+to the graph's batch. Every KV block and draft-state slot is free at the end. One pair of processes runs every case
+(spawning is the slow part).
 """
 from __future__ import annotations
 
@@ -56,6 +58,9 @@ class Case:
     nodes: int = 5  # num_verify_tokens
     score: str = "calibrated"  # SpecConfig.tree_score
     ahead: bool = False  # async scheduling: step N+1 launched before step N is read, its trees carried on the device
+    # ADP: decode steps take the padded graph layout (run eagerly: capture=False), graphs of greedy batches held at
+    # every size as under ADP on a GPU; the outcomes' all-gather then pads to the graph's batch, not the agreement's
+    padded: bool = False
     engine: dict = field(default_factory=dict)
     model: str | None = None  # a named model (zoo/models.py) drafting with its own MTP layer; None: the zoo's writer
 
@@ -72,8 +77,13 @@ CASES = [
     Case("tp_eagle3_sampled", (Req(0, 0), Req(0, 1, temperature=0.8)), adp=False, method="eagle3", topk=3,
          nodes=6),
     Case("adp_mtp_draft_scores", (Req(0, 0), Req(1, 1), Req(0, 2, 10)), adp=True, score="draft"),
-    # rank 1 idles for the first steps, runs a short request, idles again while rank 0 goes on (unequal loads)
-    Case("adp_idle_then_late", (Req(0, 0, 24), Req(0, 1, 24), Req(1, 2, 4, start_step=5)), adp=True),
+    # rank 1 idles for the first steps, runs a short request, idles again while rank 0 goes on (unequal loads); in
+    # the padded layout, an idle rank running a batch of padding only
+    Case("adp_idle_then_late", (Req(0, 0, 24), Req(0, 1, 24), Req(1, 2, 4, start_step=5)), adp=True, padded=True),
+    # three requests on rank 0 pad to a graph batch of 4, more than any rank runs: the outcomes gathered are 4 rows
+    # a rank, and every rank's acceptance table still learns exactly what one process learns
+    Case("adp_padded_past_requests", (Req(0, 0, 16), Req(0, 1, 12), Req(0, 2, 14), Req(1, 3, 10, start_step=2)),
+         adp=True, padded=True),
     # rank 0 prefills a long prompt in chunks while rank 1 verifies trees
     Case("adp_chunked_prefill_beside_trees", (Req(1, 1, 20), Req(0, 5, 6, start_step=2)), adp=True,
          engine={"max_num_batched_tokens": 64}),
@@ -124,10 +134,12 @@ def _rank_main(rank: int, port: int, root: str, queue) -> None:
             cfg = _config(root, case, True, tp_size=2, tp_rank=rank, attention_dp=2 if case.adp else 1,
                           async_scheduling=case.ahead)
             engine = LLMEngine(cfg, tp_group=dist.group.WORLD)
+            if case.padded:
+                engine.runner.use_graphs(8, capture=False, capture_on_demand=False)
             mine = [(f"{case.name}-{i}", r) for i, r in enumerate(case.requests) if not case.adp or r.rank == rank]
             done = _drive(engine, mine, prompts, dist.group.WORLD)
             queue.put((rank, case.name, done, (engine.stats()["kv_blocks_used"], engine.drafter.num_held),
-                       (engine.num_overlapped_steps, _table(engine))))
+                       (engine.num_overlapped_steps, _table(engine), _padded_runs(engine))))
     except BaseException as e:  # noqa: BLE001 - reported to the test, which would otherwise wait
         queue.put((rank, "error", repr(e), None, None))
         raise
@@ -140,6 +152,12 @@ def _table(engine: LLMEngine) -> list | None:
     on the queue travels as a shared-memory handle that dies with its process, hiding a later case's error."""
     table = engine.drafter.proposer.tree_table
     return table.rates().tolist() if table is not None else None
+
+
+def _padded_runs(engine: LLMEngine) -> int | None:
+    """Steps that took the padded graph layout (None: the engine runs every step eagerly)."""
+    graphs = engine.runner.graphs
+    return graphs.num_runs if graphs is not None else None
 
 
 @pytest.fixture(scope="module")
@@ -162,9 +180,10 @@ def test_trees_in_a_group_equal_one_process(group_results, zoo_dir, case):
     if case.ahead:  # one process planning ahead too: the same tokens and trees as its synchronous steps
         ahead = LLMEngine(_config(str(zoo_dir), case, True, async_scheduling=True))
         assert _drive(ahead, reqs, prompts, None) == tree and ahead.num_overlapped_steps > 0
-    got = {}
+    got, runs = {}, []
     for rank in range(2):
-        done, (used, slots), (overlapped, table) = group_results[(rank, case.name)]
+        done, (used, slots), (overlapped, table, padded) = group_results[(rank, case.name)]
+        runs.append(padded)
         assert (used, slots) == (0, 0), f"rank {rank} still holds {used} KV blocks and {slots} draft slots"
         assert (overlapped > 0) == case.ahead, (rank, overlapped)
         if case.score == "calibrated":  # every rank, an idle one too, learned what one process learned
@@ -177,4 +196,6 @@ def test_trees_in_a_group_equal_one_process(group_results, zoo_dir, case):
         assert got[rid][0] == tokens, f"{rid}: not the output without speculation"
         assert got[rid][1] == tree[rid][1], f"{rid}: acceptance {got[rid][1]} in the group, {tree[rid][1]} alone"
     assert sum(sum(a) - len(a) for _, a in tree.values()) > 0  # the trees accepted drafts
+    if case.padded:  # the ranks took the padded layout together (an idle rank with a batch of padding only)
+        assert runs[0] == runs[1] and runs[0] > 2, runs
 
