@@ -116,6 +116,9 @@ class HandoverDrafts:
     probs: torch.Tensor | None = None
     # a tree's shape (engine/speculative/tree.py DraftTree rows): parents [N], depth [N+1], ancestors [N+1]
     tree: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
+    # bit j set: token_ids[j] is a token the request's grammar forced (Request.spec_forced), which the decode side's
+    # first step counts in usage as forced drafts, as the prefill side would have counted them
+    forced: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -278,15 +278,14 @@ class LLMEngine:
             if req.request_id in next_rows:  # its next step runs from here, with its lookahead
                 keep = min(held, self.scheduler.slots_needed(req, next_rows[req.request_id]))
             self.blocks.rewind(req.request_id, held - keep)
-            if req.status is RequestStatus.PARKED:
-                req.handover_drafts = self.drafter.parked(req, res.drafts[b] if res.drafts else None)
+            step_drafts, lead = res.drafts[b] if res.drafts else None, self.guided.forced_drafts(req)
+            forced_steps = self.guided.forced_steps(req) if res.draft_forced is None else res.draft_forced[b]
+            if req.status is RequestStatus.PARKED:  # its first drafts go with it, forced ones marked (usage)
+                req.handover_drafts = self.drafter.parked(req, step_drafts, lead, forced_steps)
                 self.drafter.release(req.request_id)
             else:
-                req.spec_token_ids = self.drafter.next_drafts(req, res.drafts[b] if res.drafts else None,
-                                                              rejected=num_drafts - accepted,
-                                                              forced=self.guided.forced_drafts(req),
-                                                              forced_steps=self.guided.forced_steps(req)
-                                                              if res.draft_forced is None else res.draft_forced[b])
+                req.spec_token_ids = self.drafter.next_drafts(req, step_drafts, num_drafts - accepted, lead,
+                                                              forced_steps)
         if self.prefix_cache is not None:
             for s in scheduled:
                 if not s.request.status.finished:

@@ -10,7 +10,8 @@ the payload tensors in order. For a hand-over the header frame carries `Handover
       "parts":   ["kv", ...],          # the payload tensors' names, in the order they are sent
       "grammar": {...} | nil,          # GrammarHandover of a guided request: its backend and compiled grammar
       "drafts":  {...} | nil,          # DraftsHandover with speculation: the first drafts, drafted by the prefill
-                                       #   in the step that sampled the first token (engine/handover.py)
+                                       #   in the step that sampled the first token (engine/handover.py), a tree's
+                                       #   shape, and which of them the grammar forced (bits, counted in usage)
     }
 
 The payload is reached by name (`HandoverPayload.kv`, `.draft_probs`), never by position. A header
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
 # part, which no draft ever sent: a draft keeping a cache of its own gets its part when one is built;
 # 5: HandoverRequest.reused_blocks, the leading blocks the receiver holds already and the payload skips;
 # 6: HandoverRequest.cache_planes and cache_head_dim, so an MLA latent row and K/V heads cannot be confused;
-# 7: "drafts" and the "draft_probs" part instead of "draft_hidden": the prefill drafts, the decode side verifies).
-HANDOVER_VERSION = 7
+# 7: "drafts" and the "draft_probs" part instead of "draft_hidden": the prefill drafts, the decode side verifies;
+# 8: "drafts.forced", which of the first drafts the grammar forced, so the decode side counts them in usage).
+HANDOVER_VERSION = 8
 
 
 class PayloadPart(str, enum.Enum):
@@ -120,27 +122,34 @@ class DraftsHandover:
     travel as the DRAFT_PROBS payload part)."""
     token_ids: tuple[int, ...]
     tree: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None  # parents, depth, ancestors
+    # bit j set: token_ids[j] was forced by the request's grammar (HandoverDrafts.forced; a tree's node j+1). On the
+    # wire an int below 2 ** len(token_ids) (a tree has at most 63 nodes: it fits msgpack's int64)
+    forced: int = 0
 
     @staticmethod
     def of(drafts: HandoverDrafts | None) -> "DraftsHandover | None":
-        return None if drafts is None else DraftsHandover(drafts.token_ids, drafts.tree)
+        return None if drafts is None else DraftsHandover(drafts.token_ids, drafts.tree, drafts.forced)
 
     def with_probs(self, probs: torch.Tensor | None) -> HandoverDrafts:
-        return HandoverDrafts(self.token_ids, probs, self.tree)
+        return HandoverDrafts(self.token_ids, probs, self.tree, self.forced)
 
     def to_wire(self) -> dict:
-        return {"token_ids": list(self.token_ids), "tree": None if self.tree is None else [list(r) for r in self.tree]}
+        return {"token_ids": list(self.token_ids), "tree": None if self.tree is None else [list(r) for r in self.tree],
+                "forced": self.forced}
 
     @staticmethod
     def from_wire(raw: object) -> "DraftsHandover":
-        fields = _fields(raw, "drafts", {"token_ids", "tree"})
-        token_ids, tree = fields["token_ids"], fields["tree"]
+        fields = _fields(raw, "drafts", {"token_ids", "tree", "forced"})
+        token_ids, tree, forced = fields["token_ids"], fields["tree"], fields["forced"]
         if not _ints(token_ids):
             raise HandoverHeaderError(f"hand-over field 'drafts.token_ids' must be a list of int, got {token_ids!r}")
         if tree is not None and not (isinstance(tree, list) and len(tree) == 3 and all(_ints(r) for r in tree)):
             raise HandoverHeaderError(f"hand-over field 'drafts.tree' must be nil or three lists of int "
                                       f"(parents, depth, ancestors), got {tree!r}")
-        return DraftsHandover(tuple(token_ids), None if tree is None else tuple(tuple(r) for r in tree))
+        if not (isinstance(forced, int) and not isinstance(forced, bool) and 0 <= forced < 1 << len(token_ids)):
+            raise HandoverHeaderError(f"hand-over field 'drafts.forced' must be an int of one bit per draft "
+                                      f"(0 <= forced < 2 ** {len(token_ids)}), got {forced!r}")
+        return DraftsHandover(tuple(token_ids), None if tree is None else tuple(tuple(r) for r in tree), forced)
 
 
 def _ints(raw: object) -> bool:

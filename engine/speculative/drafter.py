@@ -221,13 +221,15 @@ class Drafter:
                                     self.spec.prompt_lookup_max)
 
     # ------------------------------------------------------------------ hand-over
-    def parked(self, req: Request, step_drafts: list[int] | None) -> HandoverDrafts | None:
+    def parked(self, req: Request, step_drafts: list[int] | None,
+               forced: Callable[[int], list[int]] | None = None, forced_steps: int = 0) -> HandoverDrafts | None:
         """A prefill-only request's first drafts, from the step that sampled its first token (which drafts for
         prefill-only rows too), with what its verification on the decode side reads: a sampled chain's draft
-        distributions, a tree's shape. Call before `release`. None at k = 0."""
+        distributions, a tree's shape; and which of them the grammar forced (`forced`, `forced_steps` as for
+        next_drafts), which the decode side counts in usage. Call before `release`. None at k = 0."""
         if not self.k:
             return None
-        tokens = self.next_drafts(req, step_drafts)
+        tokens = self.next_drafts(req, step_drafts, forced=forced, forced_steps=forced_steps)
         s = self._slot_of.get(req.request_id)
         probs = tree = None
         if tokens and s is not None and self.tree:
@@ -235,12 +237,13 @@ class Drafter:
             tree = (tuple(t.parents[s].tolist()), tuple(t.depth[s].tolist()), tuple(t.ancestors[s].tolist()))
         elif tokens and s is not None and self.draft_probs is not None and not req.params.greedy:
             probs = self.draft_probs[s, : len(tokens)].clone()
-        return HandoverDrafts(tuple(tokens), probs, tree)
+        return HandoverDrafts(tuple(tokens), probs, tree, req.spec_forced)
 
     def received(self, req: Request, drafts: HandoverDrafts) -> None:
         """A hand-over joined the running batch with its first drafts: its first step verifies them. Drafts its
         verification could not read losslessly (a sampled chain's without their distributions, a tree's without
-        its shape) are dropped: the request then starts without drafts."""
+        its shape) are dropped: the request then starts without drafts. Those the prefill's grammar forced
+        (drafts.forced) are the request's forced drafts, as if it had drafted them here."""
         req.spec_token_ids, req.spec_forced = [], 0
         tokens = list(drafts.token_ids[: max(0, min(self.num_nodes, draft_room(req, 0)))])  # a tree: N, not its depth
         if not tokens:
@@ -258,7 +261,7 @@ class Drafter:
                 return
             self.prepare([req])
             self.draft_probs[slot, : len(tokens)] = drafts.probs[: len(tokens)].to(self.device, torch.float32)
-        req.spec_token_ids = tokens
+        req.spec_token_ids, req.spec_forced = tokens, drafts.forced & ((1 << len(tokens)) - 1)
 
 
 def tree_drafts(req: Request, step_drafts: list[int] | None, rejected: int) -> list[int]:

@@ -16,6 +16,8 @@ from engine import HandoverRequest, SamplingParams
 KV, PROBS = PayloadPart.KV, PayloadPart.DRAFT_PROBS
 CHAIN = DraftsHandover((11, 12, 13))
 TREE = DraftsHandover((11, 12, 13), ((0, 0, 1), (0, 1, 1, 2), (1, 3, 5, 11)))
+FORCED_CHAIN = DraftsHandover((11, 12, 13), forced=0b011)  # the grammar forced the first two drafts
+FORCED_TREE = dataclasses.replace(TREE, forced=0b101)  # nodes 1 and 3
 
 
 def request(rid: str = "req-1") -> HandoverRequest:
@@ -32,7 +34,8 @@ def wire_dict(header: HandoverHeader) -> dict:
 @pytest.mark.parametrize("grammar", [None, GrammarHandover("ab12", '{"vocab": [1, 2], "ü": "\\u0000"}'),
                                      GrammarHandover("ab12", None),
                                      GrammarHandover("cd34", '{"grammars": []}', "llguidance")])
-@pytest.mark.parametrize("parts, drafts", [((KV,), None), ((KV,), CHAIN), ((KV, PROBS), CHAIN), ((KV,), TREE)])
+@pytest.mark.parametrize("parts, drafts", [((KV,), None), ((KV,), CHAIN), ((KV, PROBS), CHAIN), ((KV,), TREE),
+                                           ((KV, PROBS), FORCED_CHAIN), ((KV,), FORCED_TREE)])
 def test_round_trip(grammar, parts, drafts):
     header = HandoverHeader(request(), parts, grammar, drafts)
     back = HandoverHeader.from_wire(header.to_wire())
@@ -52,6 +55,17 @@ def test_a_guided_request_keeps_its_structured_output():
 
 def test_the_wire_carries_only_fields_that_are_read():
     assert set(wire_dict(HandoverHeader(request(), (KV,)))) == {"version", "request", "parts", "grammar", "drafts"}
+
+
+def test_forced_bits_are_on_the_wire_as_one_int():
+    """Version 8: which first drafts the grammar forced, bit j for draft j (a tree's node j + 1), so the decode side
+    counts them in usage; every draft set is one int that fits msgpack's int64 (a tree has at most 63 nodes)."""
+    assert wire_dict(HandoverHeader(request(), (KV,), drafts=FORCED_TREE))["drafts"]["forced"] == 0b101
+    assert wire_dict(HandoverHeader(request(), (KV,), drafts=TREE))["drafts"]["forced"] == 0
+    full = DraftsHandover(tuple(range(63)), forced=(1 << 63) - 1)
+    assert HandoverHeader.from_wire(HandoverHeader(request(), (KV,), drafts=full).to_wire()).drafts == full
+    assert FORCED_CHAIN.with_probs(None).forced == 0b011
+    assert DraftsHandover.of(FORCED_TREE.with_probs(None)) == FORCED_TREE
 
 
 def test_wrong_version_is_refused_naming_both_versions():
@@ -78,10 +92,18 @@ def test_missing_field_is_named(field):
     ("parts", ["kv", "draft_hidden"], "parts"),  # version 6's: the decode side no longer drafts for an arrival
     ("parts", ["kv", "draft_probs"], "draft distributions but no drafts"),
     ("drafts", [1, 2], "drafts must be a map"),
-    ("drafts", {"token_ids": [1, "x"], "tree": None}, "drafts.token_ids"),
-    ("drafts", {"token_ids": [1, True], "tree": None}, "drafts.token_ids"),
-    ("drafts", {"token_ids": [1, 2], "tree": [[0], [0, 1]]}, "drafts.tree"),
-    ("drafts", {"token_ids": [1, 2]}, "drafts lacks"),
+    ("drafts", {"token_ids": [1, "x"], "tree": None, "forced": 0}, "drafts.token_ids"),
+    ("drafts", {"token_ids": [1, True], "tree": None, "forced": 0}, "drafts.token_ids"),
+    ("drafts", {"token_ids": [1, 2], "tree": [[0], [0, 1]], "forced": 0}, "drafts.tree"),
+    ("drafts", {"token_ids": [1, 2], "forced": 0}, "drafts lacks"),
+    ("drafts", {"token_ids": [1, 2], "tree": None}, r"drafts lacks field\(s\) \['forced'\]"),  # a version 7 map
+    ("drafts", {"token_ids": [1, 2], "tree": None, "forced": "1"}, "drafts.forced"),
+    ("drafts", {"token_ids": [1, 2], "tree": None, "forced": True}, "drafts.forced"),
+    ("drafts", {"token_ids": [1, 2], "tree": None, "forced": None}, "drafts.forced"),
+    ("drafts", {"token_ids": [1, 2], "tree": None, "forced": -1}, "drafts.forced"),
+    ("drafts", {"token_ids": [1, 2], "tree": None, "forced": 0b100}, "drafts.forced"),  # a bit past the drafts
+    ("drafts", {"token_ids": [], "tree": None, "forced": 1}, "drafts.forced"),
+    ("drafts", {"token_ids": [1, 2], "tree": None, "forced": 0, "forced_nodes": [1]}, "drafts has unknown"),
     ("parts", "kv", "parts"),
     ("request", [1, 2], "'request' must be a map"),
     ("grammar", {"cache_key": 7, "backend": "xgrammar", "compiled": None}, "grammar.cache_key"),

@@ -3,8 +3,9 @@ request's first tree in the step sampling its first token -> the tree's tokens a
 header -> a tp=2 decode group with attention data parallelism, each rank verifying and drafting its own requests'
 trees. Greedy, guided and seeded sampled outputs equal the single-process engine without speculation (trees are
 lossless), and each greedy request's speculative usage equals one process drafting the same trees (nodes ranked by
-draft probability, SpecConfig.tree_score="draft": the learned ranking is learned per rank); requests land on both
-ranks; every rank's blocks come back."""
+draft probability, SpecConfig.tree_score="draft": the learned ranking is learned per rank), the guided one's
+grammar-forced nodes included (the first tree's cross in the header's drafts.forced); requests land on both ranks;
+every rank's blocks come back."""
 from __future__ import annotations
 
 import asyncio
@@ -76,6 +77,11 @@ def test_adp_group_serves_draft_trees_like_one_process(tandem_server, tmp_path):
             assert (usage["draft_tokens"], usage["accepted_tokens"], usage["verify_steps"]) == (
                 one.draft_tokens, one.accepted_tokens, one.verify_steps), (usage, one)
             assert one.draft_tokens > K * one.verify_steps  # wider than a chain of K would verify
+        one = trees.generate(["A record:"], SamplingParams(
+            max_tokens=60, temperature=0.0, structured_output=StructuredOutput(json_schema=SCHEMA)))[0].speculative
+        usage = guided.json()["usage"]["speculative"]
+        assert (usage["draft_tokens"], usage["accepted_tokens"], usage["forced_tokens"], usage["verify_steps"]) == (
+            one.draft_tokens, one.accepted_tokens, one.forced_tokens, one.verify_steps), (usage, one)
 
         stats = wait_decode_settled("tree")  # every rank's KV blocks are free
         placed = [p for p, *_ in stats["dp_ranks"]]

@@ -5,10 +5,13 @@ payload would carry it."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
+import jsonschema
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, SpecConfig, StructuredOutput
 from tests.support.spec import greedy_params, random_prompts
 
 
@@ -95,3 +98,53 @@ def test_sampled_drafts_without_distributions_are_dropped(llama_dir, spec_drafts
     assert decode.requests["r"].spec_token_ids == []
     tokens, first = decode_all(decode, "r")
     assert first == 0 and tokens == single_engine(llama_dir, spec, prompt, params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, tree", [("mtp", True), ("mtp", False), ("grammar", False)])
+def test_forced_first_drafts_count_as_in_one_engine(zoo_dir, method, tree):
+    """Issue 37: which of a guided request's first drafts its grammar forced (a tree's forced nodes, a chain's
+    forced steps, the grammar method's forced run) crosses with the hand-over, through the header's wire form, so
+    the decode side's usage counts them as one engine running the request does: equal forced, draft, accepted
+    tokens and steps, equal tokens, a valid output. Before, the first step's forced drafts were counted as guesses
+    (and the grammar method handed over no first drafts at all)."""
+    from cluster.protocol import DraftsHandover, GrammarHandover, HandoverHeader, PayloadPart
+    from zoo.corpus import heldout_cases
+    from zoo.prompts import json_schema_prompt
+
+    zoo = Path(zoo_dir)
+    schema = heldout_cases()[0]["schema"]
+    prompt = json_schema_prompt(schema)
+    structured = StructuredOutput(json_schema=json.dumps(schema))
+    params = SamplingParams(max_tokens=48, temperature=0.0, structured_output=structured)
+    spec = SpecConfig(method=method, k=6, draft=str(zoo / method) if method != "grammar" else None,
+                      **(dict(topk=3, num_verify_tokens=6) if tree else {}))
+    kw = dict(num_kv_blocks=256, block_size=16, speculative=spec)
+    one = LLM(str(zoo / "target"), **kw).generate([prompt], params)[0]
+
+    cfg = EngineConfig(model=str(zoo / "target"), **kw)
+    prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    while prefill.requests["r"].status.value != "parked":
+        prefill.step()
+    h = prefill.take_handover("r")
+    assert h.drafts.forced != 0 and (h.drafts.tree is not None) == tree  # the first drafts hold forced tokens
+    header = HandoverHeader(h.request, (PayloadPart.KV,),
+                            GrammarHandover.of(structured.key(), h.compiled_grammar, structured.plan.backend),
+                            DraftsHandover.of(h.drafts))
+    back = HandoverHeader.from_wire(header.to_wire())
+    assert back.drafts.forced == h.drafts.forced
+    blocks = decode.reserve(back.request, back.grammar.serialized)
+    decode.kv_cache[:, :, blocks] = prefill.kv_cache[:, :, h.block_ids]
+    prefill.release("r")
+    decode.commit("r", drafts=back.drafts.with_probs(None))
+    outs = decode.step()
+    first = decode.requests["r"].metrics
+    assert first.num_forced_tokens == (h.drafts.forced & (1 << first.num_draft_tokens) - 1).bit_count() > 0
+    while decode.has_unfinished():
+        outs += decode.step()
+    out = [o for o in outs if o.request_id == "r"][-1]
+    assert out.token_ids == one.token_ids and out.speculative == one.speculative, (out.speculative, one.speculative)
+    if out.finish_reason == "stop":
+        jsonschema.validate(json.loads(out.text), schema)
+    assert decode.stats()["kv_blocks_used"] == prefill.stats()["kv_blocks_used"] == 0
