@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cpu-compile", default="off", help="the engines' cpu_compile: off, gemm or layers")
     ap.add_argument("--name", default="adaptive_k_cpu", help="results file name under bench/results/")
     args = ap.parse_args(argv)
 
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                "adaptive": SpecConfig(method=args.method, k=max(FIXED), draft=draft, adaptive_k=True)}
     rows = []
     for batch in batches:
-        engines = {name: LLM(target, max_num_seqs=batch, num_kv_blocks=1024, speculative=spec)
+        engines = {name: LLM(target, max_num_seqs=batch, num_kv_blocks=1024, speculative=spec,
+                             cpu_compile=args.cpu_compile)
                    for name, spec in configs.items()}
         for llm in engines.values():
             llm.engine.guided.compiler().compile_timeout_s = None  # a shared CPU: compile time is not measured here
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"| {r['cpu_vs_none']:.2f}x | {r['cpu_vs_best_fixed']:.2f}x ({r['best_fixed']}) | {r['tok_s']} "
                      f"| {r['lossless']} |")
     results = {"model": "smollm2-135m-instruct", "method": args.method, "device": device_name("cpu"),
-               "threads": args.threads, "max_tokens": args.max_tokens, "prompts_per_workload": args.prompts,
+               "threads": args.threads, "cpu_compile": args.cpu_compile, "max_tokens": args.max_tokens, "prompts_per_workload": args.prompts,
                "repeats": args.repeats, "runs": rows}
     print(write_results(args.name, results, "\n".join(table)))
     return 0

@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--methods", default="mtp,eagle3,ngram,grammar")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cpu-compile", default="off", help="the engines' cpu_compile: off, gemm or layers")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--name", default="forced_drafts_cpu", help="results file name under bench/results/")
     args = ap.parse_args(argv)
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         draft = str(paths.heads[method]) if method in paths.heads else None
         for forced in (True, False) if method != "grammar" else (True,):
             configs[(method, forced)] = SpecConfig(method=method, k=args.k, draft=draft, forced_drafts=forced)
-    engines = {key: LLM(target, max_num_seqs=1, num_kv_blocks=512, speculative=spec) for key, spec in configs.items()}
+    engines = {key: LLM(target, max_num_seqs=1, num_kv_blocks=512, speculative=spec,
+                       cpu_compile=args.cpu_compile) for key, spec in configs.items()}
     for llm in engines.values():
         llm.engine.guided.compiler().compile_timeout_s = None  # a shared CPU: compile time is not measured here
         for prompts in sets.values():  # warm-up: grammars compiled, prompts in the prefix cache, first-call costs
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         table.append(f"| {r['prompts']} | {r['method']} | {r['k']} | {'on' if r['forced_drafts'] else 'off'} | {acc} "
                      f"| {r['decode_tok_s']} | {r['decode_vs_none']:.2f}x | {off} | {r['cpu_tok_s']} "
                      f"| {r['cpu_vs_none']:.2f}x | {cpu_off} | {r['lossless']} |")
-    results = {"model": "smollm2-135m-instruct", "device": device_name("cpu"), "threads": args.threads, "k": args.k,
+    results = {"model": "smollm2-135m-instruct", "device": device_name("cpu"), "threads": args.threads, "cpu_compile": args.cpu_compile, "k": args.k,
                "max_tokens": args.max_tokens, "prompts_per_set": args.prompts, "batch": 1, "runs": rows}
     print(write_results(args.name, results, "\n".join(table)))
     return 0

@@ -10,8 +10,10 @@ outputs every speculative run must equal (lossless). None of these prompts is in
 (zoo/selfdistill.py holds them aside). Writes bench/results/real_spec_cpu.{json,md}.
 
 `decode`: engine tokens/s at each batch, eager and with compiled layers, fp32 and bf16, against transformers'
-generate on the same weights, and the weight bytes the engine reads per second at batch 1 (the model's weights
-once per step: the CPU's read bandwidth bounds batch-1 decode). Writes bench/results/real_decode_cpu.{json,md}.
+generate on the same weights, against llama.cpp at batch 1 on the same weights at the same precision where
+llama-cpp-python is installed (bench/llama_cpp.py), and the weight bytes the engine reads per second at batch 1
+(the model's weights once per step: the CPU's read bandwidth bounds batch-1 decode). Writes
+bench/results/real_decode_cpu.{json,md}.
 
 Configurations of one comparison run in turn, `--repeats` rounds; each keeps its fastest round (the shared
 CPU's least disturbed one).
@@ -77,7 +79,7 @@ def spec(args) -> None:
     sets = prompt_sets(AutoTokenizer.from_pretrained(target), args.prompts)
     rows: list[dict] = []
     results = {"model": "smollm2-135m-instruct", "device": device_name(args.device), "on": args.device,
-               "dtype": args.dtype, "threads": args.threads,
+               "dtype": args.dtype, "cpu_compile": args.cpu_compile, "threads": args.threads,
                "max_tokens": args.max_tokens, "prompts": args.prompts, "runs": rows}
     for batch in args.batches:
         configs = [("none", 0, True, None)]
@@ -88,12 +90,15 @@ def spec(args) -> None:
             draft = str(paths.heads[method]) if method in paths.heads else None
             for k in args.ks:
                 configs.append((method, k, True, SpecConfig(method=method, k=k, draft=draft, draft_masks=True)))
-                if method != "ngram":
+                if method != "ngram" and "off" in args.masks:
                     configs.append((method, k, False, SpecConfig(method=method, k=k, draft=draft, draft_masks=False)))
+        kw = {"cpu_compile": args.cpu_compile} if args.device == "cpu" else {}
         engines = {c[:3]: LLM(target, device=args.device, dtype=args.dtype, max_num_seqs=batch,
-                              num_kv_blocks=max(512, batch * 64), speculative=c[3])
+                              num_kv_blocks=max(512, batch * 64), speculative=c[3], **kw)
                    for c in configs}
         for name, prompts in sets.items():
+            if name not in args.sets:
+                continue
             prompts = prompts[: max(args.prompts, batch)]
             best: dict = {}
             for _ in range(args.repeats):
@@ -128,13 +133,19 @@ def decode(args) -> None:
 
     target = str(resolve("smollm2-135m-instruct").target)
     torch.set_num_threads(args.threads)
-    prompt = list(range(1000, 1000 + args.prompt_len))
+    calls = iter(range(10**6))
+
+    def fresh_prompt() -> list[int]:
+        """A prompt no engine has cached (prefix caching would skip the prefill of a repeated one)."""
+        base = 1000 + 97 * next(calls) % 20000
+        return list(range(base, base + args.prompt_len))
+
     rows = []
     for batch in args.batches:
         systems = {}
-        for dtype in ("float32", "bfloat16"):
+        for dtype in args.dtypes:
             # On a GPU the step is a captured CUDA graph; CPU compilation modes do not apply there.
-            for compile_mode in (("off", "layers") if args.device == "cpu" else ("graphs",)):
+            for compile_mode in (args.compile_modes if args.device == "cpu" else ("graphs",)):
                 kw = {"cpu_compile": compile_mode} if args.device == "cpu" else {}
                 systems[f"tandem {dtype} {compile_mode}"] = LLM(target, device=args.device, dtype=dtype,
                                                                 max_num_seqs=batch, num_kv_blocks=batch * 16 + 64,
@@ -142,39 +153,101 @@ def decode(args) -> None:
         hf_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
         hf_name = f"transformers {str(hf_dtype).removeprefix('torch.')}"
         hf = AutoModelForCausalLM.from_pretrained(target, dtype=hf_dtype).eval().to(args.device)
-        params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-        best: dict = {}
-        for llm in systems.values():
-            llm.generate([prompt] * batch, SamplingParams(max_tokens=4, temperature=0))  # warm-up and compiles
+
+        def tandem(llm):
+            def run(prompt, n):
+                outs = llm.generate([prompt] * batch, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                return list(outs[0].token_ids)
+            return run
+
+        @torch.inference_mode()
+        def transformers_run(prompt, n):
+            ids = torch.tensor([prompt] * batch, device=args.device)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False)
+            return out[0, len(prompt):].tolist()  # .tolist() waits for the GPU
+
+        runs = {name: tandem(llm) for name, llm in systems.items()}
+        for name, model in (llama_cpp_systems(args) if batch == 1 else {}).items():
+            runs[name] = lambda prompt, n, model=model: model.generate(prompt, n)[0]
+        runs[hf_name] = transformers_run
+        for run in runs.values():
+            run(fresh_prompt(), 4)  # warm-up and compiles
+        # Each round: a prefill-only call (1 token) and a whole call (prefill + new_tokens), on fresh prompts of
+        # equal length; decode tok/s = the tokens after the first over the whole call's time less the prefill's.
+        e2e: dict[str, float] = {}
+        best: dict[str, float] = {}
+        outputs: dict[str, list[int]] = {}
         for _ in range(args.repeats):
-            for name, llm in systems.items():
+            for name, run in runs.items():
                 start = time.perf_counter()
-                llm.generate([prompt] * batch, params)
-                best[name] = max(best.get(name, 0.0), batch * args.new_tokens / (time.perf_counter() - start))
-            with torch.inference_mode():
-                ids = torch.tensor([prompt] * batch, device=args.device)
+                run(fresh_prompt(), 1)
+                prefill = time.perf_counter() - start
+                prompt = fresh_prompt()
                 start = time.perf_counter()
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
-                                  min_new_tokens=args.new_tokens, do_sample=False)
-                out.cpu()  # waits for the GPU
-                best[hf_name] = max(best.get(hf_name, 0.0), batch * args.new_tokens / (time.perf_counter() - start))
-        weight_bytes = {dt: sum(p.numel() for n, p in hf.named_parameters() if "embed" not in n) * size
+                outputs[name] = run(prompt, args.new_tokens)
+                whole = time.perf_counter() - start
+                e2e[name] = max(e2e.get(name, 0.0), batch * args.new_tokens / whole)
+                best[name] = max(best.get(name, 0.0), batch * (args.new_tokens - 1) / max(whole - prefill, 1e-9))
+        same = {}  # llama.cpp system -> tokens equal to Tandem fp32's before the first difference (one prompt)
+        if "tandem float32 off" in runs:
+            ref_prompt = fresh_prompt()
+            ref = runs["tandem float32 off"](ref_prompt, args.new_tokens)
+            for name in runs:
+                if name.startswith("llama.cpp"):
+                    got = runs[name](ref_prompt, args.new_tokens)
+                    same[name] = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(got))
+        # Every parameter once: the embedding lookup reads one row, but the (tied) LM head reads all of it.
+        weight_bytes = {dt: sum(p.numel() for p in hf.parameters()) * size
                         for dt, size in (("float32", 4), ("bfloat16", 2))}
         for name, tok_s in best.items():
-            dtype = name.split()[1]
-            row = {"batch": batch, "system": name, "tok_s": round(tok_s, 1),
+            dtype = _DTYPES.get(name.split()[1], name.split()[1])
+            row = {"batch": batch, "system": name, "tok_s": round(tok_s, 1), "with_prefill_tok_s": round(e2e[name], 1),
                    "vs_transformers": round(tok_s / best[hf_name], 2)}
+            cpp_name = f"llama.cpp {_CPP[dtype]}"
+            if cpp_name in best and not name.startswith("llama.cpp"):
+                row["vs_llama_cpp"] = round(tok_s / best[cpp_name], 2)
+            if name in same:
+                row["same_tokens_as_tandem"] = same[name]
             if batch == 1:
                 row["weights_gb_s"] = round(tok_s * weight_bytes[dtype] / 1e9, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
         del systems, hf
-    table = ["| batch | system | tok/s | vs transformers | weights GB/s (batch 1) |", "|---|---|---|---|---|"]
-    table += [f"| {r['batch']} | {r['system']} | {r['tok_s']} | {r['vs_transformers']}x | {r.get('weights_gb_s', '-')} |"
+    table = ["| batch | system | decode tok/s | with prefill | vs transformers | vs llama.cpp (same precision) "
+             "| weights GB/s (batch 1) |", "|---|---|---|---|---|---|---|"]
+    table += [f"| {r['batch']} | {r['system']} | {r['tok_s']} | {r['with_prefill_tok_s']} | {r['vs_transformers']}x "
+              f"| {str(r['vs_llama_cpp']) + 'x' if 'vs_llama_cpp' in r else '-'} | {r.get('weights_gb_s', '-')} |"
               for r in rows]
+    if any("same_tokens_as_tandem" in r for r in rows):
+        table.append("\nllama.cpp greedy tokens equal to Tandem fp32's before the first difference (of "
+                     f"{args.new_tokens}): " + ", ".join(f"{r['system']} {r['same_tokens_as_tandem']}"
+                                                      for r in rows if "same_tokens_as_tandem" in r))
     results = {"model": "smollm2-135m-instruct", "device": device_name(args.device), "on": args.device,
                "threads": args.threads, "new_tokens": args.new_tokens, "runs": rows}
     print(write_results(args.name or f"real_decode_{args.device}", results, "\n".join(table)))
+
+
+_CPP = {"float32": "f32", "bfloat16": "bf16"}
+_DTYPES = {v: k for k, v in _CPP.items()}
+
+
+def llama_cpp_systems(args) -> dict:
+    """llama.cpp on the default model's weights dequantized to f32 and bf16 (bench/llama_cpp.py), batch 1 on the
+    CPU, where the binding is installed (`pip install llama-cpp-python`; a benchmark-only dependency)."""
+    from bench import llama_cpp
+    from engine.models.gguf import cache_root
+    from zoo.models import smollm2_gguf
+
+    if args.device != "cpu" or not llama_cpp.available():
+        print("llama.cpp: not measured (CPU only; pip install llama-cpp-python)")
+        return {}
+    src = smollm2_gguf()
+    out = {}
+    for precision in ("f32", "bf16"):
+        path = llama_cpp.write_dense_gguf(src, cache_root() / "gguf" / f"{src.stem}.{precision}.gguf", precision)
+        out[f"llama.cpp {precision}"] = llama_cpp.LlamaCpp(path, args.threads)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,10 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="decode: the engine's dtypes")
+    ap.add_argument("--compile-modes", default="off,layers", help="decode on cpu: the engine's cpu_compile modes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--name", default=None, help="results file name under bench/results/ (default real_<what>_<device>)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the engine with its CUDA graphs, transformers in bf16)")
+    ap.add_argument("--cpu-compile", default="off", help="spec on cpu: the engines' cpu_compile (off, gemm, layers)")
+    ap.add_argument("--masks", default="on,off", help="spec: also run heads without draft masks on guided prompts where this names off")
+    ap.add_argument("--sets", default="mt-bench,gsm8k,json-mode-eval", help="spec: prompt sets")
     ap.add_argument("--dtype", default=None, help="spec: the engine's dtype (default: the checkpoint's; bfloat16 on cuda)")
     args = ap.parse_args(argv)
     if args.dtype is None and args.device != "cpu":
@@ -198,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = [int(b) for b in (args.batches or ("1,16" if args.what == "spec" else "1,16,64")).split(",")]
     args.ks = [int(k) for k in args.ks.split(",")]
     args.methods = args.methods.split(",")
+    args.masks, args.sets = args.masks.split(","), args.sets.split(",")
+    args.dtypes, args.compile_modes = args.dtypes.split(","), args.compile_modes.split(",")
     (spec if args.what == "spec" else decode)(args)
     return 0
 

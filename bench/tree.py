@@ -61,6 +61,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-compile", default="off", help="the engines' cpu_compile: off, gemm or layers")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--name", default=None)
     ap.add_argument("--quick", action="store_true",
@@ -91,14 +92,15 @@ def main(argv=None) -> None:
     # (head, config, variant) -> engine; "masks" (expansion and verification masks, forced drafts, calibrated
     # scores); for guided requests only "verify-only" (draft_masks=False), "no-forced" (forced_drafts=False);
     # "draft-score" (tree_score="draft") for all
-    engines = {("none", "none", "masks"): LLM(target, device=args.device, max_num_seqs=1, num_kv_blocks=160)}
+    kw = {"cpu_compile": args.cpu_compile} if args.device == "cpu" else {}
+    engines = {("none", "none", "masks"): LLM(target, device=args.device, max_num_seqs=1, num_kv_blocks=160, **kw)}
     variants = {"masks": {}, "verify-only": dict(draft_masks=False), "no-forced": dict(forced_drafts=False),
                 "draft-score": dict(tree_score="draft")}
     for method in args.methods.split(","):
         for label, fields in configs(method, heads[method], args.budget, not args.quick):
             for variant in (args.variants.split(",") if "tree" in label else ("masks",)):
                 engines[(method, label, variant)] = LLM(target, device=args.device, max_num_seqs=1, num_kv_blocks=160,
-                                                        speculative=SpecConfig(**fields, **variants[variant]))
+                                                        speculative=SpecConfig(**fields, **variants[variant]), **kw)
     for name, prompts in sets.items():
         guided = any(schema is not None for _, schema in prompts)
         keys = [key for key in engines if guided or key[2] in ("masks", "draft-score")]
@@ -130,7 +132,7 @@ def main(argv=None) -> None:
         table.append(f"| {r['prompts']} | {r['method']} | {r['config']} | {grammar} | {acc} | {r['tok_s']} "
                      f"| {r['vs_none']:.2f}x | {r['lossless']} |")
     results = {"model": "zoo writer" if args.zoo else "smollm2-135m-instruct", "device": device_name(args.device),
-               "budget": args.budget, "prompts": args.prompts, "max_tokens": args.max_tokens, "batch": 1, "runs": rows}
+               "budget": args.budget, "cpu_compile": args.cpu_compile, "prompts": args.prompts, "max_tokens": args.max_tokens, "batch": 1, "runs": rows}
     print(write_results(args.name or f"tree_vs_chain_{args.device}", results, "\n".join(table)))
 
 
