@@ -67,6 +67,8 @@ class PiecewiseForward:
         if pad:
             inputs = tuple(F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) for x in inputs)
             positions = F.pad(positions, (0, pad))
+        else:  # the pieces were traced with dense rows; a tree's frontier states are one row expanded (stride 0)
+            inputs = tuple(x.contiguous() for x in inputs)
         cos2, sin2 = rope_rows(positions, self.cos_sin)
         q, k, v, residual = stages[0](*inputs, cos2, sin2)
         residuals = []

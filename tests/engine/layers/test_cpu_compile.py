@@ -78,3 +78,23 @@ def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
     else:
         assert runner.model.piecewise is None
         assert runner.model.layers[0].self_attn.qkv_proj.packed.kernels == {1: True, 4: True, 8: True}
+
+
+@pytest.mark.slow
+def test_draft_trees_run_on_compiled_layers(zoo_dir):
+    """A tree's frontier states are one row expanded (stride 0 at batch 1); the pieces, traced with dense rows,
+    take them made dense (they once failed inductor's stride check on the first expansion). Greedy tokens equal
+    the eager engine without speculation, and the MTP head's pieces carried the expansions."""
+    from engine import LLM, SamplingParams, SpecConfig
+    import zoo
+
+    zoo_paths = zoo.layout(zoo_dir)
+    prompts = ["{\"name\": ", "def add(a, b):"]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(zoo_paths.target), max_num_seqs=1, num_kv_blocks=64,
+                                     block_size=16).generate(prompts, params)]
+    spec = SpecConfig(method="mtp", k=3, topk=2, num_verify_tokens=5, draft=str(zoo_paths.mtp))
+    tree = LLM(str(zoo_paths.target), max_num_seqs=1, num_kv_blocks=64, block_size=16, speculative=spec,
+               cpu_compile="layers")
+    assert [o.token_ids for o in tree.generate(prompts, params)] == want
+    assert tree.engine.runner.proposer.head.piecewise.runs > 10
