@@ -3,6 +3,8 @@ verification rows. The engine loads it, builds its drafter beside it (a draft he
 LM head: engine/speculative/drafter.py) and hands both to the model runner, which runs them."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.config import EngineConfig, ModelConfig, position_margin
@@ -13,6 +15,8 @@ from engine.layers.linear import VERIFY_ROWS_BUDGET, matvec_layout
 from engine.models.loader import load_weights
 from engine.models.registry import build_model
 from engine.speculative.loading import DraftTarget
+
+log = logging.getLogger(__name__)
 
 
 def load_target(cfg: EngineConfig, model_cfg: ModelConfig, tp: TPContext, max_model_len: int,
@@ -25,6 +29,12 @@ def load_target(cfg: EngineConfig, model_cfg: ModelConfig, tp: TPContext, max_mo
                                     f"'mtp' (the checkpoint's own layer), 'ngram' or 'grammar'")
     device = torch.device(cfg.device)
     dtype = cfg.torch_dtype(model_cfg)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        # Measured on a 2-core AMD EPYC with avx512_bf16 (bench/results/real_decode_quiet_cpu.md): SmolLM2 bf16
+        # decoded at 1.7 tok/s eager and 4.5 compiled, fp32 at 13.9 and 22.2. Said once per load, not refused:
+        # another CPU or torch build may do better, and bf16 halves the weights' memory.
+        log.warning("bf16 on CPU: this torch build's bf16 matmuls ran 5-8x slower than fp32 where measured "
+                    "(bench/results/real_decode_quiet_cpu.md); pass dtype='float32' (--dtype float32) for speed")
     # Draft chains and padded verification rows run past the last token: the rope table covers them.
     k = spec.num_nodes if spec is not None else 0  # a tree's rows: num_nodes >= k
     max_pos = max_model_len + position_margin(k)

@@ -61,12 +61,15 @@ def test_greedy_generation_matches_transformers(checkpoints, arch):
         assert out.finish_reason == "length"
 
 
-def test_bf16_and_sharded_checkpoint(tmp_path):
-    """A bf16 checkpoint split over several safetensors shards with an index loads and matches."""
+def test_bf16_and_sharded_checkpoint(tmp_path, caplog):
+    """A bf16 checkpoint split over several safetensors shards with an index loads and matches; on CPU the load
+    says that fp32 is the fast choice there."""
     hf = make_checkpoint(tmp_path, "llama", seed=3, dtype=torch.bfloat16, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=32, block_size=4))
+    with caplog.at_level("WARNING", logger="engine.runner.target"):
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=32, block_size=4))
     assert engine.runner.dtype == torch.bfloat16
+    assert "bf16 on CPU" in caplog.text and "float32" in caplog.text
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0].float()
     got = engine_logits(engine, PROMPT, [9, 6])
