@@ -236,7 +236,7 @@ def llama_cpp_systems(args) -> dict:
     """llama.cpp on the default model's weights dequantized to f32 and bf16 (bench/llama_cpp.py), batch 1 on the
     CPU, where the binding is installed (`pip install llama-cpp-python`; a benchmark-only dependency)."""
     from bench import llama_cpp
-    from engine.models.gguf import cache_root
+    from engine.models.gguf import cache_root, file_sha256
     from zoo.models import smollm2_gguf
 
     if args.device != "cpu" or not llama_cpp.available():
@@ -245,7 +245,9 @@ def llama_cpp_systems(args) -> dict:
     src = smollm2_gguf()
     out = {}
     for precision in ("f32", "bf16"):
-        path = llama_cpp.write_dense_gguf(src, cache_root() / "gguf" / f"{src.stem}.{precision}.gguf", precision)
+        # named by the source's content, as the engine's converted directory is (a new package version: new files)
+        dense = cache_root() / "gguf" / f"{src.stem}-{file_sha256(src)[:16]}.{precision}.gguf"
+        path = llama_cpp.write_dense_gguf(src, dense, precision)
         out[f"llama.cpp {precision}"] = llama_cpp.LlamaCpp(path, args.threads)
     return out
 
