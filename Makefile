@@ -36,6 +36,8 @@ endif
 	# instructor (a client library the API is tested with) pins jiter < 0.15 where openai 3.57 needs >= 0.16;
 	# resolved together, pip falls back to openai 3.3. It runs with the newer jiter (tests/router).
 	$(PY) -m pip install -q --no-deps $(INSTRUCTOR)
+	# The C++ CPU kernels (kernels/cpu_ext.py), built once per machine here rather than by a first request.
+	$(PY) -c "from kernels import cpu_ext; cpu_ext.available() or print('C++ CPU kernels off:', cpu_ext.why_off())"
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -21,6 +21,7 @@ CPU's least disturbed one).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.common import device_name, shared_data, write_results
+from kernels import cpu_ext
 
 
 def prompt_sets(tokenizer, n: int, data: Path | None = None) -> dict[str, list[tuple[list[int], dict | None]]]:
@@ -154,9 +156,12 @@ def decode(args) -> None:
         hf_name = f"transformers {str(hf_dtype).removeprefix('torch.')}"
         hf = AutoModelForCausalLM.from_pretrained(target, dtype=hf_dtype).eval().to(args.device)
 
-        def tandem(llm):
+        def tandem(llm, attention="kernel"):
             def run(prompt, n):
-                outs = llm.generate([prompt] * batch, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                # "reference": the torch reference attention in place of the C++ CPU kernel (kernels/cpu_ext.py)
+                with cpu_ext.turned_off() if attention == "reference" else contextlib.nullcontext():
+                    outs = llm.generate([prompt] * batch, SamplingParams(max_tokens=n, temperature=0,
+                                                                         ignore_eos=True))
                 return list(outs[0].token_ids)
             return run
 
@@ -167,7 +172,10 @@ def decode(args) -> None:
                               do_sample=False)
             return out[0, len(prompt):].tolist()  # .tolist() waits for the GPU
 
-        runs = {name: tandem(llm) for name, llm in systems.items()}
+        runs = {}
+        for name, llm in systems.items():
+            for attention in (args.cpu_attention if args.device == "cpu" else ("kernel",)):
+                runs[name + ("" if attention == "kernel" else " ref-attention")] = tandem(llm, attention)
         for name, model in (llama_cpp_systems(args) if batch == 1 else {}).items():
             runs[name] = lambda prompt, n, model=model: model.generate(prompt, n)[0]
         runs[hf_name] = transformers_run
@@ -264,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--dtypes", default="float32,bfloat16", help="decode: the engine's dtypes")
     ap.add_argument("--compile-modes", default="off,layers", help="decode on cpu: the engine's cpu_compile modes")
+    ap.add_argument("--cpu-attention", default="kernel",
+                    help="decode on cpu: kernel (the C++ CPU attention), reference (the torch one), or both: kernel,reference")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--name", default=None, help="results file name under bench/results/ (default real_<what>_<device>)")
@@ -280,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     args.methods = args.methods.split(",")
     args.masks, args.sets = args.masks.split(","), args.sets.split(",")
     args.dtypes, args.compile_modes = args.dtypes.split(","), args.compile_modes.split(",")
+    args.cpu_attention = args.cpu_attention.split(",")
     (spec if args.what == "spec" else decode)(args)
     return 0
 

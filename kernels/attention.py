@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _attention_triton as _tr
+from kernels import cpu_ext
 from kernels._dispatch import next_pow2, use_triton
 from kernels._launch import launch, multiprocessor_count, on_gpu
 
@@ -304,6 +305,34 @@ def paged_attention_triton(
             HEAD_DIM=D, BLOCK_D=next_pow2(D), SPLITS_P2=next_pow2(num_splits),
         )
     return out
+
+
+# Requests of at most this many rows (decode, draft and verification chains, trees) attend through the C++ CPU
+# kernel; longer ones (prefill chunks) through the reference, whose blocked SDPA is faster there
+# (bench/results/cpu_attention_cpu.md). A short request's rows come from the kernel whatever else is in the step,
+# so a request's tokens do not depend on its batch.
+CPU_KERNEL_MAX_Q = 16
+CPU_KERNEL_HEAD_DIMS = (16, 32, 40, 48, 64, 80, 96, 128, 256)  # instantiated in the C++ (a constant: unrolled)
+
+
+def cpu_kernel_serves(query: torch.Tensor) -> bool:
+    """Whether CPU attention over `query`'s head dim runs paged_attention_cpu (for its short requests)."""
+    return (not use_triton(query) and query.device.type == "cpu" and query.shape[-1] in CPU_KERNEL_HEAD_DIMS
+            and cpu_ext.available())
+
+
+def paged_attention_cpu(
+    query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, tree_mask=None,
+    key=None, value=None, slot_mapping=None, max_rows: int | None = None,
+) -> torch.Tensor:
+    """paged_attention in one C++ call on a CPU (kernels/cpu/paged_attention.cpp), with store_kv fused in when
+    `key`, `value` and `slot_mapping` are given (written first, as store_kv would). `max_rows`: requests with more
+    query rows are skipped, their rows of `out` left as they are. Needs cpu_ext.available()."""
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    return torch.ops.tandem_cpu.paged_attention(query, key, value, k_cache, v_cache, slot_mapping, block_tables,
+                                                seq_lens, query_start_loc, tree_mask, float(scale),
+                                                -1 if max_rows is None else int(max_rows), out)
 
 
 def paged_attention(

@@ -13,7 +13,8 @@ from torch import nn
 
 from engine.scoped import ForwardScoped
 from kernels._dispatch import use_triton
-from kernels.attention import AttentionPlan, paged_attention, plan_paged_attention
+from kernels.attention import (CPU_KERNEL_MAX_Q, AttentionPlan, cpu_kernel_serves, paged_attention, paged_attention_cpu,
+                               plan_paged_attention)
 from kernels.store_kv import StorePlan, plan_store_kv, store_kv
 
 
@@ -77,9 +78,18 @@ class PagedAttention(nn.Module):
         meta = current_metadata()
         k_cache = meta.kv_cache[self.layer_idx, 0]
         v_cache = meta.kv_cache[self.layer_idx, 1]
+        kernel = cpu_kernel_serves(q)
+        if kernel and meta.max_q_len <= CPU_KERNEL_MAX_Q:  # one C++ call: the stores and the attention, no plans
+            out = paged_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                      self.scale, tree_mask=meta.tree_mask, key=k, value=v,
+                                      slot_mapping=meta.slot_mapping)
+            return out.view(q.shape[0], self.num_heads * self.head_dim)
         ref = not use_triton(q)  # the torch reference: its index math is planned once per step, for every layer
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.store_plan() if ref else None)
         plan = meta.attention_plan(q.shape[0], k_cache.shape[1], self.group) if ref else None
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                               self.scale, meta.max_q_len, meta.max_seq_len, plan=plan, tree_mask=meta.tree_mask)
+        if kernel and out.stride(2) == 1:  # a prefill chunk beside short requests: theirs from the kernel, as in a step without the chunk
+            paged_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                self.scale, out=out, tree_mask=meta.tree_mask, max_rows=CPU_KERNEL_MAX_Q)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

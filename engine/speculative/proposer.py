@@ -19,7 +19,7 @@ from engine.models.draft_head import DraftHead
 from engine.models.llama import LlamaForCausalLM
 from engine.sample.sampler import SamplingBatch, processed_logits, race
 from kernels._dispatch import use_triton
-from kernels.attention import plan_chain
+from kernels.attention import cpu_kernel_serves, plan_chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ def chain_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, first: torch
     slot_mapping = torch.where(pos < slot_limit, slot, -1)  # [P, B]: writes at or past slot_limit are dropped
     seq_lens = (pos + 1).to(torch.int32)  # [P, B]
     query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=first.device)
-    if use_triton(kv_cache):  # Triton kernels read the tensors alone
+    if use_triton(kv_cache) or cpu_kernel_serves(kv_cache):  # kernels that read the tensors alone
         plans = [{} for _ in range(passes)]
     else:  # the reference path's plans, under the keys AttentionMetadata looks them up by
         plans = [{"store": store, (B, block_size, group): attend}

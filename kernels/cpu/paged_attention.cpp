@@ -1,0 +1,302 @@
+// Paged attention for a CPU step's few-row queries (decode rows, draft chains, verification chains and
+// trees), with the step's K/V stores fused in: torch.ops.tandem_cpu.paged_attention.
+//
+// Why C++: the torch reference (kernels/attention.py) spends ~250 us a layer on a one-row decode, warm, and
+// ~470 us in a decode step (2-core EPYC, SmolLM2-135M, ~130 tokens of context), almost all of it in a dozen
+// small ops: 14 ms of a 52 ms step (bench/results/cpu_attention_cpu.md). Here one call per layer stores the new rows, then every (query row,
+// KV head) pair walks its request's pages once: the G query heads of a KV head share each K/V row read.
+// Semantics are the reference's: causal within a request's new rows, a draft tree's mask over the last
+// 64 positions (bit w admits position seq_len - 64 + w; position 0 is always admitted), rows past
+// query_start_loc[B] zeroed. Scores accumulate in fp32 whatever the cache's dtype. max_rows >= 0 leaves the
+// rows of longer requests (prefill chunks) untouched, for the caller's reference to fill.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+struct Scratch {  // per thread, reused across its items
+  std::vector<float> qf, scores, kbuf, vbuf;
+  std::vector<const float*> krow, vrow;
+};
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+
+template <typename scalar_t>
+void store_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                const at::Tensor& slot_mapping) {
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const scalar_t* k = key.data_ptr<scalar_t>();
+  const scalar_t* v = value.data_ptr<scalar_t>();
+  scalar_t* kc = k_cache.data_ptr<scalar_t>();
+  scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0) continue;  // padding row, or a draft write past the request's blocks
+    TORCH_CHECK(s < num_slots, "slot ", s, " is past the cache's ", num_slots, " slots");
+    std::copy(k + t * key.stride(0), k + t * key.stride(0) + row, kc + s * row);
+    std::copy(v + t * value.stride(0), v + t * value.stride(0) + row, vc + s * row);
+  }
+}
+
+// Eight dot products q . k[j], j < 8, of length D (a multiple of 8): on AVX2 eight accumulators and one
+// horizontal-add tree for all eight (a tree per dot product cost more than its multiply-adds).
+template <int D>
+inline void dot8(const float* q, const float* const* k, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int d = 0; d < D; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), a[j]);
+  }
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half: sums of 4
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+#else
+  for (int j = 0; j < 8; ++j) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int d = 0; d < D; ++d) s += q[d] * k[j][d];
+    out[j] = s;
+  }
+#endif
+}
+
+// One request's KV heads h0..h1-1: its q_len rows x H heads x G query heads (R vectors, r = (i * H + hh)
+// * G + g for row i and query head (h0 + hh) * G + g) against the request's n positions. Scores land in
+// [R][n] rows: 8 positions at a time per vector, then each row's softmax over contiguous floats, then
+// each vector's weighted sum of V rows with its D accumulators in registers.
+template <typename scalar_t, int D>
+void attend_request(const scalar_t* q, int64_t q_t, int64_t q_h, const scalar_t* kc, const scalar_t* vc,
+                    const int32_t* table, int64_t S, int64_t Hkv, int64_t h0, int64_t h1, int64_t G, int64_t row0,
+                    int64_t q_len, int64_t len, int64_t limit, const int64_t* bits, float scale, scalar_t* o,
+                    int64_t o_t, int64_t o_h, Scratch& w) {
+  const int64_t H = h1 - h0, HG = H * G, R = q_len * HG;
+  const int64_t first = len - q_len;  // position of the first new row
+  const int64_t n = std::min<int64_t>(len, limit);  // positions any row may read
+  const int64_t window = len - 64;  // a tree mask decides positions window..len-1
+  constexpr float NEG = -std::numeric_limits<float>::infinity();
+  if (n <= 0) {
+    for (int64_t i = 0; i < q_len; ++i)
+      for (int64_t hg = 0; hg < HG; ++hg)
+        std::fill(o + (row0 + i) * o_t + (h0 * G + hg) * o_h, o + (row0 + i) * o_t + (h0 * G + hg) * o_h + D, scalar_t(0));
+    return;
+  }
+  w.qf.resize(R * D);
+  w.scores.resize(R * n);
+  w.krow.resize(n * H);
+  w.vrow.resize(n * H);
+  for (int64_t i = 0; i < q_len; ++i)
+    for (int64_t hg = 0; hg < HG; ++hg)
+      for (int d = 0; d < D; ++d)
+        w.qf[(i * HG + hg) * D + d] = to_f(q[(row0 + i) * q_t + (h0 * G + hg) * q_h + d]) * scale;
+  // Each position's K and V rows of these heads as fp32 pointers: read in place, or converted once.
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    w.kbuf.resize(n * H * D);
+    w.vbuf.resize(n * H * D);
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t slot = int64_t(table[p / S]) * S + p % S;
+    for (int64_t hh = 0; hh < H; ++hh) {
+      const int64_t off = (slot * Hkv + h0 + hh) * D;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        w.krow[p * H + hh] = kc + off;
+        w.vrow[p * H + hh] = vc + off;
+        // Ask for every line now: a decode step finds its KV evicted by the layer's weights, and waiting
+        // for one miss at a time (the loops below) cost 2-3x the arithmetic.
+        for (int d = 0; d < D; d += 64 / int(sizeof(float))) {
+          __builtin_prefetch(kc + off + d);
+          __builtin_prefetch(vc + off + d);
+        }
+      } else {
+        float* kb = w.kbuf.data() + (p * H + hh) * D;
+        float* vb = w.vbuf.data() + (p * H + hh) * D;
+        for (int d = 0; d < D; ++d) kb[d] = to_f(kc[off + d]), vb[d] = to_f(vc[off + d]);
+        w.krow[p * H + hh] = kb;
+        w.vrow[p * H + hh] = vb;
+      }
+    }
+  }
+  float block[8];
+  for (int64_t hh = 0; hh < H; ++hh)
+    for (int64_t p = 0; p < n; p += 8) {
+      const int64_t m = std::min<int64_t>(8, n - p);
+      const float* k[8];
+      for (int64_t j = 0; j < 8; ++j) k[j] = w.krow[(p + (j < m ? j : 0)) * H + hh];
+      for (int64_t i = 0; i < q_len; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = (i * H + hh) * G + g;
+          dot8<D>(w.qf.data() + r * D, k, block);
+          std::copy(block, block + m, w.scores.data() + r * n + p);
+        }
+    }
+  // Row i reads positions 0..first+i; a tree mask refuses some of the last 64 (never position 0).
+  for (int64_t i = 0; i < q_len; ++i) {
+    const int64_t last = first + i;  // causal: nothing past the row's own position
+    const int64_t from = bits ? std::min<int64_t>(std::max<int64_t>(1, window), last + 1) : last + 1;
+    for (int64_t p = std::max<int64_t>(from, 1); p < n; ++p) {  // position 0 always (no row sees nothing)
+      const bool refused = p > last || !((bits[row0 + i] >> (p - window)) & 1);  // here bits is set if p <= last
+      if (!refused) continue;
+      for (int64_t hg = 0; hg < HG; ++hg) w.scores[(i * HG + hg) * n + p] = NEG;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = w.scores.data() + r * n;
+    float top = NEG;
+    for (int64_t p = 0; p < n; ++p) top = std::max(top, sr[p]);
+    float sum = 0.f;
+    for (int64_t p = 0; p < n; ++p) {
+      const float e = std::exp(sr[p] - top);  // exp(-inf) = 0 for refused positions
+      sr[p] = e;
+      sum += e;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int64_t i = r / HG, hg = r % HG, hh = hg / G;
+    float a[D] = {};
+    for (int64_t p = 0; p < n; ++p) {
+      const float e = sr[p];
+      if (e == 0.f) continue;  // refused (or negligible): never 0 * an unwritten slot's NaN
+      const float* v = w.vrow[p * H + hh];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) a[d] += e * v[d];
+    }
+    scalar_t* og = o + (row0 + i) * o_t + (h0 * G + hg) * o_h;
+    for (int d = 0; d < D; ++d) og[d] = static_cast<scalar_t>(a[d] * inv);
+  }
+}
+
+template <typename scalar_t, int D>
+void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+            const c10::optional<at::Tensor>& tree_mask, double scale, int64_t max_rows, at::Tensor& out) {
+  const int64_t T = query.size(0), Hq = query.size(1);
+  const int64_t S = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv;
+  const int64_t B = block_tables.size(0), M = block_tables.size(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* seq = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int64_t* bits = tree_mask.has_value() ? tree_mask->data_ptr<int64_t>() : nullptr;
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t q_t = query.stride(0), q_h = query.stride(1), o_t = out.stride(0), o_h = out.stride(1);
+  const int64_t real = std::min<int64_t>(std::max<int32_t>(qsl[B], 0), T);
+  auto zero = [&](int64_t t) {
+    for (int64_t h = 0; h < Hq; ++h) std::fill(o + t * o_t + h * o_h, o + t * o_t + h * o_h + D, scalar_t(0));
+  };
+  // Rows owned by no request (padding past qsl[B], or gaps) are zero, as in the reference.
+  std::vector<char> owned(T, 0);
+  int64_t work = 0;  // ~multiply-adds, to decide whether waking a second thread pays
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t lo = std::max<int32_t>(qsl[b], 0), hi = std::min<int64_t>(qsl[b + 1], real);
+    for (int64_t t = lo; t < hi; ++t) owned[t] = 1;
+    if (hi > lo && (max_rows < 0 || hi - lo <= max_rows)) work += (hi - lo) * int64_t(std::max(seq[b], 0)) * Hq * D * 2;
+  }
+  for (int64_t t = 0; t < T; ++t)
+    if (!owned[t]) zero(t);
+  // The pages each attended request reads must be the cache's (checked here, not inside the threads).
+  const int64_t N = k_cache.size(0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t lo = std::max<int32_t>(qsl[b], 0), hi = std::min<int64_t>(qsl[b + 1], real);
+    if (hi <= lo || (max_rows >= 0 && hi - lo > max_rows)) continue;
+    const int64_t pages = (std::min<int64_t>(std::max(seq[b], 0), M * S) + S - 1) / S;
+    for (int64_t i = 0; i < pages; ++i)
+      TORCH_CHECK(tables[b * M + i] >= 0 && tables[b * M + i] < N, "block_tables[", b, ", ", i, "] = ",
+                  tables[b * M + i], " is not a block of the cache's ", N);
+  }
+  // Work items: whole requests (each page read once, front to back) when they are enough to keep every
+  // thread busy or the step is too small to wake a second thread (a batch-1 decode row: a wake-up costs more
+  // than it saves); otherwise (request, KV head) pairs.
+  const bool inline_ = work < (1 << 18);
+  const int64_t split = inline_ || B >= 2 * at::get_num_threads() ? 1 : Hkv;
+  const int64_t items = B * split;
+  const int64_t grain = inline_ ? items + 1 : 1;  // a grain past the range runs on this thread
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / split;
+      const int64_t h0 = split == 1 ? 0 : item % split, h1 = split == 1 ? Hkv : h0 + 1;
+      const int64_t lo = std::max<int32_t>(qsl[b], 0), hi = std::min<int64_t>(qsl[b + 1], real);
+      if (hi <= lo || (max_rows >= 0 && hi - lo > max_rows)) continue;  // longer requests: the caller's
+      attend_request<scalar_t, D>(q, q_t, q_h, kc, vc, tables + b * M, S, Hkv, h0, h1, G, lo, hi - lo, seq[b],
+                                  M * S, bits, float(scale), o, o_t, o_h, scratch);
+    }
+  });
+}
+
+// The head dim as a constant: unrolled, vectorized dot products. Mirrored by CPU_KERNEL_HEAD_DIMS
+// (kernels/attention.py), which keeps other head dims on the reference.
+template <typename scalar_t>
+void attend_any(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                const c10::optional<at::Tensor>& tree_mask, double scale, int64_t max_rows, at::Tensor& out) {
+  switch (query.size(2)) {
+#define TANDEM_HEAD_DIM(d) \
+  case d: attend<scalar_t, d>(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree_mask, scale, max_rows, out); break;
+    TANDEM_HEAD_DIM(16) TANDEM_HEAD_DIM(32) TANDEM_HEAD_DIM(40) TANDEM_HEAD_DIM(48) TANDEM_HEAD_DIM(64)
+    TANDEM_HEAD_DIM(80) TANDEM_HEAD_DIM(96) TANDEM_HEAD_DIM(128) TANDEM_HEAD_DIM(256)
+#undef TANDEM_HEAD_DIM
+    default: TORCH_CHECK(false, "tandem_cpu.paged_attention: head dim ", query.size(2),
+                         " is not built (16, 32, 40, 48, 64, 80, 96, 128, 256)");
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key,
+                           const c10::optional<at::Tensor>& value, at::Tensor k_cache, at::Tensor v_cache,
+                           const c10::optional<at::Tensor>& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                           const c10::optional<at::Tensor>& tree_mask, double scale, int64_t max_rows, at::Tensor out) {
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "tandem_cpu.paged_attention runs on CPU tensors");
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "query [T, Hq, D], caches [N, S, Hkv, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "per-layer caches must be contiguous");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && out.sizes() == query.sizes(), "query/out [T, Hq, D], unit stride in D");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(), "one dtype for query, cache and out");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0, "head dims / GQA group");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables int32, contiguous");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.size(0) == block_tables.size(0), "seq_lens int32 [B]");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
+              query_start_loc.size(0) == block_tables.size(0) + 1, "query_start_loc int32 [B + 1]");
+  if (tree_mask.has_value())
+    TORCH_CHECK(tree_mask->scalar_type() == at::kLong && tree_mask->is_contiguous() && tree_mask->size(0) == query.size(0), "tree_mask int64 [T]");
+  const bool store = key.has_value();
+  if (store) {
+    TORCH_CHECK(value.has_value() && slot_mapping.has_value(), "key, value and slot_mapping come together");
+    TORCH_CHECK(key->scalar_type() == k_cache.scalar_type() && value->scalar_type() == k_cache.scalar_type(), "key/value in the cache's dtype");
+    TORCH_CHECK(key->dim() == 3 && key->size(1) == k_cache.size(2) && key->size(2) == k_cache.size(3) && key->sizes() == value->sizes() &&
+                key->stride(2) == 1 && key->stride(1) == key->size(2) && value->stride(2) == 1 && value->stride(1) == value->size(2),
+                "key/value [T, Hkv, D], dense rows");
+    TORCH_CHECK(slot_mapping->scalar_type() == at::kLong && slot_mapping->is_contiguous() && slot_mapping->size(0) == key->size(0), "slot_mapping int64 [T]");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "tandem_cpu.paged_attention", [&] {
+    if (store) store_rows<scalar_t>(*key, *value, k_cache, v_cache, *slot_mapping);
+    attend_any<scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree_mask, scale, max_rows, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("paged_attention(Tensor query, Tensor? key, Tensor? value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor? slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor? tree_mask, "
+        "float scale, int max_rows, Tensor(c!) out) -> Tensor(c!)");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
