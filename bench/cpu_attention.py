@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                "kernel_us": round(ker_us, 1), "speedup": round(ref_us / ker_us, 2), "max_abs_diff": err}
         rows.append(row)
         print(row, flush=True)
-    table = ["| requests | context | rows/request | reference us | C++ kernel us | speedup |", "|---|---|---|---|---|---|"]
+    table = ["| requests | context | rows/request | reference us | C++ kernel us | speedup |",
+             "|---|---|---|---|---|---|"]
     table += [f"| {r['requests']} | {r['context']} | {r['rows_per_request']} | {r['reference_us']} | "
               f"{r['kernel_us']} | {r['speedup']}x |" for r in rows]
     payload = {"device": device_name("cpu"), "threads": args.threads, "heads": "9 query / 3 KV, head dim 64",

@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="decode: the engine's dtypes")
     ap.add_argument("--compile-modes", default="off,layers", help="decode on cpu: the engine's cpu_compile modes")
     ap.add_argument("--cpu-attention", default="kernel",
-                    help="decode on cpu: kernel (the C++ CPU attention), reference (the torch one), or both: kernel,reference")
+                    help="decode on cpu: kernel (the C++ CPU attention), reference (the torch one), or both: "
+                         "kernel,reference")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--name", default=None, help="results file name under bench/results/ (default real_<what>_<device>)")

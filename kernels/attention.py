@@ -6,10 +6,10 @@ varlen set of B requests: request b owns query rows `query_start_loc[b]:query_st
 new tokens sit at the end of its `seq_lens[b]` KV positions (store_kv has already written them).
 
 Each public function picks the Triton kernel on CUDA (or everywhere when TRITON_INTERPRET=1) and the
-vectorized torch reference otherwise; on a CPU the engine's attention layer runs its short requests through the C++
-kernel instead (paged_attention_cpu, kernels/cpu/paged_attention.cpp). The Triton path reads no tensor data on the host: launch bounds
-(`max_q_len`, `max_seq_len`) are host ints supplied by the caller, so it is CUDA-graph capturable. The
-reference's attention plan reads the query lengths on the host when a step has a long query (it runs
+vectorized torch reference otherwise; on a CPU the engine's attention layer runs its short requests through the
+C++ kernel instead (paged_attention_cpu, kernels/cpu/paged_attention.cpp). The Triton path reads no tensor data on
+the host: launch bounds (`max_q_len`, `max_seq_len`) are host ints supplied by the caller, so it is CUDA-graph
+capturable. The reference's attention plan reads the query lengths on the host when a step has a long query (it runs
 eagerly, never in a graph) to pad decode rows and prefill chunks separately.
 """
 import math

@@ -49,15 +49,17 @@ def _command(src: list[Path], out: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     libs = library_paths()
-    return [_compiler(), "-O3", "-march=native", "-mprefer-vector-width=256", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
+    # 256-bit vectors: GCC tunes some AVX2 CPUs (e.g. "znver1") for 128-bit ones and splits unaligned stores.
+    return [_compiler(), "-O3", "-march=native", "-mprefer-vector-width=256", "-fno-math-errno", "-fopenmp",
+            "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
             *(f"-I{p}" for p in include_paths()), *map(str, src), "-o", str(out),
             *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu"]
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("TANDEM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
-    return Path(base) / "cpu_ext"
+    # The same root as zoo/cache.py's and engine/models/gguf.py's cache_root (kernels import neither package).
+    root = os.environ.get("TANDEM_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "tandem") / "cpu_ext"
 
 
 def _key(src: list[Path]) -> str:

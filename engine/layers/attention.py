@@ -89,7 +89,8 @@ class PagedAttention(nn.Module):
         plan = meta.attention_plan(q.shape[0], k_cache.shape[1], self.group) if ref else None
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                               self.scale, meta.max_q_len, meta.max_seq_len, plan=plan, tree_mask=meta.tree_mask)
-        if kernel and out.stride(2) == 1:  # a prefill chunk beside short requests: theirs from the kernel, as in a step without the chunk
+        if kernel and out.stride(2) == 1:
+            # A prefill chunk beside short requests: theirs come from the kernel, as in a step without the chunk.
             paged_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 self.scale, out=out, tree_mask=meta.tree_mask, max_rows=CPU_KERNEL_MAX_Q)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
