@@ -175,6 +175,8 @@ def decode(args) -> None:
         runs = {}
         for name, llm in systems.items():
             for attention in (args.cpu_attention if args.device == "cpu" else ("kernel",)):
+                if attention == "reference" and name.endswith(" full"):
+                    continue  # the full graphs hold the C++ attention itself (engine/models/piecewise.py)
                 runs[name + ("" if attention == "kernel" else " ref-attention")] = tandem(llm, attention)
         for name, model in (llama_cpp_systems(args) if batch == 1 else {}).items():
             runs[name] = lambda prompt, n, model=model: model.generate(prompt, n)[0]
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--dtypes", default="float32,bfloat16", help="decode: the engine's dtypes")
-    ap.add_argument("--compile-modes", default="off,layers", help="decode on cpu: the engine's cpu_compile modes")
+    ap.add_argument("--compile-modes", default="off,layers,full", help="decode on cpu: the engine's cpu_compile modes")
     ap.add_argument("--cpu-attention", default="kernel",
                     help="decode on cpu: kernel (the C++ CPU attention), reference (the torch one), or both: "
                          "kernel,reference")

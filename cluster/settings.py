@@ -87,10 +87,11 @@ class EngineSettings(BaseModel):
                                                            "unset).")
     async_scheduling: bool = Field(False, description="Engines launch step N+1 before reading step N "
                                    "(engine/runner/overlap.py): hides host time on GPUs; on CPUs it only reorders it.")
-    cpu_compile: Literal["off", "gemm", "layers"] = Field(
+    cpu_compile: Literal["off", "gemm", "layers", "full"] = Field(
         "off", description="CPU engines compile with inductor (engine/layers/cpu_compile.py): gemm = matmuls of 1-16 rows "
                            "through GEMMs on prepacked weights; layers = also each stretch between two attentions "
-                           "compiled whole (tp 1, no ADP). Faster decode; a compile per shape at start-up.")
+                           "compiled whole (tp 1, no ADP); full = the whole forward one graph, its attentions the C++ "
+                           "CPU kernel's. Faster decode; a compile per shape at start-up.")
 
     @model_validator(mode="after")
     def _check(self):

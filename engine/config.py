@@ -344,9 +344,11 @@ class EngineConfig:
     # CPU only (engine/layers/cpu_compile.py): "gemm" runs matmuls of 1-16 rows (decode, verification chains, draft
     # passes) through inductor-compiled GEMMs on prepacked weights (engine/layers/packed_gemm.py); "layers" also
     # compiles each stretch between two attentions of the target (and an MTP head or draft model) into one
-    # kernel set per row bucket (engine/models/piecewise.py), with tp_size 1 and no ADP (else as "gemm").
+    # kernel set per row bucket (engine/models/piecewise.py), with tp_size 1 and no ADP (else as "gemm"); "full"
+    # compiles the whole forward of a row bucket as one graph, its attentions inside as the C++ CPU kernel's ops
+    # (as "layers" where that kernel does not serve the model's head dim or is off).
     # Costs a compile per shape at start-up and a packed copy of the weights per row bucket used.
-    cpu_compile: str = "off"  # off | gemm | layers
+    cpu_compile: str = "off"  # off | gemm | layers | full
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpecConfig.coerce(self.speculative))
@@ -354,8 +356,8 @@ class EngineConfig:
             from engine.models.gguf import gguf_model_dir  # here, not at the top: config sits below models
 
             object.__setattr__(self, "model", str(gguf_model_dir(self.model)))
-        if self.cpu_compile not in ("off", "gemm", "layers"):
-            raise ValueError(f"cpu_compile must be 'off', 'gemm' or 'layers', got {self.cpu_compile!r}")
+        if self.cpu_compile not in ("off", "gemm", "layers", "full"):
+            raise ValueError(f"cpu_compile must be 'off', 'gemm', 'layers' or 'full', got {self.cpu_compile!r}")
         if self.attention_dp not in (1, self.tp_size):
             raise ValueError(f"attention_dp must be 1 (off) or tp_size ({self.tp_size}), got {self.attention_dp}: "
                              f"attention tensor parallelism inside data-parallel groups is not supported")

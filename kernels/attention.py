@@ -12,6 +12,7 @@ the host: launch bounds (`max_q_len`, `max_seq_len`) are host ints supplied by t
 capturable. The reference's attention plan reads the query lengths on the host when a step has a long query (it runs
 eagerly, never in a graph) to pad decode rows and prefill chunks separately.
 """
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -334,6 +335,25 @@ def paged_attention_cpu(
     return torch.ops.tandem_cpu.paged_attention(query, key, value, k_cache, v_cache, slot_mapping, block_tables,
                                                 seq_lens, query_start_loc, tree_mask, float(scale),
                                                 -1 if max_rows is None else int(max_rows), out)
+
+
+@contextlib.contextmanager
+def cpu_attention_step(kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, tree_mask=None):
+    """Inside: paged_attention_layer reads this step (a compiled forward's attentions, on this thread). kv_cache
+    [layers, 2, blocks, block_size, Hkv, D]; the rest as paged_attention_cpu's, slot_mapping giving the step's rows.
+    Needs cpu_ext.available()."""
+    torch.ops.tandem_cpu.attention_step_begin(kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                                              tree_mask)
+    try:
+        yield
+    finally:
+        torch.ops.tandem_cpu.attention_step_end()
+
+
+def paged_attention_layer(query, key, value, layer: int, scale: float) -> torch.Tensor:
+    """paged_attention_cpu of layer `layer` of the cpu_attention_step around it, stores fused in: query/key/value may
+    have more rows than the step (a compiled graph's padding bucket), and those rows of the result are zero."""
+    return torch.ops.tandem_cpu.paged_attention_layer(query, key, value, int(layer), float(scale))
 
 
 def paged_attention(

@@ -24,7 +24,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.cpp",)
+SOURCES = ("paged_attention.cpp", "attention_step.cpp")
+HEADERS = ("paged_attention.h",)
 _SRC_DIR = Path(__file__).parent / "cpu"
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool once loading was tried, "why": the reason it is off
@@ -79,7 +80,7 @@ def _key(src: list[Path]) -> str:
 def build() -> Path:
     """The built library's path, building it now if this machine has none yet. Raises on failure."""
     src = [_SRC_DIR / s for s in SOURCES]
-    target_dir = cache_dir() / _key(src)
+    target_dir = cache_dir() / _key(src + [_SRC_DIR / h for h in HEADERS])
     lib = target_dir / "tandem_cpu.so"
     if lib.exists():
         return lib
@@ -112,11 +113,19 @@ def available() -> bool:
         else:
             try:
                 torch.ops.load_library(str(build()))
+                _register_fakes()
                 _state.update(ok=True)
             except Exception as e:  # no compiler, a failed build: the torch references serve
                 _state.update(ok=False, why=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 log.warning("C++ CPU kernels are off (%s); CPU attention runs the torch reference", _state["why"])
         return bool(_state["ok"])
+
+
+def _register_fakes() -> None:
+    """Shapes of the ops that compiled graphs hold (inductor traces them with fake tensors)."""
+    @torch.library.register_fake("tandem_cpu::paged_attention_layer")
+    def _(query, key, value, layer, scale):
+        return query.new_empty(query.shape)
 
 
 def why_off() -> str | None:

@@ -49,9 +49,10 @@ def _outputs(out) -> list[torch.Tensor]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def compile_frozen(name: str, fn: Callable, examples: tuple[torch.Tensor, ...]) -> Callable | None:
+def compile_frozen(name: str, fn: Callable, examples: tuple[torch.Tensor, ...], depth: int = 1) -> Callable | None:
     """fn(*examples) -> tensor or tuple of tensors, compiled for exactly these input shapes and dtypes with
-    every tensor it reads besides its inputs (weights) frozen; None: run fn eagerly."""
+    every tensor it reads besides its inputs (weights) frozen; None: run fn eagerly. `depth`: the layers fn
+    stacks, which the probe's tolerance grows with (rounding differences compound layer by layer)."""
     if _State.disabled is not None:
         return None
     from torch._inductor import config
@@ -73,14 +74,16 @@ def compile_frozen(name: str, fn: Callable, examples: tuple[torch.Tensor, ...]) 
         log.warning("CPU compilation is off (%s, compiling %s); the engine runs eagerly", _State.disabled, name)
         return None
     for g, w in zip(got, want, strict=True):
-        tol = 1e-2 if w.dtype in (torch.bfloat16, torch.float16) else 1e-4
+        tol = (1e-2 if w.dtype in (torch.bfloat16, torch.float16) else 1e-4) * depth ** 0.5
         if w.is_floating_point():
             scale = float(w.float().abs().max().clamp(min=1)) if w.numel() else 1.0
             ok = g.shape == w.shape and torch.allclose(g.float(), w.float(), rtol=tol, atol=tol * scale)
         else:
             ok = torch.equal(g, w)
         if not ok:
-            log.error("compiled %s disagrees with its eager form on a probe; it stays eager", name)
+            diff = float((g.float() - w.float()).abs().max()) if w.is_floating_point() and g.shape == w.shape else None
+            log.error("compiled %s disagrees with its eager form on a probe (max difference %s); it stays eager",
+                      name, "n/a" if diff is None else f"{diff:.3g}")
             return None
     single = not isinstance(raw, (tuple, list))
 

@@ -24,9 +24,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.layers.attention import current_metadata
 from engine.layers.cpu_compile import compile_frozen
 from engine.layers.packed_gemm import PackedGemm
 from engine.layers.rotary import RopeAt
+from kernels.attention import cpu_attention_step, cpu_kernel_serves, paged_attention_layer
 from kernels.norm_rope import rope_rows
 
 
@@ -39,7 +41,7 @@ class PiecewiseForward:
     capture)."""
 
     def __init__(self, name: str, first: Callable, middles: list[Callable], last: Callable, attentions: list,
-                 cos_sin: torch.Tensor, hidden_size: int, dtype: torch.dtype):
+                 cos_sin: torch.Tensor, hidden_size: int, dtype: torch.dtype, full: bool = False):
         assert len(attentions) == len(middles) + 1
         self.name = name
         self.stages = [first, *middles, last]
@@ -47,6 +49,7 @@ class PiecewiseForward:
         self.cos_sin = cos_sin
         self.hidden_size = hidden_size
         self.dtype = dtype
+        self.full = full  # one graph per bucket where the C++ attention serves (EngineConfig.cpu_compile "full")
         self._compiled: dict[int, list[Callable] | None] = {}
         self._lock = threading.Lock()
         self.runs = 0  # forwards that ran compiled (tests, logs)
@@ -58,10 +61,10 @@ class PiecewiseForward:
         b = PackedGemm.bucket(T) if T else None
         if b is None:
             return None
-        stages = self._compiled.get(b, False)
-        if stages is False:
-            stages = self.compile(b, inputs)
-        if stages is None:
+        compiled = self._compiled.get(b, False)
+        if compiled is False:
+            compiled = self.compile(b, inputs)
+        if compiled is None:
             return None
         pad = b - T
         if pad:
@@ -70,6 +73,15 @@ class PiecewiseForward:
         else:  # the pieces were traced with dense rows; a tree's frontier states are one row expanded (stride 0)
             inputs = tuple(x.contiguous() for x in inputs)
         cos2, sin2 = rope_rows(positions, self.cos_sin)
+        if callable(compiled):  # one graph, its attentions inside
+            meta = current_metadata()
+            with cpu_attention_step(meta.kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, meta.tree_mask):
+                outs = compiled(*inputs, cos2, sin2)
+            split = len(outs) - (len(self.stages) - 2)
+            self.runs += 1
+            return tuple(o[:T] for o in outs[:split]), [r[:T] for r in outs[split:]]
+        stages = compiled
         q, k, v, residual = stages[0](*inputs, cos2, sin2)
         residuals = []
         for i, attention in enumerate(self.attentions):
@@ -84,9 +96,10 @@ class PiecewiseForward:
         self.runs += 1
         return tuple(o[:T] for o in out), residuals
 
-    def compile(self, rows: int, like: tuple[torch.Tensor, ...]) -> list[Callable] | None:
-        """Every piece for `rows` rows (a bucket); `like`: inputs of the forward (their dtypes and
-        trailing shapes). None where any piece does not compile."""
+    def compile(self, rows: int, like: tuple[torch.Tensor, ...]) -> Callable | list[Callable] | None:
+        """The forward for `rows` rows (a bucket): one graph with the attentions inside where the C++ CPU attention
+        serves them, else one compiled piece between each two attentions. `like`: inputs of the forward (their
+        dtypes and trailing shapes). None where it does not compile."""
         with self._lock:
             if rows in self._compiled:
                 return self._compiled[rows]
@@ -94,33 +107,74 @@ class PiecewiseForward:
             inputs = tuple(torch.randint(0, 2, (rows, *x.shape[1:]), dtype=x.dtype) if not x.is_floating_point()
                            else torch.randn((rows, *x.shape[1:]), generator=gen, dtype=x.dtype) for x in like)
             cos2, sin2 = rope_rows(torch.arange(rows), self.cos_sin)
-            compiled = []
-            args = (*inputs, cos2, sin2)
-            for i, stage in enumerate(self.stages):
-                fn = compile_frozen(f"{self.name} piece {i} ({rows} rows)", stage, args)
-                if fn is None:
-                    compiled = None
-                    break
-                compiled.append(fn)
-                if i + 1 < len(self.stages):
-                    q = stage(*args)[0]
-                    attn = torch.randn(rows, q.shape[1] * q.shape[2], generator=gen, dtype=self.dtype)
-                    residual = torch.randn(rows, self.hidden_size, generator=gen, dtype=self.dtype)
-                    args = (attn, residual, cos2, sin2) if i + 2 < len(self.stages) else (attn, residual)
+            compiled = self._compile_whole(rows, (*inputs, cos2, sin2)) if self.fusable else None
+            if compiled is None:
+                compiled = self._compile_pieces(rows, (*inputs, cos2, sin2), gen)
             self._compiled[rows] = compiled
             return compiled
 
     @property
+    def fusable(self) -> bool:
+        """Whether one graph holds the attentions: asked to, and the C++ kernel serves them (kernels/attention.py)."""
+        return self.full and all(cpu_kernel_serves(torch.empty(0, a.num_heads, a.head_dim, dtype=self.dtype)) for a in self.attentions)
+
+    def _compile_whole(self, rows: int, args: tuple[torch.Tensor, ...]) -> Callable | None:
+        """(*inputs, cos2, sin2) -> (*last's outputs, *residuals), traced and checked against a scratch cache
+        (one request of `rows` tokens): the compiled function reads whichever step is current when it runs."""
+        stages, attentions = self.stages, self.attentions
+
+        def whole(*args):
+            q, k, v, residual = stages[0](*args)
+            cos2, sin2 = args[-2:]
+            residuals = []
+            for i, a in enumerate(attentions):
+                attn = paged_attention_layer(q, k, v, a.layer_idx, a.scale).view(q.shape[0], -1)
+                if i + 1 < len(attentions):
+                    q, k, v, residual = stages[i + 1](attn, residual, cos2, sin2)
+                    residuals.append(residual)
+                else:
+                    out = stages[-1](attn, residual)
+            return (*out, *residuals)
+
+        a = self.attentions[0]
+        size, blocks = 16, -(-rows // 16)
+        kv = torch.zeros(max(x.layer_idx for x in attentions) + 1, 2, blocks + 1, size, a.num_kv_heads, a.head_dim,
+                         dtype=self.dtype)
+        with cpu_attention_step(kv, torch.arange(size, size + rows), torch.arange(1, blocks + 1, dtype=torch.int32)[None],
+                                torch.tensor([rows], dtype=torch.int32), torch.tensor([0, rows], dtype=torch.int32)):
+            return compile_frozen(f"{self.name} forward ({rows} rows)", whole, args, depth=len(attentions))
+
+    def _compile_pieces(self, rows: int, args: tuple[torch.Tensor, ...], gen: torch.Generator) -> list[Callable] | None:
+        cos2, sin2 = args[-2:]
+        compiled = []
+        for i, stage in enumerate(self.stages):
+            fn = compile_frozen(f"{self.name} piece {i} ({rows} rows)", stage, args)
+            if fn is None:
+                return None
+            compiled.append(fn)
+            if i + 1 < len(self.stages):
+                q = stage(*args)[0]
+                attn = torch.randn(rows, q.shape[1] * q.shape[2], generator=gen, dtype=self.dtype)
+                residual = torch.randn(rows, self.hidden_size, generator=gen, dtype=self.dtype)
+                args = (attn, residual, cos2, sin2) if i + 2 < len(self.stages) else (attn, residual)
+        return compiled
+
+    @property
     def buckets(self) -> dict[int, bool]:
-        """bucket -> whether compiled pieces serve it."""
+        """bucket -> whether compiled code (pieces or one graph) serves it."""
         return {b: c is not None for b, c in self._compiled.items()}
+
+    @property
+    def whole(self) -> set[int]:
+        """The buckets one graph serves, attentions inside."""
+        return {b for b, c in self._compiled.items() if callable(c)}
 
 
 def _rope(cos2: torch.Tensor, sin2: torch.Tensor) -> RopeAt:
     return RopeAt(None, (cos2, sin2))  # the reference path reads only the gathered tables
 
 
-def target_pieces(model) -> PiecewiseForward:
+def target_pieces(model, full: bool = False) -> PiecewiseForward:
     """LlamaForCausalLM.forward in pieces: inputs (input_ids,), outputs (final normed hidden, the residual
     stream after the last block)."""
     layers = model.layers
@@ -139,10 +193,10 @@ def target_pieces(model) -> PiecewiseForward:
 
     return PiecewiseForward("target", first, [middle(i) for i in range(len(layers) - 1)], last,
                             [layer.self_attn.attn for layer in layers], model.rotary.cos_sin, model.cfg.hidden_size,
-                            model.embed_tokens.weight.dtype)
+                            model.embed_tokens.weight.dtype, full)
 
 
-def mtp_pieces(head) -> PiecewiseForward:
+def mtp_pieces(head, full: bool = False) -> PiecewiseForward:
     """MTPHead.forward in pieces: inputs (hidden, token_ids), output (the head's normed state,)."""
     block = head.block
 
@@ -155,4 +209,4 @@ def mtp_pieces(head) -> PiecewiseForward:
         return (head.shared_head.norm(out + residual),)
 
     return PiecewiseForward("mtp head", first, [], last, [block.self_attn.attn], head.rotary.cos_sin,
-                            head.cfg.hidden_size, head.eh_proj.weight.dtype)
+                            head.cfg.hidden_size, head.eh_proj.weight.dtype, full)

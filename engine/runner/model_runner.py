@@ -91,7 +91,8 @@ class ModelRunner:
         self.k = drafter.num_nodes  # drafts verified per request: a chain's k, a tree's nodes
         self.draft_masks = cfg.speculative is not None and cfg.speculative.draft_masks
         if cfg.cpu_compile != "off" and self.device.type == "cpu":
-            self._compile_cpu(layers=cfg.cpu_compile == "layers" and target.tp.size == 1 and dp is None)
+            self._compile_cpu(layers=cfg.cpu_compile in ("layers", "full") and target.tp.size == 1 and dp is None,
+                              full=cfg.cpu_compile == "full")
         self.graphs = None
         if self.device.type == "cuda" and cfg.cuda_graphs:
             self.use_graphs(min(cfg.max_graph_batch or cfg.max_num_seqs, cfg.max_num_seqs),
@@ -112,10 +113,11 @@ class ModelRunner:
         if self.kv_cache is not None:
             self.graphs.capture_all(self.kv_cache)
 
-    def _compile_cpu(self, layers: bool) -> None:
+    def _compile_cpu(self, layers: bool, full: bool = False) -> None:
         """EngineConfig.cpu_compile: piecewise-compiled layers for the target and its draft network (`layers`:
-        only without collectives inside a piece, i.e. tp_size 1 and no ADP), packed GEMMs for the matmuls
-        no piece holds (LM heads; everything without `layers`). Compiled now for batch-1 decode's row
+        only without collectives inside a piece, i.e. tp_size 1 and no ADP; `full`: each row bucket's forward one
+        graph where the C++ CPU attention serves it), packed GEMMs for the matmuls no piece holds (LM heads;
+        everything without `layers`). Compiled now for batch-1 decode's row
         counts (1, and k+1 verification rows); other counts compile on first use."""
         from engine.layers.packed_gemm import PackedGemm, pack_cpu_gemms, warm_up
         from engine.models.mtp import MTPHead
@@ -131,9 +133,9 @@ class ModelRunner:
         for net in nets:
             pieces = None
             if layers and isinstance(net, LlamaForCausalLM) and net.cfg.moe is None:  # MoE blocks: GEMMs only
-                pieces = net.piecewise = target_pieces(net)
+                pieces = net.piecewise = target_pieces(net, full)
             elif layers and isinstance(net, MTPHead):
-                pieces = net.piecewise = mtp_pieces(net)
+                pieces = net.piecewise = mtp_pieces(net, full)
             if pieces is not None:  # the LM head is the one matmul outside the pieces
                 head = net.lm_head if isinstance(net, LlamaForCausalLM) else net.shared_head.head
                 pack_cpu_gemms(head)
@@ -145,7 +147,8 @@ class ModelRunner:
             else:
                 pack_cpu_gemms(net)
                 warm_up(net, rows)
-        log.info("CPU compilation (%s) done in %.1f s", "layers" if layers else "gemm", time.perf_counter() - start)
+        mode = ("full" if full else "layers") if layers else "gemm"
+        log.info("CPU compilation (%s) done in %.1f s", mode, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ KV layout
     @property

@@ -13,6 +13,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "paged_attention.h"
+
 #include <algorithm>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -258,6 +260,10 @@ void attend_any(const at::Tensor& query, const at::Tensor& k_cache, const at::Te
   }
 }
 
+}  // namespace
+
+namespace tandem_cpu {
+
 at::Tensor paged_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key,
                            const c10::optional<at::Tensor>& value, at::Tensor k_cache, at::Tensor v_cache,
                            const c10::optional<at::Tensor>& slot_mapping, const at::Tensor& block_tables,
@@ -291,7 +297,7 @@ at::Tensor paged_attention(const at::Tensor& query, const c10::optional<at::Tens
   return out;
 }
 
-}  // namespace
+}  // namespace tandem_cpu
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor? key, Tensor? value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -299,4 +305,4 @@ TORCH_LIBRARY(tandem_cpu, m) {
         "float scale, int max_rows, Tensor(c!) out) -> Tensor(c!)");
 }
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_attention", &tandem_cpu::paged_attention); }

@@ -4,6 +4,7 @@ import torch
 
 from engine.layers import cpu_compile
 from engine.layers.packed_gemm import PackedGemm, pack_cpu_gemms
+from kernels import cpu_ext
 from tests.support.tiny_linear import TinyLinearModel
 
 
@@ -30,13 +31,13 @@ def test_a_failed_compile_leaves_every_matmul_eager(monkeypatch, caplog):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,method", [("gemm", "mtp"), ("layers", "mtp"), ("layers", "eagle3")])
+@pytest.mark.parametrize("mode,method", [("gemm", "mtp"), ("layers", "mtp"), ("layers", "eagle3"), ("full", "mtp")])
 def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
     """The zoo target with a k=3 head, greedy: the same tokens as the eager engine and the same accepted
     lengths (so the same drafts: the hidden states the heads read, the last layer's for MTP and three
     captured ones for EAGLE-3, came out of the pieces right), and the compiled code carried the decode
     steps (gemm: packed GEMMs at 1 row in the draft chain and 4 rows to verify; layers: the target's
-    pieces and the MTP head's, the LM head packed)."""
+    pieces and the MTP head's, the LM head packed; full: each bucket of both one graph, attentions inside)."""
     from engine import LLM, SamplingParams, SpecConfig
     import zoo
 
@@ -67,7 +68,7 @@ def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
     assert got == want
     assert compiled.engine.stats()["spec"] == eager.engine.stats()["spec"]
     assert sum(served) > 30
-    if mode == "layers":
+    if mode in ("layers", "full"):
         target = runner.model.piecewise
         # 1 and 4 rows from start-up; the prompts (up to 8 tokens) added 8
         assert target.buckets == {1: True, 4: True, 8: True} and target.runs > 10
@@ -75,16 +76,20 @@ def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
             draft = runner.proposer.head.piecewise
             assert draft.buckets == {1: True, 4: True, 8: True} and draft.runs > 30
         assert runner.model.layers[0].self_attn.qkv_proj.packed is None  # inside a piece
+        whole = {1, 4, 8} if mode == "full" and cpu_ext.available() else set()
+        assert target.whole == whole and (method != "mtp" or runner.proposer.head.piecewise.whole == whole)
     else:
         assert runner.model.piecewise is None
         assert runner.model.layers[0].self_attn.qkv_proj.packed.kernels == {1: True, 4: True, 8: True}
 
 
 @pytest.mark.slow
-def test_draft_trees_run_on_compiled_layers(zoo_dir):
+@pytest.mark.parametrize("mode", ["layers", "full"])
+def test_draft_trees_run_on_compiled_layers(zoo_dir, mode):
     """A tree's frontier states are one row expanded (stride 0 at batch 1); the pieces, traced with dense rows,
     take them made dense (they once failed inductor's stride check on the first expansion). Greedy tokens equal
-    the eager engine without speculation, and the MTP head's pieces carried the expansions."""
+    the eager engine without speculation, and the MTP head's pieces carried the expansions. "full": the tree's
+    masks reach the attentions inside the graphs (the target verifies 6 rows, 8 with padding)."""
     from engine import LLM, SamplingParams, SpecConfig
     import zoo
 
@@ -95,6 +100,8 @@ def test_draft_trees_run_on_compiled_layers(zoo_dir):
                                      block_size=16).generate(prompts, params)]
     spec = SpecConfig(method="mtp", k=3, topk=2, num_verify_tokens=5, draft=str(zoo_paths.mtp))
     tree = LLM(str(zoo_paths.target), max_num_seqs=1, num_kv_blocks=64, block_size=16, speculative=spec,
-               cpu_compile="layers")
+               cpu_compile=mode)
     assert [o.token_ids for o in tree.generate(prompts, params)] == want
     assert tree.engine.runner.proposer.head.piecewise.runs > 10
+    if mode == "full" and cpu_ext.available():
+        assert 8 in tree.engine.runner.model.piecewise.whole
