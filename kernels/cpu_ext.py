@@ -24,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.cpp", "attention_step.cpp")
+SOURCES = ("paged_attention.cpp", "attention_step.cpp", "linear_rows.cpp")
 HEADERS = ("paged_attention.h",)
 _SRC_DIR = Path(__file__).parent / "cpu"
 _lock = threading.Lock()
@@ -126,6 +126,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tandem_cpu::paged_attention_layer")
     def _(query, key, value, layer, scale):
         return query.new_empty(query.shape)
+
+    @torch.library.register_fake("tandem_cpu::linear_rows")
+    def _(x, packed, bias, n):
+        return x.new_empty(x.shape[0], n)
 
 
 def why_off() -> str | None:

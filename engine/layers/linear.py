@@ -158,9 +158,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     of a column-major one): W @ x^T there, which MKL runs 1.2-1.6x faster than x @ W^T at those sizes
     (cold, one thread, 4 rows: LM head 4096x192 463 -> 311 us, gate/up 1024x192 117 -> 82 us, down
     192x512 52 -> 36 us); from 16 rows on it is no faster, and one row is fastest column-major.
-    packed: the weight's PackedGemm (it adds `bias` itself), used for the row counts it has a kernel for.
-    While engine/layers/cpu_compile.py traces a function: F.linear, the form inductor packs."""
+    packed: the weight's PackedGemm or StreamedGemm (it adds `bias` itself), used for the row counts it serves.
+    While engine/layers/cpu_compile.py traces a function: the StreamedGemm's op, or F.linear, the form inductor
+    packs."""
     if cpu_compile.tracing():
+        if packed is not None and packed.in_graphs:
+            y = packed(x)
+            if y is not None:
+                return y
         return F.linear(x, weight, bias)
     if packed is not None:
         y = packed(x)

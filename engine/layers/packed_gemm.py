@@ -35,6 +35,8 @@ BUCKETS = (1, 4, 8, 16)
 class PackedGemm:
     """y = x W^T + b through a compiled kernel per row bucket; None where none applies."""
 
+    in_graphs = False  # compiled code itself: a traced function reads F.linear instead (engine/layers/linear.py)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str = ""):
         self.weight = weight
         self.bias = bias

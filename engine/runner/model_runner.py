@@ -121,6 +121,7 @@ class ModelRunner:
         counts (1, and k+1 verification rows); other counts compile on first use."""
         from engine.layers.packed_gemm import PackedGemm, pack_cpu_gemms, warm_up
         from engine.models.mtp import MTPHead
+        from engine.layers.streamed_gemm import stream_cpu_gemms
         from engine.models.piecewise import mtp_pieces, target_pieces
         from kernels._dispatch import use_triton
 
@@ -130,16 +131,20 @@ class ModelRunner:
                                if n is not None]
         rows = (1, self.k + 1)
         start = time.perf_counter()
+        streamed = {}  # weight -> its StreamedGemm, across the nets (a draft head may share the target's LM head)
         for net in nets:
             pieces = None
             if layers and isinstance(net, LlamaForCausalLM) and net.cfg.moe is None:  # MoE blocks: GEMMs only
                 pieces = net.piecewise = target_pieces(net, full)
             elif layers and isinstance(net, MTPHead):
                 pieces = net.piecewise = mtp_pieces(net, full)
-            if pieces is not None:  # the LM head is the one matmul outside the pieces
+            if pieces is not None and pieces.fusable:  # every matmul streams one packed copy, the LM head's too
+                stream_cpu_gemms(net, streamed)
+            elif pieces is not None:  # the LM head is the one matmul outside the pieces
                 head = net.lm_head if isinstance(net, LlamaForCausalLM) else net.shared_head.head
                 pack_cpu_gemms(head)
                 warm_up(head, rows)
+            if pieces is not None:
                 like = (torch.zeros(1, dtype=torch.int64),) if isinstance(net, LlamaForCausalLM) else (
                     torch.zeros(1, net.cfg.hidden_size, dtype=self.dtype), torch.zeros(1, dtype=torch.int64))
                 for b in sorted({PackedGemm.bucket(r) for r in rows} - {None}):

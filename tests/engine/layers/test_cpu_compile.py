@@ -4,6 +4,7 @@ import torch
 
 from engine.layers import cpu_compile
 from engine.layers.packed_gemm import PackedGemm, pack_cpu_gemms
+from engine.layers.streamed_gemm import StreamedGemm
 from kernels import cpu_ext
 from tests.support.tiny_linear import TinyLinearModel
 
@@ -51,20 +52,27 @@ def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
                    cpu_compile=mode)
     runner = compiled.engine.runner
     head = runner.model.lm_head.packed
-    assert head is not None and head.kernels == {1: True, 4: True}  # compiled at start-up
+    streamed = mode == "full" and cpu_ext.available()  # every matmul on one streamed copy (engine/layers/streamed_gemm.py)
+    if streamed:
+        assert isinstance(head, StreamedGemm) and runner.model.layers[0].mlp.down_proj.packed is not None
+        if method == "mtp":
+            assert runner.proposer.head.shared_head.head.packed is not None
+    else:
+        assert head is not None and head.kernels == {1: True, 4: True}  # compiled at start-up
     served = []
-    original = PackedGemm.__call__
+    kind = StreamedGemm if streamed else PackedGemm
+    original = kind.__call__
 
     def counting(self, x):
         out = original(self, x)
         served.append(out is not None)
         return out
 
-    PackedGemm.__call__ = counting
+    kind.__call__ = counting
     try:
         got = [o.token_ids for o in compiled.generate(prompts, params)]
     finally:
-        PackedGemm.__call__ = original
+        kind.__call__ = original
     assert got == want
     assert compiled.engine.stats()["spec"] == eager.engine.stats()["spec"]
     assert sum(served) > 30
@@ -75,7 +83,7 @@ def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
         if method == "mtp":
             draft = runner.proposer.head.piecewise
             assert draft.buckets == {1: True, 4: True, 8: True} and draft.runs > 30
-        assert runner.model.layers[0].self_attn.qkv_proj.packed is None  # inside a piece
+        assert (runner.model.layers[0].self_attn.qkv_proj.packed is None) != streamed  # inside a piece, or streamed
         whole = {1, 4, 8} if mode == "full" and cpu_ext.available() else set()
         assert target.whole == whole and (method != "mtp" or runner.proposer.head.piecewise.whole == whole)
     else:

@@ -1,0 +1,54 @@
+"""Few-row CPU matmuls on weights packed for streaming (EngineConfig.cpu_compile = "full").
+
+At 1-16 rows a decode step reads each weight once and does little else with it. StreamedGemm keeps one packed copy
+of a weight (kernels/linear_rows.py: 32 output rows interleaved per input column, so a thread reads one sequential
+stream) and runs the C++ kernel on it, eagerly (the LM head) and inside the compiled graphs, where linear() emits it
+while engine/layers/cpu_compile.py traces. One copy serves every row bucket, where inductor's packed GEMMs
+(engine/layers/packed_gemm.py) keep one per bucket. SmolLM2's weights, 2-core EPYC, 2 threads: 22.6 GB/s at one row
+against ~16 for inductor's, 24 for a plain sum (a side probe; bench/results/real_decode_streamed_cpu.md has the
+decode step).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.linear_rows import linear_rows, pack_rows
+
+MAX_ROWS = 16  # the largest row bucket (engine/layers/packed_gemm.py's BUCKETS)
+
+
+class StreamedGemm:
+    """y = x W^T + b for 1-16 rows through kernels/linear_rows.py; None for other row counts (use F.linear)."""
+
+    in_graphs = True  # linear() emits it while a function is traced (PackedGemm's kernels are compiled code instead)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.pack = pack_rows(weight)
+        self.n = weight.shape[0]
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        return linear_rows(x, self.pack, self.bias, self.n)
+
+
+def stream_cpu_gemms(model: nn.Module, seen: dict[int, StreamedGemm] | None = None) -> int:
+    """Give every fp32/bf16 CPU linear of `model` (projections and the LM head) a StreamedGemm, replacing any
+    PackedGemm. A weight shared by two modules (a tied or shared head; `seen` carries them across models: a draft head
+    sharing the target's LM head) gets one. -> number of weights packed."""
+    from engine.layers.linear import LMHead, RowParallelLinear, _ParallelLinear
+
+    seen = {} if seen is None else seen
+    for module in model.modules():
+        if not isinstance(module, (_ParallelLinear, LMHead)) or module.weight.device.type != "cpu" or \
+                module.weight.dtype not in (torch.float32, torch.bfloat16):
+            continue
+        key = id(module.weight)
+        if key not in seen:
+            # a row-parallel layer adds its bias after the cross-rank sum (or on rank 0 alone): not here
+            bias = None if isinstance(module, RowParallelLinear) else getattr(module, "bias", None)
+            seen[key] = StreamedGemm(module.weight, bias)
+        module.packed = seen[key]
+    return len(seen)
