@@ -13,12 +13,21 @@ import torch.nn.functional as F
 PACK = 32  # mirrors BLOCK in kernels/cpu/linear_rows.cpp
 
 
+# bf16: within each 16 rows the middle two quads swap places (the kernel widens bf16 with in-lane unpacks, which
+# read them back in row order); fp32 keeps row order.
+_BF16_ORDER = torch.tensor([r for h in (0, 16) for r in (*range(h, h + 4), *range(h + 8, h + 12), *range(h + 4, h + 8),
+                                                          *range(h + 12, h + 16))])
+
+
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N / PACK), K, PACK], contiguous, same dtype."""
     N, K = weight.shape
     pad = -N % PACK
     w = F.pad(weight, (0, 0, 0, pad)) if pad else weight
-    return w.reshape(-1, PACK, K).transpose(1, 2).contiguous()
+    packed = w.reshape(-1, PACK, K).transpose(1, 2)
+    if weight.dtype == torch.bfloat16:
+        packed = packed[:, :, _BF16_ORDER]
+    return packed.contiguous()
 
 
 def linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:

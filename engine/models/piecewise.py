@@ -1,4 +1,4 @@
-"""Piecewise-compiled CPU forwards (EngineConfig.cpu_compile = "layers").
+"""Piecewise-compiled CPU forwards (EngineConfig.cpu_compile = "layers"), and whole ones ("full").
 
 A decode step on CPU spends most of its time outside the matmuls' arithmetic: ~20 small ops per layer
 at a few us each, and MKL reading few-row weights slowly. As in vLLM's piecewise compilation, the
@@ -15,6 +15,11 @@ rows of a forward zero-padded up to it (padded rows never reach an attention); f
 batch-1 row counts (engine/runner/model_runner.py); each bucket keeps its own packed copy of the weights.
 Only where a piece holds no collective: tensor parallelism and attention data parallelism keep the
 eager forward (and packed GEMMs).
+
+"full": where the C++ CPU attention serves every attention (kernels/cpu_ext.py), a bucket is one graph from inputs to
+outputs with the attentions inside as tandem_cpu.paged_attention_layer, which reads the step that run() sets around
+the call (kernels/attention.py, cpu_attention_step): no Python and no piece wrappers between two layers, which cost
+~200 us a layer on cold caches in a batch-1 step. Its matmuls are then StreamedGemms (engine/layers/streamed_gemm.py).
 """
 from __future__ import annotations
 
@@ -116,7 +121,8 @@ class PiecewiseForward:
     @property
     def fusable(self) -> bool:
         """Whether one graph holds the attentions: asked to, and the C++ kernel serves them (kernels/attention.py)."""
-        return self.full and all(cpu_kernel_serves(torch.empty(0, a.num_heads, a.head_dim, dtype=self.dtype)) for a in self.attentions)
+        return self.full and all(cpu_kernel_serves(torch.empty(0, a.num_heads, a.head_dim, dtype=self.dtype))
+                                 for a in self.attentions)
 
     def _compile_whole(self, rows: int, args: tuple[torch.Tensor, ...]) -> Callable | None:
         """(*inputs, cos2, sin2) -> (*last's outputs, *residuals), traced and checked against a scratch cache
@@ -140,8 +146,9 @@ class PiecewiseForward:
         size, blocks = 16, -(-rows // 16)
         kv = torch.zeros(max(x.layer_idx for x in attentions) + 1, 2, blocks + 1, size, a.num_kv_heads, a.head_dim,
                          dtype=self.dtype)
-        with cpu_attention_step(kv, torch.arange(size, size + rows), torch.arange(1, blocks + 1, dtype=torch.int32)[None],
-                                torch.tensor([rows], dtype=torch.int32), torch.tensor([0, rows], dtype=torch.int32)):
+        tables = torch.arange(1, blocks + 1, dtype=torch.int32)[None]
+        with cpu_attention_step(kv, torch.arange(size, size + rows), tables, torch.tensor([rows], dtype=torch.int32),
+                                torch.tensor([0, rows], dtype=torch.int32)):
             return compile_frozen(f"{self.name} forward ({rows} rows)", whole, args, depth=len(attentions))
 
     def _compile_pieces(self, rows: int, args: tuple[torch.Tensor, ...], gen: torch.Generator) -> list[Callable] | None:

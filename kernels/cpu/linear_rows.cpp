@@ -25,13 +25,26 @@ constexpr int64_t BLOCK = 32;  // output rows per packed block; kernels/linear_r
 inline void load32(const float* p, __m256 (&w)[4]) {
   for (int v = 0; v < 4; ++v) w[v] = _mm256_loadu_ps(p + 8 * v);
 }
-inline void load32(const at::BFloat16* p, __m256 (&w)[4]) {  // bf16 is fp32's upper half
-  for (int v = 0; v < 4; ++v) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * v));
-    w[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+// bf16 is fp32's upper half: interleaving zeros below each of 16 bf16 values widens them, two unpacks per 16 (a
+// widening convert and a shift per 8 cost twice the instructions, and widening, not memory, bounded bf16 at one row).
+// The unpacks work within 128-bit lanes (lo: values 0-3 and 8-11, hi: 4-7 and 12-15), so pack_rows stores each 16
+// rows of a bf16 block with its middle two quads swapped, and the vectors come out in row order.
+inline void load32(const at::BFloat16* p, __m256 (&w)[4]) {
+  const __m256i zero = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h));
+    w[2 * h] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+    w[2 * h + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
   }
 }
 #endif
+
+// Where row j of a block is stored within its k: in order for fp32; bf16 swaps the middle quads of each 16 (load32).
+inline int64_t stored(int64_t j, const float*) { return j; }
+inline int64_t stored(int64_t j, const at::BFloat16*) {
+  const int64_t q = (j % 16) / 4;
+  return j - (j % 16) + (q == 1 ? 2 : q == 2 ? 1 : q) * 4 + j % 4;
+}
 
 // acc[i][0..32) = x[i] . w[:, 0..32) for MR rows of x (fp32, row stride K) against one block (w[k * 32 + j]).
 template <int MR, typename wt>
@@ -54,7 +67,7 @@ inline void block_rows(const float* x, int64_t K, const wt* w, float (&acc)[2][B
   for (int i = 0; i < MR; ++i) {
     std::fill(acc[i], acc[i] + BLOCK, 0.f);
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < BLOCK; ++j) acc[i][j] += x[i * K + k] * static_cast<float>(w[k * BLOCK + j]);
+      for (int64_t j = 0; j < BLOCK; ++j) acc[i][j] += x[i * K + k] * static_cast<float>(w[k * BLOCK + stored(j, w)]);
   }
 #endif
 }

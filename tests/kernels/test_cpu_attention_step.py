@@ -104,7 +104,8 @@ def test_one_compiled_graph_serves_steps_of_any_table_width():
         a = paged_attention_layer(q, k, v, 0, 0.125).view(q.shape[0], -1)
         q2, k2, v2 = (a @ w).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         shape = lambda x, h: x.reshape(q.shape[0], h, D)
-        return paged_attention_layer(shape(q2, Hq), shape(k2, Hkv), shape(v2, Hkv), 1, 0.125).sum(-1) + a.sum(-1)[:, None]
+        b = paged_attention_layer(shape(q2, Hq), shape(k2, Hkv), shape(v2, Hkv), 1, 0.125)
+        return b.sum(-1) + a.sum(-1)[:, None]
 
     def args(T):
         return tuple(torch.randn(T, h, D, generator=gen) for h in (Hq, Hkv, Hkv))

@@ -52,7 +52,8 @@ def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
                    cpu_compile=mode)
     runner = compiled.engine.runner
     head = runner.model.lm_head.packed
-    streamed = mode == "full" and cpu_ext.available()  # every matmul on one streamed copy (engine/layers/streamed_gemm.py)
+    # "full": every matmul on one streamed copy (engine/layers/streamed_gemm.py)
+    streamed = mode == "full" and cpu_ext.available()
     if streamed:
         assert isinstance(head, StreamedGemm) and runner.model.layers[0].mlp.down_proj.packed is not None
         if method == "mtp":
