@@ -116,12 +116,12 @@ class ModelRunner:
     def _compile_cpu(self, layers: bool, full: bool = False) -> None:
         """EngineConfig.cpu_compile: piecewise-compiled layers for the target and its draft network (`layers`:
         only without collectives inside a piece, i.e. tp_size 1 and no ADP; `full`: each row bucket's forward one
-        graph where the C++ CPU attention serves it), packed GEMMs for the matmuls no piece holds (LM heads;
-        everything without `layers`). Compiled now for batch-1 decode's row
-        counts (1, and k+1 verification rows); other counts compile on first use."""
+        graph where the C++ CPU attention serves it, every matmul of it and the LM head streamed by the C++ kernel),
+        packed GEMMs for the matmuls no piece holds (LM heads; everything without `layers`). Compiled now for
+        batch-1 decode's row counts (1, and k+1 verification rows); other counts compile on first use."""
         from engine.layers.packed_gemm import PackedGemm, pack_cpu_gemms, warm_up
-        from engine.models.mtp import MTPHead
         from engine.layers.streamed_gemm import stream_cpu_gemms
+        from engine.models.mtp import MTPHead
         from engine.models.piecewise import mtp_pieces, target_pieces
         from kernels._dispatch import use_triton
 
