@@ -109,7 +109,8 @@ def warm_up(model: nn.Module, rows: tuple[int, ...]) -> None:
     done: set[int] = set()
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        if packed is None or id(packed) in done:
+        # a StreamedGemm (a weight shared with a net compiled "full", e.g. an EAGLE-3 head's LM head) needs no compile
+        if packed is None or packed.in_graphs or id(packed) in done:
             continue
         done.add(id(packed))
         for b in buckets:

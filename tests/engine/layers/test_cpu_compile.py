@@ -32,7 +32,8 @@ def test_a_failed_compile_leaves_every_matmul_eager(monkeypatch, caplog):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,method", [("gemm", "mtp"), ("layers", "mtp"), ("layers", "eagle3"), ("full", "mtp")])
+@pytest.mark.parametrize("mode,method", [("gemm", "mtp"), ("layers", "mtp"), ("layers", "eagle3"), ("full", "mtp"),
+                                         ("full", "eagle3")])
 def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
     """The zoo target with a k=3 head, greedy: the same tokens as the eager engine and the same accepted
     lengths (so the same drafts: the hidden states the heads read, the last layer's for MTP and three
@@ -114,3 +115,23 @@ def test_draft_trees_run_on_compiled_layers(zoo_dir, mode):
     assert tree.engine.runner.proposer.head.piecewise.runs > 10
     if mode == "full" and cpu_ext.available():
         assert 8 in tree.engine.runner.model.piecewise.whole
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason=f"C++ CPU kernels off: {cpu_ext.why_off()}")
+def test_packing_a_net_beside_a_streamed_one(monkeypatch):
+    """A net packed with inductor GEMMs next to one compiled "full" (an EAGLE-3 head beside its target) may share a
+    streamed weight (the LM head): the packing keeps that StreamedGemm, warming up compiles nothing for it (it once
+    raised AttributeError at start-up), and the model's outputs stay the reference's."""
+    from engine.layers.packed_gemm import warm_up
+    from engine.layers.streamed_gemm import stream_cpu_gemms
+
+    monkeypatch.setattr(cpu_compile._State, "disabled", None)
+    model = TinyLinearModel()
+    streamed = {}
+    stream_cpu_gemms(model.head, streamed)  # the "full" net streams the shared head
+    pack_cpu_gemms(model)
+    warm_up(model, (1, 4))
+    assert isinstance(model.head.packed, StreamedGemm) and isinstance(model.up.packed, PackedGemm)
+    for rows in (1, 3, 20):
+        ids = torch.arange(rows) % 64
+        torch.testing.assert_close(model(ids), model.reference(ids), rtol=1e-4, atol=1e-4)
