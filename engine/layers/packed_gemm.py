@@ -81,23 +81,27 @@ class PackedGemm:
         return {b: k is not None for b, k in self._kernels.items()}
 
 
+def cpu_linears(model: nn.Module):
+    """(name, module, bias) for every CPU linear of `model` (projections and the LM head), `bias` being what its
+    packed form adds: a row-parallel layer adds its own after the cross-rank sum (or on rank 0 alone)."""
+    from engine.layers.linear import LMHead, RowParallelLinear, _ParallelLinear
+
+    for name, module in model.named_modules():
+        if isinstance(module, (_ParallelLinear, LMHead)) and module.weight.device.type == "cpu":
+            yield name, module, None if isinstance(module, RowParallelLinear) else getattr(module, "bias", None)
+
+
 def pack_cpu_gemms(model: nn.Module) -> int:
     """Give every CPU linear of `model` (projections and the LM head) a PackedGemm; its kernels compile
     on first use (or `warm_up`). Idempotent; a weight shared by two modules (a tied or shared head)
     gets one. -> number of weights packed."""
-    from engine.layers.linear import LMHead, RowParallelLinear, _ParallelLinear
-
     seen: dict[int, PackedGemm] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, (_ParallelLinear, LMHead)) or module.weight.device.type != "cpu":
-            continue
+    for name, module, bias in cpu_linears(model):
         if getattr(module, "packed", None) is not None:
             seen.setdefault(id(module.weight), module.packed)
             continue
         key = id(module.weight)
         if key not in seen:
-            # a row-parallel layer adds its bias after the cross-rank sum (or on rank 0 alone): not here
-            bias = None if isinstance(module, RowParallelLinear) else getattr(module, "bias", None)
             seen[key] = PackedGemm(module.weight, bias, name)
         module.packed = seen[key]
     return len(seen)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers.packed_gemm import BUCKETS, cpu_linears
 from kernels.linear_rows import linear_rows, pack_rows
 
-MAX_ROWS = 16  # the largest row bucket (engine/layers/packed_gemm.py's BUCKETS)
+MAX_ROWS = BUCKETS[-1]  # the largest row bucket a compiled graph pads to
 
 
 class StreamedGemm:
@@ -38,17 +39,12 @@ def stream_cpu_gemms(model: nn.Module, seen: dict[int, StreamedGemm] | None = No
     """Give every fp32/bf16 CPU linear of `model` (projections and the LM head) a StreamedGemm, replacing any
     PackedGemm. A weight shared by two modules (a tied or shared head; `seen` carries them across models: a draft head
     sharing the target's LM head) gets one. -> number of weights packed."""
-    from engine.layers.linear import LMHead, RowParallelLinear, _ParallelLinear
-
     seen = {} if seen is None else seen
-    for module in model.modules():
-        if not isinstance(module, (_ParallelLinear, LMHead)) or module.weight.device.type != "cpu" or \
-                module.weight.dtype not in (torch.float32, torch.bfloat16):
+    for _, module, bias in cpu_linears(model):
+        if module.weight.dtype not in (torch.float32, torch.bfloat16):
             continue
         key = id(module.weight)
         if key not in seen:
-            # a row-parallel layer adds its bias after the cross-rank sum (or on rank 0 alone): not here
-            bias = None if isinstance(module, RowParallelLinear) else getattr(module, "bias", None)
             seen[key] = StreamedGemm(module.weight, bias)
         module.packed = seen[key]
     return len(seen)
