@@ -1,9 +1,9 @@
 """Trains MTP and EAGLE-3 heads for a real target on self-distilled data (zoo.selfdistill), resumably.
 
 Made cheap enough for two CPU cores (the plain `tandem zoo train-draft` path ran ~160 tokens/s here):
-- one target forward (bf16 autocast) feeds BOTH heads: its last hidden state (MTP), three captured layers
-  (EAGLE-3) and its argmax, the label (hard-label distillation: a greedy draft is accepted exactly when it
-  equals the target's argmax);
+- one target forward (bf16 autocast where the CPU has native bf16, else fp32) feeds BOTH heads: its last
+  hidden state (MTP), three captured layers (EAGLE-3) and its argmax, the label (hard-label distillation: a
+  greedy draft is accepted exactly when it equals the target's argmax);
 - the vocabulary projection, the cost that dominates on a 49k vocabulary, runs on a sample of at most
   `positions` positions per depth; MTP's softmax spans the whole vocabulary (its frozen LM head is the
   target's and drafts from all of it), EAGLE-3's its draft vocabulary (the `draft_vocab_size` most frequent
@@ -34,7 +34,7 @@ from zoo.features import target_features
 from zoo.heads.eagle3 import Eagle3Head, default_aux_layer_ids, draft_vocab
 from zoo.heads.mtp import MTPHead
 from zoo.recipe import Schedule
-from zoo.training import lr_at, make_optimizer, set_lr
+from zoo.training import autocast, bf16_is_fast, lr_at, make_optimizer, set_lr
 
 log = logging.getLogger(__name__)
 _MTP_SHARED = ("embed_tokens.weight", "shared_head.norm.weight", "shared_head.head.weight")  # the target's, frozen
@@ -135,6 +135,7 @@ class HeadTrainer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.plan, self.ckpt_dir = plan, Path(ckpt_dir)
+        self.bf16 = bf16_is_fast("cpu")  # autocast only where bf16 matmuls are native (fp32 masters either way)
         self.target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
         for p in self.target.parameters():
             p.requires_grad_(False)
@@ -210,12 +211,12 @@ class HeadTrainer:
 
     def features(self, group: list[int], ids: torch.Tensor) -> tuple[dict, torch.Tensor]:
         """The target's features for a batch of rows: from the feature cache when every row is in it, else
-        one bf16 forward whose rows then join the cache. A row's features do not depend on its batch (causal
+        one forward whose rows then join the cache. A row's features do not depend on its batch (causal
         attention, right padding), so each row is cached once, in bf16, in RAM and under ckpt_dir/features/
         (a restarted run reuses them), and later epochs skip the target forward, the larger half of a step."""
         cached = [self._cached(i) for i in group]
         if any(c is None for c in cached):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with autocast("cpu", self.bf16):
                 features = target_features(self.target, ids, self.aux_ids)
             top = features.pop("logits").argmax(-1)
             for k in ("last_hidden", "aux_hidden"):  # as the cache keeps them, so every epoch sees the same inputs
@@ -273,7 +274,7 @@ class HeadTrainer:
             for name, head in self.heads.items():
                 head.train()
                 rows, index = (self.mtp_rows, self.mtp_index) if name == "mtp" else (None, self.eagle_index)
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+                with autocast("cpu", self.bf16):
                     loss, agree = sampled_head_loss(head, features, top, ids, weight, plan.depth, rows, index,
                                                     plan.positions, self.generator)
                 loss.backward()
