@@ -84,19 +84,24 @@ def spec(args) -> None:
                "dtype": args.dtype, "cpu_compile": args.cpu_compile, "threads": args.threads,
                "max_tokens": args.max_tokens, "prompts": args.prompts, "runs": rows}
     for batch in args.batches:
-        configs = [("none", 0, True, None)]
+        configs = [("none", 0, True, "none", None)]
         for method in args.methods:
             if method != "ngram" and method not in paths.heads:
                 print(f"skipping {method}: no prebuilt head")
                 continue
             draft = str(paths.heads[method]) if method in paths.heads else None
+            maps = args.token_maps if method == "mtp" else ["none"]
             for k in args.ks:
-                configs.append((method, k, True, SpecConfig(method=method, k=k, draft=draft, draft_masks=True)))
-                if method != "ngram" and "off" in args.masks:
-                    configs.append((method, k, False, SpecConfig(method=method, k=k, draft=draft, draft_masks=False)))
+                for tmap in maps:
+                    path = None if tmap == "none" else str(_token_map_path(tmap, paths, method))
+                    configs.append((method, k, True, tmap, SpecConfig(method=method, k=k, draft=draft,
+                                                                      draft_masks=True, token_map=path)))
+                    if method != "ngram" and "off" in args.masks:
+                        configs.append((method, k, False, tmap, SpecConfig(method=method, k=k, draft=draft,
+                                                                           draft_masks=False, token_map=path)))
         kw = {"cpu_compile": args.cpu_compile} if args.device == "cpu" else {}
-        engines = {c[:3]: LLM(target, device=args.device, dtype=args.dtype, max_num_seqs=batch,
-                              num_kv_blocks=max(512, batch * 64), speculative=c[3], **kw)
+        engines = {c[:4]: LLM(target, device=args.device, dtype=args.dtype, max_num_seqs=batch,
+                              num_kv_blocks=max(512, batch * 64), speculative=c[4], **kw)
                    for c in configs}
         for name, prompts in sets.items():
             if name not in args.sets:
@@ -110,21 +115,31 @@ def spec(args) -> None:
                     run = run_engine(llm, prompts, args.max_tokens)
                     if key not in best or run["tok_s"] > best[key]["tok_s"]:
                         best[key] = run
-            base = best[("none", 0, True)]
-            for (method, k, masks), run in best.items():
+            base = best[("none", 0, True, "none")]
+            for (method, k, masks, tmap), run in best.items():
                 row = {"prompts": name, "batch": batch, "method": method, "k": k, "draft_masks": masks,
+                       "token_map": tmap,
                        "tok_s": round(run["tok_s"], 1), "speedup": round(run["tok_s"] / base["tok_s"], 3),
                        "accepted_incl_bonus": run["accepted"], "lossless": run["outputs"] == base["outputs"],
                        "tokens": run["tokens"]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    table = ["| prompts | batch | method | k | draft masks | accepted/step (incl. bonus) | tok/s | vs none | lossless |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    table = ["| prompts | batch | method | k | draft masks | token map | accepted/step (incl. bonus) | tok/s | vs none "
+             "| lossless |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f"{r['accepted_incl_bonus']:.2f}" if r["accepted_incl_bonus"] else "-"
         table.append(f"| {r['prompts']} | {r['batch']} | {r['method']} | {r['k']} | {'on' if r['draft_masks'] else 'off'} "
-                     f"| {acc} | {r['tok_s']} | {r['speedup']:.2f}x | {r['lossless']} |")
+                     f"| {r['token_map']} | {acc} | {r['tok_s']} | {r['speedup']:.2f}x | {r['lossless']} |")
     print(write_results(args.name or f"real_spec_{args.device}", results, "\n".join(table)))
+
+
+def _token_map_path(tmap: str, paths, method: str) -> Path:
+    """--token-maps entry -> file: "shipped" is the head's own map (zoo/models.py), else a path."""
+    if tmap == "shipped":
+        if method not in paths.token_maps:
+            raise SystemExit(f"--token-maps shipped: {paths.name}'s {method} head ships no token map")
+        return paths.token_maps[method]
+    return Path(tmap)
 
 
 def decode(args) -> None:
@@ -282,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=None, help="results file name under bench/results/ (default real_<what>_<device>)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the engine with its CUDA graphs, transformers in bf16)")
     ap.add_argument("--cpu-compile", default="off", help="spec on cpu: the engines' cpu_compile (off, gemm, layers)")
+    ap.add_argument("--token-maps", default="none", help="spec: MTP token maps to compare, comma-separated: none (the "
+                                                         "whole vocabulary), shipped (the head's own), or files")
     ap.add_argument("--masks", default="on,off", help="spec: also run heads without draft masks on guided prompts where this names off")
     ap.add_argument("--sets", default="mt-bench,gsm8k,json-mode-eval", help="spec: prompt sets")
     ap.add_argument("--dtype", default=None, help="spec: the engine's dtype (default: the checkpoint's; bfloat16 on cuda)")
@@ -292,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     args.ks = [int(k) for k in args.ks.split(",")]
     args.methods = args.methods.split(",")
     args.masks, args.sets = args.masks.split(","), args.sets.split(",")
+    args.token_maps = args.token_maps.split(",")
     args.dtypes, args.compile_modes = args.dtypes.split(","), args.compile_modes.split(",")
     args.cpu_attention = args.cpu_attention.split(",")
     (spec if args.what == "spec" else decode)(args)

@@ -66,7 +66,8 @@ def default_tp(device: str, address: str | None, cores: int | None = None) -> in
 
 def _named_defaults(args: argparse.Namespace, name: str) -> dict:
     """Serving a named model (zoo/models.py; the default is DEFAULT_MODEL): its target under its own name,
-    drafting with its MTP head (when it has one) unless a speculative method was asked for, its own k unless -k."""
+    drafting with its MTP head (when it has one) unless a speculative method was asked for, its own k unless -k,
+    and the hot vocabulary shipped with that head (zoo/models.py token_maps) unless another draft or map is given."""
     from zoo.models import resolve
 
     print(f"loading {name}...", flush=True)
@@ -77,6 +78,8 @@ def _named_defaults(args: argparse.Namespace, name: str) -> dict:
                   speculative_method=method, draft=draft)
     if method in ("mtp", "eagle3") and not args.num_speculative_tokens:  # 0: no -k given
         chosen["num_speculative_tokens"] = paths.default_k
+    if method in paths.token_maps and not args.draft and not getattr(args, "speculative_token_map", None):
+        chosen["speculative_token_map"] = str(paths.token_maps[method])  # the map shipped with that very head
     return chosen
 
 

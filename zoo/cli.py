@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     tm = sub.add_parser("token-map", help="write the N most frequent token ids of the zoo's training corpus: a hot "
                                           "vocabulary for its MTP head (--speculative-token-map)")
     tm.add_argument("--recipe", dest="recipe_name", choices=sizes, default=DEFAULT_SIZE)
+    tm.add_argument("--selfdistill", type=Path, help="rank a real target's ids by its self-distilled responses "
+                                                     "(python -m zoo.selfdistill) instead of the zoo's corpus")
+    tm.add_argument("--target", help="with --selfdistill: the target's directory or .gguf (its vocabulary)")
     tm.add_argument("--size", type=int, required=True, help="token ids in the map")
     tm.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     return parser
@@ -190,6 +193,8 @@ def _token_map(args) -> int:
     from zoo.token_map import hot_token_ids, write_token_map
     from zoo.tokenizer import load_tokenizer
 
+    if args.selfdistill is not None:
+        return _token_map_selfdistill(args)
     paths = zoo.layout(zoo.build(args.recipe_name))
     tokenizer = load_tokenizer(paths.tokenizer)
     if not 0 < args.size <= tokenizer.get_vocab_size():
@@ -200,6 +205,32 @@ def _token_map(args) -> int:
     ids = hot_token_ids(counts, args.size, always=(tokenizer.token_to_id(END),))
     doc = write_token_map(args.out, ids, counts)
     print(f"{args.out}: {args.size} of {doc['vocab_size']} ids, {doc['corpus_coverage']:.1%} of the corpus' tokens",
+          file=sys.stderr)
+    return 0
+
+
+def _token_map_selfdistill(args) -> int:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from zoo.token_map import hot_token_ids, selfdistill_counts, write_token_map
+
+    if not args.target:
+        print("tandem zoo token-map: --selfdistill needs --target (the target's directory or .gguf)", file=sys.stderr)
+        return 2
+    target = args.target
+    if target.endswith(".gguf"):
+        from engine.models.gguf import gguf_model_dir
+
+        target = str(gguf_model_dir(target))
+    vocab = AutoConfig.from_pretrained(target).vocab_size
+    if not 0 < args.size <= vocab:
+        print(f"tandem zoo token-map: --size must be in [1, {vocab}] (the vocabulary), got {args.size}", file=sys.stderr)
+        return 2
+    tok = AutoTokenizer.from_pretrained(target)
+    always = tuple(sorted({t for t in (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) if t is not None}))
+    responses, prompts = selfdistill_counts(args.selfdistill, vocab)
+    doc = write_token_map(args.out, hot_token_ids(responses, args.size, always, tiebreak=prompts), responses)
+    print(f"{args.out}: {args.size} of {vocab} ids, {doc['corpus_coverage']:.1%} of the responses' tokens",
           file=sys.stderr)
     return 0
 

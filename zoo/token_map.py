@@ -22,13 +22,31 @@ def token_counts(docs: Iterable[list[int]], vocab_size: int) -> torch.Tensor:
     return torch.tensor([counts.get(i, 0) for i in range(vocab_size)], dtype=torch.int64)
 
 
-def hot_token_ids(counts: torch.Tensor, size: int, always: tuple[int, ...] = ()) -> list[int]:
-    """The `size` most frequent ids (ties: the lower id first), with `always` (e.g. eos) among them
-    whatever their counts; sorted."""
+def hot_token_ids(counts: torch.Tensor, size: int, always: tuple[int, ...] = (),
+                  tiebreak: torch.Tensor | None = None) -> list[int]:
+    """The `size` most frequent ids (ties: the higher `tiebreak` count, then the lower id first), with `always`
+    (e.g. eos) among them whatever their counts; sorted."""
     if not 0 < size <= counts.numel():
         raise ValueError(f"a hot vocabulary of {size} ids does not fit a vocabulary of {counts.numel()}")
-    order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))
+    second = tiebreak if tiebreak is not None else torch.zeros_like(counts)
+    order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), -int(second[t]), t))
     return sorted(list(dict.fromkeys(list(always) + order))[:size])
+
+
+def selfdistill_counts(path: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (response counts, prompt counts) [vocab_size] of self-distilled records (zoo/selfdistill.py): what a
+    real target writes ranks its hot vocabulary; what its prompts hold orders the ids no response used (a few
+    thousand distinct ids cover the responses, and a map is usually larger)."""
+    responses, prompts = Counter(), Counter()
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by an interrupted writer
+        responses.update(rec["output_ids"])
+        prompts.update(rec["prompt_ids"])
+    as_tensor = lambda c: torch.tensor([c.get(i, 0) for i in range(vocab_size)], dtype=torch.int64)  # noqa: E731
+    return as_tensor(responses), as_tensor(prompts)
 
 
 def write_token_map(path: Path, ids: list[int], counts: torch.Tensor) -> dict:

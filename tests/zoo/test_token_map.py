@@ -41,3 +41,27 @@ def test_the_command_reproduces_the_builders_eagle3_vocabulary(tmp_path):
 def test_a_size_outside_the_vocabulary_exits_2(tmp_path, capsys):
     assert main(["token-map", "--recipe", "micro", "--size", "0", "--out", str(tmp_path / "m.json")]) == 2
     assert "--size must be in [1," in capsys.readouterr().err
+
+
+def test_a_real_targets_map_ranks_its_self_distilled_responses(tmp_path):
+    """`--selfdistill`: what the target wrote ranks first, its prompts order the ids no response used, the
+    target's special ids are always in, and the engine reads the file."""
+    root = zoo.layout(zoo.build("micro"))
+    records = tmp_path / "data.jsonl"
+    rows = [{"key": "a", "prompt_ids": [7, 7, 7, 9], "output_ids": [5, 5, 6]},
+            {"key": "b", "prompt_ids": [8, 9], "output_ids": [6, 5]}]
+    records.write_text("\n".join(json.dumps(r) for r in rows) + "\n{\"cut\n")  # a line cut by a stopped writer
+    out = tmp_path / "map.json"
+    assert main(["token-map", "--selfdistill", str(records), "--target", str(root.target), "--size", "5",
+                 "--out", str(out)]) == 0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(root.target))
+    special = {t for t in (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) if t is not None}
+    doc = json.loads(out.read_text())
+    # responses by count (5 thrice, 6 twice), then ids no response used by their prompt counts (7, 9, 8)
+    ranking = [5, 6, 7, 9, 8] + [t for t in range(zoo.RECIPES["micro"].vocab_size) if t not in (5, 6, 7, 8, 9)]
+    assert doc["token_ids"] == sorted(list(dict.fromkeys(sorted(special) + ranking))[:5])
+    assert doc["corpus_coverage"] == 1.0
+    assert read_token_map(out, zoo.RECIPES["micro"].vocab_size).tolist() == doc["token_ids"]
+    assert main(["token-map", "--selfdistill", str(records), "--size", "5", "--out", str(out)]) == 2  # no --target

@@ -80,12 +80,18 @@ def plain_tokens(prompts, plain):
     return [list(o.token_ids) for o in plain.generate(prompts, LOSSLESS)]
 
 
-@pytest.mark.parametrize("method", ["ngram", "mtp", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "mtp", "mtp+token_map", "eagle3"])
 def test_speculation_is_lossless_on_the_real_model(smollm2_dir, prompts, plain_tokens, method):
-    heads = _heads()
+    from zoo.models import resolve
+
+    method, _, with_map = method.partition("+")
+    heads, maps = _heads(), resolve("smollm2-135m-instruct").token_maps
     if method != "ngram" and method not in heads:
         pytest.skip(f"no prebuilt {method} head for smollm2-135m-instruct in zoo/prebuilt/")
-    spec = SpecConfig(method=method, k=3, draft=str(heads[method]) if method in heads else None)
+    if with_map and method not in maps:
+        pytest.skip(f"no token map ships with the {method} head")
+    spec = SpecConfig(method=method, k=3, draft=str(heads[method]) if method in heads else None,
+                      token_map=str(maps[method]) if with_map else None)
     llm = LLM(smollm2_dir, num_kv_blocks=256, speculative=spec)
     assert [list(o.token_ids) for o in llm.generate(prompts, LOSSLESS)] == plain_tokens
 
