@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import time
 from pathlib import Path
@@ -100,6 +101,8 @@ def spec(args) -> None:
                         configs.append((method, k, False, tmap, SpecConfig(method=method, k=k, draft=draft,
                                                                            draft_masks=False, token_map=path)))
         kw = {"cpu_compile": args.cpu_compile} if args.device == "cpu" else {}
+        engines = None  # the previous batch's engines go before this batch's come (each holds weights and KV)
+        gc.collect()
         engines = {c[:4]: LLM(target, device=args.device, dtype=args.dtype, max_num_seqs=batch,
                               num_kv_blocks=max(512, batch * 64), speculative=c[4], **kw)
                    for c in configs}

@@ -117,9 +117,11 @@ class ModelRunner:
         """EngineConfig.cpu_compile: piecewise-compiled layers for the target and its draft network (`layers`:
         only without collectives inside a piece, i.e. tp_size 1 and no ADP; `full`: each row bucket's forward one
         graph where the C++ CPU attention serves it, every matmul of it and the LM head streamed by the C++ kernel),
-        packed GEMMs for the matmuls no piece holds (LM heads; everything without `layers`). Compiled now for
-        batch-1 decode's row counts (1, and k+1 verification rows); other counts compile on first use."""
-        from engine.layers.packed_gemm import PackedGemm, pack_cpu_gemms, warm_up
+        packed GEMMs for the matmuls no piece holds (LM heads; everything without `layers`). Every row bucket
+        compiles now, at start-up, as vLLM captures every graph size: compiled on first use, a bucket stalled the
+        engine mid-request (SmolLM2 on "full": ~85 s of compiles when prefix-cache hits first prefilled 4-16-token
+        tails, every running request waiting; bench/results/real_spec_full_b1_b16_cpu.md)."""
+        from engine.layers.packed_gemm import BUCKETS, PackedGemm, pack_cpu_gemms, warm_up
         from engine.layers.streamed_gemm import stream_cpu_gemms
         from engine.models.mtp import MTPHead
         from engine.models.piecewise import mtp_pieces, target_pieces
@@ -129,7 +131,7 @@ class ModelRunner:
         proposer = self.proposer
         nets = [self.model] + [n for n in (getattr(proposer, "head", None), getattr(proposer, "model", None))
                                if n is not None]
-        rows = (1, self.k + 1)
+        rows = BUCKETS
         start = time.perf_counter()
         streamed = {}  # weight -> its StreamedGemm, across the nets (a draft head may share the target's LM head)
         for net in nets:

@@ -60,7 +60,7 @@ def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
         if method == "mtp":
             assert runner.proposer.head.shared_head.head.packed is not None
     else:
-        assert head is not None and head.kernels == {1: True, 4: True}  # compiled at start-up
+        assert head is not None and head.kernels == {1: True, 4: True, 8: True, 16: True}  # compiled at start-up
     served = []
     kind = StreamedGemm if streamed else PackedGemm
     original = kind.__call__
@@ -80,17 +80,17 @@ def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
     assert sum(served) > 30
     if mode in ("layers", "full"):
         target = runner.model.piecewise
-        # 1 and 4 rows from start-up; the prompts (up to 8 tokens) added 8
-        assert target.buckets == {1: True, 4: True, 8: True} and target.runs > 10
+        every = {1: True, 4: True, 8: True, 16: True}  # every bucket from start-up: none compiles mid-request
+        assert target.buckets == every and target.runs > 10
         if method == "mtp":
             draft = runner.proposer.head.piecewise
-            assert draft.buckets == {1: True, 4: True, 8: True} and draft.runs > 30
+            assert draft.buckets == every and draft.runs > 30
         assert (runner.model.layers[0].self_attn.qkv_proj.packed is None) != streamed  # inside a piece, or streamed
-        whole = {1, 4, 8} if mode == "full" and cpu_ext.available() else set()
+        whole = set(every) if mode == "full" and cpu_ext.available() else set()
         assert target.whole == whole and (method != "mtp" or runner.proposer.head.piecewise.whole == whole)
     else:
         assert runner.model.piecewise is None
-        assert runner.model.layers[0].self_attn.qkv_proj.packed.kernels == {1: True, 4: True, 8: True}
+        assert runner.model.layers[0].self_attn.qkv_proj.packed.kernels == {1: True, 4: True, 8: True, 16: True}
 
 
 @pytest.mark.slow
