@@ -73,6 +73,26 @@ def test_the_trainer_resumes_exactly_where_it_stopped(zoo_dir, records, tmp_path
     assert all(l == l and l > 0 for l in losses)  # finite, positive
 
 
+def test_mtp_trains_over_its_token_map(zoo_dir, records, tmp_path):
+    """plan.mtp_token_map: MTP's softmax spans the map's ids (what it drafts from), labels outside it score nothing."""
+    import zoo
+
+    target = zoo.layout(zoo_dir).target
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    used = sorted({t for r in rows for t in r["output_ids"]})
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(used[: max(1, len(used) // 2)]))
+    plan = TrainPlan(steps=2, batch_tokens=256, seq_len=128, positions=64, draft_vocab_size=512, save_every=2,
+                     mtp_token_map=str(path))
+    trainer = HeadTrainer(target, records, tmp_path / "ckpt", plan)
+    assert trainer.mtp_rows.tolist() == json.loads(path.read_text())
+    assert int((trainer.mtp_index >= 0).sum()) == len(trainer.mtp_rows)
+    trainer.run()
+    counted = [sum(n for _, n in r["mtp"]["agree"]) for r in trainer.history]
+    assert trainer.step == 2 and all(0 < n for n in counted)
+    assert all(l == l and l > 0 for l in (r["mtp"]["loss"] for r in trainer.history))
+
+
 def test_exported_heads_draft_losslessly_in_the_engine(zoo_dir, records, tmp_path):
     import zoo
 
