@@ -65,8 +65,9 @@ def _smollm2() -> ModelPaths:
     heads = {k: root / k for k in HEAD_KINDS if (root / k / "config.json").is_file()}
     maps = {k: d / "token_map.json" for k, d in heads.items() if (d / "token_map.json").is_file()}
     # k=1: with the 215-step heads MTP k=3 ran 0.50-0.83x no speculation at batch 1 on CPU, k=1 0.94-1.11x
-    # (bench/results/real_spec_cpu.md, real_spec_k1_cpu.md); the 800-step heads accept more (real_spec_800_cpu.md)
-    # but their speedups are not measured on a quiet machine yet.
+    # (bench/results/real_spec_cpu.md, real_spec_k1_cpu.md). The 800-step heads, measured quietly on cpu_compile=full
+    # (real_spec_token_map_cpu.md, real_spec_full_warm_cpu.md): k=1 still leads unguided (MT-Bench 0.84x at k=1,
+    # 0.74x at k=3 with the token map), k=3 guided (1.65x on json-mode-eval).
     return ModelPaths("smollm2-135m-instruct", gguf_model_dir(gguf), heads, default_k=1, token_maps=maps)
 
 

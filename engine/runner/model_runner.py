@@ -120,7 +120,7 @@ class ModelRunner:
         packed GEMMs for the matmuls no piece holds (LM heads; everything without `layers`). Every row bucket
         compiles now, at start-up, as vLLM captures every graph size: compiled on first use, a bucket stalled the
         engine mid-request (SmolLM2 on "full": ~85 s of compiles when prefix-cache hits first prefilled 4-16-token
-        tails, every running request waiting; bench/results/real_spec_full_b1_b16_cpu.md)."""
+        tails, every running request waiting; bench/results/real_spec_full_warm_cpu.md)."""
         from engine.layers.packed_gemm import BUCKETS, PackedGemm, pack_cpu_gemms, warm_up
         from engine.layers.streamed_gemm import stream_cpu_gemms
         from engine.models.mtp import MTPHead
