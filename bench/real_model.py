@@ -101,7 +101,7 @@ def spec(args) -> None:
                         configs.append((method, k, False, tmap, SpecConfig(method=method, k=k, draft=draft,
                                                                            draft_masks=False, token_map=path)))
         kw = {"cpu_compile": args.cpu_compile} if args.device == "cpu" else {}
-        engines = None  # the previous batch's engines go before this batch's come (each holds weights and KV)
+        engines = llm = None  # the previous batch's engines go before this batch's come (each holds weights and KV)
         gc.collect()
         engines = {c[:4]: LLM(target, device=args.device, dtype=args.dtype, max_num_seqs=batch,
                               num_kv_blocks=max(512, batch * 64), speculative=c[4], **kw)
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--name", default=None, help="results file name under bench/results/ (default real_<what>_<device>)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the engine with its CUDA graphs, transformers in bf16)")
-    ap.add_argument("--cpu-compile", default="off", help="spec on cpu: the engines' cpu_compile (off, gemm, layers)")
+    ap.add_argument("--cpu-compile", default="off", help="spec on cpu: the engines' cpu_compile (off, gemm, layers, full)")
     ap.add_argument("--token-maps", default="none", help="spec: MTP token maps to compare, comma-separated: none (the "
                                                          "whole vocabulary), shipped (the head's own), or files")
     ap.add_argument("--masks", default="on,off", help="spec: also run heads without draft masks on guided prompts where this names off")
