@@ -134,7 +134,8 @@ def generate(model: str, prompts: list[Prompt], out: Path, *, max_tokens: int = 
     from engine import LLM, SamplingParams, StructuredOutput
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    todo = [p for p in prompts if p.key not in done_keys(out)]
+    done = done_keys(out)  # once: read per prompt, it parsed the whole file thousands of times (minutes)
+    todo = [p for p in prompts if p.key not in done]
     log.info("%d of %d prompts to answer", len(todo), len(prompts))
     llm = LLM(model, dtype=dtype, max_num_seqs=batch, kv_cache_memory_gb=4.0, max_num_batched_tokens=4096,
               cpu_compile=cpu_compile)
