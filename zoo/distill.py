@@ -140,17 +140,21 @@ def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, wei
 
 @torch.no_grad()
 def head_agreement(head, features: dict, ids: torch.Tensor, real: torch.Tensor, depth: int,
-                   scored: torch.Tensor | None = None) -> list[tuple[int, int]]:
+                   scored: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> list[tuple[int, int]]:
     """Teacher-forced top-1 agreement per depth: [(matches, count)] for depths 1..depth.
 
     Depth d at index i compares the head's step d-1 argmax (mapped to target ids) with the target's
     argmax at index i+d (its prediction for token i+d+1). `scored` [B, T] limits which target
-    positions i+d count (e.g. the JSON instance, not the prompt).
+    positions i+d count (e.g. the JSON instance, not the prompt). `allowed` [V] bool: the target ids the
+    head drafts from (its token map), the argmax taken over those only, as the engine drafts.
     """
     target_top = features["logits"].argmax(-1)
     results = []
     for step, logits in enumerate(unroll(head, features, ids, depth)):
-        guess = head.to_target_vocab(logits).argmax(-1)
+        full = head.to_target_vocab(logits)
+        if allowed is not None:
+            full = full.masked_fill(~allowed, float("-inf"))
+        guess = full.argmax(-1)
         want = shift_left(target_top, 1 + step, -1)
         valid = shift_left(real, 1 + step, False)
         if scored is not None:

@@ -311,8 +311,11 @@ class HeadTrainer:
             features = target_features(self.target, ids, self.aux_ids)
             for name, head in self.heads.items():
                 head.eval()
+                allowed = None
+                if name == "mtp" and self.plan.mtp_token_map:  # it drafts from its map: agreement as it drafts
+                    allowed = self.mtp_index >= 0
                 for d, (hit, count) in enumerate(head_agreement(head, features, ids, torch.ones_like(scored),
-                                                                self.plan.depth, scored)):
+                                                                self.plan.depth, scored, allowed)):
                     totals[name][d][0] += hit
                     totals[name][d][1] += count
         return {name: [round(h / max(c, 1), 3) for h, c in per] for name, per in totals.items()}

@@ -91,27 +91,21 @@ def test_mtp_trains_over_its_token_map(zoo_dir, records, tmp_path):
     counted = [sum(n for _, n in r["mtp"]["agree"]) for r in trainer.history]
     assert trainer.step == 2 and all(0 < n for n in counted)
     assert all(l == l and l > 0 for l in (r["mtp"]["loss"] for r in trainer.history))
+    agreement = trainer.agreement(records)  # MTP's argmax over its map, as the engine drafts
+    assert set(agreement) == {"mtp", "eagle3"} and all(0 <= a <= 1 for per in agreement.values() for a in per)
 
 
-def test_exported_heads_draft_losslessly_in_the_engine(zoo_dir, records, tmp_path):
-    import zoo
+def test_agreement_takes_the_argmax_over_the_allowed_ids_only(monkeypatch):
+    import zoo.distill as distill
 
-    from engine import LLM, SamplingParams, SpecConfig
+    class Head:
+        def to_target_vocab(self, logits):
+            return logits
 
-    target = zoo.layout(zoo_dir).target
-    plan = TrainPlan(steps=2, batch_tokens=256, seq_len=128, positions=64, draft_vocab_size=512)
-    trainer = HeadTrainer(target, records, tmp_path / "ckpt", plan)
-    trainer.run()
-    heads = trainer.export(tmp_path / "heads")
-    mtp_names = set(__import__("safetensors.torch", fromlist=["load_file"]).load_file(
-        str(Path(heads["mtp"]) / "model.safetensors")))
-    assert not any(n.endswith(("embed_tokens.weight", "shared_head.head.weight")) for n in mtp_names)
-    prompts = [json.loads(line)["prompt_ids"] for line in records.read_text().splitlines()]
-    params = SamplingParams(max_tokens=16, temperature=0)
-    want = [o.token_ids for o in LLM(str(target), num_kv_blocks=64).generate(prompts, params)]
-    for method in ("mtp", "eagle3"):
-        llm = LLM(str(target), num_kv_blocks=64, speculative=SpecConfig(method=method, k=2, draft=heads[method]))
-        assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    again = HeadTrainer(target, records, tmp_path / "fresh", replace(plan, steps=3), init=tmp_path / "heads")
-    assert torch.equal(again.heads["mtp"].eh_proj.weight.to(torch.bfloat16),
-                       trainer.heads["mtp"].eh_proj.weight.to(torch.bfloat16))
+    # the head's logits favour id 2 everywhere, the target's argmax is id 1
+    monkeypatch.setattr(distill, "unroll", lambda head, f, i, d: [torch.tensor([[[0.0, 1.0, 9.0]] * 4])])
+    features = {"logits": torch.tensor([[[0.0, 5.0, 1.0]] * 4])}
+    ids, real = torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.bool)
+    assert distill.head_agreement(Head(), features, ids, real, 1) == [(0, 3)]
+    allowed = torch.tensor([True, True, False])  # a token map without id 2
+    assert distill.head_agreement(Head(), features, ids, real, 1, allowed=allowed) == [(3, 3)]
