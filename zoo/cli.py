@@ -217,11 +217,9 @@ def _token_map_selfdistill(args) -> int:
     if not args.target:
         print("tandem zoo token-map: --selfdistill needs --target (the target's directory or .gguf)", file=sys.stderr)
         return 2
-    target = args.target
-    if target.endswith(".gguf"):
-        from engine.models.gguf import gguf_model_dir
+    from engine.models.gguf import gguf_model_dir, is_gguf
 
-        target = str(gguf_model_dir(target))
+    target = str(gguf_model_dir(args.target)) if is_gguf(args.target) else args.target
     vocab = AutoConfig.from_pretrained(target).vocab_size
     if not 0 < args.size <= vocab:
         print(f"tandem zoo token-map: --size must be in [1, {vocab}] (the vocabulary), got {args.size}", file=sys.stderr)

@@ -37,16 +37,14 @@ def selfdistill_counts(path: Path, vocab_size: int) -> tuple[torch.Tensor, torch
     """-> (response counts, prompt counts) [vocab_size] of self-distilled records (zoo/selfdistill.py): what a
     real target writes ranks its hot vocabulary; what its prompts hold orders the ids no response used (a few
     thousand distinct ids cover the responses, and a map is usually larger)."""
-    responses, prompts = Counter(), Counter()
+    records = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         try:
-            rec = json.loads(line)
+            records.append(json.loads(line))
         except json.JSONDecodeError:
             continue  # a line cut by an interrupted writer
-        responses.update(rec["output_ids"])
-        prompts.update(rec["prompt_ids"])
-    as_tensor = lambda c: torch.tensor([c.get(i, 0) for i in range(vocab_size)], dtype=torch.int64)  # noqa: E731
-    return as_tensor(responses), as_tensor(prompts)
+    return (token_counts((r["output_ids"] for r in records), vocab_size),
+            token_counts((r["prompt_ids"] for r in records), vocab_size))
 
 
 def write_token_map(path: Path, ids: list[int], counts: torch.Tensor) -> dict:
