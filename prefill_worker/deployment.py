@@ -97,6 +97,7 @@ class PrefillServer:
             "steps": self.loop.steps,
             "channels": len(self.loop.sender.channels),
             "handovers_total": self.loop.sender.total,
+            "finished_at_prefill": self.loop.finished_here,  # never handed over: the first token ended them
             "handovers_by_transport": dict(self.loop.sender.by_transport),
             "grammar": dict(s.get("grammar", {})),
             # query/hit tokens (running totals), cached/evicted blocks; {} with prefix caching off. A prompt's

@@ -47,6 +47,7 @@ class PrefillLoop:
         self._stopped = False
         self.steps = 0
         self.prompt_tokens_waiting = 0
+        self.finished_here = 0  # requests whose prefill finished them (their first token was the last): no hand-over
         self._thread = threading.Thread(target=self._run, daemon=True, name="prefill-loop")
         self._thread.start()
 
@@ -142,6 +143,8 @@ class PrefillLoop:
                                None if handover is None else handover.request.seed)
         if handover is not None:
             job.handed_over = self.sender.submit(handover, job.target)
+        elif out.finished:
+            self.finished_here += 1
         if not job.future.set_running_or_notify_cancel():
             return
         job.future.set_result(result)
