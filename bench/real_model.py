@@ -67,7 +67,8 @@ def run_engine(llm, prompts, max_tokens: int) -> dict:
     tokens = sum(len(o.token_ids) for o in outs)
     stats = engine.stats().get("spec") or {}
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-            "accepted": stats.get("mean_accepted_length"), "outputs": [list(o.token_ids) for o in outs]}
+            "accepted": stats.get("mean_accepted_length"), "outputs": [list(o.token_ids) for o in outs],
+            "k_steps": stats.get("dynamic_k_steps")}
 
 
 def spec(args) -> None:
@@ -85,7 +86,7 @@ def spec(args) -> None:
                "dtype": args.dtype, "cpu_compile": args.cpu_compile, "threads": args.threads,
                "max_tokens": args.max_tokens, "prompts": args.prompts, "runs": rows}
     for batch in args.batches:
-        configs = [("none", 0, True, "none", None)]
+        configs = [("none", 0, True, "none", False, None)]
         for method in args.methods:
             if method != "ngram" and method not in paths.heads:
                 print(f"skipping {method}: no prebuilt head")
@@ -95,16 +96,21 @@ def spec(args) -> None:
             for k in args.ks:
                 for tmap in maps:
                     path = None if tmap == "none" else str(_token_map_path(tmap, paths, method))
-                    configs.append((method, k, True, tmap, SpecConfig(method=method, k=k, draft=draft,
-                                                                      draft_masks=True, token_map=path)))
+                    configs.append((method, k, True, tmap, False, SpecConfig(method=method, k=k, draft=draft,
+                                                                             draft_masks=True, token_map=path)))
                     if method != "ngram" and "off" in args.masks:
-                        configs.append((method, k, False, tmap, SpecConfig(method=method, k=k, draft=draft,
-                                                                           draft_masks=False, token_map=path)))
+                        configs.append((method, k, False, tmap, False, SpecConfig(
+                            method=method, k=k, draft=draft, draft_masks=False, token_map=path)))
+            if args.adaptive:  # k chosen each step in [0, max k] from acceptance and measured step cost
+                k, tmap = max(args.ks), maps[0]
+                path = None if tmap == "none" else str(_token_map_path(tmap, paths, method))
+                configs.append((method, k, True, tmap, True, SpecConfig(method=method, k=k, draft=draft, draft_masks=True,
+                                                                        token_map=path, adaptive_k=True)))
         kw = {"cpu_compile": args.cpu_compile} if args.device == "cpu" else {}
         engines = llm = None  # the previous batch's engines go before this batch's come (each holds weights and KV)
         gc.collect()
-        engines = {c[:4]: LLM(target, device=args.device, dtype=args.dtype, max_num_seqs=batch,
-                              num_kv_blocks=max(512, batch * 64), speculative=c[4], **kw)
+        engines = {c[:5]: LLM(target, device=args.device, dtype=args.dtype, max_num_seqs=batch,
+                              num_kv_blocks=max(512, batch * 64), speculative=c[5], **kw)
                    for c in configs}
         for name, prompts in sets.items():
             if name not in args.sets:
@@ -118,10 +124,10 @@ def spec(args) -> None:
                     run = run_engine(llm, prompts, args.max_tokens)
                     if key not in best or run["tok_s"] > best[key]["tok_s"]:
                         best[key] = run
-            base = best[("none", 0, True, "none")]
-            for (method, k, masks, tmap), run in best.items():
-                row = {"prompts": name, "batch": batch, "method": method, "k": k, "draft_masks": masks,
-                       "token_map": tmap,
+            base = best[("none", 0, True, "none", False)]
+            for (method, k, masks, tmap, adaptive), run in best.items():
+                row = {"prompts": name, "batch": batch, "method": method, "k": f"adaptive <= {k}" if adaptive else k,
+                       "draft_masks": masks, "token_map": tmap, "k_steps": run["k_steps"] if adaptive else None,
                        "tok_s": round(run["tok_s"], 1), "speedup": round(run["tok_s"] / base["tok_s"], 3),
                        "accepted_incl_bonus": run["accepted"], "lossless": run["outputs"] == base["outputs"],
                        "tokens": run["tokens"]}
@@ -131,7 +137,8 @@ def spec(args) -> None:
              "| lossless |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f"{r['accepted_incl_bonus']:.2f}" if r["accepted_incl_bonus"] else "-"
-        table.append(f"| {r['prompts']} | {r['batch']} | {r['method']} | {r['k']} | {'on' if r['draft_masks'] else 'off'} "
+        k = f"{r['k']} (steps at k=0..: {','.join(map(str, r['k_steps']))})" if r.get("k_steps") else r["k"]
+        table.append(f"| {r['prompts']} | {r['batch']} | {r['method']} | {k} | {'on' if r['draft_masks'] else 'off'} "
                      f"| {r['token_map']} | {acc} | {r['tok_s']} | {r['speedup']:.2f}x | {r['lossless']} |")
     print(write_results(args.name or f"real_spec_{args.device}", results, "\n".join(table)))
 
@@ -304,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                                                          "whole vocabulary), shipped (the head's own), or files")
     ap.add_argument("--masks", default="on,off", help="spec: also run heads without draft masks on guided prompts where this names off")
     ap.add_argument("--sets", default="mt-bench,gsm8k,json-mode-eval", help="spec: prompt sets")
+    ap.add_argument("--adaptive", action="store_true", help="spec: also run each method with adaptive k up to the "
+                                                            "largest of --ks (SpecConfig.adaptive_k)")
     ap.add_argument("--dtype", default=None, help="spec: the engine's dtype (default: the checkpoint's; bfloat16 on cuda)")
     args = ap.parse_args(argv)
     if args.dtype is None and args.device != "cpu":

@@ -45,9 +45,10 @@ class PackedGemm:
         self._lock = threading.Lock()
 
     @staticmethod
-    def bucket(rows: int) -> int | None:
-        largest = BUCKETS[-1] if torch.get_num_threads() > 1 else BUCKETS[-2]
-        return next((b for b in BUCKETS if rows <= b <= largest), None)
+    def bucket(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
+        """The bucket `rows` rows pad to, or None (no rows, or past the largest: 16 with more than one thread)."""
+        largest = buckets[-1] if torch.get_num_threads() > 1 else buckets[-2]
+        return next((b for b in buckets if rows <= b <= largest), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [rows, in] -> [rows, out], or None: too many rows, or no kernel for them (use F.linear)."""

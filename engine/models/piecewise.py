@@ -9,7 +9,7 @@ weights frozen: fused small ops and packed GEMMs. The attentions run eagerly in 
 real rows. The zoo target's piece: 93 -> 30 us at 1 row, 180 -> 35 us at 4 (bench/results/
 piecewise_cpu.md).
 
-Pieces are compiled per row bucket (1, 4, 8, 16 as packed GEMMs: engine/layers/packed_gemm.py), the
+Pieces are compiled per row bucket (1, 4, 8, 16 as packed GEMMs: engine/layers/packed_gemm.py; whole graphs add 2), the
 rows of a forward zero-padded up to it (padded rows never reach an attention); forwards with more rows
 (prefill chunks, large batches) run eagerly. A bucket compiles on first use or at start-up for the
 batch-1 row counts (engine/runner/model_runner.py); each bucket keeps its own packed copy of the weights.
@@ -31,8 +31,9 @@ import torch.nn.functional as F
 
 from engine.layers.attention import current_metadata
 from engine.layers.cpu_compile import compile_frozen
-from engine.layers.packed_gemm import PackedGemm
+from engine.layers.packed_gemm import BUCKETS, PackedGemm
 from engine.layers.rotary import RopeAt
+from engine.layers.streamed_gemm import STREAMED_BUCKETS
 from kernels.attention import cpu_attention_step, cpu_kernel_serves, paged_attention_layer
 from kernels.norm_rope import rope_rows
 
@@ -63,7 +64,7 @@ class PiecewiseForward:
         """-> (last's outputs cut to the real rows, residuals after each middle's block), or None: no
         compiled pieces for this many rows (run the eager forward)."""
         T = positions.shape[0]
-        b = PackedGemm.bucket(T) if T else None
+        b = PackedGemm.bucket(T, self.bucket_sizes) if T else None
         if b is None:
             return None
         compiled = self._compiled.get(b, False)
@@ -117,6 +118,12 @@ class PiecewiseForward:
                 compiled = self._compile_pieces(rows, (*inputs, cos2, sin2), gen)
             self._compiled[rows] = compiled
             return compiled
+
+    @property
+    def bucket_sizes(self) -> tuple[int, ...]:
+        """The row buckets this forward pads to: whole graphs stream one copy of the weights for every bucket and
+        add 2 rows (engine/layers/streamed_gemm.py); pieces keep one packed copy per bucket, so fewer."""
+        return STREAMED_BUCKETS if self.fusable else BUCKETS
 
     @property
     def fusable(self) -> bool:
