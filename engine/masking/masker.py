@@ -86,12 +86,15 @@ class StepMasks:
         self.masker = masker
         self.batch = batch
 
-    def verify(self, logits: torch.Tensor) -> None:
-        """logits [B * (k+1), V], masked in place."""
+    def verify(self, logits: torch.Tensor, width: int | None = None) -> None:
+        """logits [B * width, V] (width: the chain columns verified, k+1 by default), masked in place."""
         b = self.batch
         b.verify_mask_flags.zero_()
         self.masker.fill_verify(b.verify_bitmask, b.verify_mask_flags)
-        apply_token_bitmask(logits, b.verify_bitmask.flatten(0, 1), b.verify_mask_flags.flatten())
+        bitmask, flags = b.verify_bitmask, b.verify_mask_flags
+        if width is not None and width < bitmask.shape[1]:  # filled for k+1 columns, applied to the first `width`
+            bitmask, flags = bitmask[:, :width], flags[:, :width]
+        apply_token_bitmask(logits, bitmask.flatten(0, 1), flags.flatten())
 
     def draft_step(self, emitted: torch.Tensor, num_accepted: torch.Tensor):
         """-> mask(step, drafts, logits [B, Vd], d2t) for the draft loop: fills and applies the next

@@ -46,6 +46,10 @@ class StepBatch:
     propose: bool  # host: some request needs new drafts (a sampling one that is not prefill-only)
     chain_max_seq_len: int  # host bound on draft-chain KV lengths
     draft_passes: int  # host: the draft chain's passes this step, <= k (adaptive k; a graph's layout runs all k)
+    # host: the chain columns the step computes logits for and verifies: k+1, or in an eager step of one rank
+    # (build_batch's `trim`) 1 + the most drafts any request has (a short chain: prompt lookup without a match,
+    # adaptive or dynamic k below k); the columns past it are padding that verifies nothing
+    verify_width: int
     # host copies for the update
     host_num_drafts: list[int]
     host_samples: list[bool]
@@ -68,10 +72,13 @@ class Padding:
 
 def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cache: torch.Tensor,
                 device: torch.device, vocab_size: int, k: int, slots: list[int] | None,
-                pad: Padding | None = None, masked: bool = False, draft_passes: int | None = None) -> StepBatch:
+                pad: Padding | None = None, masked: bool = False, draft_passes: int | None = None,
+                trim: bool = False) -> StepBatch:
     """slots: each request's row of the draft-state buffers (None: no draft network keeps state);
     masked: leave room for a LogitsMasker's bitmasks; draft_passes: how many drafts the chain makes for the
-    next step (None: k; the padded layout always makes k, as its graph was captured with)."""
+    next step (None: k; the padded layout always makes k, as its graph was captured with); trim: verify only the
+    columns some request has a draft for (StepBatch.verify_width; an eager step whose logits no other rank's
+    collective waits on)."""
     bs = blocks.block_size
     k1 = k + 1
     B = pad.batch_size if pad is not None else len(scheduled)
@@ -166,6 +173,7 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
         full_drafts=pad is None and bool((num_drafts[samples] == k).all()), propose=propose or pad is not None,
         chain_max_seq_len=max_seq_len + chain_margin(k),
         draft_passes=k if draft_passes is None or pad is not None else draft_passes,
+        verify_width=int(num_drafts[samples].max(initial=0)) + 1 if trim and pad is None else k1,
         host_num_drafts=num_drafts[:n].tolist(), host_samples=samples[:n].tolist(), staged=staged.buffer,
         staged_layout=staged.layout)
 

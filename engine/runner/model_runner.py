@@ -248,8 +248,11 @@ class ModelRunner:
         if graph:
             batch = self.graphs.padded_batch(scheduled, blocks, slots, graph_batch, masked=masked)
         else:
+            # One rank alone verifies only the columns that hold drafts: TP and ADP ranks keep k+1, as their LM
+            # heads' collectives need the same shapes on every rank.
+            trim = self.dp is None and self.cfg.tp_size == 1
             batch = build_batch(scheduled, blocks, self.kv_cache, self.device, self.vocab_size, self.k, slots,
-                                masked=masker is not None, draft_passes=self.drafter.draft_passes)
+                                masked=masker is not None, draft_passes=self.drafter.draft_passes, trim=trim)
         if carry_from is not None:
             assert masker is None and self.dp is None, "a carried step has no masks and no ADP agreement"
             carry_inputs(batch, scheduled, carry_from, self.k, padded=graph)

@@ -16,7 +16,8 @@ KV past a request's verified length is overwritten before anything reads it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -24,7 +25,7 @@ from engine.layers.attention import attention_context
 from engine.masking.masker import LogitsMasker, StepMasks
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.batch import StepBatch
-from engine.sample.verify import verify
+from engine.sample.verify import Verified, verify
 from engine.speculative.proposer import ProposeInputs, Proposer
 
 
@@ -41,6 +42,21 @@ class StepOutput:
     forced: torch.Tensor | None = None
 
 
+def _widened(v: Verified, k1: int) -> Verified:
+    """A verification of fewer columns laid out as k+1 (tokens -1 past the last, as verify leaves them)."""
+    pad = k1 - v.tokens.shape[1]
+    if pad == 0:
+        return v
+
+    def widen(t: torch.Tensor | None, fill) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return torch.cat([t, t.new_full((t.shape[0], pad, *t.shape[2:]), fill)], 1)
+
+    return replace(v, tokens=widen(v.tokens, -1), logprobs=widen(v.logprobs, 0.0), top_ids=widen(v.top_ids, 0),
+                   top_logprobs=widen(v.top_logprobs, 0.0))
+
+
 def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepBatch,
                draft_probs: torch.Tensor | None, masker: LogitsMasker | None = None,
                draft_masks: bool = True) -> StepOutput:
@@ -52,12 +68,15 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
     with attention_context(batch.attn):
         final, captured = target(batch.input_ids, batch.positions, tuple(sorted(set(capture))))
     B, k1 = batch.verify_rows.shape
-    logits = target.compute_logits(final.index_select(0, batch.verify_rows.reshape(-1))).view(B, k1, -1)  # [B, k+1, V]
+    w = batch.verify_width  # columns with a draft or the bonus: no logits past them (a short chain's LM head rows)
+    rows = batch.verify_rows if w == k1 else batch.verify_rows[:, :w]
+    logits = target.compute_logits(final.index_select(0, rows.reshape(-1))).view(B, w, -1)  # [B, w, V]
     masks = StepMasks(masker, batch) if masker is not None else None
     use_probs = proposer is not None and draft_probs is not None and not batch.sampling.all_greedy
-    q = draft_probs[batch.slots] if use_probs else None  # [B, k, V]
-    v = verify(logits, batch.drafts, batch.num_drafts, q, batch.sampling, batch.full_drafts,
-               masks.verify if masks is not None else None)
+    q = draft_probs[batch.slots, : w - 1] if use_probs else None  # [B, w-1, V]
+    mask = None if masks is None else masks.verify if w == k1 else partial(masks.verify, width=w)
+    v = _widened(verify(logits, batch.drafts[:, : w - 1], batch.num_drafts, q, batch.sampling, batch.full_drafts, mask),
+                 k1)
     if proposer is None:
         return StepOutput(v.tokens, v.num_accepted, None, v.logprobs, v.top_ids, v.top_logprobs)
 

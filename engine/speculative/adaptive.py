@@ -16,7 +16,8 @@ masked drafts), shrunk toward its class's estimate. rho is fitted by least squar
 measured at the k's the engine ran, per batch size (powers of two); every EXPLORE_EVERY steps two steps run
 at k + 1 (k - 1 at the top; two: the drafts a step verifies are the previous step's chain's, so a deeper
 depth is observed only on the second), so the fit sees more than one k and a depth not drafted lately is
-measured again. Before the fit has two k's, rho is RHO_PRIOR. (bench/adaptive_k.py: exploring every 16 steps
+measured again; at k = 0, which observes nothing, two steps at k = 1 after every EXPLORE_IDLE. Before the fit has
+two k's, rho is RHO_PRIOR. (bench/adaptive_k.py: exploring every 16 steps
 up and down in turn cost up to 6% against the best fixed k on SmolLM2.)
 
 Agreement. The decision is integer arithmetic over fixed-point sums (vote/decide), so every rank that sees
@@ -41,6 +42,10 @@ RHO_PRIOR = 0.2
 # steps is its own count): a few noisy step times on a shared machine must not send rho to 0 and k to the top.
 RHO_PRIOR_WEIGHT = 4.0
 EXPLORE_EVERY = 32
+# At k = 0 nothing is observed, so an estimate that sent k there changes only as the class counts decay: a request
+# whose first few drafts failed (SmolLM2's MTP head on a GSM8K answer's opening) stayed undrafted for ~30 steps
+# (bench/results/real_spec_k_sweep_cpu.md). After this many steps at k = 0, two steps at k = 1.
+EXPLORE_IDLE = 8
 # A switch of k must promise this much more (thousandths): raising k pays one step whose verified drafts are
 # still the old, shorter chain's, and near-ties flip on noise (bench/adaptive_k.py: k flipping between 0 and 1).
 HYSTERESIS = 30
@@ -182,6 +187,7 @@ class AdaptiveK:
         self.acceptance = AcceptanceModel(k)
         self.cost = StepCost()
         self.steps = 0
+        self.idle = 0  # consecutive steps decided at k = 0
         self.last: int | None = None  # the last decided k (before exploring), which hysteresis holds
 
     def vote(self, requests, batch: int) -> Vote:
@@ -197,10 +203,16 @@ class AdaptiveK:
 
     def choose(self, vote: Vote, k_max: int) -> int:
         """The step's k from the (group's) vote, bounded by k_max; for two steps in every EXPLORE_EVERY the
-        next one up (down at k_max), the same steps on every rank (they count steps alike)."""
+        next one up (down at k_max), and two at k = 1 after every EXPLORE_IDLE decided at 0; the same steps on every
+        rank (they count steps and decide alike)."""
         self.steps += 1
         self.acceptance.decay()
         k = self.last = decide(vote.requests, vote.gain, vote.rho, k_max, self.last)
+        self.idle = self.idle + 1 if k == 0 else 0
+        if k == 0 and self.idle > EXPLORE_IDLE and k_max > 0:
+            if self.idle == EXPLORE_IDLE + 2:
+                self.idle = 0
+            return 1
         if self.steps % EXPLORE_EVERY < 2 and self.steps >= EXPLORE_EVERY and k_max > 0:
             k = k + 1 if k < k_max else k - 1
         return k

@@ -153,6 +153,21 @@ def test_choose_explores_one_up_for_two_steps_and_down_at_the_top():
     assert {ks[1][i] for i in explored} == {0} and all(k == 1 for i, k in enumerate(ks[1]) if i not in explored)
 
 
+def test_choose_explores_k1_soon_after_settling_at_zero():
+    """k = 0 observes no acceptance, so after EXPLORE_IDLE steps decided at 0 two steps verify one draft; k = 0
+    in between."""
+    ctl = A.AdaptiveK(3, measured=True)
+    off = A.Vote((50, 60, 70), 200, 1)  # decide() -> 0: 0.05 expected drafts for a fifth of a step
+    ks = [ctl.choose(off, 3) for _ in range(3 * (A.EXPLORE_IDLE + 2))]
+    ones = [i for i, k in enumerate(ks) if k]
+    assert ones == [i for n in range(1, 4) for i in (n * (A.EXPLORE_IDLE + 2) - 2, n * (A.EXPLORE_IDLE + 2) - 1)], ks
+    assert {ks[i] for i in ones} == {1}
+    on = A.Vote((500, 700, 800), 200, 1)  # decide() -> 1
+    fresh = A.AdaptiveK(3, measured=True)
+    ks = [fresh.choose(v, 3) for v in [off] * (A.EXPLORE_IDLE - 2) + [on] + [off] * (A.EXPLORE_IDLE + 2)]
+    assert ks.count(1) == 3 and ks[-2:] == [1, 1], ks  # the count of idle steps starts again after a step at k > 0
+
+
 def test_seeded_sampling_equals_no_speculation_with_adaptive_k(llama_dir, near_draft):
     """Seeded sampling is bit for bit the same whatever k each step takes (coupled verification), and unseeded
     sampling runs (rejection sampling reads the draft distributions a shorter chain wrote only in part)."""

@@ -90,6 +90,36 @@ def test_seeded_sampling_with_prompt_lookup_equals_no_speculation(llama_dir):
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in ref]
 
 
+def test_a_short_chain_computes_logits_for_its_drafts_only(llama_dir, reference):
+    """Prompt lookup often finds fewer than k drafts: an eager step verifies only the columns some request has a
+    draft for (StepBatch.verify_width), so the LM head runs on 1 + max drafts rows per request, not k+1; outputs
+    stay the engine's without speculation, greedy and with logprobs."""
+    llm = LLM(llama_dir, num_kv_blocks=256, block_size=4, speculative=SpecConfig("ngram", k=4, prompt_lookup_min=2))
+    model = llm.engine.runner.model
+    widths = []
+    original = model.compute_logits
+
+    def counting(hidden):
+        widths.append(hidden.shape[0])
+        return original(hidden)
+
+    model.compute_logits = counting
+    prompts = random_prompts(1, seed=0)
+    try:
+        out = llm.generate(prompts, greedy_params(20))
+        logprobs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True))
+    finally:
+        del model.compute_logits
+    assert [o.token_ids for o in out] == reference(1)
+    plain = LLM(llama_dir, num_kv_blocks=256, block_size=4).generate(
+        prompts, SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True))
+    assert logprobs[0].token_ids == plain[0].token_ids
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in logprobs[0].logprobs]),
+                               torch.tensor([lp.logprob for lp in plain[0].logprobs]), rtol=1e-4, atol=1e-4)
+    assert 1 in widths and max(widths) <= 5, widths  # steps without a match verified one column, none more than k+1
+    assert max(widths) > 1, widths  # and lookup found drafts in some steps
+
+
 def test_first_sampled_token_is_the_plain_samplers(llama_dir, spec_drafts):
     """A request's first token (no drafts yet) is drawn with the sampler's own numbers."""
     prompts = random_prompts(8, seed=4)
