@@ -45,10 +45,14 @@ class PackedGemm:
         self._lock = threading.Lock()
 
     @staticmethod
+    def usable(buckets: tuple[int, ...] = BUCKETS) -> tuple[int, ...]:
+        """The buckets compiled code serves: all with more than one thread, the largest (16 rows) left out on one."""
+        return buckets if torch.get_num_threads() > 1 else buckets[:-1]
+
+    @staticmethod
     def bucket(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
-        """The bucket `rows` rows pad to, or None (no rows, or past the largest: 16 with more than one thread)."""
-        largest = buckets[-1] if torch.get_num_threads() > 1 else buckets[-2]
-        return next((b for b in buckets if rows <= b <= largest), None)
+        """The bucket `rows` rows pad to, or None (past the largest usable one)."""
+        return next((b for b in PackedGemm.usable(buckets) if rows <= b), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [rows, in] -> [rows, out], or None: too many rows, or no kernel for them (use F.linear)."""

@@ -19,7 +19,7 @@ from kernels.linear_rows import linear_rows, pack_rows
 MAX_ROWS = BUCKETS[-1]  # the largest row bucket a compiled graph pads to
 # The row buckets of whole-forward graphs on streamed weights (EngineConfig.cpu_compile "full"): 2 beside
 # PackedGemm's, as one copy of the weights serves every bucket here (PackedGemm keeps one per bucket), and where the
-# CPU's FMA throughput bounds few-row matmuls a row costs: SmolLM2's layers at 2 / 4 rows cost ~1.15x / ~1.4x one
+# CPU's FMA throughput bounds few-row matmuls a row costs: SmolLM2's layers at 2 / 4 rows cost 1.11x / 1.38x one
 # row on the 2-core Zen-1 EPYC (bench/results/linear_rows_cpu.md), so k=1 at batch 1 (and batch 2 without
 # speculation) verifies 2 rows, not 4 padded ones.
 STREAMED_BUCKETS = (1, 2, *BUCKETS[1:])

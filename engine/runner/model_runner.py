@@ -149,7 +149,7 @@ class ModelRunner:
             if pieces is not None:
                 like = (torch.zeros(1, dtype=torch.int64),) if isinstance(net, LlamaForCausalLM) else (
                     torch.zeros(1, net.cfg.hidden_size, dtype=self.dtype), torch.zeros(1, dtype=torch.int64))
-                for b in sorted({PackedGemm.bucket(r, pieces.bucket_sizes) for r in pieces.bucket_sizes} - {None}):
+                for b in PackedGemm.usable(pieces.bucket_sizes):
                     pieces.compile(b, like)
             else:
                 pack_cpu_gemms(net)
