@@ -89,7 +89,7 @@ def _bitmask_kernel(
     flag_ptr,  # [rows] bool (as int8); read when HAS_FLAG
     indices_ptr,  # [rows] int; read when HAS_INDICES
     d2t_ptr,  # [V] int; read when HAS_D2T
-    stride_lr, stride_br,
+    stride_lr, stride_br, stride_f, stride_i, stride_d,
     V, vocab_size,
     HAS_FLAG: tl.constexpr, HAS_INDICES: tl.constexpr, HAS_D2T: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -98,13 +98,13 @@ def _bitmask_kernel(
     ok = cols < V
     if HAS_FLAG:
         # broadcast the row flag to a tensor mask: masked-off rows touch no memory at all
-        ok = ok & (tl.load(flag_ptr + row + cols * 0, mask=ok, other=0) != 0)
+        ok = ok & (tl.load(flag_ptr + row * stride_f + cols * 0, mask=ok, other=0) != 0)
     if HAS_INDICES:
-        bm_row = tl.load(indices_ptr + row).to(tl.int64)
+        bm_row = tl.load(indices_ptr + row * stride_i).to(tl.int64)
     else:
         bm_row = row
     if HAS_D2T:
-        tid = cols + tl.load(d2t_ptr + cols, mask=ok, other=0).to(tl.int32)
+        tid = cols + tl.load(d2t_ptr + cols * stride_d, mask=ok, other=0).to(tl.int32)
         ok = ok & (tid >= 0)
     else:
         tid = cols
@@ -113,6 +113,10 @@ def _bitmask_kernel(
     banned = ok & (((word >> (tid % 32)) & 1) == 0)
     tl.store(logits_ptr + row * stride_lr + cols, tl.full([BLOCK], float("-inf"), tl.float32).to(
         logits_ptr.dtype.element_ty), mask=banned)
+
+
+def _stride(t: torch.Tensor | None) -> int:
+    return t.stride(0) if t is not None else 0
 
 
 def apply_token_bitmask_triton(logits, bitmask, row_has_grammar=None, indices=None, d2t=None,
@@ -128,7 +132,9 @@ def apply_token_bitmask_triton(logits, bitmask, row_has_grammar=None, indices=No
         _bitmask_kernel, (rows, triton.cdiv(V, BLOCK_V)), logits, bitmask, flag,
         indices if indices is not None else dummy,
         d2t if d2t is not None else dummy,
-        logits.stride(0), bitmask.stride(0), V, vt,
+        # the 1-D operands by their strides: a step's flags can be a column slice of [B, k+1] (StepMasks.verify
+        # on a trimmed step); read as if contiguous, rows took other requests' flags (found on an H200)
+        logits.stride(0), bitmask.stride(0), _stride(row_has_grammar), _stride(indices), _stride(d2t), V, vt,
         HAS_FLAG=row_has_grammar is not None, HAS_INDICES=indices is not None, HAS_D2T=d2t is not None,
         BLOCK=BLOCK_V, num_warps=4,
     )

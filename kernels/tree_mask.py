@@ -18,6 +18,11 @@ WINDOW = 64  # positions one mask speaks of
 def window_bits(ancestors: torch.Tensor, span: torch.Tensor | int) -> torch.Tensor:
     """ancestors [...] int64 over the last `span` (1..64, broadcastable) positions -> the masks [...] int64 over the
     last 64: the positions before the span (the prefix) all admitted."""
+    if isinstance(span, int):
+        # A Python span stays a scalar: as a tensor it would be a host-to-device copy, which a CUDA graph's
+        # capture refuses (the draft tree's frontier passes run inside the captured step).
+        below = WINDOW - span
+        return torch.bitwise_left_shift(ancestors, below) | ((1 << below) - 1)  # 2**63 - 1 at below = 63, as below
     span = torch.as_tensor(span, dtype=torch.int64, device=ancestors.device)
     below = WINDOW - span  # prefix positions inside the window
     one = torch.ones_like(below)

@@ -102,6 +102,22 @@ def test_draft_vocab_d2t(fn, Vd, Vt):
     assert torch.equal(torch.isinf(logits[0]), torch.isinf(full[0, target_ids]))
 
 
+@pytest.mark.parametrize("fn", FNS)
+def test_strided_flags_indices_and_d2t(fn):
+    """Column slices as StepMasks.verify hands them on a trimmed step (flags [B, k+1][:, :1] flattened is a view of
+    stride k+1): each row reads its own flag. Read as contiguous, rows took other requests' flags (an H200 run:
+    a guided request's first token unmasked)."""
+    logits, bitmask, gen = make(4, 70, bm_rows=8, seed=11)
+    flags_2d = torch.tensor([[True, False, False], [False, True, True], [True, True, False], [True, False, True]])
+    flag = flags_2d[:, :1].flatten()
+    assert flag.stride(0) == 3
+    indices = torch.tensor([[7, 0], [1, 0], [5, 0], [2, 0]])[:, 0]
+    d2t = torch.zeros((70, 2), dtype=torch.int64)[:, 0]
+    want = oracle(logits, bitmask, flag.contiguous(), indices.contiguous(), d2t.contiguous(), None)
+    fn(logits, bitmask, flag, indices, d2t)
+    assert torch.equal(logits, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("V", [32000, 128256, 151936 + 5])

@@ -99,3 +99,10 @@ def test_ancestor_bits():
     assert chain_bits(5).tolist() == ancestor_bits(parents[1:]).tolist()[0]
     assert window_bits(torch.tensor([0b11]), 2).tolist() == [-1]
     assert window_bits(torch.tensor([0b101]), 3).tolist() == [~(1 << 62)]  # the span is the top 3 bits: 101
+
+
+@pytest.mark.parametrize("span", [1, 5, 32, 63, 64])
+def test_window_bits_of_a_python_span_equal_a_tensor_span(span):
+    """A Python span is computed as scalars (no host-to-device copy inside a captured CUDA graph): the same masks."""
+    ancestors = torch.randint(0, 2**62, (3, 4), generator=torch.Generator().manual_seed(span)) & ((1 << span) - 1)
+    assert torch.equal(window_bits(ancestors, span), window_bits(ancestors, torch.tensor(span)))
