@@ -131,7 +131,7 @@ class RankPlan:
     def as_row(self) -> list[int]:
         row = [self.num_tokens, self.num_requests, int(self.can_graph), self.graph_batch]
         if self.vote is not None:
-            row += [*self.vote.gain, self.vote.rho, self.vote.requests]
+            row += [*self.vote.gain, *self.vote.cost, self.vote.requests]
         return row
 
 
@@ -152,7 +152,8 @@ class GroupPlan:
         # Replay only if every busy rank can (idle ranks replay an all-padding batch of any size): a rank
         # that must run eagerly would otherwise meet differently sized collectives.
         graph = bool(busy) and all(r[2] for r in busy)
-        vote = group_vote([Vote(tuple(r[4:-2]), r[-2], r[-1]) for r in table]) if len(table[0]) > 4 else None
+        k = (len(table[0]) - 5) // 2  # a vote's row: gains [K], costs [K], requests
+        vote = group_vote([Vote(tuple(r[4:4 + k]), tuple(r[4 + k:4 + 2 * k]), r[-1]) for r in table]) if k > 0 else None
         return GroupPlan(tokens=tokens, requests=tuple(r[1] for r in table), graph=graph,
                          graph_batch=max(r[3] for r in busy) if graph else 0, vote=vote)
 

@@ -3,44 +3,49 @@ run, from a running estimate of acceptance at each draft depth and the measured 
 
 Model. A request's drafts are accepted in order: p[j] is the chance that draft j is accepted once drafts
 1..j-1 were. A step verifying k drafts per request emits, per request, 1 + sum_{j<=k} prod_{i<=j} p[i]
-tokens on average, and costs about t0 * (1 + rho * k): rho is one more draft position (a draft pass plus a
-verification row per request) relative to a plain step. Over a batch of B requests with expected accepted
-drafts G(k) (summed over them), k maximizes tokens per second, (B + G(k)) / (1 + rho * k); a tie goes to
-the smaller k.
+tokens on average, and costs c(k) plain steps: a step's time at k relative to k = 0, measured. Over a batch of B
+requests with expected accepted drafts G(k) (summed over them), k maximizes tokens per second, (B + G(k)) / c(k);
+a tie goes to the smaller k. c(k) is a table, not a line 1 + rho * k: the first draft position costs a draft pass's
+fixed part (MTP's head KV pass; on a host-bound GPU step, graph launches) that a line fitted through k = 1..K
+spreads over every k (bench/results/real_spec_adaptive_cuda.md: adaptive k drafted in 90% of the steps of a
+workload where no speculation was fastest).
 
 Estimates. Acceptance is kept per grammar class of the draft (free: an unguided request; masked: a guided
 request's draft that its grammar left open; forced: a draft its grammar forced, structured/forced.py) and
 depth, over the rank's requests, as decayed counts on top of a prior, so a depth the engine stopped
 drafting drifts back to the prior and gets tried again. Each request also keeps its own counts (free or
-masked drafts), shrunk toward its class's estimate. rho is fitted by least squares to the step times
-measured at the k's the engine ran, per batch size (powers of two); every EXPLORE_EVERY steps two steps run
-at k + 1 (k - 1 at the top; two: the drafts a step verifies are the previous step's chain's, so a deeper
-depth is observed only on the second), so the fit sees more than one k and a depth not drafted lately is
-measured again; at k = 0, which observes nothing, two steps at k = 1 after every EXPLORE_IDLE. Before the fit has
-two k's, rho is RHO_PRIOR. (bench/adaptive_k.py: exploring every 16 steps
-up and down in turn cost up to 6% against the best fixed k on SmolLM2.)
+masked drafts), shrunk toward its class's estimate. The cost table comes from the step times measured at each k, per
+batch size (powers of two): each k's decayed mean time, shrunk toward a line fitted through all of them (which
+reads a k not measured lately), the line's slope shrunk toward RHO_PRIOR; before any step is timed, c(k) = 1 +
+RHO_PRIOR * k. Every EXPLORE_EVERY steps two steps run at a neighbouring k, one up and one down in turn (two: the
+drafts a step verifies are the previous step's chain's, so a deeper depth is observed only on the second; down:
+the cost of k - 1, k = 0's included, is measured too); at k = 0, which observes nothing, two steps at k = 1 after
+every EXPLORE_IDLE.
 
 Agreement. The decision is integer arithmetic over fixed-point sums (vote/decide), so every rank that sees
 the same votes picks the same k. Under attention data parallelism each rank's vote (its requests' G and its
-fitted rho) travels in the step's all-gather (engine/distributed/data_parallel.py's RankPlan); the group
-sums the gains, takes the largest rho of the ranks with requests, and decides the next step's k from that
-table. Under tensor parallelism without it every rank holds the same requests but times its own steps, so
-rho stays RHO_PRIOR there (no agreement to share a measurement in). No torch here.
+measured cost table) travels in the step's all-gather (engine/distributed/data_parallel.py's RankPlan); the group
+sums the gains, takes each k's largest cost over the ranks with requests, and decides the next step's k from that.
+Under tensor parallelism without it every rank holds the same requests but times its own steps, so the cost
+stays the prior there (no agreement to share a measurement in). No torch here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 FREE, MASKED, FORCED = 0, 1, 2
-SCALE = 1000  # fixed point of votes: gains in thousandths of a token, rho in thousandths
+SCALE = 1000  # fixed point of votes: gains in thousandths of a token, costs in thousandths of a plain step
 PRIOR = ((0.6, 8.0), (0.6, 8.0), (0.95, 8.0))  # per class: (acceptance, weight in observations)
 REQUEST_PRIOR_WEIGHT = 4.0  # a request's own counts against its class's estimate
 DECAY = 0.99  # per step, on the class counts (about the last 100 steps count)
-COST_DECAY = 0.97  # per timed step, on the cost fit's sums
-RHO_PRIOR = 0.2
-# The fitted rho counts as this many observations of a k contrast against RHO_PRIOR (n * Var(k) of the fit's
-# steps is its own count): a few noisy step times on a shared machine must not send rho to 0 and k to the top.
+COST_DECAY = 0.97  # per timed step, on the cost sums
+RHO_PRIOR = 0.2  # a draft position's cost, in plain steps, before any step is timed
+# The fitted slope counts as this many observations of a k contrast against RHO_PRIOR (n * Var(k) of the fit's
+# steps is its own count): a few noisy step times on a shared machine must not send the cost to 0 and k to the top.
 RHO_PRIOR_WEIGHT = 4.0
+# A k's own mean step time counts against the line through all k's as its (decayed) count against this many steps.
+LINE_WEIGHT = 2.0
+MAX_COST = 8.0  # plain steps: a bound on a measured ratio (a stall timed at one k must not disable it for good)
 EXPLORE_EVERY = 32
 # At k = 0 nothing is observed, so an estimate that sent k there changes only as the class counts decay: a request
 # whose first few drafts failed (SmolLM2's MTP head on a GSM8K answer's opening) stayed undrafted for ~30 steps
@@ -53,39 +58,45 @@ HYSTERESIS = 30
 
 @dataclass(frozen=True, slots=True)
 class Vote:
-    """One rank's say in the next k: expected accepted drafts of its requests at each k = 1..K (fixed point)
-    and its measured cost of a draft position relative to a plain step (fixed point)."""
+    """One rank's say in the next k: expected accepted drafts of its requests at each k = 1..K and the measured cost
+    of a step at each k = 1..K relative to k = 0 (fixed point, SCALE a plain step)."""
 
     gain: tuple[int, ...]  # [K]
-    rho: int
+    cost: tuple[int, ...]  # [K]
     requests: int
 
 
-def decide(batch: int, gain: tuple[int, ...], rho: int, k_max: int, current: int | None = None) -> int:
-    """The k in [0, k_max] that maximizes (batch + G(k)) / (1 + rho k), in integers (deterministic on every
-    rank); ties go to the smaller k. With `current` (the k of the last step), another k only if it promises
-    HYSTERESIS thousandths more."""
+def decide(batch: int, gain: tuple[int, ...], cost: tuple[int, ...], k_max: int, current: int | None = None) -> int:
+    """The k in [0, k_max] that maximizes (batch + G(k)) / c(k), in integers (deterministic on every rank); ties go
+    to the smaller k. With `current` (the k of the last step), another k only if it promises HYSTERESIS thousandths
+    more."""
     def rate(k: int) -> tuple[int, int]:  # (tokens, cost): the rate is their ratio
-        return batch * SCALE + (gain[k - 1] if k else 0), SCALE + rho * k
+        return (batch * SCALE + gain[k - 1], cost[k - 1]) if k else (batch * SCALE, SCALE)
 
+    top = min(k_max, len(gain))
     best = 0
-    for k in range(1, min(k_max, len(gain)) + 1):
+    for k in range(1, top + 1):
         (t, c), (bt, bc) = rate(k), rate(best)
         if t * bc > bt * c:
             best = k
-    if current is not None and current != best and current <= min(k_max, len(gain)):
+    if current is not None and current != best and current <= top:
         (t, c), (ct, cc) = rate(best), rate(current)
         if t * cc * SCALE <= ct * c * (SCALE + HYSTERESIS):
             return current
     return best
 
 
+def linear_cost(k: int, rho: float = RHO_PRIOR) -> tuple[int, ...]:
+    """The cost table of a line 1 + rho * j, j = 1..k (fixed point): the prior."""
+    return tuple(round((1 + rho * j) * SCALE) for j in range(1, k + 1))
+
+
 def group_vote(votes: list[Vote]) -> Vote:
-    """The group's vote: gains summed, the largest rho of the ranks that hold requests."""
+    """The group's vote: gains summed, each k's largest cost over the ranks that hold requests."""
     k = len(votes[0].gain)
     busy = [v for v in votes if v.requests] or votes
-    return Vote(tuple(sum(v.gain[j] for v in votes) for j in range(k)), max(v.rho for v in busy),
-                sum(v.requests for v in votes))
+    return Vote(tuple(sum(v.gain[j] for v in votes) for j in range(k)),
+                tuple(max(v.cost[j] for v in busy) for j in range(k)), sum(v.requests for v in votes))
 
 
 class AcceptanceModel:
@@ -145,23 +156,32 @@ class AcceptanceModel:
 
 
 class StepCost:
-    """rho, the cost of one more draft position relative to a plain step, fitted to measured step times at the
-    k's that ran, per batch size bucket (powers of two)."""
+    """The cost table: a step's time at each k relative to k = 0, from the step times measured at the k's that ran,
+    per batch size bucket (powers of two)."""
 
-    def __init__(self):
-        self._sums: dict[int, list[float]] = {}  # bucket -> decayed [n, sum k, sum k^2, sum t, sum k t]
+    def __init__(self, k: int):
+        self.k = k
+        self._line: dict[int, list[float]] = {}  # bucket -> decayed [n, sum k, sum k^2, sum t, sum k t]
+        self._per_k: dict[int, list[list[float]]] = {}  # bucket -> decayed [n, sum t] per k = 0..K
 
     @staticmethod
     def bucket(batch: int) -> int:
         return max(batch, 1).bit_length()
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
-        s = self._sums.setdefault(self.bucket(batch), [0.0] * 5)
+        b = self.bucket(batch)
+        line = self._line.setdefault(b, [0.0] * 5)
         for i, x in enumerate((1.0, k, k * k, seconds, k * seconds)):
-            s[i] = s[i] * COST_DECAY + x
+            line[i] = line[i] * COST_DECAY + x
+        per_k = self._per_k.setdefault(b, [[0.0, 0.0] for _ in range(self.k + 1)])
+        for j, entry in enumerate(per_k):
+            hit = j == min(k, self.k)
+            entry[0] = entry[0] * COST_DECAY + hit
+            entry[1] = entry[1] * COST_DECAY + (seconds if hit else 0.0)
 
     def rho(self, batch: int) -> float:
-        s = self._sums.get(self.bucket(batch))
+        """The line's slope relative to its k = 0: fitted where the k's seen vary, shrunk toward RHO_PRIOR."""
+        s = self._line.get(self.bucket(batch))
         if s is None:
             return RHO_PRIOR
         n, sk, skk, st, skt = s
@@ -175,17 +195,31 @@ class StepCost:
         fitted, weight = min(max(slope / intercept, 0.0), 4.0), spread / n  # n * Var(k)
         return (weight * fitted + RHO_PRIOR_WEIGHT * RHO_PRIOR) / (weight + RHO_PRIOR_WEIGHT)
 
+    def table(self, batch: int) -> list[float]:
+        """c(k) for k = 1..K: each k's mean step time, shrunk toward the line (through the mean of every timed step,
+        with slope rho) by its count against LINE_WEIGHT, over k = 0's likewise."""
+        b = self.bucket(batch)
+        line = self._line.get(b)
+        rho = self.rho(batch)
+        if line is None or line[0] <= 0:
+            return [1 + rho * j for j in range(1, self.k + 1)]
+        n, sk, _, st, _ = line
+        t0 = (st / n) / (1 + rho * sk / n)  # the line's k = 0
+        est = [(m[1] + LINE_WEIGHT * t0 * (1 + rho * j)) / (m[0] + LINE_WEIGHT)
+               for j, m in enumerate(self._per_k[b])]
+        return [min(max(t / est[0], 1 / MAX_COST), MAX_COST) for t in est[1:]]
+
 
 class AdaptiveK:
     """The acceptance model and cost fit of one engine, and the k they pick each step."""
 
     def __init__(self, k: int, measured: bool):
-        """measured: rho from this engine's own step times (a single engine, or ADP ranks that agree on it);
-        else RHO_PRIOR always (TP ranks, which cannot share a measurement)."""
+        """measured: the cost table from this engine's own step times (a single engine, or ADP ranks that agree on
+        it); else the prior always (TP ranks, which cannot share a measurement)."""
         self.k = k
         self.measured = measured
         self.acceptance = AcceptanceModel(k)
-        self.cost = StepCost()
+        self.cost = StepCost(k)
         self.steps = 0
         self.idle = 0  # consecutive steps decided at k = 0
         self.last: int | None = None  # the last decided k (before exploring), which hysteresis holds
@@ -198,21 +232,23 @@ class AdaptiveK:
             guided = req.params.structured_output is not None
             for j, g in enumerate(self.acceptance.gains(req.request_id, guided, req.spec_forced)):
                 total[j] += g
-        rho = self.cost.rho(batch) if self.measured else RHO_PRIOR
-        return Vote(tuple(round(g * SCALE) for g in total), round(rho * SCALE), len(requests))
+        cost = (tuple(round(c * SCALE) for c in self.cost.table(batch)) if self.measured
+                else linear_cost(self.k))
+        return Vote(tuple(round(g * SCALE) for g in total), cost, len(requests))
 
     def choose(self, vote: Vote, k_max: int) -> int:
-        """The step's k from the (group's) vote, bounded by k_max; for two steps in every EXPLORE_EVERY the
-        next one up (down at k_max), and two at k = 1 after every EXPLORE_IDLE decided at 0; the same steps on every
-        rank (they count steps and decide alike)."""
+        """The step's k from the (group's) vote, bounded by k_max; for two steps in every EXPLORE_EVERY a neighbour,
+        one up and one down in turn (down at k_max, up at 0), and two at k = 1 after every EXPLORE_IDLE decided at
+        0; the same steps on every rank (they count steps and decide alike)."""
         self.steps += 1
         self.acceptance.decay()
-        k = self.last = decide(vote.requests, vote.gain, vote.rho, k_max, self.last)
+        k = self.last = decide(vote.requests, vote.gain, vote.cost, k_max, self.last)
         self.idle = self.idle + 1 if k == 0 else 0
         if k == 0 and self.idle > EXPLORE_IDLE and k_max > 0:
             if self.idle == EXPLORE_IDLE + 2:
                 self.idle = 0
             return 1
         if self.steps % EXPLORE_EVERY < 2 and self.steps >= EXPLORE_EVERY and k_max > 0:
-            k = k + 1 if k < k_max else k - 1
+            up = (self.steps // EXPLORE_EVERY) % 2 == 1
+            k = k + 1 if k == 0 or (up and k < k_max) else k - 1
         return k

@@ -16,12 +16,17 @@ def _one_thread(one_thread_module):
     """Tiny models: one intra-op thread (tests/engine/conftest.py)."""
 
 
-def _reference_decide(batch: int, gain: tuple[int, ...], rho: int, k_max: int) -> int:
-    """argmax over k of (batch + G(k)) / (1 + rho k) in exact fractions, smallest k among ties."""
+def _reference_decide(batch: int, gain: tuple[int, ...], cost: tuple[int, ...], k_max: int) -> int:
+    """argmax over k of (batch + G(k)) / c(k) in exact fractions, smallest k among ties."""
     from fractions import Fraction
 
-    rates = [Fraction(batch * A.SCALE + (gain[k - 1] if k else 0), A.SCALE + rho * k) for k in range(k_max + 1)]
+    rates = [Fraction(batch * A.SCALE + (gain[k - 1] if k else 0), cost[k - 1] if k else A.SCALE)
+             for k in range(k_max + 1)]
     return rates.index(max(rates))
+
+
+def _line(rho: int, k: int) -> tuple[int, ...]:
+    return tuple(A.SCALE + rho * j for j in range(1, k + 1))
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16, 64])
@@ -33,24 +38,27 @@ def test_decide_equals_the_reference(batch, rho):
             through *= p
             total += through
             gain.append(round(total * batch * A.SCALE))
-        for k_max in range(len(gain) + 1):
-            assert A.decide(batch, tuple(gain), rho, k_max) == _reference_decide(batch, tuple(gain), rho, k_max)
+        # a line, and a table whose first draft position costs most (a draft pass's fixed part)
+        for cost in (_line(rho, len(gain)), tuple(A.SCALE + rho + 100 * j for j in range(len(gain)))):
+            for k_max in range(len(gain) + 1):
+                assert (A.decide(batch, tuple(gain), cost, k_max)
+                        == _reference_decide(batch, tuple(gain), cost, k_max))
 
 
 def test_decide_keeps_the_current_k_unless_another_is_clearly_better():
     """rate(k) = (1 + G(k)) / (1 + 0.2 k); k=1 gives 1.5 / 1.2 = 1.25 throughout."""
-    assert A.decide(1, (500, 780), 200, 2) == 2  # 1.78 / 1.4 = 1.271: 1.7% better ...
-    assert A.decide(1, (500, 780), 200, 2, current=1) == 1  # ... not enough to leave k=1
-    assert A.decide(1, (500, 850), 200, 2, current=1) == 2  # 1.321: 5.7% better, it moves
-    assert A.decide(1, (500, 700), 200, 2, current=2) == 2  # 1.214: k=1 2.9% better, it stays
-    assert A.decide(1, (500, 650), 200, 2, current=2) == 1  # 1.179: k=1 6% better, it moves
-    assert A.decide(1, (500, 850), 200, 1, current=2) == 1  # a current k above the bound does not hold
+    assert A.decide(1, (500, 780), _line(200, 2), 2) == 2  # 1.78 / 1.4 = 1.271: 1.7% better ...
+    assert A.decide(1, (500, 780), _line(200, 2), 2, current=1) == 1  # ... not enough to leave k=1
+    assert A.decide(1, (500, 850), _line(200, 2), 2, current=1) == 2  # 1.321: 5.7% better, it moves
+    assert A.decide(1, (500, 700), _line(200, 2), 2, current=2) == 2  # 1.214: k=1 2.9% better, it stays
+    assert A.decide(1, (500, 650), _line(200, 2), 2, current=2) == 1  # 1.179: k=1 6% better, it moves
+    assert A.decide(1, (500, 850), _line(200, 2), 1, current=2) == 1  # a current k above the bound does not hold
 
 
 def test_decide_ties_go_to_the_smaller_k():
     # one draft accepted with p = rho exactly: (1 + p) / (1 + rho) == 1
-    assert A.decide(1, (200,), 200, 1) == 0
-    assert A.decide(1, (201,), 200, 1) == 1
+    assert A.decide(1, (200,), _line(200, 1), 1) == 0
+    assert A.decide(1, (201,), _line(200, 1), 1) == 1
 
 
 def test_acceptance_tracks_depths_classes_and_requests():
@@ -85,23 +93,45 @@ def test_decay_brings_an_unobserved_depth_back_to_its_prior():
 
 
 def test_cost_fit_finds_the_slope_per_batch_bucket():
-    c = A.StepCost()
-    assert c.rho(4) == A.RHO_PRIOR
+    c = A.StepCost(3)
+    assert c.rho(4) == A.RHO_PRIOR and c.table(4) == pytest.approx([1.2, 1.4, 1.6])
     for i in range(60):
         k = i % 4
         c.observe(4, k, 0.010 * (1 + 0.3 * k))
         c.observe(40, k, 0.050 * (1 + 0.05 * k))
     # the fit, shrunk toward the prior by RHO_PRIOR_WEIGHT against n * Var(k) (about 35 here): close to the truth
     assert 0.28 < c.rho(5) < 0.3 and 0.05 < c.rho(33) < 0.07
-    one_k = A.StepCost()
+    assert c.table(5) == pytest.approx([1.3, 1.6, 1.9], abs=0.02) and c.table(33) == pytest.approx(
+        [1.05, 1.1, 1.15], abs=0.02)
+    one_k = A.StepCost(3)
     for _ in range(20):
         one_k.observe(1, 3, 0.01)
     assert one_k.rho(1) == A.RHO_PRIOR  # one k only: nothing to fit
+    assert one_k.table(1) == pytest.approx([1.2, 1.4, 1.6])  # the prior's shape around what was measured
+
+
+def test_cost_table_sees_a_draft_pass_fixed_cost_a_line_spreads():
+    """Steps at k = 1..3 cost 1.5 / 1.6 / 1.7 plain steps (a draft pass's fixed half step, then 0.1 a position): the
+    line through them reads c(1) = 1.1 where k = 0 was never timed, the table near 1.5 once k = 0 was (the exploring
+    steps down reach it; each k's mean is still shrunk toward the line), so one draft accepted 40% of the time is no
+    longer worth drafting."""
+    c = A.StepCost(3)
+    for i in range(90):
+        k = 1 + i % 3
+        c.observe(1, k, 0.010 * (1.4 + 0.1 * k))
+    assert c.table(1)[0] < 1.25
+    for _ in range(10):
+        c.observe(1, 0, 0.010)
+    table = c.table(1)
+    assert 1.4 < table[0] < 1.5 and table[0] < table[1] < table[2] < 1.75
+    vote = A.Vote((400, 500, 550), tuple(round(x * A.SCALE) for x in c.table(1)), 1)
+    assert A.decide(1, vote.gain, vote.cost, 3) == 0
 
 
 def test_group_vote_sums_gains_and_takes_the_busy_ranks_largest_cost():
-    votes = [A.Vote((500, 700), 100, 2), A.Vote((300, 400), 300, 1), A.Vote((0, 0), 900, 0)]
-    assert A.group_vote(votes) == A.Vote((800, 1100), 300, 3)
+    votes = [A.Vote((500, 700), (1100, 1300), 2), A.Vote((300, 400), (1300, 1200), 1),
+             A.Vote((0, 0), (1900, 1900), 0)]
+    assert A.group_vote(votes) == A.Vote((800, 1100), (1300, 1300), 3)
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle3", "ngram", "draft_model"])
@@ -141,28 +171,31 @@ def test_a_perfect_draft_keeps_k_and_a_useless_one_drops_it(llama_dir, spec_draf
     assert all(o.speculative.draft_tokens < o.speculative.verify_steps for o in outs)
 
 
-def test_choose_explores_one_up_for_two_steps_and_down_at_the_top():
-    """Every EXPLORE_EVERY steps two steps run a neighbouring k (the second verifies the first's deeper chain)."""
+def test_choose_explores_a_neighbour_for_two_steps_up_and_down_in_turn():
+    """Every EXPLORE_EVERY steps two steps run a neighbouring k (the second verifies the first's deeper chain): one up,
+    the next time one down (k = 0's cost is measured too); at the top both down."""
     ks = {k_top: [] for k_top in (1, 3)}
     for k_top in ks:
         ctl = A.AdaptiveK(3, measured=True)
-        vote = A.Vote((500, 700, 800), 200, 1)  # decide() -> 1 under k_max 3 (and under 1)
+        vote = A.Vote((500, 700, 800), _line(200, 3), 1)  # decide() -> 1 under k_max 3 (and under 1)
         ks[k_top] = [ctl.choose(vote, k_top) for _ in range(2 * A.EXPLORE_EVERY + 2)]
-    explored = {A.EXPLORE_EVERY - 1, A.EXPLORE_EVERY, 2 * A.EXPLORE_EVERY - 1, 2 * A.EXPLORE_EVERY}  # 0-based
-    assert [i for i, k in enumerate(ks[3]) if k != 1] == sorted(explored) and {ks[3][i] for i in explored} == {2}
-    assert {ks[1][i] for i in explored} == {0} and all(k == 1 for i, k in enumerate(ks[1]) if i not in explored)
+    first, second = {A.EXPLORE_EVERY - 1, A.EXPLORE_EVERY}, {2 * A.EXPLORE_EVERY - 1, 2 * A.EXPLORE_EVERY}  # 0-based
+    assert [i for i, k in enumerate(ks[3]) if k != 1] == sorted(first | second)
+    assert {ks[3][i] for i in first} == {2} and {ks[3][i] for i in second} == {0}
+    assert {ks[1][i] for i in first | second} == {0} and all(k == 1 for i, k in enumerate(ks[1])
+                                                             if i not in first | second)
 
 
 def test_choose_explores_k1_soon_after_settling_at_zero():
     """k = 0 observes no acceptance, so after EXPLORE_IDLE steps decided at 0 two steps verify one draft; k = 0
     in between."""
     ctl = A.AdaptiveK(3, measured=True)
-    off = A.Vote((50, 60, 70), 200, 1)  # decide() -> 0: 0.05 expected drafts for a fifth of a step
+    off = A.Vote((50, 60, 70), _line(200, 3), 1)  # decide() -> 0: 0.05 expected drafts for a fifth of a step
     ks = [ctl.choose(off, 3) for _ in range(3 * (A.EXPLORE_IDLE + 2))]
     ones = [i for i, k in enumerate(ks) if k]
     assert ones == [i for n in range(1, 4) for i in (n * (A.EXPLORE_IDLE + 2) - 2, n * (A.EXPLORE_IDLE + 2) - 1)], ks
     assert {ks[i] for i in ones} == {1}
-    on = A.Vote((500, 700, 800), 200, 1)  # decide() -> 1
+    on = A.Vote((500, 700, 800), _line(200, 3), 1)  # decide() -> 1
     fresh = A.AdaptiveK(3, measured=True)
     ks = [fresh.choose(v, 3) for v in [off] * (A.EXPLORE_IDLE - 2) + [on] + [off] * (A.EXPLORE_IDLE + 2)]
     assert ks.count(1) == 3 and ks[-2:] == [1, 1], ks  # the count of idle steps starts again after a step at k > 0
