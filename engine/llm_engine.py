@@ -296,7 +296,7 @@ class LLMEngine:
         """Dynamic and adaptive k: verify at most this step's k drafts per request (Drafter.step_k). Under attention
         data parallelism the batch (and adaptive k's vote) is the group's at the last agreement, the same on every
         rank, so every rank verifies the same k. Dynamic k alone still runs the whole draft chain; adaptive k runs
-        k passes of it in eager steps (a captured graph runs them all)."""
+        k passes of it (graph steps replay the graph of k passes, except under ADP, where they run all)."""
         if not self.drafter.dynamic_k:
             return
         plan = self.runner.last_plan

@@ -45,7 +45,7 @@ class StepBatch:
     full_drafts: bool  # host: every request has k drafts
     propose: bool  # host: some request needs new drafts (a sampling one that is not prefill-only)
     chain_max_seq_len: int  # host bound on draft-chain KV lengths
-    draft_passes: int  # host: the draft chain's passes this step, <= k (adaptive k; a graph's layout runs all k)
+    draft_passes: int  # host: the draft chain's passes this step, <= k (adaptive k; graphs are captured per count)
     # host: the chain columns the step computes logits for and verifies: k+1, or in an eager step of one rank
     # (build_batch's `trim`) 1 + the most drafts any request has (a short chain: prompt lookup without a match,
     # adaptive or dynamic k below k); the columns past it are padding that verifies nothing
@@ -172,7 +172,7 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
         slots=dev("slot_ids"), slot_limit=dev("slot_limit"), sampling=sampling, **masks,
         full_drafts=pad is None and bool((num_drafts[samples] == k).all()), propose=propose or pad is not None,
         chain_max_seq_len=max_seq_len + chain_margin(k),
-        draft_passes=k if draft_passes is None or pad is not None else draft_passes,
+        draft_passes=k if draft_passes is None else draft_passes,
         verify_width=int(num_drafts[samples].max(initial=0)) + 1 if trim and pad is None else k1,
         host_num_drafts=num_drafts[:n].tolist(), host_samples=samples[:n].tolist(), staged=staged.buffer,
         staged_layout=staged.layout)

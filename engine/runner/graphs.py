@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step: one graph per (padded batch size, sampling mode).
+"""CUDA graphs of the decode step: one graph per (padded batch size, sampling mode, masked, draft passes).
 
 Decode-only batches (every request verifying its chain, none prefilling) are laid out with k+1 rows
 per request (one without speculation), padded with idle requests to the next captured size (1, 2, 4,
@@ -7,8 +7,9 @@ step has fixed shapes.
 At capture the step runs on static input tensors; a replay copies the new batch into them. The
 sampling mode (greedy only, filters used, logprobs asked, penalties) picks which branches the step
 takes, so it is part of the key, and so is whether a grammar masks the step (its fills are host
-functions captured in the graph, engine/masking/graph.py); the unmasked greedy graphs are captured up
-front, the others on first use.
+functions captured in the graph, engine/masking/graph.py), and so is the draft chain's number of passes (adaptive k:
+a step at k below the configured one runs fewer passes, so its graph is another; the verification rows stay k+1);
+the unmasked greedy graphs at all k passes are captured up front, the others on first use.
 Batches with a prompt chunk run eagerly. `capture=False` keeps the same padded path without graphs
 (how the CPU tests exercise it).
 
@@ -148,26 +149,27 @@ class StepGraphs:
         return next(s for s in self.sizes if s >= num_requests)
 
     def padded_batch(self, scheduled: list[ScheduledRequest], blocks: BlockManager,
-                     slots: list[int] | None, size: int | None = None, masked: bool = False) -> StepBatch:
+                     slots: list[int] | None, size: int | None = None, masked: bool = False,
+                     draft_passes: int | None = None) -> StepBatch:
         """size: the captured size to pad to (ADP: the group's, which may exceed this rank's own; an idle
         rank pads an empty batch to it); default the smallest that holds the batch. masked: with room for
-        a grammar's bitmasks (a guided step)."""
+        a grammar's bitmasks (a guided step); draft_passes: the draft chain's passes (adaptive k; None: k)."""
         lay = self.layout
         size = size or self.size_for(len(scheduled))
         assert size in self.sizes and size >= len(scheduled), (size, len(scheduled))
         return build_batch(scheduled, blocks, self.kv_cache, lay.device, lay.vocab_size, lay.k, slots,
-                           self._padding(size), masked=masked)
+                           self._padding(size), masked=masked, draft_passes=draft_passes)
 
     def replay(self, batch: StepBatch, masker: LogitsMasker | None = None) -> StepOutput:
         """Run a padded batch through its size's graph (captured on first use for a new sampling mode).
         masker: the engine's masker of a guided step; the graph's host functions call it."""
         size = batch.verify_rows.shape[0]
         masked = masker is not None
-        key = (size, batch.sampling.mode, masked)
+        key = (size, batch.sampling.mode, masked, batch.draft_passes)
         cap = self._captured.get(key)
         if cap is None:
             assert self.capture_on_demand, f"no graph captured for {key}"
-            cap = self._capture(key, self._dummy(size, batch.sampling.mode, masked))
+            cap = self._capture(key, self._dummy(size, batch.sampling.mode, masked, batch.draft_passes))
         cap.load(batch)
         self.num_runs += 1
         staged = self.staged if masked else None
@@ -194,13 +196,13 @@ class StepGraphs:
 
     @property
     def captured(self) -> dict[tuple, bool]:
-        """(padded size, sampling mode, masked) of each graph held -> whether it is a CUDA graph (False: the
-        padded layout's static buffers, run eagerly, capture=False)."""
+        """(padded size, sampling mode, masked, draft passes) of each graph held -> whether it is a CUDA graph
+        (False: the padded layout's static buffers, run eagerly, capture=False)."""
         return {key: cap.graph is not None for key, cap in self._captured.items()}
 
     def captured_at_every_size(self, mode: SamplingMode, masked: bool = False) -> bool:
         """A batch of this sampling mode can replay a graph at whatever size the group pads to."""
-        return all((s, mode, masked) in self._captured for s in self.sizes)
+        return all((s, mode, masked, self.layout.k) in self._captured for s in self.sizes)
 
     def reset(self, scratch_slot: int | None = None) -> None:
         """Forget every graph (the buffers they read were replaced; `scratch_slot`: the idle requests' new
@@ -216,14 +218,15 @@ class StepGraphs:
         self.block_size = kv_cache.shape[3]
         for size in reversed(self.sizes):  # without capture: the static buffers of the padded eager path
             dummy = self._dummy(size, None)
-            self._capture((size, dummy.sampling.mode, False), dummy)
+            self._capture((size, dummy.sampling.mode, False, self.layout.k), dummy)
 
-    def _dummy(self, size: int, like: SamplingMode | None, masked: bool = False) -> StepBatch:
+    def _dummy(self, size: int, like: SamplingMode | None, masked: bool = False,
+               draft_passes: int | None = None) -> StepBatch:
         """A batch of idle requests only (it writes no KV and only the scratch draft state) with the
         sampling branches of `like`: what a graph is warmed up and captured on."""
         lay = self.layout
         dummy = build_batch([], _NoBlocks(self.block_size), self.kv_cache, lay.device, lay.vocab_size, lay.k, [],
-                            self._padding(size), masked=masked)
+                            self._padding(size), masked=masked, draft_passes=draft_passes)
         if like is None:
             return dummy
         b = dummy.sampling
@@ -262,7 +265,7 @@ class StepGraphs:
                 output = self.step(inputs, masker)
             self._pool = graph.pool()
             cap = _Captured(inputs, output, graph, _loose(inputs))
-            log.info("captured the speculative step for batch %d, sampling mode %s, masked %s", *key)
+            log.info("captured the speculative step for batch %d, sampling mode %s, masked %s, %d draft passes", *key)
         self._captured[key] = cap
         return cap
 

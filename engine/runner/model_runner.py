@@ -246,7 +246,10 @@ class ModelRunner:
             if not scheduled and not graph:
                 return PreparedStep(None, 0, False, None, rows)
         if graph:
-            batch = self.graphs.padded_batch(scheduled, blocks, slots, graph_batch, masked=masked)
+            # adaptive k's passes pick the graph (captured on first use); under ADP graphs are never captured on
+            # demand, so the group's steps keep all k passes there
+            passes = self.drafter.draft_passes if self.dp is None else None
+            batch = self.graphs.padded_batch(scheduled, blocks, slots, graph_batch, masked=masked, draft_passes=passes)
         else:
             # One rank alone verifies only the columns that hold drafts: TP and ADP ranks keep k+1, as their LM
             # heads' collectives need the same shapes on every rank.

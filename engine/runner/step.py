@@ -94,6 +94,6 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
     if use_probs and probs is not None:
         if probs.shape[1] == draft_probs.shape[1]:
             draft_probs.index_copy_(0, batch.slots, probs.to(draft_probs.dtype))
-        else:  # a shorter chain (adaptive k, eager steps only): the columns past it are never read
+        else:  # a shorter chain (adaptive k): the columns past it are never read
             draft_probs[batch.slots, : probs.shape[1]] = probs.to(draft_probs.dtype)
     return StepOutput(v.tokens, v.num_accepted, drafts, v.logprobs, v.top_ids, v.top_logprobs)

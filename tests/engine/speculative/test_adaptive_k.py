@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM, SpecConfig
 from engine.speculative import adaptive as A
-from tests.support.spec import greedy_params, random_prompts, spec_config
+from tests.support.spec import greedy_params, random_prompts, spec_config, use_graphs
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -148,6 +148,45 @@ def test_greedy_equals_no_speculation_with_adaptive_k(llama_dir, spec_drafts, me
     for o in outs:  # the counts still add up with k moving
         u = o.speculative
         assert len(o.token_ids) == 1 + u.accepted_tokens + u.verify_steps and u.draft_tokens <= 3 * u.verify_steps
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "ngram"])
+def test_adaptive_k_through_the_graph_layout_runs_a_graph_per_draft_passes(llama_dir, spec_drafts, method):
+    """Graph steps follow adaptive k too: a step at k below the configured one replays the graph of its own number of
+    draft passes (captured on first use; the CPU runs the padded layout without capture), so a smaller k saves the
+    passes it skips, as an eager step does. Tokens equal no speculation."""
+    prompts = random_prompts(5, seed=11)
+    want = [o.token_ids for o in LLM(llama_dir, num_kv_blocks=512, block_size=4).generate(prompts, greedy_params(40))]
+    spec = spec_config(method, 3, spec_drafts, llama_dir)
+    llm = LLM(llama_dir, num_kv_blocks=512, block_size=4,
+              speculative=SpecConfig(method=spec.method, k=3, draft=spec.draft, adaptive_k=True))
+    graphs = use_graphs(llm, capture=False)
+    outs = llm.generate(prompts, greedy_params(40))
+    assert [o.token_ids for o in outs] == want
+    passes = {key[3] for key in graphs.captured}
+    steps = llm.engine.stats()["spec"]["dynamic_k_steps"]
+    assert graphs.num_runs > 10
+    if method == "ngram":  # drafts from the host: no draft passes in the step, one graph
+        assert passes == {3}, passes
+    else:  # random heads are rarely accepted: k falls below 3, and those steps replay their own graphs
+        assert len(passes) > 1 and passes <= {k for k, n in enumerate(steps) if n} | {3}, (passes, steps)
+    assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.gpu
+def test_captured_adaptive_k_replays_equal_eager(llama_dir, spec_drafts):
+    """On a GPU: the graphs of each draft-pass count, captured on first use, give the eager steps' tokens."""
+    prompts = random_prompts(6, seed=12)
+    spec = spec_config("mtp", 3, spec_drafts, llama_dir)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, block_size=4, max_num_seqs=8,
+              speculative=SpecConfig(method="mtp", k=3, draft=spec.draft, adaptive_k=True))
+    want = [o.token_ids for o in LLM(llama_dir, device="cuda", dtype="float32", num_kv_blocks=512,
+                                     block_size=4).generate(prompts, greedy_params(48))]
+    llm = LLM(llama_dir, **kw)
+    outs = llm.generate(prompts, greedy_params(48))
+    graphs = llm.engine.runner.graphs
+    assert [o.token_ids for o in outs] == want
+    assert len({key[3] for key, cuda in graphs.captured.items() if cuda}) > 1, graphs.captured
 
 
 def test_a_perfect_draft_keeps_k_and_a_useless_one_drops_it(llama_dir, spec_drafts):
