@@ -45,7 +45,10 @@ RHO_PRIOR = 0.2  # a draft position's cost, in plain steps, before any step is t
 RHO_PRIOR_WEIGHT = 4.0
 # A k's own mean step time counts against the line through all k's as its (decayed) count against this many steps.
 LINE_WEIGHT = 2.0
-MAX_COST = 8.0  # plain steps: a bound on a measured ratio (a stall timed at one k must not disable it for good)
+MAX_COST = 8.0  # plain steps: a bound on a measured ratio
+# A timed step counts at most this many times the time its bucket's line expects at its k: one stall (a paused
+# process, a swap, another job's burst) in a decayed mean would price its k out for hundreds of steps.
+STALL = 3.0
 EXPLORE_EVERY = 32
 # At k = 0 nothing is observed, so an estimate that sent k there changes only as the class counts decay: a request
 # whose first few drafts failed (SmolLM2's MTP head on a GSM8K answer's opening) stayed undrafted for ~30 steps
@@ -170,6 +173,8 @@ class StepCost:
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         b = self.bucket(batch)
+        if b in self._line and self._line[b][0] >= 1.0:
+            seconds = min(seconds, STALL * self._expected(b, batch, k))
         line = self._line.setdefault(b, [0.0] * 5)
         for i, x in enumerate((1.0, k, k * k, seconds, k * seconds)):
             line[i] = line[i] * COST_DECAY + x
@@ -195,6 +200,12 @@ class StepCost:
         fitted, weight = min(max(slope / intercept, 0.0), 4.0), spread / n  # n * Var(k)
         return (weight * fitted + RHO_PRIOR_WEIGHT * RHO_PRIOR) / (weight + RHO_PRIOR_WEIGHT)
 
+    def _expected(self, b: int, batch: int, k: int) -> float:
+        """The line's time at k (through the mean of every timed step of bucket b)."""
+        n, sk, _, st, _ = self._line[b]
+        rho = self.rho(batch)
+        return (st / n) / (1 + rho * sk / n) * (1 + rho * k)
+
     def table(self, batch: int) -> list[float]:
         """c(k) for k = 1..K: each k's mean step time, shrunk toward the line (through the mean of every timed step,
         with slope rho) by its count against LINE_WEIGHT, over k = 0's likewise."""
@@ -203,9 +214,7 @@ class StepCost:
         rho = self.rho(batch)
         if line is None or line[0] <= 0:
             return [1 + rho * j for j in range(1, self.k + 1)]
-        n, sk, _, st, _ = line
-        t0 = (st / n) / (1 + rho * sk / n)  # the line's k = 0
-        est = [(m[1] + LINE_WEIGHT * t0 * (1 + rho * j)) / (m[0] + LINE_WEIGHT)
+        est = [(m[1] + LINE_WEIGHT * self._expected(b, batch, j)) / (m[0] + LINE_WEIGHT)
                for j, m in enumerate(self._per_k[b])]
         return [min(max(t / est[0], 1 / MAX_COST), MAX_COST) for t in est[1:]]
 

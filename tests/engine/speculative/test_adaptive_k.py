@@ -128,6 +128,20 @@ def test_cost_table_sees_a_draft_pass_fixed_cost_a_line_spreads():
     assert A.decide(1, vote.gain, vote.cost, 3) == 0
 
 
+def test_one_stalled_step_does_not_price_its_k_out():
+    """A step timed at 100x its usual length (the process paused, another job's burst) counts as STALL times what the
+    bucket's line expects: the table barely moves, and is back within a few dozen steps."""
+    c = A.StepCost(3)
+    for i in range(80):
+        c.observe(1, i % 4, 0.010 * (1 + 0.2 * (i % 4)))
+    before = c.table(1)
+    c.observe(1, 2, 1.0)
+    assert c.table(1)[1] < before[1] * 1.6 and c.table(1)[0] == pytest.approx(before[0], rel=0.05)
+    for i in range(40):
+        c.observe(1, i % 4, 0.010 * (1 + 0.2 * (i % 4)))
+    assert c.table(1) == pytest.approx(before, rel=0.1)
+
+
 def test_group_vote_sums_gains_and_takes_the_busy_ranks_largest_cost():
     votes = [A.Vote((500, 700), (1100, 1300), 2), A.Vote((300, 400), (1300, 1200), 1),
              A.Vote((0, 0), (1900, 1900), 0)]
