@@ -63,8 +63,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cpu-compile", default="off", help="the engines' cpu_compile: off, gemm or layers")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="the engines' dtype (default: the checkpoint's; float32 on cuda "
-                                                   "keeps the lossless column exact, bf16 reductions differ by row count)")
+    ap.add_argument("--dtype", default=None,
+                    help="the engines' dtype (default: the checkpoint's; float32 on cuda keeps the lossless column "
+                         "exact, bf16 reductions differ by row count)")
     ap.add_argument("--name", default=None)
     ap.add_argument("--quick", action="store_true",
                     help="the depth-first tree shapes only (topk 2 and 4 at depth budget) and no chain at k=3")
@@ -136,7 +137,8 @@ def main(argv=None) -> None:
         table.append(f"| {r['prompts']} | {r['method']} | {r['config']} | {grammar} | {acc} | {r['tok_s']} "
                      f"| {r['vs_none']:.2f}x | {r['lossless']} |")
     results = {"model": "zoo writer" if args.zoo else "smollm2-135m-instruct", "device": device_name(args.device),
-               "budget": args.budget, "dtype": args.dtype, "cpu_compile": args.cpu_compile, "prompts": args.prompts, "max_tokens": args.max_tokens, "batch": 1, "runs": rows}
+               "budget": args.budget, "dtype": args.dtype, "cpu_compile": args.cpu_compile, "prompts": args.prompts,
+               "max_tokens": args.max_tokens, "batch": 1, "runs": rows}
     print(write_results(args.name or f"tree_vs_chain_{args.device}", results, "\n".join(table)))
 
 
