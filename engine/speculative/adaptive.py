@@ -15,8 +15,8 @@ request's draft that its grammar left open; forced: a draft its grammar forced, 
 depth, over the rank's requests, as decayed counts on top of a prior, so a depth the engine stopped
 drafting drifts back to the prior and gets tried again. Each request also keeps its own counts (free or
 masked drafts), shrunk toward its class's estimate. The cost table comes from the step times measured at each k, per
-batch size (powers of two): each k's decayed mean time, shrunk toward a line fitted through all of them (which
-reads a k not measured lately), the line's slope shrunk toward RHO_PRIOR; before any step is timed, c(k) = 1 +
+batch size (powers of two): each k's median over its last WINDOW steps, shrunk toward a line fitted through those
+medians (which reads a k not measured lately), the line's slope shrunk toward RHO_PRIOR; before any step is timed, c(k) = 1 +
 RHO_PRIOR * k. Every EXPLORE_EVERY steps two steps run at a neighbouring k, one up and one down in turn (two: the
 drafts a step verifies are the previous step's chain's, so a deeper depth is observed only on the second; down:
 the cost of k - 1, k = 0's included, is measured too); at k = 0, which observes nothing, two steps at k = 1 after
@@ -31,6 +31,8 @@ stays the prior there (no agreement to share a measurement in). No torch here.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 FREE, MASKED, FORCED = 0, 1, 2
@@ -38,17 +40,17 @@ SCALE = 1000  # fixed point of votes: gains in thousandths of a token, costs in 
 PRIOR = ((0.6, 8.0), (0.6, 8.0), (0.95, 8.0))  # per class: (acceptance, weight in observations)
 REQUEST_PRIOR_WEIGHT = 4.0  # a request's own counts against its class's estimate
 DECAY = 0.99  # per step, on the class counts (about the last 100 steps count)
-COST_DECAY = 0.97  # per timed step, on the cost sums
 RHO_PRIOR = 0.2  # a draft position's cost, in plain steps, before any step is timed
 # The fitted slope counts as this many observations of a k contrast against RHO_PRIOR (n * Var(k) of the fit's
 # steps is its own count): a few noisy step times on a shared machine must not send the cost to 0 and k to the top.
 RHO_PRIOR_WEIGHT = 4.0
-# A k's own mean step time counts against the line through all k's as its (decayed) count against this many steps.
+# A k's own step time counts against the line through all k's as its count of recent steps against this many.
 LINE_WEIGHT = 2.0
 MAX_COST = 8.0  # plain steps: a bound on a measured ratio
-# A timed step counts at most this many times the time its bucket's line expects at its k: one stall (a paused
-# process, a swap, another job's burst) in a decayed mean would price its k out for hundreds of steps.
-STALL = 3.0
+# A k's own step time is the median of its last WINDOW timed steps, and the line is fitted through those medians:
+# one stall (a paused process, a swap, another job's burst, first calls paying one-time costs) in a decayed mean
+# priced its k out for hundreds of steps (a benchmark paused with SIGSTOP: bench/results/adaptive_k_table_cpu.md).
+WINDOW = 15
 EXPLORE_EVERY = 32
 # At k = 0 nothing is observed, so an estimate that sent k there changes only as the class counts decay: a request
 # whose first few drafts failed (SmolLM2's MTP head on a GSM8K answer's opening) stayed undrafted for ~30 steps
@@ -160,62 +162,58 @@ class AcceptanceModel:
 
 class StepCost:
     """The cost table: a step's time at each k relative to k = 0, from the step times measured at the k's that ran,
-    per batch size bucket (powers of two)."""
+    per batch size bucket (powers of two). Medians, not means: see WINDOW."""
 
     def __init__(self, k: int):
         self.k = k
-        self._line: dict[int, list[float]] = {}  # bucket -> decayed [n, sum k, sum k^2, sum t, sum k t]
-        self._per_k: dict[int, list[list[float]]] = {}  # bucket -> decayed [n, sum t] per k = 0..K
+        self._recent: dict[int, list[deque]] = {}  # bucket -> the last WINDOW step times at each k = 0..K
 
     @staticmethod
     def bucket(batch: int) -> int:
         return max(batch, 1).bit_length()
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
-        b = self.bucket(batch)
-        if b in self._line and self._line[b][0] >= 1.0:
-            seconds = min(seconds, STALL * self._expected(b, batch, k))
-        line = self._line.setdefault(b, [0.0] * 5)
-        for i, x in enumerate((1.0, k, k * k, seconds, k * seconds)):
-            line[i] = line[i] * COST_DECAY + x
-        per_k = self._per_k.setdefault(b, [[0.0, 0.0] for _ in range(self.k + 1)])
-        for j, entry in enumerate(per_k):
-            hit = j == min(k, self.k)
-            entry[0] = entry[0] * COST_DECAY + hit
-            entry[1] = entry[1] * COST_DECAY + (seconds if hit else 0.0)
+        recent = self._recent.setdefault(self.bucket(batch), [deque(maxlen=WINDOW) for _ in range(self.k + 1)])
+        recent[min(k, self.k)].append(seconds)
+
+    def _fit(self, batch: int) -> tuple[float, float] | None:
+        """(the line's time at k = 0, rho) through each k's median weighted by its count of recent steps; rho fitted
+        where the k's seen vary, shrunk toward RHO_PRIOR. None before any step of the bucket is timed."""
+        recent = self._recent.get(self.bucket(batch))
+        points = [(j, statistics.median(times), len(times)) for j, times in enumerate(recent or ()) if times]
+        if not points:
+            return None
+        n = sum(w for _, _, w in points)
+        sk = sum(w * j for j, _, w in points)
+        skk = sum(w * j * j for j, _, w in points)
+        st = sum(w * t for _, t, w in points)
+        skt = sum(w * j * t for j, t, w in points)
+        rho = RHO_PRIOR
+        spread = n * skk - sk * sk
+        if spread >= 0.02 * n * n:  # else the k's seen vary too little (variance under 0.02): no slope to fit
+            slope = (n * skt - sk * st) / spread
+            intercept = (st - slope * sk) / n
+            if intercept > 0:
+                fitted, weight = min(max(slope / intercept, 0.0), 4.0), spread / n  # n * Var(k)
+                rho = (weight * fitted + RHO_PRIOR_WEIGHT * RHO_PRIOR) / (weight + RHO_PRIOR_WEIGHT)
+        return (st / n) / (1 + rho * sk / n), rho
 
     def rho(self, batch: int) -> float:
-        """The line's slope relative to its k = 0: fitted where the k's seen vary, shrunk toward RHO_PRIOR."""
-        s = self._line.get(self.bucket(batch))
-        if s is None:
-            return RHO_PRIOR
-        n, sk, skk, st, skt = s
-        spread = n * skk - sk * sk
-        if spread < 0.02 * n * n:  # the k's seen vary too little (variance under 0.02): no slope to fit
-            return RHO_PRIOR
-        slope = (n * skt - sk * st) / spread
-        intercept = (st - slope * sk) / n
-        if intercept <= 0:
-            return RHO_PRIOR
-        fitted, weight = min(max(slope / intercept, 0.0), 4.0), spread / n  # n * Var(k)
-        return (weight * fitted + RHO_PRIOR_WEIGHT * RHO_PRIOR) / (weight + RHO_PRIOR_WEIGHT)
-
-    def _expected(self, b: int, batch: int, k: int) -> float:
-        """The line's time at k (through the mean of every timed step of bucket b)."""
-        n, sk, _, st, _ = self._line[b]
-        rho = self.rho(batch)
-        return (st / n) / (1 + rho * sk / n) * (1 + rho * k)
+        """The line's slope relative to its k = 0."""
+        fit = self._fit(batch)
+        return RHO_PRIOR if fit is None else fit[1]
 
     def table(self, batch: int) -> list[float]:
-        """c(k) for k = 1..K: each k's mean step time, shrunk toward the line (through the mean of every timed step,
-        with slope rho) by its count against LINE_WEIGHT, over k = 0's likewise."""
-        b = self.bucket(batch)
-        line = self._line.get(b)
-        rho = self.rho(batch)
-        if line is None or line[0] <= 0:
-            return [1 + rho * j for j in range(1, self.k + 1)]
-        est = [(m[1] + LINE_WEIGHT * self._expected(b, batch, j)) / (m[0] + LINE_WEIGHT)
-               for j, m in enumerate(self._per_k[b])]
+        """c(k) for k = 1..K: each k's median recent step time, shrunk toward the line by its count against
+        LINE_WEIGHT, over k = 0's likewise."""
+        fit = self._fit(batch)
+        if fit is None:
+            return [1 + RHO_PRIOR * j for j in range(1, self.k + 1)]
+        t0, rho = fit
+        est = []
+        for j, times in enumerate(self._recent[self.bucket(batch)]):
+            line, n = t0 * (1 + rho * j), len(times)
+            est.append((n * statistics.median(times) + LINE_WEIGHT * line) / (n + LINE_WEIGHT) if n else line)
         return [min(max(t / est[0], 1 / MAX_COST), MAX_COST) for t in est[1:]]
 
 
