@@ -168,9 +168,7 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
     root_lp, root_masked = _log_probs(head.compute_logits(state), root_paths, mask)
     lp, ids = root_lp.topk(K, dim=-1)  # [B, K]
     score, cell = scorer(lp, root_masked)
-    # depths: filled on the device (a Python list made a tensor is a host-to-device copy, refused under capture)
     tokens, scores, parents = [to_target(ids)], [score], [torch.full((B, K), -1, device=dev)]
-    depths = [torch.full((K,), 1, dtype=torch.int64, device=dev)]
     # forced: probability 1 in a row the grammar masked (it admits nothing else there)
     cells, forced = [cell], [(lp == 0) & root_masked[:, None]]
     frontier = dict(tokens=tokens[0], score=score, state=state[:, None].expand(B, K, H), path=tokens[0][..., None],
@@ -194,7 +192,6 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
         cells.append(c_cell.reshape(B, K * K))
         forced.append(((c_lp == 0) & masked.view(B, K, 1)).reshape(B, K * K))
         parents.append(frontier["candidate"].repeat_interleave(K, dim=1))
-        depths.append(torch.full((K * K,), d + 1, dtype=torch.int64, device=dev))
         best, pick = c_score.topk(K, dim=-1)  # [B, K] the next frontier
         parent_lane = pick // K
         next_tokens = c_ids.gather(1, pick)
@@ -203,8 +200,12 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
                         state=out.view(B, K, H).gather(1, parent_lane[..., None].expand(B, K, H)),
                         candidate=offset + pick, lineage=lineage.gather(1, parent_lane))
         offset += K * K
+    # each candidate's depth, derived from its index on the device (K at depth 1, then K * K per depth; a Python
+    # list made a tensor would be a host-to-device copy, which a CUDA graph's capture refuses)
+    c = torch.arange(K + (k - 1) * K * K, device=dev)
+    depths = torch.where(c < K, 1, 2 + (c - K).div(K * K, rounding_mode="floor"))
     return choose(torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1),
-                  torch.cat(depths), N, torch.cat(cells, 1), torch.cat(forced, 1))
+                  depths, N, torch.cat(cells, 1), torch.cat(forced, 1))
 
 
 def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
