@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cpu-compile", default="off", help="the engines' cpu_compile: off, gemm or layers")
+    ap.add_argument("--workloads", default="gsm8k,json-mode-eval", help="comma-separated: gsm8k, json-mode-eval")
     ap.add_argument("--name", default="adaptive_k_cpu", help="results file name under bench/results/")
     args = ap.parse_args(argv)
 
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     target = str(paths.target)
     draft = str(paths.heads[args.method]) if args.method in paths.heads else None
     sets = prompt_sets(AutoTokenizer.from_pretrained(target), args.prompts)
+    sets = {name: sets[name] for name in args.workloads.split(",")}
     batches = [int(b) for b in args.batches.split(",")]
     configs = {"none": None, **{f"k={k}": SpecConfig(method=args.method, k=k, draft=draft) for k in FIXED},
                "adaptive": SpecConfig(method=args.method, k=max(FIXED), draft=draft, adaptive_k=True)}

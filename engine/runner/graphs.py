@@ -9,7 +9,8 @@ sampling mode (greedy only, filters used, logprobs asked, penalties) picks which
 takes, so it is part of the key, and so is whether a grammar masks the step (its fills are host
 functions captured in the graph, engine/masking/graph.py), and so is the draft chain's number of passes (adaptive k:
 a step at k below the configured one runs fewer passes, so its graph is another; the verification rows stay k+1);
-the unmasked greedy graphs at all k passes are captured up front, the others on first use.
+the unmasked greedy graphs are captured up front at every pass count the drafter may run (k; 0..k under adaptive
+k), the others on first use.
 Batches with a prompt chunk run eagerly. `capture=False` keeps the same padded path without graphs
 (how the CPU tests exercise it).
 
@@ -99,6 +100,7 @@ class _Captured:
     output: StepOutput  # static tensors the graph writes
     graph: object | None  # torch.cuda.CUDAGraph (None: eager replay)
     loose: list[tuple[str, ...]] = dataclasses.field(default_factory=list)  # inputs outside the packed buffer
+    runs: int = 0  # steps replayed through it
 
     def load(self, batch: StepBatch) -> None:
         """Copy a batch into the static inputs: a batch laid out as the captured one (every step of this
@@ -114,11 +116,13 @@ class _Captured:
 
 class StepGraphs:
     def __init__(self, step: StepFn, layout: StepLayout, max_batch: int, scratch_slot: int, capture: bool = True,
-                 capture_on_demand: bool = True, masks: bool = True):
+                 capture_on_demand: bool = True, masks: bool = True, passes: tuple[int, ...] | None = None):
         """scratch_slot: the draft-state row idle requests use; capture_on_demand: capture a sampling mode's
         graph the first time a batch needs it (off under attention data parallelism, where a lone
         capture's warm-up forwards would meet no other rank); masks: guided steps replay graphs too (else
-        they run eagerly). Nothing is captured before `capture_all` hands over the KV cache."""
+        they run eagerly); passes: the draft chain's pass counts whose greedy graphs `capture_all` captures
+        (adaptive k: 0..k, so no step captures inside a running server's first minutes; None: k alone).
+        Nothing is captured before `capture_all` hands over the KV cache."""
         self.step = step
         self.layout = layout
         self.scratch_slot = scratch_slot
@@ -126,6 +130,7 @@ class StepGraphs:
         self.capture = capture
         self.capture_on_demand = capture_on_demand
         self.masks = masks
+        self.passes = (layout.k,) if passes is None else tuple(passes)
         self._staged: StagedMasker | None = None
         self.sizes = [s for s in SIZES if s < max_batch] + [max_batch]
         self.block_size: int | None = None
@@ -172,6 +177,7 @@ class StepGraphs:
             cap = self._capture(key, self._dummy(size, batch.sampling.mode, masked, batch.draft_passes))
         cap.load(batch)
         self.num_runs += 1
+        cap.runs += 1
         staged = self.staged if masked else None
         if staged is not None:
             staged.bind(masker)
@@ -200,6 +206,11 @@ class StepGraphs:
         (False: the padded layout's static buffers, run eagerly, capture=False)."""
         return {key: cap.graph is not None for key, cap in self._captured.items()}
 
+    @property
+    def replayed(self) -> dict[tuple, int]:
+        """Steps run through each graph so far, by key, those that ran at all."""
+        return {key: cap.runs for key, cap in self._captured.items() if cap.runs}
+
     def captured_at_every_size(self, mode: SamplingMode, masked: bool = False) -> bool:
         """A batch of this sampling mode can replay a graph at whatever size the group pads to."""
         return all((s, mode, masked, self.layout.k) in self._captured for s in self.sizes)
@@ -212,13 +223,14 @@ class StepGraphs:
             self.scratch_slot = scratch_slot
 
     def capture_all(self, kv_cache: torch.Tensor) -> None:
-        """Greedy graphs for every size, largest first (smaller ones then reuse its memory pool), over the
-        KV cache every batch points into."""
+        """Greedy graphs for every size and pass count, largest first (smaller ones then reuse its memory pool),
+        over the KV cache every batch points into."""
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape[3]
         for size in reversed(self.sizes):  # without capture: the static buffers of the padded eager path
-            dummy = self._dummy(size, None)
-            self._capture((size, dummy.sampling.mode, False, self.layout.k), dummy)
+            for passes in sorted(self.passes, reverse=True):
+                dummy = self._dummy(size, None, draft_passes=passes)
+                self._capture((size, dummy.sampling.mode, False, passes), dummy)
 
     def _dummy(self, size: int, like: SamplingMode | None, masked: bool = False,
                draft_passes: int | None = None) -> StepBatch:

@@ -107,8 +107,11 @@ class ModelRunner:
 
         layout = StepLayout(self.device, self.vocab_size, self.k, self.max_model_len + position_margin(self.k),
                             self.proposer.tree_shape if self.drafter.tree else None)
+        # adaptive k picks a graph per number of draft passes (ADP steps run all k: model_runner.run)
+        passes = (range(self.k + 1) if self.drafter.adaptive is not None and self.drafter.proposer is not None
+                  and self.dp is None else None)
         self.graphs = StepGraphs(self.run_step, layout, max_batch, self.scratch_slot, capture=capture,
-                                 capture_on_demand=capture_on_demand, masks=masks)
+                                 capture_on_demand=capture_on_demand, masks=masks, passes=passes)
         self.drafter.on_slots_grown = lambda: self.graphs.reset(self.scratch_slot)
         if self.kv_cache is not None:
             self.graphs.capture_all(self.kv_cache)
@@ -246,7 +249,7 @@ class ModelRunner:
             if not scheduled and not graph:
                 return PreparedStep(None, 0, False, None, rows)
         if graph:
-            # adaptive k's passes pick the graph (captured on first use); under ADP graphs are never captured on
+            # adaptive k's passes pick the graph (greedy ones captured up front); under ADP graphs are never captured on
             # demand, so the group's steps keep all k passes there
             passes = self.drafter.draft_passes if self.dp is None else None
             batch = self.graphs.padded_batch(scheduled, blocks, slots, graph_batch, masked=masked, draft_passes=passes)

@@ -14,7 +14,11 @@ Estimates. Acceptance is kept per grammar class of the draft (free: an unguided 
 request's draft that its grammar left open; forced: a draft its grammar forced, structured/forced.py) and
 depth, over the rank's requests, as decayed counts on top of a prior, so a depth the engine stopped
 drafting drifts back to the prior and gets tried again. Each request also keeps its own counts (free or
-masked drafts), shrunk toward its class's estimate. The cost table comes from the step times measured at each k, per
+masked drafts), shrunk toward its class's estimate. A guided request's drafts in hand carry their classes (which
+ones its grammar forced); a depth past them (a step at a larger k than the last one drafted) is forced with the
+share of that depth's drafts that were, per request shrunk toward the rank's share. Without that share a guided
+request whose open drafts fail stayed at k = 1 and never drafted far enough to meet the forced runs after them
+(JSON's closing quotes, commas, next keys): 0.88-0.93x of k = 3 at batch 1 (bench/results/gpu_check_3_cuda.md). The cost table comes from the step times measured at each k, per
 batch size (powers of two): each k's median over its last WINDOW steps, shrunk toward a line fitted through those
 medians (which reads a k not measured lately), the line's slope shrunk toward RHO_PRIOR; before any step is timed, c(k) = 1 +
 RHO_PRIOR * k. Every EXPLORE_EVERY steps two steps run at a neighbouring k, one up and one down in turn (two: the
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 FREE, MASKED, FORCED = 0, 1, 2
 SCALE = 1000  # fixed point of votes: gains in thousandths of a token, costs in thousandths of a plain step
 PRIOR = ((0.6, 8.0), (0.6, 8.0), (0.95, 8.0))  # per class: (acceptance, weight in observations)
+FORCED_SHARE_PRIOR = (0.3, 8.0)  # a guided draft forced by its grammar: (share, weight in observations)
 REQUEST_PRIOR_WEIGHT = 4.0  # a request's own counts against its class's estimate
 DECAY = 0.99  # per step, on the class counts (about the last 100 steps count)
 RHO_PRIOR = 0.2  # a draft position's cost, in plain steps, before any step is timed
@@ -111,7 +116,9 @@ class AcceptanceModel:
         self.k = k
         self._accepted = [[0.0] * k for _ in PRIOR]  # [class][depth]
         self._tried = [[0.0] * k for _ in PRIOR]
-        self._requests: dict[str, tuple[list[float], list[float]]] = {}  # id -> (accepted, tried) per depth
+        self._requests: dict[str, tuple[list[float], ...]] = {}  # id -> (accepted, tried, forced, guided) per depth
+        self._forced = [0.0] * k  # guided drafts observed at each depth: how many were forced, of how many
+        self._guided = [0.0] * k
 
     def class_rate(self, cls: int, depth: int) -> float:
         p, w = PRIOR[cls]
@@ -126,8 +133,18 @@ class AcceptanceModel:
         acc, tried = own[0][depth], own[1][depth]
         return (acc + REQUEST_PRIOR_WEIGHT * base) / (tried + REQUEST_PRIOR_WEIGHT)
 
+    def forced_share(self, request_id: str, depth: int) -> float:
+        """The chance that a guided request's draft at `depth` (its earlier drafts accepted) is one its grammar
+        forces: its own share shrunk toward the rank's."""
+        p, w = FORCED_SHARE_PRIOR
+        base = (self._forced[depth] + p * w) / (self._guided[depth] + w)
+        own = self._requests.get(request_id)
+        if own is None:
+            return base
+        return (own[2][depth] + REQUEST_PRIOR_WEIGHT * base) / (own[3][depth] + REQUEST_PRIOR_WEIGHT)
+
     def decay(self) -> None:
-        for counts in (*self._accepted, *self._tried):
+        for counts in (*self._accepted, *self._tried, self._forced, self._guided):
             for j in range(self.k):
                 counts[j] *= DECAY
 
@@ -136,10 +153,16 @@ class AcceptanceModel:
         forced_bits: draft j was forced by its grammar. Depths past the first rejection are not observed."""
         own = self._requests.get(request_id)
         if own is None:
-            own = self._requests[request_id] = ([0.0] * self.k, [0.0] * self.k)
+            own = self._requests[request_id] = tuple([0.0] * self.k for _ in range(4))
         for j in range(min(num_drafts, accepted + 1, self.k)):
             ok = j < accepted
-            cls = FORCED if forced_bits >> j & 1 else (MASKED if guided else FREE)
+            forced = forced_bits >> j & 1
+            cls = FORCED if forced else (MASKED if guided else FREE)
+            if guided:
+                self._guided[j] += 1.0
+                self._forced[j] += forced
+                own[3][j] += 1.0
+                own[2][j] += forced
             self._tried[cls][j] += 1.0
             self._accepted[cls][j] += ok
             if cls != FORCED:
@@ -149,12 +172,18 @@ class AcceptanceModel:
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def gains(self, request_id: str, guided: bool, forced_bits: int) -> list[float]:
-        """Expected accepted drafts of the request at k = 1..K (its next drafts' classes from forced_bits)."""
+    def gains(self, request_id: str, guided: bool, forced_bits: int, known: int | None = None) -> list[float]:
+        """Expected accepted drafts of the request at k = 1..K: the classes of its first `known` drafts (those in
+        hand; None: all K) from forced_bits, a guided request's later ones forced with their depth's share."""
+        known = self.k if known is None else known
         out, through, total = [], 1.0, 0.0
         for j in range(self.k):
-            cls = FORCED if forced_bits >> j & 1 else (MASKED if guided else FREE)
-            through *= self.rate(request_id, cls, j)
+            if j < known or not guided:
+                p = self.rate(request_id, FORCED if forced_bits >> j & 1 else (MASKED if guided else FREE), j)
+            else:
+                f = self.forced_share(request_id, j)
+                p = f * self.rate(request_id, FORCED, j) + (1 - f) * self.rate(request_id, MASKED, j)
+            through *= p
             total += through
             out.append(total)
         return out
@@ -237,7 +266,8 @@ class AdaptiveK:
         total = [0.0] * self.k
         for req in requests:
             guided = req.params.structured_output is not None
-            for j, g in enumerate(self.acceptance.gains(req.request_id, guided, req.spec_forced)):
+            for j, g in enumerate(self.acceptance.gains(req.request_id, guided, req.spec_forced,
+                                                        len(req.spec_token_ids))):
                 total[j] += g
         cost = (tuple(round(c * SCALE) for c in self.cost.table(batch)) if self.measured
                 else linear_cost(self.k))

@@ -82,6 +82,26 @@ def test_acceptance_tracks_depths_classes_and_requests():
     assert m.rate("a", A.FREE, 1) == pytest.approx(m.class_rate(A.FREE, 1))
 
 
+def test_a_guided_requests_depths_past_its_drafts_are_forced_with_their_share():
+    m = A.AcceptanceModel(3)
+    for i in range(60):  # "g": its open first draft mostly fails; when it holds, the grammar forces the next two
+        if i % 3 == 0:
+            m.observe("g", True, 3, 3, 0b110)
+        else:
+            m.observe("g", True, 3, 0, 0)
+    assert m.forced_share("g", 1) > 0.8 and m.forced_share("g", 0) < 0.2
+    assert m.forced_share("new", 1) > 0.75  # the rank's share before a request's own
+    open_drafts = m.gains("g", True, 0)  # three open drafts in hand
+    one_in_hand = m.gains("g", True, 0, known=1)  # one: depths 1 and 2 are likely forced
+    assert one_in_hand[0] == open_drafts[0]
+    assert one_in_hand[1] - one_in_hand[0] > 1.4 * (open_drafts[1] - open_drafts[0])
+    # on a host-bound step's costs, k = 2 looked best from open drafts alone; with the forced share, k = 3
+    cost = (1100, 1200, 1300)
+    gain = lambda g: tuple(round(x * A.SCALE) for x in g)
+    assert A.decide(1, gain(open_drafts), cost, 3) == 2 and A.decide(1, gain(one_in_hand), cost, 3) == 3
+    assert m.gains("u", False, 0, known=1) == m.gains("u", False, 0)  # unguided: nothing is forced
+
+
 def test_decay_brings_an_unobserved_depth_back_to_its_prior():
     m = A.AcceptanceModel(2)
     for _ in range(100):
@@ -179,8 +199,8 @@ def test_greedy_equals_no_speculation_with_adaptive_k(llama_dir, spec_drafts, me
 @pytest.mark.parametrize("method", ["mtp", "eagle3", "ngram"])
 def test_adaptive_k_through_the_graph_layout_runs_a_graph_per_draft_passes(llama_dir, spec_drafts, method):
     """Graph steps follow adaptive k too: a step at k below the configured one replays the graph of its own number of
-    draft passes (captured on first use; the CPU runs the padded layout without capture), so a smaller k saves the
-    passes it skips, as an eager step does. Tokens equal no speculation."""
+    draft passes (captured up front for every count; the CPU runs the padded layout without capture), so a smaller
+    k saves the passes it skips, as an eager step does. Tokens equal no speculation."""
     prompts = random_prompts(5, seed=11)
     want = [o.token_ids for o in LLM(llama_dir, num_kv_blocks=512, block_size=4).generate(prompts, greedy_params(40))]
     spec = spec_config(method, 3, spec_drafts, llama_dir)
@@ -189,19 +209,20 @@ def test_adaptive_k_through_the_graph_layout_runs_a_graph_per_draft_passes(llama
     graphs = use_graphs(llm, capture=False)
     outs = llm.generate(prompts, greedy_params(40))
     assert [o.token_ids for o in outs] == want
-    passes = {key[3] for key in graphs.captured}
+    passes = {key[3] for key in graphs.replayed}
     steps = llm.engine.stats()["spec"]["dynamic_k_steps"]
     assert graphs.num_runs > 10
     if method == "ngram":  # drafts from the host: no draft passes in the step, one graph
-        assert passes == {3}, passes
+        assert passes == {key[3] for key in graphs.captured} == {3}, passes
     else:  # random heads are rarely accepted: k falls below 3, and those steps replay their own graphs
+        assert {key[3] for key in graphs.captured if key[2] is False} == {0, 1, 2, 3}  # greedy: up front
         assert len(passes) > 1 and passes <= {k for k, n in enumerate(steps) if n} | {3}, (passes, steps)
     assert llm.engine.stats()["kv_blocks_used"] == 0
 
 
 @pytest.mark.gpu
 def test_captured_adaptive_k_replays_equal_eager(llama_dir, spec_drafts):
-    """On a GPU: the graphs of each draft-pass count, captured on first use, give the eager steps' tokens."""
+    """On a GPU: the graphs of each draft-pass count, captured up front, give the eager steps' tokens."""
     prompts = random_prompts(6, seed=12)
     spec = spec_config("mtp", 3, spec_drafts, llama_dir)
     kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, block_size=4, max_num_seqs=8,
@@ -212,7 +233,8 @@ def test_captured_adaptive_k_replays_equal_eager(llama_dir, spec_drafts):
     outs = llm.generate(prompts, greedy_params(48))
     graphs = llm.engine.runner.graphs
     assert [o.token_ids for o in outs] == want
-    assert len({key[3] for key, cuda in graphs.captured.items() if cuda}) > 1, graphs.captured
+    assert all(graphs.captured.values()), graphs.captured  # every one a CUDA graph
+    assert len({key[3] for key in graphs.replayed}) > 1, graphs.replayed
 
 
 def test_a_perfect_draft_keeps_k_and_a_useless_one_drops_it(llama_dir, spec_drafts):
