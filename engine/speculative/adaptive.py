@@ -23,8 +23,10 @@ batch size (powers of two): each k's median over its last WINDOW steps, shrunk t
 medians (which reads a k not measured lately), the line's slope shrunk toward RHO_PRIOR; before any step is timed, c(k) = 1 +
 RHO_PRIOR * k. Every EXPLORE_EVERY steps two steps run at a neighbouring k, one up and one down in turn (two: the
 drafts a step verifies are the previous step's chain's, so a deeper depth is observed only on the second; down:
-the cost of k - 1, k = 0's included, is measured too); at k = 0, which observes nothing, two steps at k = 1 after
-every EXPLORE_IDLE.
+the cost of k - 1, k = 0's included, is measured too), unless the estimates put the neighbour EXPLORE_MARGIN below
+the decided k: then only in one of EXPLORE_FAR rounds (exploring costs three short steps, about 3% of guided JSON's
+tokens at batch 1 where k = 3 wins by 16%: bench/results/gpu_check_3_cuda.md); at k = 0, which observes nothing,
+two steps at k = 1 after every EXPLORE_IDLE.
 
 Agreement. The decision is integer arithmetic over fixed-point sums (vote/decide), so every rank that sees
 the same votes picks the same k. Under attention data parallelism each rank's vote (its requests' G and its
@@ -57,6 +59,10 @@ MAX_COST = 8.0  # plain steps: a bound on a measured ratio
 # priced its k out for hundreds of steps (a benchmark paused with SIGSTOP: bench/results/adaptive_k_table_cpu.md).
 WINDOW = 15
 EXPLORE_EVERY = 32
+# A neighbour the estimates put this far below the decided k (thousandths of its rate) is explored in one round of
+# EXPLORE_FAR only: its figures stay fresh within EXPLORE_FAR * 2 * EXPLORE_EVERY steps at a quarter of the cost.
+EXPLORE_MARGIN = 100
+EXPLORE_FAR = 4
 # At k = 0 nothing is observed, so an estimate that sent k there changes only as the class counts decay: a request
 # whose first few drafts failed (SmolLM2's MTP head on a GSM8K answer's opening) stayed undrafted for ~30 steps
 # (bench/results/real_spec_k_sweep_cpu.md). After this many steps at k = 0, two steps at k = 1.
@@ -80,8 +86,8 @@ def decide(batch: int, gain: tuple[int, ...], cost: tuple[int, ...], k_max: int,
     """The k in [0, k_max] that maximizes (batch + G(k)) / c(k), in integers (deterministic on every rank); ties go
     to the smaller k. With `current` (the k of the last step), another k only if it promises HYSTERESIS thousandths
     more."""
-    def rate(k: int) -> tuple[int, int]:  # (tokens, cost): the rate is their ratio
-        return (batch * SCALE + gain[k - 1], cost[k - 1]) if k else (batch * SCALE, SCALE)
+    def rate(k: int) -> tuple[int, int]:
+        return _rate(batch, gain, cost, k)
 
     top = min(k_max, len(gain))
     best = 0
@@ -94,6 +100,17 @@ def decide(batch: int, gain: tuple[int, ...], cost: tuple[int, ...], k_max: int,
         if t * cc * SCALE <= ct * c * (SCALE + HYSTERESIS):
             return current
     return best
+
+
+def _rate(batch: int, gain: tuple[int, ...], cost: tuple[int, ...], k: int) -> tuple[int, int]:
+    """(tokens, cost) of a step at k: the rate is their ratio."""
+    return (batch * SCALE + gain[k - 1], cost[k - 1]) if k else (batch * SCALE, SCALE)
+
+
+def near(vote: Vote, k: int, other: int) -> bool:
+    """Is `other`'s estimated rate within EXPLORE_MARGIN of k's (integers: the same answer on every rank)."""
+    (t, c), (ot, oc) = (_rate(vote.requests, vote.gain, vote.cost, j) for j in (k, other))
+    return ot * c * (SCALE + EXPLORE_MARGIN) >= t * oc * SCALE
 
 
 def linear_cost(k: int, rho: float = RHO_PRIOR) -> tuple[int, ...]:
@@ -259,6 +276,7 @@ class AdaptiveK:
         self.steps = 0
         self.idle = 0  # consecutive steps decided at k = 0
         self.last: int | None = None  # the last decided k (before exploring), which hysteresis holds
+        self._exploring = False  # the exploring round under way runs its neighbour (decided on its first step)
 
     def vote(self, requests, batch: int) -> Vote:
         """This rank's vote over its decoding `requests` (engine Requests); `batch`: the group's batch, whose
@@ -276,7 +294,8 @@ class AdaptiveK:
     def choose(self, vote: Vote, k_max: int) -> int:
         """The step's k from the (group's) vote, bounded by k_max; for two steps in every EXPLORE_EVERY a neighbour,
         one up and one down in turn (down at k_max, up at 0), and two at k = 1 after every EXPLORE_IDLE decided at
-        0; the same steps on every rank (they count steps and decide alike)."""
+        0; a neighbour EXPLORE_MARGIN below the decided k in one round of EXPLORE_FAR only. The same steps on every
+        rank (they count steps and decide alike)."""
         self.steps += 1
         self.acceptance.decay()
         k = self.last = decide(vote.requests, vote.gain, vote.cost, k_max, self.last)
@@ -286,6 +305,11 @@ class AdaptiveK:
                 self.idle = 0
             return 1
         if self.steps % EXPLORE_EVERY < 2 and self.steps >= EXPLORE_EVERY and k_max > 0:
-            up = (self.steps // EXPLORE_EVERY) % 2 == 1
-            k = k + 1 if k == 0 or (up and k < k_max) else k - 1
+            rnd = self.steps // EXPLORE_EVERY
+            up = rnd % 2 == 1
+            other = k + 1 if k == 0 or (up and k < min(k_max, len(vote.gain))) else k - 1
+            if self.steps % EXPLORE_EVERY == 0:
+                self._exploring = (rnd // 2) % EXPLORE_FAR == 1 or near(vote, k, other)
+            if self._exploring:
+                k = other
         return k

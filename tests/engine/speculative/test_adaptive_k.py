@@ -260,7 +260,8 @@ def test_a_perfect_draft_keeps_k_and_a_useless_one_drops_it(llama_dir, spec_draf
 
 def test_choose_explores_a_neighbour_for_two_steps_up_and_down_in_turn():
     """Every EXPLORE_EVERY steps two steps run a neighbouring k (the second verifies the first's deeper chain): one up,
-    the next time one down (k = 0's cost is measured too); at the top both down."""
+    the next time one down (k = 0's cost is measured too); at the top both down. A neighbour far below (k = 0 here,
+    20% slower by the estimates) only in one round of EXPLORE_FAR: the second's, not the first's."""
     ks = {k_top: [] for k_top in (1, 3)}
     for k_top in ks:
         ctl = A.AdaptiveK(3, measured=True)
@@ -269,8 +270,23 @@ def test_choose_explores_a_neighbour_for_two_steps_up_and_down_in_turn():
     first, second = {A.EXPLORE_EVERY - 1, A.EXPLORE_EVERY}, {2 * A.EXPLORE_EVERY - 1, 2 * A.EXPLORE_EVERY}  # 0-based
     assert [i for i, k in enumerate(ks[3]) if k != 1] == sorted(first | second)
     assert {ks[3][i] for i in first} == {2} and {ks[3][i] for i in second} == {0}
-    assert {ks[1][i] for i in first | second} == {0} and all(k == 1 for i, k in enumerate(ks[1])
-                                                             if i not in first | second)
+    assert {ks[1][i] for i in second} == {0} and all(k == 1 for i, k in enumerate(ks[1]) if i not in second)
+
+
+def test_choose_explores_a_far_neighbour_in_one_round_of_explore_far():
+    """k = 3 far ahead of k = 2 (guided JSON at batch 1): the rounds that would step down run k = 3 but in one
+    of EXPLORE_FAR pairs of rounds; a near neighbour is explored every round."""
+    far = A.Vote((950, 1900, 2850), (1050, 1100, 1150), 1)  # k=3: 3.35 tokens per cost, k=2: 2.64
+    near = A.Vote((600, 1100, 1250), (1050, 1100, 1150), 1)  # k=3 decided, k=2 2.5% below
+    rounds = 4 * A.EXPLORE_FAR
+    for vote, want in ((far, [r for r in range(1, rounds) if (r // 2) % A.EXPLORE_FAR == 1]),
+                       (near, list(range(1, rounds)))):
+        ctl = A.AdaptiveK(3, measured=True)
+        decided = A.decide(1, vote.gain, vote.cost, 3)
+        ks = [ctl.choose(vote, 3) for _ in range(rounds * A.EXPLORE_EVERY - 1)]  # rounds 1 .. rounds - 1
+        explored = sorted({(i + 1) // A.EXPLORE_EVERY for i, k in enumerate(ks) if k != decided})
+        assert explored == want, (decided, explored)
+        assert all(ks[r * A.EXPLORE_EVERY - 1] == ks[r * A.EXPLORE_EVERY] for r in explored)  # both steps of a round
 
 
 def test_choose_explores_k1_soon_after_settling_at_zero():
