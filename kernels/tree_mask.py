@@ -30,18 +30,24 @@ def window_bits(ancestors: torch.Tensor, span: torch.Tensor | int) -> torch.Tens
     return prefix | torch.bitwise_left_shift(ancestors, below)
 
 
-def ancestor_bits(parents: torch.Tensor) -> torch.Tensor:
+def ancestor_bits(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
     """parents [B, N] int64: node j+1's parent among nodes 0..j (node 0 is the root, the request's verified token)
-    -> [B, N+1] int64 ancestor sets over the nodes (bit i: node i; the node itself included). Nodes come after
-    their parents, so one pass in node order sees every parent done."""
+    -> [B, N+1] int64 ancestor sets over the nodes (bit i: node i; the node itself included). max_depth: a bound on
+    the nodes' depth (default N).
+    Pointer doubling: after round t each node holds its ancestors up to 2**t - 1 levels up and points 2**t up, so
+    log2(depth) rounds of two gathers and an or, not a gather, an or and a stack per node (a draft tree is expanded
+    inside the captured decode step, where each op is a graph node its launch pays for)."""
     B, N = parents.shape
-    bits = [torch.ones(B, dtype=torch.int64, device=parents.device)]
-    stacked = bits[0][:, None]
-    for j in range(N):
-        parent_bits = stacked.gather(1, parents[:, j : j + 1])[:, 0]
-        bits.append(parent_bits | (1 << (j + 1)))
-        stacked = torch.stack(bits, 1)
-    return stacked
+    dev = parents.device
+    up = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=dev), parents], 1)  # the root points to itself
+    node = torch.arange(N + 1, device=dev)
+    bits = torch.bitwise_left_shift(torch.ones_like(node), node).expand(B, N + 1)  # bit 63 wraps to the sign bit
+    rounds = max(1, (N if max_depth is None else min(max_depth, N)).bit_length())
+    for r in range(rounds):
+        bits = bits | bits.gather(1, up)
+        if r + 1 < rounds:
+            up = up.gather(1, up)
+    return bits
 
 
 def chain_bits(n: int, device=None) -> torch.Tensor:

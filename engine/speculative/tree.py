@@ -101,23 +101,38 @@ class TreeShape:
         return (self.depth - 1) * self.topk + 1
 
 
-def frontier_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, start: torch.Tensor, d: int, topk: int,
-                      lineage: torch.Tensor, slot_limit: torch.Tensor, max_seq_len: int) -> AttentionMetadata:
-    """The head's pass over the depth-d frontier: request b's topk rows (lane g) at KV position
-    start + 1 + (d-1) * topk + g; lineage [B, topk] int64: each row's ancestors among the frontier rows so far
-    (bit (e-1) * topk + g': the depth-e row of lane g'), itself included."""
-    tables = base.block_tables  # [B, M] int32
-    B, M = tables.shape
-    block_size = kv_cache.shape[3]
-    lane = torch.arange(topk, device=start.device)
-    pos = start[:, None] + 1 + (d - 1) * topk + lane  # [B, topk]
-    slot = tables.gather(1, (pos // block_size).clamp(max=M - 1)).to(torch.int64) * block_size + pos % block_size
-    span = d * topk  # the frontier rows of depths 1..d: the last span positions
-    return AttentionMetadata(
-        kv_cache=kv_cache, slot_mapping=torch.where(pos < slot_limit[:, None], slot, -1).reshape(-1),
-        block_tables=tables, seq_lens=(start + 1 + span).to(torch.int32),
-        query_start_loc=torch.arange(0, (B + 1) * topk, topk, dtype=torch.int32, device=start.device),
-        max_q_len=topk, max_seq_len=max_seq_len, tree_mask=window_bits(lineage, span).reshape(-1))
+class FrontierLayout:
+    """Where the frontier rows of every depth live, computed once per expansion (each op here is a node of the
+    captured step's graph, which its launch pays for; per depth only what changes is computed): request b's depth-d
+    lane g at KV position start + 1 + (d-1) * topk + g."""
+
+    def __init__(self, base: AttentionMetadata, kv_cache: torch.Tensor, start: torch.Tensor, depth: int, topk: int,
+                 slot_limit: torch.Tensor, max_seq_len: int):
+        tables = base.block_tables  # [B, M] int32
+        B, M = tables.shape
+        block_size = kv_cache.shape[3]
+        dev = start.device
+        pos = start[:, None] + 1 + torch.arange((depth - 1) * topk, device=dev)  # [B, (depth-1) * topk]
+        slot = tables.gather(1, (pos // block_size).clamp(max=M - 1)).to(torch.int64) * block_size + pos % block_size
+        self.slots = torch.where(pos < slot_limit[:, None], slot, -1)
+        self.base, self.kv_cache, self.start, self.topk, self.max_seq_len = base, kv_cache, start, topk, max_seq_len
+        self.tables = tables
+        self.query_start_loc = torch.arange(0, (B + 1) * topk, topk, dtype=torch.int32, device=dev)
+        # bit (d-1) * topk + g: the depth-d row of lane g, which the rows of its lane's subtree have as an ancestor
+        lane = torch.arange((depth - 1) * topk, device=dev)
+        self.own_bits = torch.bitwise_left_shift(torch.ones_like(lane), lane).view(depth - 1, topk)
+        self.positions = start.repeat_interleave(topk)  # [B * topk]: the root's position per frontier row
+
+    def metadata(self, d: int, lineage: torch.Tensor) -> AttentionMetadata:
+        """The head's pass over the depth-d frontier; lineage [B, topk] int64: each row's ancestors among the
+        frontier rows so far (bit (e-1) * topk + g': the depth-e row of lane g'), itself included."""
+        K = self.topk
+        span = d * K  # the frontier rows of depths 1..d: the last span positions
+        return AttentionMetadata(
+            kv_cache=self.kv_cache, slot_mapping=self.slots[:, (d - 1) * K: d * K].reshape(-1),
+            block_tables=self.tables, seq_lens=(self.start + (1 + span)).to(torch.int32),
+            query_start_loc=self.query_start_loc, max_q_len=K, max_seq_len=self.max_seq_len,
+            tree_mask=window_bits(lineage, span).reshape(-1))
 
 
 # mask(paths [B, L, d] int64 target ids, logits [B * L, Vd]): constrains in place the draft logits of the L nodes per
@@ -175,13 +190,12 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
                     candidate=torch.arange(K, device=dev).expand(B, K),
                     lineage=torch.zeros((B, K), dtype=torch.int64, device=dev))
     offset = K
-    lane = torch.arange(K, device=dev)
+    layout = FrontierLayout(attn, kv_cache, start, k, K, slot_limit, max_seq_len) if k > 1 else None
     for d in range(1, k):
-        lineage = frontier["lineage"] | torch.bitwise_left_shift(torch.ones_like(lane), (d - 1) * K + lane)
-        meta = frontier_metadata(attn, kv_cache, start, d, K, lineage, slot_limit, max_seq_len)
-        with attention_context(meta):
+        lineage = frontier["lineage"] | layout.own_bits[d - 1]
+        with attention_context(layout.metadata(d, lineage)):
             out = head(frontier["state"].reshape(B * K, H), frontier["tokens"].reshape(-1),
-                       (start + d).repeat_interleave(K))  # [B * K, H]
+                       layout.positions + d)  # [B * K, H]
         child, masked = _log_probs(head.compute_logits(out), frontier["path"], mask)
         c_lp, c_ids = child.view(B, K, -1).topk(K, dim=-1)  # [B, K, K]: each frontier node's best children
         c_score, c_cell = scorer(c_lp, masked.view(B, K))
@@ -205,13 +219,14 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
     c = torch.arange(K + (k - 1) * K * K, device=dev)
     depths = torch.where(c < K, 1, 2 + (c - K).div(K * K, rounding_mode="floor"))
     return choose(torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1),
-                  depths, N, torch.cat(cells, 1), torch.cat(forced, 1))
+                  depths, N, torch.cat(cells, 1), torch.cat(forced, 1), max_depth=k)
 
 
 def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-           n: int, cells: torch.Tensor | None = None, forced: torch.Tensor | None = None) -> DraftTree:
+           n: int, cells: torch.Tensor | None = None, forced: torch.Tensor | None = None,
+           max_depth: int | None = None) -> DraftTree:
     """Candidates [B, C] (in depth order; parents: a candidate index, -1 for the root; cells: their table cells;
-    forced: which the grammar forced) -> the tree of the n best.
+    forced: which the grammar forced; max_depth: a bound on their depths) -> the tree of the n best.
     A stable sort keeps a parent before a child of equal score (a draft of probability 1), so the n best
     always hold every chosen node's parent."""
     B, C = scores.shape
@@ -223,7 +238,7 @@ def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, de
     node_parents = torch.where(parent < 0, 0, node_of.gather(1, parent.clamp(min=0)))
     depth = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=scores.device),
                        depths[chosen]], 1)
-    return DraftTree(tokens.gather(1, chosen), node_parents, depth, ancestor_bits(node_parents),
+    return DraftTree(tokens.gather(1, chosen), node_parents, depth, ancestor_bits(node_parents, max_depth),
                      cells.gather(1, chosen) if cells is not None else None,
                      forced.gather(1, chosen) if forced is not None else None)
 

@@ -98,6 +98,24 @@ def test_ancestor_bits():
                                                [0b1, 0b11, 0b111, 0b1111, 0b11111]]
     assert chain_bits(5).tolist() == ancestor_bits(parents[1:]).tolist()[0]
     assert window_bits(torch.tensor([0b11]), 2).tolist() == [-1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 31, 63])
+def test_ancestor_bits_equal_a_walk_up_each_nodes_parents(n):
+    """Pointer doubling against the definition: a node's bits are its own and its parent's, for random trees and
+    the deepest (a chain); with max_depth the tree's true depth too. Bit 63 (node 63) is the sign bit."""
+    g = torch.Generator().manual_seed(n)
+    trees = [torch.randint(0, j + 1, (1,), generator=g).item() for j in range(n)], list(range(n))
+    parents = torch.tensor(trees)
+    want = []
+    for row in trees:
+        bits = [1]
+        for j, p in enumerate(row):
+            bits.append(bits[p] | (1 << (j + 1)))
+        want.append([b - (1 << 64) if b >> 63 else b for b in bits])
+    assert ancestor_bits(parents).tolist() == want
+    depth = max(bin(b % (1 << 64)).count("1") - 1 for row in want for b in row)
+    assert ancestor_bits(parents, max_depth=depth).tolist() == want
     assert window_bits(torch.tensor([0b101]), 3).tolist() == [~(1 << 62)]  # the span is the top 3 bits: 101
 
 

@@ -50,6 +50,7 @@ def test_choose_keeps_every_parent_and_depth_order():
     assert tree.parents.tolist() == [[0, 0, 1, 2]]
     assert tree.depth.tolist() == [[0, 1, 1, 2, 2]]
     assert tree.ancestors.tolist() == [[0b1, 0b11, 0b101, 0b1011, 0b10101]]
+    assert torch.equal(choose(tokens, scores, parents, depths, 4, max_depth=2).ancestors, tree.ancestors)
     tied = choose(tokens, torch.tensor([[-1.0, -1.0, -1.0, -5.0, -5.0, -5.0]]), parents, depths, 3)
     assert tied.tokens.tolist() == [[10, 11, 12]] and tied.parents.tolist() == [[0, 0, 1]]
 
