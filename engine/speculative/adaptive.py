@@ -304,12 +304,12 @@ class AdaptiveK:
             if self.idle == EXPLORE_IDLE + 2:
                 self.idle = 0
             return 1
-        if self.steps % EXPLORE_EVERY < 2 and self.steps >= EXPLORE_EVERY and k_max > 0:
+        if self.steps % EXPLORE_EVERY < 2 and self.steps >= EXPLORE_EVERY:
             rnd = self.steps // EXPLORE_EVERY
             up = rnd % 2 == 1
             other = k + 1 if k == 0 or (up and k < min(k_max, len(vote.gain))) else k - 1
-            if self.steps % EXPLORE_EVERY == 0:
-                self._exploring = (rnd // 2) % EXPLORE_FAR == 1 or near(vote, k, other)
-            if self._exploring:
+            if self.steps % EXPLORE_EVERY == 0:  # the round's first step decides for both
+                self._exploring = k_max > 0 and ((rnd // 2) % EXPLORE_FAR == 1 or near(vote, k, other))
+            if self._exploring and k_max > 0:
                 k = other
         return k
