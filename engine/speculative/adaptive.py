@@ -18,10 +18,13 @@ masked drafts), shrunk toward its class's estimate. A guided request's drafts in
 ones its grammar forced); a depth past them (a step at a larger k than the last one drafted) is forced with the
 share of that depth's drafts that were, per request shrunk toward the rank's share. Without that share a guided
 request whose open drafts fail stayed at k = 1 and never drafted far enough to meet the forced runs after them
-(JSON's closing quotes, commas, next keys): 0.88-0.93x of k = 3 at batch 1 (bench/results/gpu_check_3_cuda.md). The cost table comes from the step times measured at each k, per
-batch size (powers of two): each k's median over its last WINDOW steps, shrunk toward a line fitted through those
-medians (which reads a k not measured lately), the line's slope shrunk toward RHO_PRIOR; before any step is timed, c(k) = 1 +
-RHO_PRIOR * k. Every EXPLORE_EVERY steps two steps run at a neighbouring k, one up and one down in turn (two: the
+(JSON's closing quotes, commas, next keys): 0.88-0.93x of k = 3 at batch 1 (bench/results/gpu_check_3_cuda.md).
+
+Costs. The cost table comes from the step times measured at each k, per batch size (powers of two): each k's median
+over its last WINDOW steps, shrunk toward a line fitted through those medians (which reads a k not measured
+lately), the line's slope shrunk toward RHO_PRIOR; before any step is timed, c(k) = 1 + RHO_PRIOR * k.
+
+Exploring. Every EXPLORE_EVERY steps two steps run at a neighbouring k, one up and one down in turn (two: the
 drafts a step verifies are the previous step's chain's, so a deeper depth is observed only on the second; down:
 the cost of k - 1, k = 0's included, is measured too), unless the estimates put the neighbour EXPLORE_MARGIN below
 the decided k: then only in one of EXPLORE_FAR rounds (exploring costs three short steps, about 3% of guided JSON's

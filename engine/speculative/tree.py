@@ -115,8 +115,7 @@ class FrontierLayout:
         pos = start[:, None] + 1 + torch.arange((depth - 1) * topk, device=dev)  # [B, (depth-1) * topk]
         slot = tables.gather(1, (pos // block_size).clamp(max=M - 1)).to(torch.int64) * block_size + pos % block_size
         self.slots = torch.where(pos < slot_limit[:, None], slot, -1)
-        self.base, self.kv_cache, self.start, self.topk, self.max_seq_len = base, kv_cache, start, topk, max_seq_len
-        self.tables = tables
+        self.tables, self.kv_cache, self.start, self.topk, self.max_seq_len = tables, kv_cache, start, topk, max_seq_len
         self.query_start_loc = torch.arange(0, (B + 1) * topk, topk, dtype=torch.int32, device=dev)
         # bit (d-1) * topk + g: the depth-d row of lane g, which the rows of its lane's subtree have as an ancestor
         lane = torch.arange((depth - 1) * topk, device=dev)
