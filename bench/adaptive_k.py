@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     target = str(paths.target)
     draft = str(paths.heads[args.method]) if args.method in paths.heads else None
     sets = prompt_sets(AutoTokenizer.from_pretrained(target), args.prompts)
+    unknown = set(args.workloads.split(",")) - set(sets)
+    if unknown:
+        ap.error(f"--workloads: unknown {sorted(unknown)}; choose from {sorted(sets)}")
     sets = {name: sets[name] for name in args.workloads.split(",")}
     batches = [int(b) for b in args.batches.split(",")]
     configs = {"none": None, **{f"k={k}": SpecConfig(method=args.method, k=k, draft=draft) for k in FIXED},
