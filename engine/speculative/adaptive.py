@@ -129,6 +129,16 @@ def group_vote(votes: list[Vote]) -> Vote:
                 tuple(max(v.cost[j] for v in busy) for j in range(k)), sum(v.requests for v in votes))
 
 
+class _RequestCounts:
+    """One request's own counts per depth: its free or masked drafts tried and accepted; of its guided drafts, how
+    many were seen and how many of those its grammar forced."""
+
+    __slots__ = ("accepted", "tried", "forced", "guided")
+
+    def __init__(self, k: int):
+        self.accepted, self.tried, self.forced, self.guided = ([0.0] * k for _ in range(4))
+
+
 class AcceptanceModel:
     """Per (class, depth) acceptance of one rank's requests, and per request, as decayed counts."""
 
@@ -136,7 +146,7 @@ class AcceptanceModel:
         self.k = k
         self._accepted = [[0.0] * k for _ in PRIOR]  # [class][depth]
         self._tried = [[0.0] * k for _ in PRIOR]
-        self._requests: dict[str, tuple[list[float], ...]] = {}  # id -> (accepted, tried, forced, guided) per depth
+        self._requests: dict[str, _RequestCounts] = {}
         self._forced = [0.0] * k  # guided drafts observed at each depth: how many were forced, of how many
         self._guided = [0.0] * k
 
@@ -150,7 +160,7 @@ class AcceptanceModel:
         own = self._requests.get(request_id)
         if own is None or cls == FORCED:
             return base
-        acc, tried = own[0][depth], own[1][depth]
+        acc, tried = own.accepted[depth], own.tried[depth]
         return (acc + REQUEST_PRIOR_WEIGHT * base) / (tried + REQUEST_PRIOR_WEIGHT)
 
     def forced_share(self, request_id: str, depth: int) -> float:
@@ -161,7 +171,7 @@ class AcceptanceModel:
         own = self._requests.get(request_id)
         if own is None:
             return base
-        return (own[2][depth] + REQUEST_PRIOR_WEIGHT * base) / (own[3][depth] + REQUEST_PRIOR_WEIGHT)
+        return (own.forced[depth] + REQUEST_PRIOR_WEIGHT * base) / (own.guided[depth] + REQUEST_PRIOR_WEIGHT)
 
     def decay(self) -> None:
         for counts in (*self._accepted, *self._tried, self._forced, self._guided):
@@ -173,7 +183,7 @@ class AcceptanceModel:
         forced_bits: draft j was forced by its grammar. Depths past the first rejection are not observed."""
         own = self._requests.get(request_id)
         if own is None:
-            own = self._requests[request_id] = tuple([0.0] * self.k for _ in range(4))
+            own = self._requests[request_id] = _RequestCounts(self.k)
         for j in range(min(num_drafts, accepted + 1, self.k)):
             ok = j < accepted
             forced = forced_bits >> j & 1
@@ -181,13 +191,13 @@ class AcceptanceModel:
             if guided:
                 self._guided[j] += 1.0
                 self._forced[j] += forced
-                own[3][j] += 1.0
-                own[2][j] += forced
+                own.guided[j] += 1.0
+                own.forced[j] += forced
             self._tried[cls][j] += 1.0
             self._accepted[cls][j] += ok
             if cls != FORCED:
-                own[1][j] += 1.0
-                own[0][j] += ok
+                own.tried[j] += 1.0
+                own.accepted[j] += ok
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
