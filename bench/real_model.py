@@ -174,7 +174,10 @@ def decode(args) -> None:
             # On a GPU the step is a captured CUDA graph; CPU compilation modes do not apply there.
             for compile_mode in (args.compile_modes if args.device == "cpu" else ("graphs",)):
                 kw = {"cpu_compile": compile_mode} if args.device == "cpu" else {}
-                systems[f"tandem {dtype} {compile_mode}"] = LLM(target, device=args.device, dtype=dtype,
+                if dtype == "bf16w":  # bf16 weights, fp32 arithmetic (engine/layers/weight_dtype.py)
+                    kw["weight_dtype"] = "bfloat16"
+                systems[f"tandem {dtype} {compile_mode}"] = LLM(target, device=args.device,
+                                                                dtype="float32" if dtype == "bf16w" else dtype,
                                                                 max_num_seqs=batch, num_kv_blocks=batch * 16 + 64,
                                                                 **kw)
         hf_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -264,7 +267,8 @@ def decode(args) -> None:
 
 
 _CPP = {"float32": "f32", "bfloat16": "bf16"}
-_DTYPES = {v: k for k, v in _CPP.items()}
+# a system's name -> the dtype its weights are read in: bf16w is fp32 arithmetic on bf16 weights (llama.cpp's bf16)
+_DTYPES = {**{v: k for k, v in _CPP.items()}, "bf16w": "bfloat16"}
 
 
 def llama_cpp_systems(args) -> dict:
@@ -297,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="decode: the engine's dtypes")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="decode: the engine's dtypes (bf16w: fp32 "
+                    "arithmetic on bf16 weights, EngineConfig.weight_dtype)")
     ap.add_argument("--compile-modes", default="off,layers,full", help="decode on cpu: the engine's cpu_compile modes")
     ap.add_argument("--cpu-attention", default="kernel",
                     help="decode on cpu: kernel (the C++ CPU attention), reference (the torch one), or both: "

@@ -87,6 +87,10 @@ class EngineSettings(BaseModel):
                                                            "unset).")
     async_scheduling: bool = Field(False, description="Engines launch step N+1 before reading step N "
                                    "(engine/runner/overlap.py): hides host time on GPUs; on CPUs it only reorders it.")
+    weight_dtype: Literal["bfloat16"] | None = Field(
+        None, description="CPU engines: weight matrices rounded to bf16 at load and, with cpu_compile=full, read as bf16 "
+                          "by the decode step's matmuls, the arithmetic staying in dtype (float32): half the weight "
+                          "bytes per decode step (llama.cpp's bf16 model). Default: weights in dtype.")
     cpu_compile: Literal["off", "gemm", "layers", "full"] = Field(
         "off", description="CPU engines compile with inductor (engine/layers/cpu_compile.py): gemm = matmuls of 1-16 rows "
                            "through GEMMs on prepacked weights; layers = also each stretch between two attentions "

@@ -349,6 +349,11 @@ class EngineConfig:
     # (as "layers" where that kernel does not serve the model's head dim or is off).
     # Costs a compile per shape at start-up and a packed copy of the weights per row bucket used.
     cpu_compile: str = "off"  # off | gemm | layers | full
+    # CPU only (engine/layers/weight_dtype.py): "bfloat16" rounds every weight matrix to bf16 at load and, under
+    # cpu_compile="full", streams the decode step's matmuls from a bf16 copy, widened to fp32 in registers:
+    # activations, KV and logits stay in `dtype` (float32). Half the weight bytes per decode step; llama.cpp's
+    # bf16 model. None: weights in `dtype`.
+    weight_dtype: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpecConfig.coerce(self.speculative))
@@ -358,9 +363,19 @@ class EngineConfig:
             object.__setattr__(self, "model", str(gguf_model_dir(self.model)))
         if self.cpu_compile not in ("off", "gemm", "layers", "full"):
             raise ValueError(f"cpu_compile must be 'off', 'gemm', 'layers' or 'full', got {self.cpu_compile!r}")
+        if self.weight_dtype is not None:
+            if _DTYPES.get(self.weight_dtype) != torch.bfloat16:
+                raise ValueError(f"weight_dtype must be None or 'bfloat16' (bf16), got {self.weight_dtype!r}")
+            if self.device != "cpu":
+                raise ValueError(f"weight_dtype is a CPU option (bf16 weights, fp32 arithmetic); on {self.device!r} "
+                                 f"pass dtype={self.weight_dtype!r} instead")
         if self.attention_dp not in (1, self.tp_size):
             raise ValueError(f"attention_dp must be 1 (off) or tp_size ({self.tp_size}), got {self.attention_dp}: "
                              f"attention tensor parallelism inside data-parallel groups is not supported")
+
+    def torch_weight_dtype(self) -> torch.dtype | None:
+        """weight_dtype as a torch dtype; None: weights in the engine's dtype."""
+        return None if self.weight_dtype is None else _DTYPES[self.weight_dtype]
 
     def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
         if self.dtype is None:

@@ -30,8 +30,9 @@ class StreamedGemm:
 
     in_graphs = True  # linear() emits it while a function is traced (PackedGemm's kernels are compiled code instead)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.pack = pack_rows(weight)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None):
+        """dtype: the packed copy's (EngineConfig.weight_dtype: bf16 under fp32 arithmetic); None: the weight's."""
+        self.pack = pack_rows(weight if dtype is None else weight.to(dtype))
         self.n = weight.shape[0]
         self.bias = bias
 
@@ -41,16 +42,18 @@ class StreamedGemm:
         return linear_rows(x, self.pack, self.bias, self.n)
 
 
-def stream_cpu_gemms(model: nn.Module, seen: dict[int, StreamedGemm] | None = None) -> int:
+def stream_cpu_gemms(model: nn.Module, seen: dict[int, StreamedGemm] | None = None,
+                     dtype: torch.dtype | None = None) -> int:
     """Give every fp32/bf16 CPU linear of `model` (projections and the LM head) a StreamedGemm, replacing any
     PackedGemm. A weight shared by two modules (a tied or shared head; `seen` carries them across models: a draft head
-    sharing the target's LM head) gets one. -> number of weights packed."""
+    sharing the target's LM head) gets one. dtype: the packed copies' (bf16 weights under fp32 arithmetic,
+    engine/layers/weight_dtype.py); None: each weight's own. -> number of weights packed."""
     seen = {} if seen is None else seen
     for _, module, bias in cpu_linears(model):
         if module.weight.dtype not in (torch.float32, torch.bfloat16):
             continue
         key = id(module.weight)
         if key not in seen:
-            seen[key] = StreamedGemm(module.weight, bias)
+            seen[key] = StreamedGemm(module.weight, bias, dtype)
         module.packed = seen[key]
     return len(seen)

@@ -90,6 +90,10 @@ class ModelRunner:
         self.drafter = drafter
         self.k = drafter.num_nodes  # drafts verified per request: a chain's k, a tree's nodes
         self.draft_masks = cfg.speculative is not None and cfg.speculative.draft_masks
+        if cfg.weight_dtype is not None:  # before packing: the packed copies are of the rounded weights
+            from engine.layers.weight_dtype import round_weights
+
+            round_weights(self._nets(), cfg.torch_weight_dtype())
         if cfg.cpu_compile != "off" and self.device.type == "cpu":
             self._compile_cpu(layers=cfg.cpu_compile in ("layers", "full") and target.tp.size == 1 and dp is None,
                               full=cfg.cpu_compile == "full")
@@ -116,6 +120,12 @@ class ModelRunner:
         if self.kv_cache is not None:
             self.graphs.capture_all(self.kv_cache)
 
+    def _nets(self) -> list:
+        """The target and the draft network beside it (an MTP or EAGLE-3 head, a draft model), if any."""
+        proposer = self.proposer
+        return [self.model] + [n for n in (getattr(proposer, "head", None), getattr(proposer, "model", None))
+                               if n is not None]
+
     def _compile_cpu(self, layers: bool, full: bool = False) -> None:
         """EngineConfig.cpu_compile: piecewise-compiled layers for the target and its draft network (`layers`:
         only without collectives inside a piece, i.e. tp_size 1 and no ADP; `full`: each row bucket's forward one
@@ -131,9 +141,7 @@ class ModelRunner:
         from kernels._dispatch import use_triton
 
         layers = layers and not use_triton(torch.empty(0))  # pieces trace the torch references
-        proposer = self.proposer
-        nets = [self.model] + [n for n in (getattr(proposer, "head", None), getattr(proposer, "model", None))
-                               if n is not None]
+        nets = self._nets()
         rows = BUCKETS
         start = time.perf_counter()
         streamed = {}  # weight -> its StreamedGemm, across the nets (a draft head may share the target's LM head)
@@ -144,7 +152,7 @@ class ModelRunner:
             elif layers and isinstance(net, MTPHead):
                 pieces = net.piecewise = mtp_pieces(net, full)
             if pieces is not None and pieces.fusable:  # every matmul streams one packed copy, the LM head's too
-                stream_cpu_gemms(net, streamed)
+                stream_cpu_gemms(net, streamed, self.cfg.torch_weight_dtype())
             elif pieces is not None:  # the LM head is the one matmul outside the pieces
                 head = net.lm_head if isinstance(net, LlamaForCausalLM) else net.shared_head.head
                 pack_cpu_gemms(head)

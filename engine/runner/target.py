@@ -35,6 +35,9 @@ def load_target(cfg: EngineConfig, model_cfg: ModelConfig, tp: TPContext, max_mo
         # another CPU or torch build may do better, and bf16 halves the weights' memory.
         log.warning("bf16 on CPU: this torch build's bf16 matmuls ran 5-8x slower than fp32 where measured "
                     "(bench/results/real_decode_quiet_cpu.md); pass dtype='float32' (--dtype float32) for speed")
+    if cfg.weight_dtype is not None and dtype != torch.float32:
+        raise ValueError(f"weight_dtype={cfg.weight_dtype!r} computes in float32 around {cfg.weight_dtype} weights; the "
+                         f"engine's dtype resolved to {dtype}: pass dtype='float32' (--dtype float32)")
     # Draft chains and padded verification rows run past the last token: the rope table covers them.
     k = spec.num_nodes if spec is not None else 0  # a tree's rows: num_nodes >= k
     max_pos = max_model_len + position_margin(k)
