@@ -83,7 +83,8 @@ def spec(args) -> None:
     sets = prompt_sets(AutoTokenizer.from_pretrained(target), args.prompts)
     rows: list[dict] = []
     results = {"model": "smollm2-135m-instruct", "device": device_name(args.device), "on": args.device,
-               "dtype": args.dtype, "cpu_compile": args.cpu_compile, "threads": args.threads,
+               "dtype": args.dtype, "weight_dtype": args.weight_dtype, "cpu_compile": args.cpu_compile,
+               "threads": args.threads,
                "max_tokens": args.max_tokens, "prompts": args.prompts, "runs": rows}
     for batch in args.batches:
         configs = [("none", 0, True, "none", False, None)]
@@ -106,7 +107,7 @@ def spec(args) -> None:
                 path = None if tmap == "none" else str(_token_map_path(tmap, paths, method))
                 configs.append((method, k, True, tmap, True, SpecConfig(method=method, k=k, draft=draft, draft_masks=True,
                                                                         token_map=path, adaptive_k=True)))
-        kw = {"cpu_compile": args.cpu_compile} if args.device == "cpu" else {}
+        kw = {"cpu_compile": args.cpu_compile, "weight_dtype": args.weight_dtype} if args.device == "cpu" else {}
         engines = llm = None  # the previous batch's engines go before this batch's come (each holds weights and KV)
         gc.collect()
         engines = {c[:5]: LLM(target, device=args.device, dtype=args.dtype, max_num_seqs=batch,
@@ -311,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--name", default=None, help="results file name under bench/results/ (default real_<what>_<device>)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the engine with its CUDA graphs, transformers in bf16)")
+    ap.add_argument("--weight-dtype", default=None, choices=["bfloat16"],
+                    help="spec on cpu: bf16 weights under fp32 arithmetic (EngineConfig.weight_dtype)")
     ap.add_argument("--cpu-compile", default="off", help="spec on cpu: the engines' cpu_compile (off, gemm, layers, full)")
     ap.add_argument("--token-maps", default="none", help="spec: MTP token maps to compare, comma-separated: none (the "
                                                          "whole vocabulary), shipped (the head's own), or files")

@@ -34,7 +34,8 @@ def load_target(cfg: EngineConfig, model_cfg: ModelConfig, tp: TPContext, max_mo
         # decoded at 1.7 tok/s eager and 4.5 compiled, fp32 at 13.9 and 22.2. Said once per load, not refused:
         # another CPU or torch build may do better, and bf16 halves the weights' memory.
         log.warning("bf16 on CPU: this torch build's bf16 matmuls ran 5-8x slower than fp32 where measured "
-                    "(bench/results/real_decode_quiet_cpu.md); pass dtype='float32' (--dtype float32) for speed")
+                    "(bench/results/real_decode_quiet_cpu.md); pass dtype='float32' (--dtype float32) for speed, "
+                    "with weight_dtype='bfloat16' and cpu_compile='full' for bf16 weights read in fp32 arithmetic")
     if cfg.weight_dtype is not None and dtype != torch.float32:
         raise ValueError(f"weight_dtype={cfg.weight_dtype!r} computes in float32 around {cfg.weight_dtype} weights; the "
                          f"engine's dtype resolved to {dtype}: pass dtype='float32' (--dtype float32)")
