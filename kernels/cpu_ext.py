@@ -24,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.cpp", "attention_step.cpp", "linear_rows.cpp")
+SOURCES = ("paged_attention.cpp", "attention_step.cpp", "linear_rows.cpp", "decoder_stack.cpp")
 HEADERS = ("paged_attention.h",)
 _SRC_DIR = Path(__file__).parent / "cpu"
 _lock = threading.Lock()

@@ -49,6 +49,27 @@ def _outputs(out) -> list[torch.Tensor]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
+def agrees(name: str, got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], depth: int = 1) -> bool:
+    """Whether a faster form's outputs on a probe equal the eager form's within float tolerance, which grows with the
+    layers stacked (`depth`: rounding differences compound layer by layer); logged as an error where not."""
+    if len(got) != len(want):
+        log.error("%s returns %d outputs where its eager form returns %d; it stays eager", name, len(got), len(want))
+        return False
+    for g, w in zip(got, want):
+        tol = (1e-2 if w.dtype in (torch.bfloat16, torch.float16) else 1e-4) * depth ** 0.5
+        if w.is_floating_point():
+            scale = float(w.float().abs().max().clamp(min=1)) if w.numel() else 1.0
+            ok = g.shape == w.shape and torch.allclose(g.float(), w.float(), rtol=tol, atol=tol * scale)
+        else:
+            ok = torch.equal(g, w)
+        if not ok:
+            diff = float((g.float() - w.float()).abs().max()) if w.is_floating_point() and g.shape == w.shape else None
+            log.error("%s disagrees with its eager form on a probe (max difference %s); it stays eager",
+                      name, "n/a" if diff is None else f"{diff:.3g}")
+            return False
+    return True
+
+
 def compile_frozen(name: str, fn: Callable, examples: tuple[torch.Tensor, ...], depth: int = 1) -> Callable | None:
     """fn(*examples) -> tensor or tuple of tensors, compiled for exactly these input shapes and dtypes with
     every tensor it reads besides its inputs (weights) frozen; None: run fn eagerly. `depth`: the layers fn
@@ -76,18 +97,8 @@ def compile_frozen(name: str, fn: Callable, examples: tuple[torch.Tensor, ...], 
         _State.disabled = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         log.warning("CPU compilation is off (%s, compiling %s); the engine runs eagerly", _State.disabled, name)
         return None
-    for g, w in zip(got, want, strict=True):
-        tol = (1e-2 if w.dtype in (torch.bfloat16, torch.float16) else 1e-4) * depth ** 0.5
-        if w.is_floating_point():
-            scale = float(w.float().abs().max().clamp(min=1)) if w.numel() else 1.0
-            ok = g.shape == w.shape and torch.allclose(g.float(), w.float(), rtol=tol, atol=tol * scale)
-        else:
-            ok = torch.equal(g, w)
-        if not ok:
-            diff = float((g.float() - w.float()).abs().max()) if w.is_floating_point() and g.shape == w.shape else None
-            log.error("compiled %s disagrees with its eager form on a probe (max difference %s); it stays eager",
-                      name, "n/a" if diff is None else f"{diff:.3g}")
-            return None
+    if not agrees(f"compiled {name}", got, want, depth):
+        return None
     single = not isinstance(raw, (tuple, list))
 
     def run(*args):

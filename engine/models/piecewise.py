@@ -23,6 +23,7 @@ the call (kernels/attention.py, cpu_attention_step): no Python and no piece wrap
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable
 
@@ -30,10 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.attention import current_metadata
-from engine.layers.cpu_compile import compile_frozen
+from engine.layers.cpu_compile import agrees, compile_frozen
 from engine.layers.packed_gemm import BUCKETS, PackedGemm
 from engine.layers.rotary import RopeAt
 from engine.layers.streamed_gemm import STREAMED_BUCKETS
+from engine.models.native_stack import native_target
 from kernels.attention import cpu_attention_step, cpu_kernel_serves, paged_attention_layer
 from kernels.norm_rope import rope_rows
 
@@ -57,6 +59,9 @@ class PiecewiseForward:
         self.dtype = dtype
         self.full = full  # one graph per bucket where the C++ attention serves (EngineConfig.cpu_compile "full")
         self._fusable: bool | None = None
+        # -> the whole forward as one C++ op (engine/models/native_stack.py) or None; asked when a bucket compiles
+        self.native: Callable[[], Callable | None] | None = None
+        self.native_buckets: set[int] = set()  # the buckets the C++ forward serves
         self._compiled: dict[int, list[Callable] | None] = {}
         self._lock = threading.Lock()
         self.runs = 0  # forwards that ran compiled (tests, logs)
@@ -161,6 +166,14 @@ class PiecewiseForward:
         tables = torch.arange(1, blocks + 1, dtype=torch.int32)[None]
         with cpu_attention_step(kv, torch.arange(size, size + rows), tables, torch.tensor([rows], dtype=torch.int32),
                                 torch.tensor([0, rows], dtype=torch.int32)):
+            native = self.native() if self.native is not None and os.environ.get("TANDEM_NATIVE_STACK", "1") != "0" \
+                else None
+            if native is not None:
+                with torch.no_grad():
+                    want, got = whole(*args), native(*args)  # the attention's cache writes are the same twice
+                if agrees(f"{self.name}'s C++ forward ({rows} rows)", got, want, depth=len(attentions)):
+                    self.native_buckets.add(rows)
+                    return native
             return compile_frozen(f"{self.name} forward ({rows} rows)", whole, args, depth=len(attentions))
 
     def _compile_pieces(self, rows: int, args: tuple[torch.Tensor, ...], gen: torch.Generator) -> list[Callable] | None:
@@ -210,9 +223,11 @@ def target_pieces(model, full: bool = False) -> PiecewiseForward:
     def last(attn, residual):
         return model.norm(*layers[-1].finish(attn, residual))
 
-    return PiecewiseForward("target", first, [middle(i) for i in range(len(layers) - 1)], last,
-                            [layer.self_attn.attn for layer in layers], model.rotary.cos_sin, model.cfg.hidden_size,
-                            model.embed_tokens.weight.dtype, full)
+    pieces = PiecewiseForward("target", first, [middle(i) for i in range(len(layers) - 1)], last,
+                              [layer.self_attn.attn for layer in layers], model.rotary.cos_sin, model.cfg.hidden_size,
+                              model.embed_tokens.weight.dtype, full)
+    pieces.native = lambda: native_target(model)
+    return pieces
 
 
 def mtp_pieces(head, full: bool = False) -> PiecewiseForward:

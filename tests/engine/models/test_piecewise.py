@@ -15,7 +15,7 @@ def _run(path: str, prompts: list[list[int]], **kwargs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,mode", [("llama3", "layers"), ("qwen2", "layers"), ("qwen3", "layers"),
-                                       ("llama3", "full"), ("qwen3", "full")])  # rope scaling; qkv bias; q/k norms
+                                       ("llama3", "full"), ("qwen2", "full"), ("qwen3", "full")])  # rope scaling; qkv bias; q/k norms
 def test_layers_match_the_eager_forward(checkpoints, arch, mode, one_thread_module):
     """Three requests decode together (3 rows, padded to the 4-row pieces), one alone at the end (1 row);
     a 20-token prompt runs its prefill eagerly (past the largest bucket), a 3-token one through pieces.
@@ -34,3 +34,5 @@ def test_layers_match_the_eager_forward(checkpoints, arch, mode, one_thread_modu
     assert {1, 4} <= set(pieces.buckets) and all(pieces.buckets.values())
     assert max(pieces.buckets) <= 16
     assert pieces.whole == (set(pieces.buckets) if mode == "full" and cpu_ext.available() else set())
+    # "full": the target's forward one C++ call (engine/models/native_stack.py), where it agreed on every probe
+    assert pieces.native_buckets == pieces.whole
