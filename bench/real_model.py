@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -174,13 +175,16 @@ def decode(args) -> None:
         for dtype in args.dtypes:
             # On a GPU the step is a captured CUDA graph; CPU compilation modes do not apply there.
             for compile_mode in (args.compile_modes if args.device == "cpu" else ("graphs",)):
-                kw = {"cpu_compile": compile_mode} if args.device == "cpu" else {}
+                # full-graph: "full" with the whole forward an inductor graph, not the C++ decoder stack (A/B)
+                kw = {"cpu_compile": compile_mode.removesuffix("-graph")} if args.device == "cpu" else {}
                 if dtype == "bf16w":  # bf16 weights, fp32 arithmetic (engine/layers/weight_dtype.py)
                     kw["weight_dtype"] = "bfloat16"
+                os.environ["TANDEM_NATIVE_STACK"] = "0" if compile_mode == "full-graph" else "1"
                 systems[f"tandem {dtype} {compile_mode}"] = LLM(target, device=args.device,
                                                                 dtype="float32" if dtype == "bf16w" else dtype,
                                                                 max_num_seqs=batch, num_kv_blocks=batch * 16 + 64,
                                                                 **kw)
+                os.environ.pop("TANDEM_NATIVE_STACK")
         hf_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
         hf_name = f"transformers {str(hf_dtype).removeprefix('torch.')}"
         hf = AutoModelForCausalLM.from_pretrained(target, dtype=hf_dtype).eval().to(args.device)
@@ -304,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--dtypes", default="float32,bfloat16", help="decode: the engine's dtypes (bf16w: fp32 "
                     "arithmetic on bf16 weights, EngineConfig.weight_dtype)")
-    ap.add_argument("--compile-modes", default="off,layers,full", help="decode on cpu: the engine's cpu_compile modes")
+    ap.add_argument("--compile-modes", default="off,layers,full", help="decode on cpu: the engine's cpu_compile modes "
+                    "(full-graph: full with the forward an inductor graph instead of the C++ decoder stack)")
     ap.add_argument("--cpu-attention", default="kernel",
                     help="decode on cpu: kernel (the C++ CPU attention), reference (the torch one), or both: "
                          "kernel,reference")

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from engine.layers.streamed_gemm import StreamedGemm
+from kernels.decoder_stack import SLOTS, decoder_stack
 
 
 def native_target(model) -> Callable | None:
@@ -45,6 +46,7 @@ def native_target(model) -> Callable | None:
                     attn.k_norm.weight if attn.k_norm is not None else None,
                     attn.o_proj.packed.pack, attn.o_proj.bias, layer.post_attention_layernorm.weight,
                     mlp.gate_up_proj.packed.pack, mlp.gate_up_proj.bias, mlp.down_proj.packed.pack, mlp.down_proj.bias]
+    assert len(weights) == len(SLOTS) * len(layers)
     if any(w is not None and w.dim() == 1 and w.dtype != torch.float32 for w in weights):
         return None
     first = layers[0].self_attn
@@ -54,6 +56,6 @@ def native_target(model) -> Callable | None:
             layers[0].mlp.gate_up_proj.packed.n // 2, float(cfg.rms_norm_eps), float(first.attn.scale))
 
     def run(input_ids: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.ops.tandem_cpu.decoder_stack(input_ids, embed, cos2, sin2, weights, *args))
+        return tuple(decoder_stack(input_ids, embed, cos2, sin2, weights, *args))
 
     return run
