@@ -127,6 +127,17 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& input_ids, const at::Ten
               L, " layers, got ", weights.size());
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong, "input_ids int64 [T]");
   TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat, "embed fp32 [V, H]");  // any strides (matvec_layout)
+  for (int64_t l = 0; l < L; ++l) {  // a missing or misshapen weight is an error here, not a crash below
+    for (int s : {IN_NORM, POST_NORM})
+      TORCH_CHECK(weights[l * SLOTS + s].has_value() && weights[l * SLOTS + s]->scalar_type() == at::kFloat &&
+                      weights[l * SLOTS + s]->is_contiguous() && weights[l * SLOTS + s]->numel() == embed.size(1),
+                  "decoder_stack: layer ", l, " slot ", s, " (a norm) must be an fp32 [H] tensor");
+    for (int s : {QKV, O, GATE_UP, DOWN})
+      TORCH_CHECK(weights[l * SLOTS + s].has_value() && weights[l * SLOTS + s]->dim() == 3,
+                  "decoder_stack: layer ", l, " slot ", s, " (a matrix) must be packed by kernels/linear_rows.py");
+    TORCH_CHECK(weights[l * SLOTS + Q_NORM].has_value() == weights[l * SLOTS + K_NORM].has_value(),
+                "decoder_stack: layer ", l, " has a q norm without a k norm or the reverse");
+  }
   const int64_t T = input_ids.size(0), H = embed.size(1), V = embed.size(0);
   const int64_t Dq = num_heads * head_dim, Dkv = num_kv_heads * head_dim;
   const at::Tensor c2 = cos2.reshape({T, -1}).contiguous(), s2 = sin2.reshape({T, -1}).contiguous();

@@ -122,6 +122,13 @@ def test_errors_name_what_is_wrong():
     cos2, sin2 = rope_rows(torch.arange(1), torch.randn(8, D))
     with pytest.raises(RuntimeError, match="weight slots per layer"):
         decoder_stack(torch.tensor([1]), embed, cos2, sin2, [None] * 5, torch.ones(H), [0], HQ, HKV, D, I, EPS, 1.0)
-    weights = [None] * len(SLOTS)
+    with pytest.raises(RuntimeError, match="must be an fp32"):  # a missing norm
+        decoder_stack(torch.tensor([1]), embed, cos2, sin2, [None] * len(SLOTS), torch.ones(H), [0], HQ, HKV, D, I,
+                      EPS, 1.0)
+    gen_layer = _layer(gen, False, False)
+    weights = [pack_rows(gen_layer[s]) if s in ("qkv", "o", "gate_up", "down") else gen_layer.get(s) for s in SLOTS]
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         decoder_stack(torch.tensor([V + 3]), embed, cos2, sin2, weights, torch.ones(H), [0], HQ, HKV, D, I, EPS, 1.0)
+    weights[SLOTS.index("q_norm")] = torch.ones(D)
+    with pytest.raises(RuntimeError, match="q norm without a k norm"):
+        decoder_stack(torch.tensor([1]), embed, cos2, sin2, weights, torch.ones(H), [0], HQ, HKV, D, I, EPS, 1.0)
