@@ -33,12 +33,17 @@ def test_engine_config_takes_every_shared_field_and_the_speculation(model_dir):
         model_dir, 8, 33, 5, 7, 2, 1)
     assert (cfg.speculative.method, cfg.speculative.k) == ("ngram", 2)
     assert EngineSettings(model=model_dir).engine_config().speculative is None
+    # bf16 weights reach prefill and decode engines alike (their KV must come from the same rounded weights)
+    assert EngineSettings(model=model_dir, weight_dtype="bfloat16").engine_config(cpu_compile="off").weight_dtype == \
+        "bfloat16"
     assert EngineSettings(model=model_dir, speculative_method="ngram").speculative["k"] == 3
 
 
 def test_bad_settings_are_refused_early(model_dir):
     with pytest.raises(ValueError, match="not a model directory"):
         EngineSettings(model=model_dir + "/nope")
+    with pytest.raises(ValueError, match="weight_dtype"):
+        EngineSettings(model=model_dir, weight_dtype="int4")
     with pytest.raises(ValueError, match="block_sise"):
         EngineSettings(model=model_dir, block_sise=8)  # a misspelt YAML key is an error, not ignored
     with pytest.raises(ValueError, match="draft"):
