@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+
 @torch.no_grad()
 def round_weights(nets: list[nn.Module], dtype: torch.dtype) -> int:
     """Round every parameter of two or more dims (projections, embeddings, LM heads) of `nets` to `dtype`'s values,
