@@ -29,7 +29,8 @@ drafts a step verifies are the previous step's chain's, so a deeper depth is obs
 the cost of k - 1, k = 0's included, is measured too), unless the estimates put the neighbour EXPLORE_MARGIN below
 the decided k: then only in one of EXPLORE_FAR rounds (exploring costs three short steps, about 3% of guided JSON's
 tokens at batch 1 where k = 3 wins by 16%: bench/results/gpu_check_3_cuda.md); at k = 0, which observes nothing,
-two steps at k = 1 after every EXPLORE_IDLE.
+two steps at k = 1 after every EXPLORE_IDLE. Either pair runs only when its cost beyond the decided k's fits
+EXPLORE_BUDGET (5%) of the time: where a draft costs several plain steps (large batches on a CPU), the pairs space out.
 
 Agreement. The decision is integer arithmetic over fixed-point sums (vote/decide), so every rank that sees
 the same votes picks the same k. Under attention data parallelism each rank's vote (its requests' G and its
@@ -70,6 +71,14 @@ EXPLORE_FAR = 4
 # whose first few drafts failed (SmolLM2's MTP head on a GSM8K answer's opening) stayed undrafted for ~30 steps
 # (bench/results/real_spec_k_sweep_cpu.md). After this many steps at k = 0, two steps at k = 1.
 EXPLORE_IDLE = 8
+# Exploring spends at most this share of the decided k's time (thousandths): each step earns that much credit, in
+# thousandths of a plain step, and an exploring pair runs only when the credit covers what its two steps cost beyond
+# the decided k's. Where a draft is cheap this never binds (batch 1: a k = 1 step ~1.1 plain steps); where it is dear it
+# spaces the pairs out: at batch 16 on a 2-core CPU a k = 1 step cost ~3.6 plain ones, and exploring it two steps in
+# ten, as EXPLORE_IDLE alone would, ran adaptive k at 0.49x no speculation (bench/results/
+# real_spec_bf16w_b16_adaptive_cpu.md).
+EXPLORE_BUDGET = 50
+MAX_CREDIT = 2 * round(MAX_COST) * SCALE  # above any pair's extra cost, so a dear pair still runs now and then
 # A switch of k must promise this much more (thousandths): raising k pays one step whose verified drafts are
 # still the old, shorter chain's, and near-ties flip on noise (bench/adaptive_k.py: k flipping between 0 and 1).
 HYSTERESIS = 30
@@ -290,6 +299,8 @@ class AdaptiveK:
         self.idle = 0  # consecutive steps decided at k = 0
         self.last: int | None = None  # the last decided k (before exploring), which hysteresis holds
         self._exploring = False  # the exploring round under way runs its neighbour (decided on its first step)
+        self._idle_second = False  # the next idle exploring step is its pair's second
+        self.credit = 0  # exploring credit, thousandths of a plain step (EXPLORE_BUDGET)
 
     def vote(self, requests, batch: int) -> Vote:
         """This rank's vote over its decoding `requests` (engine Requests); `batch`: the group's batch, whose
@@ -312,17 +323,36 @@ class AdaptiveK:
         self.steps += 1
         self.acceptance.decay()
         k = self.last = decide(vote.requests, vote.gain, vote.cost, k_max, self.last)
+        self.credit = min(self.credit + EXPLORE_BUDGET * _cost(vote, k) // SCALE, MAX_CREDIT)
         self.idle = self.idle + 1 if k == 0 else 0
+        if k:
+            self._idle_second = False
         if k == 0 and self.idle > EXPLORE_IDLE and k_max > 0:
-            if self.idle == EXPLORE_IDLE + 2:
-                self.idle = 0
-            return 1
+            extra = _extra(vote, 0, 1)
+            if self._idle_second or self.credit >= 2 * extra:
+                self.credit -= extra
+                self._idle_second = not self._idle_second
+                if not self._idle_second:
+                    self.idle = 0
+                return 1
         if self.steps % EXPLORE_EVERY < 2 and self.steps >= EXPLORE_EVERY:
             rnd = self.steps // EXPLORE_EVERY
             up = rnd % 2 == 1
             other = k + 1 if k == 0 or (up and k < min(k_max, len(vote.gain))) else k - 1
             if self.steps % EXPLORE_EVERY == 0:  # the round's first step decides for both
-                self._exploring = k_max > 0 and ((rnd // 2) % EXPLORE_FAR == 1 or near(vote, k, other))
+                self._exploring = (k_max > 0 and ((rnd // 2) % EXPLORE_FAR == 1 or near(vote, k, other))
+                                   and self.credit >= 2 * _extra(vote, k, other))
             if self._exploring and k_max > 0:
+                self.credit -= _extra(vote, k, other)
                 k = other
         return k
+
+
+def _cost(vote: Vote, k: int) -> int:
+    """c(k) in thousandths of a plain step (c(0) = SCALE)."""
+    return vote.cost[k - 1] if k else SCALE
+
+
+def _extra(vote: Vote, k: int, other: int) -> int:
+    """What a step at `other` costs beyond one at the decided k (never below 0: a cheaper neighbour is free)."""
+    return max(_cost(vote, min(other, len(vote.cost))) - _cost(vote, k), 0)
