@@ -137,7 +137,14 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& input_ids, const at::Ten
                   "decoder_stack: layer ", l, " slot ", s, " (a matrix) must be packed by kernels/linear_rows.py");
     TORCH_CHECK(weights[l * SLOTS + Q_NORM].has_value() == weights[l * SLOTS + K_NORM].has_value(),
                 "decoder_stack: layer ", l, " has a q norm without a k norm or the reverse");
+    for (int s : {Q_NORM, K_NORM})
+      TORCH_CHECK(!weights[l * SLOTS + s].has_value() ||
+                      (weights[l * SLOTS + s]->scalar_type() == at::kFloat && weights[l * SLOTS + s]->is_contiguous() &&
+                       weights[l * SLOTS + s]->numel() == head_dim),
+                  "decoder_stack: layer ", l, " slot ", s, " (a q/k norm) must be an fp32 [head_dim] tensor");
   }
+  TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.is_contiguous() && final_norm.numel() == embed.size(1),
+              "decoder_stack: final_norm must be an fp32 [H] tensor");
   const int64_t T = input_ids.size(0), H = embed.size(1), V = embed.size(0);
   const int64_t Dq = num_heads * head_dim, Dkv = num_kv_heads * head_dim;
   const at::Tensor c2 = cos2.reshape({T, -1}).contiguous(), s2 = sin2.reshape({T, -1}).contiguous();

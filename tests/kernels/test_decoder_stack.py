@@ -129,6 +129,11 @@ def test_errors_name_what_is_wrong():
     weights = [pack_rows(gen_layer[s]) if s in ("qkv", "o", "gate_up", "down") else gen_layer.get(s) for s in SLOTS]
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         decoder_stack(torch.tensor([V + 3]), embed, cos2, sin2, weights, torch.ones(H), [0], HQ, HKV, D, I, EPS, 1.0)
+    with pytest.raises(RuntimeError, match="final_norm"):
+        decoder_stack(torch.tensor([1]), embed, cos2, sin2, weights, torch.ones(H + 1), [0], HQ, HKV, D, I, EPS, 1.0)
     weights[SLOTS.index("q_norm")] = torch.ones(D)
     with pytest.raises(RuntimeError, match="q norm without a k norm"):
+        decoder_stack(torch.tensor([1]), embed, cos2, sin2, weights, torch.ones(H), [0], HQ, HKV, D, I, EPS, 1.0)
+    weights[SLOTS.index("k_norm")] = torch.ones(D - 1)
+    with pytest.raises(RuntimeError, match="head_dim"):
         decoder_stack(torch.tensor([1]), embed, cos2, sin2, weights, torch.ones(H), [0], HQ, HKV, D, I, EPS, 1.0)
