@@ -62,6 +62,7 @@ class PiecewiseForward:
         # -> the whole forward as one C++ op (engine/models/native_stack.py) or None; asked when a bucket compiles
         self.native: Callable[[], Callable | None] | None = None
         self.native_buckets: set[int] = set()  # the buckets the C++ forward serves
+        self._native: Callable | None | bool = False  # self.native()'s answer once asked (False: not yet)
         self._compiled: dict[int, list[Callable] | None] = {}
         self._lock = threading.Lock()
         self.runs = 0  # forwards that ran compiled (tests, logs)
@@ -166,8 +167,9 @@ class PiecewiseForward:
         tables = torch.arange(1, blocks + 1, dtype=torch.int32)[None]
         with cpu_attention_step(kv, torch.arange(size, size + rows), tables, torch.tensor([rows], dtype=torch.int32),
                                 torch.tensor([0, rows], dtype=torch.int32)):
-            native = self.native() if self.native is not None and os.environ.get("TANDEM_NATIVE_STACK", "1") != "0" \
-                else None
+            if self.native is not None and os.environ.get("TANDEM_NATIVE_STACK", "1") != "0":
+                self._native = self.native() if self._native is False else self._native  # built once, for every bucket
+            native = self._native or None
             if native is not None:
                 with torch.no_grad():
                     want, got = whole(*args), native(*args)  # the attention's cache writes are the same twice

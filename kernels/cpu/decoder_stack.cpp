@@ -196,10 +196,8 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& input_ids, const at::Ten
     at::Tensor down = linear_rows(act, *w(DOWN), w(DOWN_BIAS), H);
     std::copy(down.data_ptr<float>(), down.data_ptr<float>() + T * H, hp);
   }
-  at::Tensor final = at::empty({T, H}, f32);
   add_norm(hp, sp, final_norm, eps, T, H, true);  // h = norm(h + stream), stream = h + stream
-  std::copy(hp, hp + T * H, final.data_ptr<float>());
-  std::vector<at::Tensor> out{final, stream};
+  std::vector<at::Tensor> out{h, stream};
   for (int64_t l = 0; l + 1 < L; ++l) out.push_back(streams.select(0, l));
   return out;
 }
