@@ -309,6 +309,33 @@ def handshake(store: dist.Store, rank: int, size: int, timeout_s: float) -> None
 
 def free_port_on(host: str = "") -> int:
     """A port that is free now (for servers that cannot bind port 0 themselves, like Serve's proxy)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports_on(host, 1)[0]
+
+
+_HANDED_OUT: set[int] = set()  # ports this process has given out: a later call never gives one again
+
+
+def free_ports_on(host: str, count: int) -> list[int]:
+    """`count` distinct ports, free now. The sockets are held open together while choosing, because a port
+    taken and let go at once is free again for the kernel's next pick: two one-at-a-time picks for one Ray node
+    can return the same port (Ray then refuses to start: "trying to use a port number ... used by other
+    components"). Ports this process handed out before are skipped too, for nodes started one after another."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        for _ in range(count + 64):
+            if len(ports) == count:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                ports.append(port)
+        if len(ports) < count:
+            raise OSError(f"found {len(ports)} of {count} free ports on {host or 'every address'}")
+        _HANDED_OUT.update(ports)
+        return ports
+    finally:
+        for s in held:
+            s.close()

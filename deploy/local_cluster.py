@@ -26,12 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from cluster.rendezvous import free_port_on
+from cluster.rendezvous import free_ports_on
 
 CLUSTER_YAML = Path(__file__).with_name("cluster.yaml")
 TANDEM = str(Path(sys.executable).with_name("tandem"))  # the tandem of this environment, as `tandem` is on a node
@@ -52,18 +52,23 @@ def custom_resources(cluster: dict, *node_types: str) -> dict[str, float]:
     return merged
 
 
-def _free_port() -> int:
-    return free_port_on("")  # free on every address: loopback and this machine's network address alike
+OWN_PORTS = ("object-manager-port", "node-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+             "runtime-env-agent-port", "metrics-export-port", "ray-client-server-port")
 
 
 @dataclass(frozen=True)
 class NodePorts:
     """Every port a Ray node binds, chosen free, so that nodes on one machine do not collide."""
     gcs: int  # the head's --port; workers join host:gcs
-    dashboard: int = field(default_factory=_free_port)
-    own: dict[str, int] = field(default_factory=lambda: {name: _free_port() for name in (
-        "object-manager-port", "node-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-        "runtime-env-agent-port", "metrics-export-port", "ray-client-server-port")})
+    dashboard: int
+    own: dict[str, int]
+
+    @classmethod
+    def fresh(cls, gcs: int) -> "NodePorts":
+        """A node's ports, distinct from each other and from every port handed out before (free_ports_on),
+        free on every address: loopback and this machine's network address alike."""
+        dashboard, *own = free_ports_on("", 1 + len(OWN_PORTS))
+        return cls(gcs, dashboard, dict(zip(OWN_PORTS, own)))
 
 
 def start_argv(cluster: dict, head: bool, ports: NodePorts, temp_dir: str, num_cpus: int,
@@ -180,18 +185,18 @@ class LocalCluster:
         self.root, self.cluster, self.num_cpus, self.host = root, cluster or load_cluster(), num_cpus, host
         self.token = secrets.token_hex(32)  # this cluster's own, not ~/.ray/auth_token (Ray's token auth stays on)
         self.env = {**env, "RAY_AUTH_TOKEN": self.token, "RAY_AUTH_MODE": "token"}
-        self.gcs = _free_port()
+        self.gcs = free_ports_on("", 1)[0]  # free on every address, never handed out before
         self.nodes: dict[str, LocalNode] = {}
         self.ports: dict[str, NodePorts] = {}
         self.dashboard = ""
 
     def start_head(self, *node_types: str) -> LocalNode:
-        ports = NodePorts(self.gcs)
+        ports = NodePorts.fresh(self.gcs)
         self.dashboard = f"http://{self.host}:{ports.dashboard}"
         return self._start("head", True, ports, ("head", *node_types))
 
     def start_worker(self, name: str, *node_types: str) -> LocalNode:
-        return self._start(name, False, NodePorts(self.gcs), node_types)
+        return self._start(name, False, NodePorts.fresh(self.gcs), node_types)
 
     def _start(self, name: str, head: bool, ports: NodePorts, node_types: tuple[str, ...]) -> LocalNode:
         temp_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=self.root)

@@ -169,3 +169,19 @@ def test_a_channel_forms_in_one_process_without_ray():
     finally:
         tx.close()
         ends["rx"].close()
+
+
+def test_free_ports_are_distinct_and_never_handed_out_twice():
+    """A Ray node binds eight ports; picked one at a time, two could come back equal (Ray then refuses to
+    start). free_ports_on holds them together and never repeats a port within a process."""
+    import socket
+
+    from cluster.rendezvous import free_port_on, free_ports_on
+
+    first = free_ports_on("", 8)
+    later = [port for _ in range(20) for port in free_ports_on("", 8)] + [free_port_on("127.0.0.1")]
+    assert len(set(first)) == 8
+    assert len(set(later)) == len(later) and not set(first) & set(later)
+    for port in first:  # free: each binds on every address
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", port))
