@@ -103,11 +103,12 @@ def spec(args) -> None:
                     if method != "ngram" and "off" in args.masks:
                         configs.append((method, k, False, tmap, False, SpecConfig(
                             method=method, k=k, draft=draft, draft_masks=False, token_map=path)))
-            if args.adaptive:  # k chosen each step in [0, max k] from acceptance and measured step cost
+            for prior in args.adaptive:  # k chosen each step in [0, max k] from acceptance and measured step cost
                 k, tmap = max(args.ks), maps[0]
                 path = None if tmap == "none" else str(_token_map_path(tmap, paths, method))
-                configs.append((method, k, True, tmap, True, SpecConfig(method=method, k=k, draft=draft, draft_masks=True,
-                                                                        token_map=path, adaptive_k=True)))
+                configs.append((method, k, True, tmap, prior, SpecConfig(
+                    method=method, k=k, draft=draft, draft_masks=True, token_map=path, adaptive_k=True,
+                    cost_probe=prior == "probe")))
         kw = {"cpu_compile": args.cpu_compile, "weight_dtype": args.weight_dtype} if args.device == "cpu" else {}
         engines = llm = None  # the previous batch's engines go before this batch's come (each holds weights and KV)
         gc.collect()
@@ -128,7 +129,8 @@ def spec(args) -> None:
                         best[key] = run
             base = best[("none", 0, True, "none", False)]
             for (method, k, masks, tmap, adaptive), run in best.items():
-                row = {"prompts": name, "batch": batch, "method": method, "k": f"adaptive <= {k}" if adaptive else k,
+                shown = f"adaptive <= {k}" + (" (line prior)" if adaptive == "line" else "") if adaptive else k
+                row = {"prompts": name, "batch": batch, "method": method, "k": shown,
                        "draft_masks": masks, "token_map": tmap, "k_steps": run["k_steps"] if adaptive else None,
                        "tok_s": round(run["tok_s"], 1), "speedup": round(run["tok_s"] / base["tok_s"], 3),
                        "accepted_incl_bonus": run["accepted"], "lossless": run["outputs"] == base["outputs"],
@@ -324,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
                                                          "whole vocabulary), shipped (the head's own), or files")
     ap.add_argument("--masks", default="on,off", help="spec: also run heads without draft masks on guided prompts where this names off")
     ap.add_argument("--sets", default="mt-bench,gsm8k,json-mode-eval", help="spec: prompt sets")
-    ap.add_argument("--adaptive", action="store_true", help="spec: also run each method with adaptive k up to the "
-                                                            "largest of --ks (SpecConfig.adaptive_k)")
+    ap.add_argument("--adaptive", nargs="?", const="probe", default="",
+                    help="spec: also run each method with adaptive k up to the largest of --ks (SpecConfig.adaptive_k); "
+                         "its cost prior, comma-separated: probe (the start-up cost probe, default), line (1 + 0.2 k)")
     ap.add_argument("--dtype", default=None, help="spec: the engine's dtype (default: the checkpoint's; bfloat16 on cuda)")
     args = ap.parse_args(argv)
     if args.dtype is None and args.device != "cpu":
@@ -334,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     args.ks = [int(k) for k in args.ks.split(",")]
     args.methods = args.methods.split(",")
     args.masks, args.sets = args.masks.split(","), args.sets.split(",")
+    args.adaptive = [p for p in args.adaptive.split(",") if p]
+    if set(args.adaptive) - {"probe", "line"}:
+        ap.error(f"--adaptive: probe or line, not {args.adaptive}")
     args.token_maps = args.token_maps.split(",")
     args.dtypes, args.compile_modes = args.dtypes.split(","), args.compile_modes.split(",")
     args.cpu_attention = args.cpu_attention.split(",")

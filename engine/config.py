@@ -84,6 +84,9 @@ class SpecConfig:
     # acceptance at each draft depth (per request and grammar class) and of a draft position's cost; one k for
     # the group (ADP ranks agree on it in the step's all-gather). Off: always k (to measure it).
     adaptive_k: bool = False
+    # Adaptive k's start-up cost probe (engine/runner/cost_probe.py): steps of idle requests timed at each batch size
+    # and k before the first request, the cost table's prior. Off: the prior is a line 1 + 0.2 k (to measure it).
+    cost_probe: bool = True
     # mtp, eagle3: a file of the target token ids the head may draft (engine/speculative/token_map.py):
     # its LM head multiplies those rows only. None: the head's whole vocabulary.
     token_map: str | None = None

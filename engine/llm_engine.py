@@ -67,6 +67,13 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, target, self.drafter, max_model_len, self.dp)
         num_blocks = cfg.num_kv_blocks or self.runner.auto_num_blocks(max_model_len)
         self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
+        adaptive = self.drafter.adaptive
+        # Adaptive k's cost table starts from this machine's step times (one rank only: ranks that time their own
+        # probes would price k differently and disagree on it)
+        if adaptive is not None and adaptive.measured and self.dp is None and cfg.speculative.cost_probe:
+            from engine.runner.cost_probe import probe_step_costs
+
+            adaptive.cost.set_probe(probe_step_costs(self.runner, cfg.max_num_seqs))
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         # A request alone must always fit, or preemption could not make progress.
         self.max_model_len = min(max_model_len, num_blocks * cfg.block_size)

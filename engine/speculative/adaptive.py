@@ -21,8 +21,11 @@ request whose open drafts fail stayed at k = 1 and never drafted far enough to m
 (JSON's closing quotes, commas, next keys): 0.88-0.93x of k = 3 at batch 1 (bench/results/gpu_check_3_cuda.md).
 
 Costs. The cost table comes from the step times measured at each k, per batch size (powers of two): each k's median
-over its last WINDOW steps, shrunk toward a line fitted through those medians (which reads a k not measured
-lately), the line's slope shrunk toward RHO_PRIOR; before any step is timed, c(k) = 1 + RHO_PRIOR * k.
+over its last WINDOW steps, shrunk toward what the start-up probe (engine/runner/cost_probe.py: steps of idle
+requests at each batch size and k, timed before the first request) prices it at: the plain step's measured time
+plus what the probe found k adds. Before any step is timed, the probe's own ratios. Without a probe (tensor
+parallelism, attention data parallelism) a line fitted through the medians reads a k not measured lately, its
+slope shrunk toward RHO_PRIOR; before any step is timed there, c(k) = 1 + RHO_PRIOR * k.
 
 Exploring. Every EXPLORE_EVERY steps two steps run at a neighbouring k, one up and one down in turn (two: the
 drafts a step verifies are the previous step's chain's, so a deeper depth is observed only on the second; down:
@@ -230,15 +233,25 @@ class AcceptanceModel:
 
 class StepCost:
     """The cost table: a step's time at each k relative to k = 0, from the step times measured at the k's that ran,
-    per batch size bucket (powers of two). Medians, not means: see WINDOW."""
+    per batch size bucket (powers of two). Medians, not means: see WINDOW. Where the start-up probe ran
+    (engine/runner/cost_probe.py) a k not measured lately is read from it: a plain step's measured time plus what
+    the probe found k adds to it; else from the line fitted through the medians."""
 
     def __init__(self, k: int):
         self.k = k
         self._recent: dict[int, list[deque]] = {}  # bucket -> the last WINDOW step times at each k = 0..K
+        self._probe: dict[int, list[float]] = {}  # bucket -> the probe's seconds at k = 0..K
 
     @staticmethod
     def bucket(batch: int) -> int:
         return max(batch, 1).bit_length()
+
+    def set_probe(self, probed: dict[int, list[float]]) -> None:
+        """The start-up probe's step times, {batch size: [seconds at k = 0..K]}: each size speaks for its bucket."""
+        for size, times in probed.items():
+            assert len(times) == self.k + 1, (size, times)
+            # a k never costs less than a smaller one (more rows, more draft passes): a noisy probe's dip is not a saving
+            self._probe[self.bucket(size)] = [max(times[: j + 1]) for j in range(len(times))]
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         recent = self._recent.setdefault(self.bucket(batch), [deque(maxlen=WINDOW) for _ in range(self.k + 1)])
@@ -271,18 +284,45 @@ class StepCost:
         fit = self._fit(batch)
         return RHO_PRIOR if fit is None else fit[1]
 
+    def _expected(self, batch: int) -> list[float] | None:
+        """Each k's time as the probe prices it: the plain step's time (from the medians at every k seen, each less
+        what the probe found its k adds) plus what k adds. The probe's own times before any step is timed. None
+        without a probe of this bucket."""
+        probe = self._probe.get(self.bucket(batch))
+        if probe is None:
+            return None
+        adds = [t - probe[0] for t in probe]
+        recent = self._recent.get(self.bucket(batch))
+        points = [(statistics.median(times) - adds[j], len(times)) for j, times in enumerate(recent or ()) if times]
+        if not points:
+            return list(probe)
+        # a plain step is never cheaper than half the probe's forward alone (a noisy draft step can't send it to 0)
+        plain = max(sum(n * t for t, n in points) / sum(n for _, n in points), probe[0] / 2)
+        return [plain + a for a in adds]
+
     def table(self, batch: int) -> list[float]:
-        """c(k) for k = 1..K: each k's median recent step time, shrunk toward the line by its count against
-        LINE_WEIGHT, over k = 0's likewise."""
-        fit = self._fit(batch)
-        if fit is None:
-            return [1 + RHO_PRIOR * j for j in range(1, self.k + 1)]
-        t0, rho = fit
+        """c(k) for k = 1..K: each k's median recent step time, shrunk toward the probe's price (else toward the
+        line) by its count against LINE_WEIGHT, over k = 0's likewise."""
+        expected = self._expected(batch)
+        if expected is None:
+            fit = self._fit(batch)
+            if fit is None:
+                return [1 + RHO_PRIOR * j for j in range(1, self.k + 1)]
+            t0, rho = fit
+            expected = [t0 * (1 + rho * j) for j in range(self.k + 1)]
+        recent = self._recent.get(self.bucket(batch)) or [()] * (self.k + 1)
         est = []
-        for j, times in enumerate(self._recent[self.bucket(batch)]):
-            line, n = t0 * (1 + rho * j), len(times)
-            est.append((n * statistics.median(times) + LINE_WEIGHT * line) / (n + LINE_WEIGHT) if n else line)
-        return [min(max(t / est[0], 1 / MAX_COST), MAX_COST) for t in est[1:]]
+        for j, times in enumerate(recent):
+            n = len(times)
+            est.append((n * statistics.median(times) + LINE_WEIGHT * expected[j]) / (n + LINE_WEIGHT) if n
+                       else expected[j])
+        # never below a plain step nor below a smaller k (more rows, more draft passes): a dip is the noise of a
+        # shared machine, and a draft priced under a plain step would be run whatever it is accepted at
+        table, floor = [], 1.0
+        for t in est[1:]:
+            floor = min(max(t / est[0], floor), MAX_COST)
+            table.append(floor)
+        return table
 
 
 class AdaptiveK:
