@@ -68,12 +68,14 @@ class LLMEngine:
         num_blocks = cfg.num_kv_blocks or self.runner.auto_num_blocks(max_model_len)
         self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
         adaptive = self.drafter.adaptive
-        # Adaptive k's cost table starts from this machine's step times (one rank only: ranks that time their own
-        # probes would price k differently and disagree on it)
-        if adaptive is not None and adaptive.measured and self.dp is None and cfg.speculative.cost_probe:
-            from engine.runner.cost_probe import probe_step_costs
+        # Adaptive k's cost table starts from this machine's step times. Tensor-parallel ranks run the probe's steps
+        # together (their collectives meet) and all take rank 0's times, so that they price k alike. Not under
+        # attention data parallelism yet: its eager steps' collectives need the group's agreed rows.
+        if adaptive is not None and self.dp is None and cfg.speculative.cost_probe:
+            from engine.runner.cost_probe import probe_step_costs, rank0s
 
-            adaptive.cost.set_probe(probe_step_costs(self.runner, cfg.max_num_seqs))
+            adaptive.cost.set_probe(rank0s(probe_step_costs(self.runner, cfg.max_num_seqs), self.tp,
+                                         self.runner.device))
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         # A request alone must always fit, or preemption could not make progress.
         self.max_model_len = min(max_model_len, num_blocks * cfg.block_size)

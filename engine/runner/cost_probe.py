@@ -69,6 +69,20 @@ def probe_step_costs(runner, max_batch: int, repeats: int = REPEATS) -> dict[int
     return out
 
 
+def rank0s(probed: dict[int, list[float]], tp, device: torch.device) -> dict[int, list[float]]:
+    """Rank 0's probe on every rank of a tensor-parallel group (`tp`: TPContext; alone: `probed` as it is). Each rank
+    timed its own steps; a k priced differently on two ranks would be decided differently, and the ranks' steps (and
+    collectives) would part."""
+    if tp.size == 1:
+        return probed
+    import torch.distributed as dist
+
+    sizes = sorted(probed)
+    times = torch.tensor([probed[s] for s in sizes], dtype=torch.float64, device=device)
+    dist.broadcast(times, group=tp.group, group_src=0)
+    return {s: row for s, row in zip(sizes, times.tolist())}
+
+
 def _step(runner, size: int, k: int):
     """A step of `size` idle requests verifying k drafts each and running k draft passes, the way a real step of
     that size and k runs (a captured graph, or the eager step function)."""

@@ -23,9 +23,9 @@ request whose open drafts fail stayed at k = 1 and never drafted far enough to m
 Costs. The cost table comes from the step times measured at each k, per batch size (powers of two): each k's median
 over its last WINDOW steps, shrunk toward what the start-up probe (engine/runner/cost_probe.py: steps of idle
 requests at each batch size and k, timed before the first request) prices it at: the plain step's measured time
-plus what the probe found k adds. Before any step is timed, the probe's own ratios. Without a probe (tensor
-parallelism, attention data parallelism) a line fitted through the medians reads a k not measured lately, its
-slope shrunk toward RHO_PRIOR; before any step is timed there, c(k) = 1 + RHO_PRIOR * k.
+plus what the probe found k adds. Before any step is timed, the probe's own ratios. Tensor-parallel ranks read the probe alone
+(Agreement). Without a probe (cost_probe off, attention data parallelism) a line fitted through the medians reads a
+k not measured lately, its slope shrunk toward RHO_PRIOR; before any step is timed there, c(k) = 1 + RHO_PRIOR * k.
 
 Exploring. Every EXPLORE_EVERY steps two steps run at a neighbouring k, one up and one down in turn (two: the
 drafts a step verifies are the previous step's chain's, so a deeper depth is observed only on the second; down:
@@ -40,7 +40,8 @@ the same votes picks the same k. Under attention data parallelism each rank's vo
 measured cost table) travels in the step's all-gather (engine/distributed/data_parallel.py's RankPlan); the group
 sums the gains, takes each k's largest cost over the ranks with requests, and decides the next step's k from that.
 Under tensor parallelism without it every rank holds the same requests but times its own steps, so the cost
-stays the prior there (no agreement to share a measurement in). No torch here.
+stays the prior there (no agreement to share a measurement in): rank 0's start-up probe, which every rank takes,
+else the line. No torch here.
 """
 from __future__ import annotations
 
@@ -300,6 +301,12 @@ class StepCost:
         plain = max(sum(n * t for t, n in points) / sum(n for _, n in points), probe[0] / 2)
         return [plain + a for a in adds]
 
+    def probe_table(self, batch: int) -> list[float] | None:
+        """c(k) for k = 1..K from the probe alone (None without a probe of this bucket): what ranks that cannot
+        share a measurement (tensor parallelism) all read alike."""
+        probe = self._probe.get(self.bucket(batch))
+        return None if probe is None else [min(t / probe[0], MAX_COST) for t in probe[1:]]
+
     def table(self, batch: int) -> list[float]:
         """c(k) for k = 1..K: each k's median recent step time, shrunk toward the probe's price (else toward the
         line) by its count against LINE_WEIGHT, over k = 0's likewise."""
@@ -351,8 +358,8 @@ class AdaptiveK:
             for j, g in enumerate(self.acceptance.gains(req.request_id, guided, req.spec_forced,
                                                         len(req.spec_token_ids))):
                 total[j] += g
-        cost = (tuple(round(c * SCALE) for c in self.cost.table(batch)) if self.measured
-                else linear_cost(self.k))
+        table = self.cost.table(batch) if self.measured else self.cost.probe_table(batch)
+        cost = linear_cost(self.k) if table is None else tuple(round(c * SCALE) for c in table)
         return Vote(tuple(round(g * SCALE) for g in total), cost, len(requests))
 
     def choose(self, vote: Vote, k_max: int) -> int:
