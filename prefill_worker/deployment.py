@@ -31,8 +31,10 @@ class PrefillServer:
         if c.torch_threads and not c.device.startswith("cuda"):
             torch.set_num_threads(c.torch_threads)
         # The router detokenizes and applies stops. cpu_compile is a decode setting: a prefill's forwards are
-        # prompt-sized, past the row buckets compiled code serves (engine/layers/cpu_compile.py).
-        self.engine = LLMEngine(c.engine_config(detokenize=False, cpu_compile="off"))
+        # prompt-sized, past the row buckets compiled code serves (engine/layers/cpu_compile.py); so is adaptive k's
+        # start-up cost probe (engine/runner/cost_probe.py), which times decode steps.
+        spec = c.speculative and {**c.speculative, "cost_probe": False}
+        self.engine = LLMEngine(c.engine_config(detokenize=False, cpu_compile="off", speculative=spec))
         self.name = f"prefill-{uuid.uuid4().hex[:8]}"
         self.loop = PrefillLoop(self.engine, self.name, c.transfer_timeout_s, c.connect_timeout_s,
                                 c.handover_transport, FaultPoints(c.fault_points))

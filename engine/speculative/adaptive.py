@@ -20,12 +20,15 @@ share of that depth's drafts that were, per request shrunk toward the rank's sha
 request whose open drafts fail stayed at k = 1 and never drafted far enough to meet the forced runs after them
 (JSON's closing quotes, commas, next keys): 0.88-0.93x of k = 3 at batch 1 (bench/results/gpu_check_3_cuda.md).
 
-Costs. The cost table comes from the step times measured at each k, per batch size (powers of two): each k's median
-over its last WINDOW steps, shrunk toward what the start-up probe (engine/runner/cost_probe.py: steps of idle
-requests at each batch size and k, timed before the first request) prices it at: the plain step's measured time
-plus what the probe found k adds. Before any step is timed, the probe's own ratios. Tensor-parallel ranks read the probe alone
-(Agreement). Without a probe (cost_probe off, attention data parallelism) a line fitted through the medians reads a
-k not measured lately, its slope shrunk toward RHO_PRIOR; before any step is timed there, c(k) = 1 + RHO_PRIOR * k.
+Costs. The cost table comes from the step times measured at each k, per batch size (powers of two): a k with at
+least MIN_OWN of its last WINDOW steps timed is their median, shrunk toward its price; a k with fewer is its price.
+Prices are the start-up probe's times at this batch (engine/runner/cost_probe.py: steps of idle requests at each
+batch size and k, timed before the first request; a batch between probed sizes reads the line between them),
+scaled to the measured k's, so that a k never measured is priced in proportion to one that was (what the probe
+misses, host work and real contexts, scales with it). Before any step is timed, the probe's own ratios.
+Tensor-parallel ranks read the probe alone (Agreement). Without a probe (cost_probe off, attention data
+parallelism) the prices are a line fitted through the medians, its slope shrunk toward RHO_PRIOR; before any step
+is timed there, c(k) = 1 + RHO_PRIOR * k. c(k) never falls below 1 or below c(k - 1).
 
 Exploring. Every EXPLORE_EVERY steps two steps run at a neighbouring k, one up and one down in turn (two: the
 drafts a step verifies are the previous step's chain's, so a deeper depth is observed only on the second; down:
@@ -66,6 +69,10 @@ MAX_COST = 8.0  # plain steps: a bound on a measured ratio
 # one stall (a paused process, a swap, another job's burst, first calls paying one-time costs) in a decayed mean
 # priced its k out for hundreds of steps (a benchmark paused with SIGSTOP: bench/results/adaptive_k_table_cpu.md).
 WINDOW = 15
+# A k's own median counts once it has this many recent steps: one or two may be a stall (a first call, a grammar's
+# compile, another job's burst; one 3.4 s plain step among 60 ms ones priced every draft at a plain step's cost at
+# batch 14: bench/results/real_spec_probe_b16_cpu.md), and a k with fewer is read from the prices.
+MIN_OWN = 3
 EXPLORE_EVERY = 32
 # A neighbour the estimates put this far below the decided k (thousandths of its rate) is explored in one round of
 # EXPLORE_FAR only: its figures stay fresh within EXPLORE_FAR * 2 * EXPLORE_EVERY steps at a quarter of the cost.
@@ -233,26 +240,28 @@ class AcceptanceModel:
 
 
 class StepCost:
-    """The cost table: a step's time at each k relative to k = 0, from the step times measured at the k's that ran,
-    per batch size bucket (powers of two). Medians, not means: see WINDOW. Where the start-up probe ran
-    (engine/runner/cost_probe.py) a k not measured lately is read from it: a plain step's measured time plus what
-    the probe found k adds to it; else from the line fitted through the medians."""
+    """The cost table: a step's time at each k relative to k = 0, per batch size bucket (powers of two), from the
+    step times measured at the k's that ran (medians, not means: see WINDOW) and the prices of the k's not measured
+    lately: the start-up probe's times at this batch (engine/runner/cost_probe.py), scaled to the measured ones,
+    else a line fitted through the medians."""
 
     def __init__(self, k: int):
         self.k = k
         self._recent: dict[int, list[deque]] = {}  # bucket -> the last WINDOW step times at each k = 0..K
-        self._probe: dict[int, list[float]] = {}  # bucket -> the probe's seconds at k = 0..K
+        self._probe: dict[int, list[float]] = {}  # batch size -> the probe's seconds at k = 0..K
 
     @staticmethod
     def bucket(batch: int) -> int:
         return max(batch, 1).bit_length()
 
     def set_probe(self, probed: dict[int, list[float]]) -> None:
-        """The start-up probe's step times, {batch size: [seconds at k = 0..K]}: each size speaks for its bucket."""
+        """The start-up probe's step times, {batch size: [seconds at k = 0..K]}; a batch between two probed sizes
+        reads the line between them (a bucket spans up to twice its smallest batch, and rows beyond a compiled
+        bucket cost in proportion)."""
         for size, times in probed.items():
             assert len(times) == self.k + 1, (size, times)
-            # a k never costs less than a smaller one (more rows, more draft passes): a noisy probe's dip is not a saving
-            self._probe[self.bucket(size)] = [max(times[: j + 1]) for j in range(len(times))]
+        # a k never costs less than a smaller one (more rows, more draft passes): a noisy probe's dip is not a saving
+        self._probe = {size: [max(times[: j + 1]) for j in range(len(times))] for size, times in sorted(probed.items())}
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         recent = self._recent.setdefault(self.bucket(batch), [deque(maxlen=WINDOW) for _ in range(self.k + 1)])
@@ -285,44 +294,43 @@ class StepCost:
         fit = self._fit(batch)
         return RHO_PRIOR if fit is None else fit[1]
 
-    def _expected(self, batch: int) -> list[float] | None:
-        """Each k's time as the probe prices it: the plain step's time (from the medians at every k seen, each less
-        what the probe found its k adds) plus what k adds. The probe's own times before any step is timed. None
-        without a probe of this bucket."""
-        probe = self._probe.get(self.bucket(batch))
-        if probe is None:
+    def _probe_at(self, batch: int) -> list[float] | None:
+        """The probe's step times at `batch`, between the probed sizes around it (None without a probe)."""
+        if not self._probe:
             return None
-        adds = [t - probe[0] for t in probe]
-        recent = self._recent.get(self.bucket(batch))
-        points = [(statistics.median(times) - adds[j], len(times)) for j, times in enumerate(recent or ()) if times]
-        if not points:
-            return list(probe)
-        # a plain step is never cheaper than half the probe's forward alone (a noisy draft step can't send it to 0)
-        plain = max(sum(n * t for t, n in points) / sum(n for _, n in points), probe[0] / 2)
-        return [plain + a for a in adds]
+        sizes = list(self._probe)
+        above = next((s for s in sizes if s >= batch), sizes[-1])
+        below = max((s for s in sizes if s <= batch), default=sizes[0])
+        if above == below:
+            return self._probe[above]
+        w = (batch - below) / (above - below)
+        return [(1 - w) * lo + w * hi for lo, hi in zip(self._probe[below], self._probe[above])]
+
+    def _prices(self, batch: int) -> list[float]:
+        """Each k's time relative to one another (any scale): the probe's at this batch, else the line 1 + rho k."""
+        probe = self._probe_at(batch)
+        if probe is not None:
+            return probe
+        rho = self.rho(batch)
+        return [1 + rho * j for j in range(self.k + 1)]
 
     def probe_table(self, batch: int) -> list[float] | None:
-        """c(k) for k = 1..K from the probe alone (None without a probe of this bucket): what ranks that cannot
-        share a measurement (tensor parallelism) all read alike."""
-        probe = self._probe.get(self.bucket(batch))
+        """c(k) for k = 1..K from the probe alone (None without a probe): what ranks that cannot share a
+        measurement (tensor parallelism) all read alike."""
+        probe = self._probe_at(batch)
         return None if probe is None else [min(t / probe[0], MAX_COST) for t in probe[1:]]
 
     def table(self, batch: int) -> list[float]:
-        """c(k) for k = 1..K: each k's median recent step time, shrunk toward the probe's price (else toward the
-        line) by its count against LINE_WEIGHT, over k = 0's likewise."""
-        expected = self._expected(batch)
-        if expected is None:
-            fit = self._fit(batch)
-            if fit is None:
-                return [1 + RHO_PRIOR * j for j in range(1, self.k + 1)]
-            t0, rho = fit
-            expected = [t0 * (1 + rho * j) for j in range(self.k + 1)]
+        """c(k) for k = 1..K. A k with at least MIN_OWN recent steps is its median, shrunk toward its price by its
+        count against LINE_WEIGHT; a k with fewer is its price. Prices (the probe's times at this batch, else the
+        line) are scaled to the measured k's; with none measured the prices' own ratios."""
+        prices = self._prices(batch)
         recent = self._recent.get(self.bucket(batch)) or [()] * (self.k + 1)
-        est = []
-        for j, times in enumerate(recent):
-            n = len(times)
-            est.append((n * statistics.median(times) + LINE_WEIGHT * expected[j]) / (n + LINE_WEIGHT) if n
-                       else expected[j])
+        own = [(j, statistics.median(times), len(times)) for j, times in enumerate(recent) if len(times) >= MIN_OWN]
+        scale = (sum(n * m for _, m, n in own) / sum(n * prices[j] for j, _, n in own)) if own else 1.0
+        est = [scale * p for p in prices]
+        for j, median, n in own:
+            est[j] = (n * median + LINE_WEIGHT * est[j]) / (n + LINE_WEIGHT)
         # never below a plain step nor below a smaller k (more rows, more draft passes): a dip is the noise of a
         # shared machine, and a draft priced under a plain step would be run whatever it is accepted at
         table, floor = [], 1.0

@@ -50,7 +50,7 @@ def test_tp_ranks_share_rank0s_probe_and_stay_lossless(zoo_dir):
                                                       None).items()}
     (t0, probe0, steps0, used0), (t1, probe1, steps1, used1) = got[(0, "tp")], got[(1, "tp")]
     assert t0 == t1 == want
-    assert probe0 == probe1 and sorted(probe0) == [1, 2, 3]  # buckets of batch 1, 2-3, 4
+    assert probe0 == probe1 and sorted(probe0) == [1, 2, 4]  # the probed batch sizes
     assert all(len(times) == 4 and all(t > 0 for t in times) for times in probe0.values())
     assert steps0 == steps1 and sum(steps0) > 0  # the same k every step
     assert used0 == used1 == 0
