@@ -204,8 +204,10 @@ def test_adaptive_k_through_the_graph_layout_runs_a_graph_per_draft_passes(llama
     prompts = random_prompts(5, seed=11)
     want = [o.token_ids for o in LLM(llama_dir, num_kv_blocks=512, block_size=4).generate(prompts, greedy_params(40))]
     spec = spec_config(method, 3, spec_drafts, llama_dir)
+    # The line prior, which starts at k = 2-3 and moves as the random heads fail: this test is about the graph each k
+    # replays, not about pricing (the probe, timed before use_graphs switched the layout, can settle on one k).
     llm = LLM(llama_dir, num_kv_blocks=512, block_size=4,
-              speculative=SpecConfig(method=spec.method, k=3, draft=spec.draft, adaptive_k=True))
+              speculative=SpecConfig(method=spec.method, k=3, draft=spec.draft, adaptive_k=True, cost_probe=False))
     graphs = use_graphs(llm, capture=False)
     outs = llm.generate(prompts, greedy_params(40))
     assert [o.token_ids for o in outs] == want
