@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.rendezvous import free_ports_on
+from cluster.rendezvous import free_port_on, free_ports_on
 
 CLUSTER_YAML = Path(__file__).with_name("cluster.yaml")
 TANDEM = str(Path(sys.executable).with_name("tandem"))  # the tandem of this environment, as `tandem` is on a node
@@ -185,7 +185,7 @@ class LocalCluster:
         self.root, self.cluster, self.num_cpus, self.host = root, cluster or load_cluster(), num_cpus, host
         self.token = secrets.token_hex(32)  # this cluster's own, not ~/.ray/auth_token (Ray's token auth stays on)
         self.env = {**env, "RAY_AUTH_TOKEN": self.token, "RAY_AUTH_MODE": "token"}
-        self.gcs = free_ports_on("", 1)[0]  # free on every address, never handed out before
+        self.gcs = free_port_on("")  # free on every address, never handed out before
         self.nodes: dict[str, LocalNode] = {}
         self.ports: dict[str, NodePorts] = {}
         self.dashboard = ""

@@ -70,6 +70,13 @@ class Padding:
     max_seq_len: int  # fixed bound on KV lengths (target rows and draft chains)
 
 
+class NoBlocks:
+    """The block manager of a batch of idle requests only (graph capture inputs, the cost probe's steps)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+
 def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cache: torch.Tensor,
                 device: torch.device, vocab_size: int, k: int, slots: list[int] | None,
                 pad: Padding | None = None, masked: bool = False, draft_passes: int | None = None,

@@ -16,8 +16,9 @@ and REPEATS timed; the median. Eager steps verify k + 1 rows per request as a tr
 replay the graph a real step of that size and pass count replays (k + 1 = K + 1 rows, `passes` draft passes).
 
 What it misses, and where the measured steps take over: the host's share of a step (scheduling, the grammar,
-reading outputs), the same at every k, and attention over real contexts (idle rows attend over k + 1 tokens).
-StepCost adds the probe's time differences to a plain step's measured time, so the host share is counted once.
+reading outputs) and attention over real contexts (idle rows attend over k + 1 tokens). StepCost scales the probe's
+times to the k's it measured and prices only the k's not measured lately from them. Under tensor parallelism an
+eager step keeps all K + 1 logit columns where the probe computes k + 1: its prices are a little low there.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import time
 
 import torch
 
-from engine.runner.batch import Padding, build_batch
+from engine.runner.batch import NoBlocks, Padding, build_batch
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +91,13 @@ def _step(runner, size: int, k: int):
     graphs = runner.graphs
     if graphs is not None and size <= graphs.sizes[-1]:
         padded = graphs.size_for(size)
-        batch = graphs._dummy(padded, None, draft_passes=passes)
+        batch = graphs.dummy(padded, None, draft_passes=passes)
         return lambda: graphs.replay(batch)
     block_size = runner.cfg.block_size
     pad = Padding(batch_size=size, table_width=-(-PROBE_SEQ_LEN // block_size),
                   scratch_slot=runner.scratch_slot, max_seq_len=PROBE_SEQ_LEN)
     # k + 1 rows per idle request, as a trimmed eager step verifies (build_batch's `k` is the row width here)
-    batch = build_batch([], _NoBlocks(block_size), runner.kv_cache, runner.device, runner.vocab_size, k, [] if
+    batch = build_batch([], NoBlocks(block_size), runner.kv_cache, runner.device, runner.vocab_size, k, [] if
                         runner.proposer is not None else None, pad, draft_passes=passes)
 
     def run():
@@ -104,10 +105,3 @@ def _step(runner, size: int, k: int):
             runner.run_step(batch)
 
     return run
-
-
-class _NoBlocks:
-    """The block manager of a batch of idle requests only."""
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size

@@ -30,7 +30,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledRequest
 from engine.masking.graph import StagedMasker
 from engine.masking.masker import LogitsMasker
-from engine.runner.batch import Padding, StepBatch, build_batch
+from engine.runner.batch import NoBlocks, Padding, StepBatch, build_batch
 from engine.runner.staging import in_buffer, rebase
 from engine.runner.step import StepOutput
 from engine.sample.sampler import SamplingMode
@@ -174,7 +174,7 @@ class StepGraphs:
         cap = self._captured.get(key)
         if cap is None:
             assert self.capture_on_demand, f"no graph captured for {key}"
-            cap = self._capture(key, self._dummy(size, batch.sampling.mode, masked, batch.draft_passes))
+            cap = self._capture(key, self.dummy(size, batch.sampling.mode, masked, batch.draft_passes))
         cap.load(batch)
         self.num_runs += 1
         cap.runs += 1
@@ -229,15 +229,15 @@ class StepGraphs:
         self.block_size = kv_cache.shape[3]
         for size in reversed(self.sizes):  # without capture: the static buffers of the padded eager path
             for passes in sorted(self.passes, reverse=True):
-                dummy = self._dummy(size, None, draft_passes=passes)
+                dummy = self.dummy(size, None, draft_passes=passes)
                 self._capture((size, dummy.sampling.mode, False, passes), dummy)
 
-    def _dummy(self, size: int, like: SamplingMode | None, masked: bool = False,
+    def dummy(self, size: int, like: SamplingMode | None, masked: bool = False,
                draft_passes: int | None = None) -> StepBatch:
         """A batch of idle requests only (it writes no KV and only the scratch draft state) with the
         sampling branches of `like`: what a graph is warmed up and captured on."""
         lay = self.layout
-        dummy = build_batch([], _NoBlocks(self.block_size), self.kv_cache, lay.device, lay.vocab_size, lay.k, [],
+        dummy = build_batch([], NoBlocks(self.block_size), self.kv_cache, lay.device, lay.vocab_size, lay.k, [],
                             self._padding(size), masked=masked, draft_passes=draft_passes)
         if like is None:
             return dummy
@@ -296,10 +296,3 @@ def _clone(batch, staged: tuple[torch.Tensor, torch.Tensor] | None = None):
         elif dataclasses.is_dataclass(v):
             changes[f.name] = _clone(v, staged)
     return replace(batch, **changes)
-
-
-class _NoBlocks:
-    """The block manager of an empty batch (capture inputs)."""
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
