@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import cpu_ext
 from kernels._dispatch import use_triton
 from kernels._launch import launch
 
@@ -140,8 +141,20 @@ def apply_token_bitmask_triton(logits, bitmask, row_has_grammar=None, indices=No
     )
 
 
+def apply_token_bitmask_cpu(logits, bitmask, row_has_grammar=None, indices=None, d2t=None,
+                            vocab_size=None) -> None:
+    """The C++ kernel (kernels/cpu/token_bitmask.cpp; needs cpu_ext.available()): writes -inf where banned."""
+    vt = _check(logits, bitmask, row_has_grammar, indices, d2t, vocab_size)
+    torch.ops.tandem_cpu.token_bitmask(logits, bitmask, row_has_grammar, indices, d2t, vt)
+
+
 def apply_token_bitmask(logits, bitmask, row_has_grammar=None, indices=None, d2t=None,
                         vocab_size=None) -> None:
     """Set disallowed logits to -inf in place; see the module docstring for the arguments."""
-    fn = apply_token_bitmask_triton if use_triton(logits) else apply_token_bitmask_ref
+    if use_triton(logits):
+        fn = apply_token_bitmask_triton
+    elif logits.device.type == "cpu" and logits.stride(-1) == 1 and cpu_ext.available():
+        fn = apply_token_bitmask_cpu
+    else:
+        fn = apply_token_bitmask_ref
     fn(logits, bitmask, row_has_grammar, indices, d2t, vocab_size)

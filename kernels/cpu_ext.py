@@ -24,8 +24,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.cpp", "attention_step.cpp", "linear_rows.cpp", "decoder_stack.cpp")
-HEADERS = ("paged_attention.h",)
+SOURCES = ("paged_attention.cpp", "attention_step.cpp", "linear_rows.cpp", "decoder_stack.cpp", "token_bitmask.cpp")
+HEADERS = ("paged_attention.h", "vec_math.h")
 _SRC_DIR = Path(__file__).parent / "cpu"
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool once loading was tried, "why": the reason it is off
@@ -130,6 +130,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tandem_cpu::linear_rows")
     def _(x, packed, bias, n):
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("tandem_cpu::token_bitmask")
+    def _(logits, bitmask, row_has_grammar, indices, d2t, vocab_size):
+        return None
 
 
 def why_off() -> str | None:

@@ -23,9 +23,8 @@
 
 #include <cmath>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+
+#include "vec_math.h"
 
 namespace {
 
@@ -82,35 +81,15 @@ void rope(float* x, int64_t T, int64_t heads, int64_t D, const float* cos2, cons
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// exp of 8 floats: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial (within ~2 ulp of expf). The
-// MLP's SiLU takes 46k exps a SmolLM2 token: scalar expf was ~2% of a batch-1 step.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: r exact to fp32
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
 
-// out[i] = silu(gate[i]) * up[i] over n floats
+// out[i] = silu(gate[i]) * up[i] over n floats (exp8: scalar expf was ~2% of a SmolLM2 batch-1 step, 46k a token)
 inline void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = exp8(_mm256_sub_ps(zero, g));
+    const __m256 e = tandem_cpu::exp8(_mm256_sub_ps(zero, g));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
   }
 #endif

@@ -48,12 +48,14 @@ inline int64_t stored(int64_t j, const at::BFloat16*) {
 
 // acc[i][0..32) = x[i] . w[:, 0..32) for MR rows of x (fp32, row stride K) against one block (w[k * 32 + j]).
 template <int MR, typename wt>
-inline void block_rows(const float* x, int64_t K, const wt* w, float (&acc)[2][BLOCK]) {
+inline void block_rows(const float* x, int64_t K, const wt* w, float (&acc)[2][BLOCK], const char* ahead) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 a[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < 4; ++v) a[i][v] = _mm256_setzero_ps();
+  constexpr int64_t LINE = 64, STEP = BLOCK * sizeof(wt);  // bytes of the block per k
   for (int64_t k = 0; k < K; ++k) {
+    if (ahead && (k * STEP) % LINE < STEP) _mm_prefetch(ahead + k * STEP, _MM_HINT_T0);
     __m256 wv[4];
     load32(w + k * BLOCK, wv);
     for (int i = 0; i < MR; ++i) {
@@ -83,10 +85,11 @@ void run(const float* x, int64_t M, int64_t K, const wt* w, int64_t N, const flo
       const int64_t n0 = b * BLOCK, nr = std::min<int64_t>(BLOCK, N - n0);
       for (int64_t m0 = 0; m0 < M; m0 += 2) {  // later pairs of rows read the block from L1/L2
         const int mr = int(std::min<int64_t>(2, M - m0));
+        const char* ahead = b + 1 < end ? reinterpret_cast<const char*>(wb + K * BLOCK) : nullptr;
         if (mr == 2)
-          block_rows<2>(x + m0 * K, K, wb, acc);
+          block_rows<2>(x + m0 * K, K, wb, acc, ahead);
         else
-          block_rows<1>(x + m0 * K, K, wb, acc);
+          block_rows<1>(x + m0 * K, K, wb, acc, ahead);
         for (int i = 0; i < mr; ++i)
           for (int64_t j = 0; j < nr; ++j)
             y[(m0 + i) * N + n0 + j] = static_cast<ot>(acc[i][j] + (bias ? bias[n0 + j] : 0.f));

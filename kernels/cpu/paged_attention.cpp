@@ -14,6 +14,7 @@
 #include <torch/types.h>
 
 #include "paged_attention.h"
+#include "vec_math.h"
 
 #include <algorithm>
 #if defined(__AVX2__)
@@ -27,7 +28,7 @@
 namespace {
 
 struct Scratch {  // per thread, reused across its items
-  std::vector<float> qf, scores, kbuf, vbuf;
+  std::vector<float> qf, scores, kbuf, vbuf, inv;
   std::vector<const float*> krow, vrow;
 };
 
@@ -79,22 +80,109 @@ inline void dot8(const float* q, const float* const* k, float* out) {
 #endif
 }
 
-// One request's KV heads h0..h1-1: its q_len rows x H heads x G query heads (R vectors, r = (i * H + hh)
-// * G + g for row i and query head (h0 + hh) * G + g) against the request's n positions. Scores land in
-// [R][n] rows: 8 positions at a time per vector, then each row's softmax over contiguous floats, then
-// each vector's weighted sum of V rows with its D accumulators in registers.
+// max over n scores (-inf for none), 8 lanes at a time: the scalar loop kept its running max in memory, a store-to-load
+// chain per score that was ~20% of a 4-row step's attention.
+inline float row_max(const float* s, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t p = 0;
+#if defined(__AVX2__)
+  __m256 m = _mm256_set1_ps(top);
+  for (; p + 8 <= n; p += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + p));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float l : lanes) top = std::max(top, l);
+#endif
+  for (; p < n; ++p) top = std::max(top, s[p]);
+  return top;
+}
+
+// s[p] = exp(s[p] - top) over n scores, exactly 0 where s[p] - top < -87 (a refused position's -inf among them, which
+// the weighted sum skips: never 0 * an unwritten slot's NaN); returns their sum. Vectorized: a 4-row verification
+// chain over ~500 positions takes ~0.5M exps a SmolLM2 step, ~3 ms as scalar expf.
+inline float softmax_numerators(float* s, int64_t n, float top) {
+  int64_t p = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 t = _mm256_set1_ps(top), floor = _mm256_set1_ps(-87.f);
+  __m256 acc = _mm256_setzero_ps();
+  for (; p + 8 <= n; p += 8) {
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + p), t);
+    const __m256 e = _mm256_and_ps(tandem_cpu::exp8(x), _mm256_cmp_ps(x, floor, _CMP_GE_OQ));
+    _mm256_storeu_ps(s + p, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float l : lanes) sum += l;
+#endif
+  for (; p < n; ++p) {
+    const float x = s[p] - top;
+    s[p] = x >= -87.f ? std::exp(x) : 0.f;
+    sum += s[p];
+  }
+  return sum;
+}
+
+// out[j] = sum_p e[j][p] v[p] / ... for J (<= 4) score rows e[j] (one KV head's query vectors) over n positions, one
+// 16-float slice of D at a time: each V row slice is read once for the J vectors (not once per vector) and the 2 x J
+// accumulators stay in registers. A position whose weight is 0 for a vector (refused, or negligible) adds nothing to it,
+// never 0 * the slot's value (an unwritten slot may hold NaN).
+template <int D>
+inline void weighted_sum(const float* const* e, int J, const float* const* vrow, int64_t stride, int64_t n,
+                         float (*a)[D]) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (D % 16 == 0) {
+    for (int d = 0; d < D; d += 16) {
+      __m256 acc[4][2];
+      for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+      for (int64_t p = 0; p < n; ++p) {
+        const float* v = vrow[p * stride] + d;
+        const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+        for (int j = 0; j < 4; ++j) {
+          if (j >= J) break;
+          const float x = e[j][p];
+          if (x == 0.f) continue;
+          const __m256 xb = _mm256_set1_ps(x);
+          acc[j][0] = _mm256_fmadd_ps(xb, v0, acc[j][0]);
+          acc[j][1] = _mm256_fmadd_ps(xb, v1, acc[j][1]);
+        }
+      }
+      for (int j = 0; j < J; ++j) {
+        _mm256_storeu_ps(a[j] + d, acc[j][0]);
+        _mm256_storeu_ps(a[j] + d + 8, acc[j][1]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int j = 0; j < J; ++j) {
+    std::fill(a[j], a[j] + D, 0.f);
+    for (int64_t p = 0; p < n; ++p) {
+      const float x = e[j][p];
+      if (x == 0.f) continue;
+      const float* v = vrow[p * stride];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) a[j][d] += x * v[d];
+    }
+  }
+}
+
+// One request's KV heads h0..h1-1 for its new rows i0..i1-1 (of q_len, the first at row0 of the step): (i1 - i0) rows
+// x H heads x G query heads (R vectors, r = ((i - i0) * H + hh) * G + g for row i and query head (h0 + hh) * G + g)
+// against the request's n positions. Scores land in [R][n] rows: 8 positions at a time per vector, then each row's
+// softmax over contiguous floats, then the weighted sums of V rows, 4 vectors of a KV head at a time.
 template <typename scalar_t, int D>
 void attend_request(const scalar_t* q, int64_t q_t, int64_t q_h, const scalar_t* kc, const scalar_t* vc,
                     const int32_t* table, int64_t S, int64_t Hkv, int64_t h0, int64_t h1, int64_t G, int64_t row0,
-                    int64_t q_len, int64_t len, int64_t limit, const int64_t* bits, float scale, scalar_t* o,
-                    int64_t o_t, int64_t o_h, Scratch& w) {
-  const int64_t H = h1 - h0, HG = H * G, R = q_len * HG;
+                    int64_t q_len, int64_t i0, int64_t i1, int64_t len, int64_t limit, const int64_t* bits,
+                    float scale, scalar_t* o, int64_t o_t, int64_t o_h, Scratch& w) {
+  const int64_t H = h1 - h0, HG = H * G, R = (i1 - i0) * HG;
   const int64_t first = len - q_len;  // position of the first new row
   const int64_t n = std::min<int64_t>(len, limit);  // positions any row may read
   const int64_t window = len - 64;  // a tree mask decides positions window..len-1
   constexpr float NEG = -std::numeric_limits<float>::infinity();
   if (n <= 0) {
-    for (int64_t i = 0; i < q_len; ++i)
+    for (int64_t i = i0; i < i1; ++i)
       for (int64_t hg = 0; hg < HG; ++hg)
         std::fill(o + (row0 + i) * o_t + (h0 * G + hg) * o_h, o + (row0 + i) * o_t + (h0 * G + hg) * o_h + D, scalar_t(0));
     return;
@@ -103,10 +191,10 @@ void attend_request(const scalar_t* q, int64_t q_t, int64_t q_h, const scalar_t*
   w.scores.resize(R * n);
   w.krow.resize(n * H);
   w.vrow.resize(n * H);
-  for (int64_t i = 0; i < q_len; ++i)
+  for (int64_t i = i0; i < i1; ++i)
     for (int64_t hg = 0; hg < HG; ++hg)
       for (int d = 0; d < D; ++d)
-        w.qf[(i * HG + hg) * D + d] = to_f(q[(row0 + i) * q_t + (h0 * G + hg) * q_h + d]) * scale;
+        w.qf[((i - i0) * HG + hg) * D + d] = to_f(q[(row0 + i) * q_t + (h0 * G + hg) * q_h + d]) * scale;
   // Each position's K and V rows of these heads as fp32 pointers: read in place, or converted once.
   if constexpr (!std::is_same_v<scalar_t, float>) {
     w.kbuf.resize(n * H * D);
@@ -140,46 +228,54 @@ void attend_request(const scalar_t* q, int64_t q_t, int64_t q_h, const scalar_t*
       const int64_t m = std::min<int64_t>(8, n - p);
       const float* k[8];
       for (int64_t j = 0; j < 8; ++j) k[j] = w.krow[(p + (j < m ? j : 0)) * H + hh];
-      for (int64_t i = 0; i < q_len; ++i)
+      for (int64_t i = 0; i < i1 - i0; ++i)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = (i * H + hh) * G + g;
-          dot8<D>(w.qf.data() + r * D, k, block);
-          std::copy(block, block + m, w.scores.data() + r * n + p);
+          if (m == 8) {
+            dot8<D>(w.qf.data() + r * D, k, w.scores.data() + r * n + p);
+          } else {  // the last positions: 8 dot products, m kept
+            dot8<D>(w.qf.data() + r * D, k, block);
+            for (int64_t j = 0; j < m; ++j) w.scores[r * n + p + j] = block[j];
+          }
         }
     }
   // Row i reads positions 0..first+i; a tree mask refuses some of the last 64 (never position 0).
-  for (int64_t i = 0; i < q_len; ++i) {
+  for (int64_t i = i0; i < i1; ++i) {
     const int64_t last = first + i;  // causal: nothing past the row's own position
     const int64_t from = bits ? std::min<int64_t>(std::max<int64_t>(1, window), last + 1) : last + 1;
     for (int64_t p = std::max<int64_t>(from, 1); p < n; ++p) {  // position 0 always (no row sees nothing)
       const bool refused = p > last || !((bits[row0 + i] >> (p - window)) & 1);  // here bits is set if p <= last
       if (!refused) continue;
-      for (int64_t hg = 0; hg < HG; ++hg) w.scores[(i * HG + hg) * n + p] = NEG;
+      for (int64_t hg = 0; hg < HG; ++hg) w.scores[((i - i0) * HG + hg) * n + p] = NEG;
     }
   }
+  std::vector<float>& inv = w.inv;
+  inv.resize(R);
   for (int64_t r = 0; r < R; ++r) {
     float* sr = w.scores.data() + r * n;
-    float top = NEG;
-    for (int64_t p = 0; p < n; ++p) top = std::max(top, sr[p]);
-    float sum = 0.f;
-    for (int64_t p = 0; p < n; ++p) {
-      const float e = std::exp(sr[p] - top);  // exp(-inf) = 0 for refused positions
-      sr[p] = e;
-      sum += e;
-    }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int64_t i = r / HG, hg = r % HG, hh = hg / G;
-    float a[D] = {};
-    for (int64_t p = 0; p < n; ++p) {
-      const float e = sr[p];
-      if (e == 0.f) continue;  // refused (or negligible): never 0 * an unwritten slot's NaN
-      const float* v = w.vrow[p * H + hh];
-#pragma omp simd
-      for (int d = 0; d < D; ++d) a[d] += e * v[d];
-    }
-    scalar_t* og = o + (row0 + i) * o_t + (h0 * G + hg) * o_h;
-    for (int d = 0; d < D; ++d) og[d] = static_cast<scalar_t>(a[d] * inv);
+    const float sum = softmax_numerators(sr, n, row_max(sr, n));
+    inv[r] = sum > 0.f ? 1.f / sum : 0.f;
   }
+  // Per KV head its (i1 - i0) x G vectors, 4 at a time.
+  const int64_t per_head = (i1 - i0) * G;
+  for (int64_t hh = 0; hh < H; ++hh)
+    for (int64_t c0 = 0; c0 < per_head; c0 += 4) {
+      const int J = int(std::min<int64_t>(4, per_head - c0));
+      int64_t rs[4];
+      const float* e[4];
+      for (int j = 0; j < J; ++j) {
+        const int64_t c = c0 + j, i = c / G, g = c % G;
+        rs[j] = (i * H + hh) * G + g;
+        e[j] = w.scores.data() + rs[j] * n;
+      }
+      float a[4][D];
+      weighted_sum<D>(e, J, w.vrow.data() + hh, H, n, a);
+      for (int j = 0; j < J; ++j) {
+        const int64_t r = rs[j], i = i0 + r / HG, hg = r % HG;
+        scalar_t* og = o + (row0 + i) * o_t + (h0 * G + hg) * o_h;
+        for (int d = 0; d < D; ++d) og[d] = static_cast<scalar_t>(a[j][d] * inv[r]);
+      }
+    }
 }
 
 template <typename scalar_t, int D>
@@ -225,19 +321,25 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   }
   // Work items: whole requests (each page read once, front to back) when they are enough to keep every
   // thread busy or the step is too small to wake a second thread (a batch-1 decode row: a wake-up costs more
-  // than it saves); otherwise (request, KV head) pairs.
+  // than it saves); otherwise (request, KV head) pairs, and those split by new rows into `parts` where the pairs
+  // alone would leave a thread idle part of the time (3 KV heads on 2 threads: one thread does 2 of 3; a 4-row
+  // verification chain in 2 halves makes it 3 of 6 each).
+  const int64_t threads = at::get_num_threads();
   const bool inline_ = work < (1 << 18);
-  const int64_t split = inline_ || B >= 2 * at::get_num_threads() ? 1 : Hkv;
-  const int64_t items = B * split;
+  const int64_t split = inline_ || B >= 2 * threads ? 1 : Hkv;
+  const int64_t parts = split == 1 || (B * split) % threads == 0 ? 1 : threads;
+  const int64_t items = B * split * parts;
   const int64_t grain = inline_ ? items + 1 : 1;  // a grain past the range runs on this thread
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / split;
-      const int64_t h0 = split == 1 ? 0 : item % split, h1 = split == 1 ? Hkv : h0 + 1;
+      const int64_t b = item / (split * parts), pair = item % (split * parts), part = pair % parts;
+      const int64_t h0 = split == 1 ? 0 : pair / parts, h1 = split == 1 ? Hkv : h0 + 1;
       const int64_t lo = std::max<int32_t>(qsl[b], 0), hi = std::min<int64_t>(qsl[b + 1], real);
       if (hi <= lo || (max_rows >= 0 && hi - lo > max_rows)) continue;  // longer requests: the caller's
-      attend_request<scalar_t, D>(q, q_t, q_h, kc, vc, tables + b * M, S, Hkv, h0, h1, G, lo, hi - lo, seq[b],
+      const int64_t q_len = hi - lo, i0 = q_len * part / parts, i1 = q_len * (part + 1) / parts;
+      if (i1 <= i0) continue;  // fewer rows than parts: another part has them
+      attend_request<scalar_t, D>(q, q_t, q_h, kc, vc, tables + b * M, S, Hkv, h0, h1, G, lo, q_len, i0, i1, seq[b],
                                   M * S, bits, float(scale), o, o_t, o_h, scratch);
     }
   });

@@ -1,12 +1,16 @@
-"""kernels/bitmask.py: reference and Triton against an unpackbits oracle and xgrammar's own kernel."""
+"""kernels/bitmask.py: reference, C++ and Triton against an unpackbits oracle and xgrammar's own kernel."""
 import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
 
-from kernels.bitmask import apply_token_bitmask, apply_token_bitmask_ref, apply_token_bitmask_triton
+from kernels import cpu_ext
+from kernels.bitmask import (apply_token_bitmask, apply_token_bitmask_cpu, apply_token_bitmask_ref,
+                             apply_token_bitmask_triton)
 
-FNS = [apply_token_bitmask_ref, apply_token_bitmask_triton, apply_token_bitmask]
+cpp = pytest.param(apply_token_bitmask_cpu, marks=pytest.mark.skipif(not cpu_ext.available(),
+                                                                      reason="C++ CPU kernels not built"))
+FNS = [apply_token_bitmask_ref, apply_token_bitmask_triton, cpp, apply_token_bitmask]
 
 
 def allowed_table(bitmask: torch.Tensor) -> np.ndarray:

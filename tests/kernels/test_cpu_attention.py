@@ -64,6 +64,36 @@ def test_tree_masks(q_lens, seq_lens, Hq, Hkv):
         start += n
 
 
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("q_lens,seq_lens", [([4], [700]), ([5], [900]), ([1], [2000]), ([3, 2], [600, 800])])
+def test_work_split_by_kv_head_and_rows(q_lens, seq_lens, tree):
+    """Long few-request steps on 2 threads run as (request, KV head) items, split by new rows where 3 KV heads would
+    leave a thread idle: every row and head still equals dense math, with a tree mask too, and 4-vector weighted sums
+    (G = 3 query heads, 4-5 rows) over positions whose unwritten slots hold NaN."""
+    batch, dk, dv = make_batch(q_lens, seq_lens, 9, 3, 64, 16, torch.float32, pad_rows=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if tree:
+            mask, allowed = tree_case(q_lens, seq_lens, 3)
+            out = _cpu(**batch, scale=0.125, tree_mask=torch.cat([mask, mask.new_zeros(1)]))  # and the pad row's
+        else:
+            out = _cpu(**batch, scale=0.125)
+    finally:
+        torch.set_num_threads(threads)
+    n = sum(q_lens)
+    if tree:
+        start = 0
+        for b, rows in enumerate(q_lens):
+            want = dense_masked(batch["query"][start : start + rows], dk[b], dv[b], allowed[b], 0.125)
+            torch.testing.assert_close(out[start : start + rows].double(), want, atol=2e-5, rtol=2e-5)
+            start += rows
+    else:
+        torch.testing.assert_close(out[:n].double(), expected(batch, dk, dv, q_lens, seq_lens, 0.125)[:n],
+                                   atol=2e-5, rtol=2e-5)
+    assert torch.all(out[n:] == 0)
+
+
 @pytest.mark.parametrize("T,pad", [(1, 0), (3, 1), (6, 6)])
 def test_fused_store_equals_store_kv(T, pad):
     """The stores the call makes before attending are store_kv's: rows with slot -1 write nothing, and the

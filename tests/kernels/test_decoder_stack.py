@@ -101,7 +101,9 @@ def test_equals_plain_torch(T, packed_dtype, bias, qk_norm, rotary):
     got, (final, stream, streams, kvs), kv = _run(T, packed_dtype, bias, qk_norm, rotary, seed=T)
     assert len(got) == 2 + L - 1 and all(g.dtype == torch.float32 and g.shape == (T, H) for g in got)
     for g, w in zip(got, (final, stream, *streams)):
-        torch.testing.assert_close(g.double(), w, atol=2e-4, rtol=2e-4)
+        # fp32 against a float64 reference: the stream grows to ~300 here, and fp32 sums (whose order the kernels
+        # choose: 8-lane softmax sums, blocked dot products) carry ~2e-6 of the largest value into every element
+        torch.testing.assert_close(g.double(), w, atol=4e-6 * float(w.abs().max()), rtol=2e-4)
     for layer, (k, v) in enumerate(kvs):  # the rows written to the cache (block 1) are the rotated keys and values
         torch.testing.assert_close(kv[layer, 0, 1, :T].double(), k, atol=2e-4, rtol=2e-4)
         torch.testing.assert_close(kv[layer, 1, 1, :T].double(), v, atol=2e-4, rtol=2e-4)
