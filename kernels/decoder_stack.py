@@ -18,7 +18,8 @@ SLOTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "po
 def decoder_stack(input_ids: torch.Tensor, embed: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor,
                   weights: list[torch.Tensor | None], final_norm: torch.Tensor, layer_ids: list[int], num_heads: int,
                   num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float) -> list[torch.Tensor]:
-    """input_ids [T] int64; embed [V, H] fp32 (any strides); cos2, sin2 [T, 1, R] (kernels/norm_rope.py rope_rows);
+    """input_ids [T] int64, or the first block's input rows [T, H] fp32 (a draft head's; embed then only gives H);
+    embed [V, H] fp32 (any strides); cos2, sin2 [T, 1, R] (kernels/norm_rope.py rope_rows);
     weights: len(SLOTS) per layer, the matrices as pack_rows(W) with W [out, in] (qkv: q, k, v rows stacked; gate_up:
     gate then up rows), norms [H] / [head_dim] fp32; layer_ids: each layer's index into the step's KV cache.
     -> [final normed hidden [T, H], residual stream after the last block [T, H], the stream after each other block]."""

@@ -35,7 +35,7 @@ from engine.layers.cpu_compile import agrees, compile_frozen
 from engine.layers.packed_gemm import BUCKETS, PackedGemm
 from engine.layers.rotary import RopeAt
 from engine.layers.streamed_gemm import STREAMED_BUCKETS
-from engine.models.native_stack import native_target
+from engine.models.native_stack import native_mtp, native_target
 from kernels.attention import cpu_attention_step, cpu_kernel_serves, paged_attention_layer
 from kernels.norm_rope import rope_rows
 
@@ -244,5 +244,7 @@ def mtp_pieces(head, full: bool = False) -> PiecewiseForward:
         out, residual = block.finish(attn, residual)
         return (head.shared_head.norm(out + residual),)
 
-    return PiecewiseForward("mtp head", first, [], last, [block.self_attn.attn], head.rotary.cos_sin,
-                            head.cfg.hidden_size, head.eh_proj.weight.dtype, full)
+    pieces = PiecewiseForward("mtp head", first, [], last, [block.self_attn.attn], head.rotary.cos_sin,
+                              head.cfg.hidden_size, head.eh_proj.weight.dtype, full)
+    pieces.native = lambda: native_mtp(head)
+    return pieces

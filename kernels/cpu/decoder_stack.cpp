@@ -11,7 +11,7 @@
 // thousand floats, cheaper than waking a second thread.
 //
 // Semantics are the eager forward's (engine/models/llama.py, kernels/norm_rope.py's references), in fp32:
-//   stream = embed(ids); h = norm_in(stream)                          (layer 0)
+//   stream = embed(ids) (or the input rows given); h = norm_in(stream) (layer 0)
 //   h, stream = norm_in(h_prev + stream), h_prev + stream             (later layers)
 //   q, k, v = split(h W_qkv^T + b); q, k = qk_norm(q, k); rope(q, k); a = attention(q, k, v)
 //   h, stream = norm_post(a W_o^T + b + stream), a W_o^T + b + stream; h = down(silu(gate(h)) * up(h))
@@ -104,7 +104,11 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& input_ids, const at::Ten
   const int64_t L = int64_t(layer_ids.size());
   TORCH_CHECK(L > 0 && int64_t(weights.size()) == L * SLOTS, "decoder_stack: ", SLOTS, " weight slots per layer for ",
               L, " layers, got ", weights.size());
-  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong, "input_ids int64 [T]");
+  // Token ids, or the first block's input itself (a draft head's: its own projection of an embedding and a hidden)
+  const bool given = input_ids.is_floating_point();
+  TORCH_CHECK(given ? input_ids.dim() == 2 && input_ids.scalar_type() == at::kFloat && input_ids.size(1) == embed.size(1)
+                    : input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong,
+              "decoder_stack: input_ids int64 [T], or the first block's input fp32 [T, H]");
   TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat, "embed fp32 [V, H]");  // any strides (matvec_layout)
   for (int64_t l = 0; l < L; ++l) {  // a missing or misshapen weight is an error here, not a crash below
     for (int s : {IN_NORM, POST_NORM})
@@ -131,9 +135,9 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& input_ids, const at::Ten
   const int64_t R = c2.size(1);
   const auto f32 = embed.options();
 
-  at::Tensor stream = at::empty({T, H}, f32), h = at::empty({T, H}, f32);
+  at::Tensor stream = given ? input_ids.contiguous().clone() : at::empty({T, H}, f32), h = at::empty({T, H}, f32);
   at::Tensor streams = at::empty({std::max<int64_t>(L - 1, 0), T, H}, f32);
-  {
+  if (!given) {
     const int64_t* ids = input_ids.data_ptr<int64_t>();
     const float* e = embed.data_ptr<float>();
     const int64_t sv = embed.stride(0), sh = embed.stride(1);

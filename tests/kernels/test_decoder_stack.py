@@ -118,6 +118,28 @@ def test_silu_of_large_activations():
         torch.testing.assert_close(g.double(), w, atol=1e-3, rtol=1e-3)
 
 
+def test_given_input_rows_equal_the_embedded_ids():
+    """A draft head's block is handed its first input as rows [T, H] (not token ids): the op then runs the same stack
+    on them, so rows equal to embed[ids] give the ids' outputs exactly; rows of another dtype or width are refused."""
+    gen = torch.Generator().manual_seed(4)
+    layer = _layer(gen, False, False)
+    weights = [pack_rows(layer[s]) if s in ("qkv", "o", "gate_up", "down") else layer.get(s) for s in SLOTS]
+    embed = torch.randn(V, H, generator=gen)
+    ids = torch.randint(0, V, (3,), generator=gen)
+    cos2, sin2 = rope_rows(torch.arange(3), torch.randn(8, D, generator=gen))
+    outs = []
+    for first in (ids, embed[ids].clone()):
+        kv = torch.zeros(1, 2, 2, 16, HKV, D)
+        with cpu_attention_step(kv, torch.arange(16, 19), torch.tensor([[1]], dtype=torch.int32),
+                                torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)):
+            outs.append(decoder_stack(first, embed, cos2, sin2, weights, torch.ones(H), [0], HQ, HKV, D, I, EPS,
+                                      D ** -0.5))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    for bad in (embed[ids].double(), torch.randn(3, H + 1)):
+        with pytest.raises(RuntimeError, match="first block's input"):
+            decoder_stack(bad, embed, cos2, sin2, weights, torch.ones(H), [0], HQ, HKV, D, I, EPS, 1.0)
+
+
 def test_errors_name_what_is_wrong():
     gen = torch.Generator().manual_seed(0)
     embed = torch.randn(V, H, generator=gen)

@@ -90,6 +90,8 @@ def test_engine_compiled_on_cpu_matches_the_eager_engine(zoo_dir, mode, method):
         assert (runner.model.layers[0].self_attn.qkv_proj.packed is None) != streamed  # inside a piece, or streamed
         whole = set(every) if mode == "full" and cpu_ext.available() else set()
         assert target.whole == whole and (method != "mtp" or runner.proposer.head.piecewise.whole == whole)
+        # where whole graphs serve, the C++ stack op serves them (the MTP head's too: native_stack.native_mtp)
+        assert target.native_buckets == whole and (method != "mtp" or draft.native_buckets == whole)
     else:
         assert runner.model.piecewise is None
         assert runner.model.layers[0].self_attn.qkv_proj.packed.kernels == {1: True, 4: True, 8: True, 16: True}

@@ -90,3 +90,7 @@ def test_full_streams_bf16_copies_and_matches_the_eager_engine(zoo_dir, one_thre
         torch.testing.assert_close(torch.tensor([lp.logprob for lp in g.logprobs]),
                                    torch.tensor([lp.logprob for lp in w.logprobs]), rtol=1e-4, atol=1e-4)
     assert full.engine.stats()["spec"]["mean_accepted_length"] > 1  # drafts were accepted, not only verified
+    from kernels import cpu_ext
+    if cpu_ext.available():  # the head's block ran through the C++ stack op (engine/models/native_stack.py native_mtp)
+        head = runner.proposer.head.piecewise
+        assert head.native_buckets and head.native_buckets == head.whole and head.runs > 10
