@@ -74,18 +74,24 @@ inline void block_rows(const float* x, int64_t K, const wt* w, float (&acc)[2][B
 #endif
 }
 
+constexpr int64_t PREFETCH_ROWS = 8;
+
 template <typename wt, typename ot>
 void run(const float* x, int64_t M, int64_t K, const wt* w, int64_t N, const float* bias, ot* y) {
   const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  // Up to PREFETCH_ROWS rows every pass prefetches the next block: while the later row pairs compute from L1/L2,
+  // memory keeps streaming (1 / 2 / 4 rows of SmolLM2's layers: 0.94x / 0.91x / 0.89x the time without). Past that
+  // the passes are bound by arithmetic and the prefetches only compete (16 / 32 rows: 1.14x / 1.20x the time).
+  const bool prefetch = M <= PREFETCH_ROWS;
   // Whole blocks per thread (each 32 x K, ~72 KB in fp32 at K = 576): enough to be worth a second thread's wake-up.
   at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
     float acc[2][BLOCK];
     for (int64_t b = begin; b < end; ++b) {
       const wt* wb = w + b * K * BLOCK;
       const int64_t n0 = b * BLOCK, nr = std::min<int64_t>(BLOCK, N - n0);
+      const char* ahead = prefetch && b + 1 < end ? reinterpret_cast<const char*>(wb + K * BLOCK) : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += 2) {  // later pairs of rows read the block from L1/L2
         const int mr = int(std::min<int64_t>(2, M - m0));
-        const char* ahead = b + 1 < end ? reinterpret_cast<const char*>(wb + K * BLOCK) : nullptr;
         if (mr == 2)
           block_rows<2>(x + m0 * K, K, wb, acc, ahead);
         else
