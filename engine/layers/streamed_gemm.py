@@ -22,7 +22,11 @@ MAX_ROWS = BUCKETS[-1]  # the largest row bucket a compiled graph pads to
 # CPU's FMA throughput bounds few-row matmuls a row costs: SmolLM2's layers at 2 / 4 rows cost 1.11x / 1.38x one
 # row on the 2-core Zen-1 EPYC (bench/results/linear_rows_cpu.md), so k=1 at batch 1 (and batch 2 without
 # speculation) verifies 2 rows, not 4 padded ones.
-STREAMED_BUCKETS = (1, 2, *BUCKETS[1:])
+# And a 32-row bucket served only by the C++ stack op (engine/models/native_stack.py), never an inductor graph: a
+# speculative step at batch 16 (16 requests x 2 rows at k=1) ran eagerly, ~3.6x a plain batch-16 step on the 2-core
+# EPYC, where 32 rows of streamed bf16 weights cost ~1.3x 16 rows'.
+STREAMED_BUCKETS = (1, 2, *BUCKETS[1:], 32)
+NATIVE_ONLY_ROWS = MAX_ROWS  # buckets above it run only as the C++ stack op (else eagerly)
 
 
 class StreamedGemm:

@@ -34,7 +34,7 @@ from engine.layers.attention import current_metadata
 from engine.layers.cpu_compile import agrees, compile_frozen
 from engine.layers.packed_gemm import BUCKETS, PackedGemm
 from engine.layers.rotary import RopeAt
-from engine.layers.streamed_gemm import STREAMED_BUCKETS
+from engine.layers.streamed_gemm import NATIVE_ONLY_ROWS, STREAMED_BUCKETS
 from engine.models.native_stack import native_mtp, native_target
 from kernels.attention import cpu_attention_step, cpu_kernel_serves, paged_attention_layer
 from kernels.norm_rope import rope_rows
@@ -121,7 +121,7 @@ class PiecewiseForward:
                            else torch.randn((rows, *x.shape[1:]), generator=gen, dtype=x.dtype) for x in like)
             cos2, sin2 = rope_rows(torch.arange(rows), self.cos_sin)
             compiled = self._compile_whole(rows, (*inputs, cos2, sin2)) if self.fusable else None
-            if compiled is None:
+            if compiled is None and rows <= NATIVE_ONLY_ROWS:
                 compiled = self._compile_pieces(rows, (*inputs, cos2, sin2), gen)
             self._compiled[rows] = compiled
             return compiled
@@ -176,6 +176,8 @@ class PiecewiseForward:
                 if agrees(f"{self.name}'s C++ forward ({rows} rows)", got, want, depth=len(attentions)):
                     self.native_buckets.add(rows)
                     return native
+            if rows > NATIVE_ONLY_ROWS:  # past the streamed matmuls' rows: the C++ op or the eager forward
+                return None
             return compile_frozen(f"{self.name} forward ({rows} rows)", whole, args, depth=len(attentions))
 
     def _compile_pieces(self, rows: int, args: tuple[torch.Tensor, ...], gen: torch.Generator) -> list[Callable] | None:

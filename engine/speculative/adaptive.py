@@ -36,7 +36,8 @@ the cost of k - 1, k = 0's included, is measured too), unless the estimates put 
 the decided k: then only in one of EXPLORE_FAR rounds (exploring costs three short steps, about 3% of guided JSON's
 tokens at batch 1 where k = 3 wins by 16%: bench/results/gpu_check_3_cuda.md); at k = 0, which observes nothing,
 two steps at k = 1 after every EXPLORE_IDLE. Either pair runs only when its cost beyond the decided k's fits
-EXPLORE_BUDGET (5%) of the time: where a draft costs several plain steps (large batches on a CPU), the pairs space out.
+EXPLORE_BUDGET (5%) of the time: where a draft costs several plain steps (large batches on a CPU), the pairs space out;
+a k costing k + 1 plain steps or more, which cannot pay even if every draft is accepted, is never explored.
 
 Agreement. The decision is integer arithmetic over fixed-point sums (vote/decide), so every rank that sees
 the same votes picks the same k. Under attention data parallelism each rank's vote (its requests' G and its
@@ -382,7 +383,7 @@ class AdaptiveK:
         self.idle = self.idle + 1 if k == 0 else 0
         if k:
             self._idle_second = False
-        if k == 0 and self.idle > EXPLORE_IDLE and k_max > 0:
+        if k == 0 and self.idle > EXPLORE_IDLE and k_max > 0 and _can_pay(vote, 1):
             extra = _extra(vote, 0, 1)
             if self._idle_second or self.credit >= 2 * extra:
                 self.credit -= extra
@@ -396,7 +397,7 @@ class AdaptiveK:
             other = k + 1 if k == 0 or (up and k < min(k_max, len(vote.gain))) else k - 1
             if self.steps % EXPLORE_EVERY == 0:  # the round's first step decides for both
                 self._exploring = (k_max > 0 and ((rnd // 2) % EXPLORE_FAR == 1 or near(vote, k, other))
-                                   and self.credit >= 2 * _extra(vote, k, other))
+                                   and _can_pay(vote, other) and self.credit >= 2 * _extra(vote, k, other))
             if self._exploring and k_max > 0:
                 self.credit -= _extra(vote, k, other)
                 k = other
@@ -406,6 +407,14 @@ class AdaptiveK:
 def _cost(vote: Vote, k: int) -> int:
     """c(k) in thousandths of a plain step (c(0) = SCALE)."""
     return vote.cost[k - 1] if k else SCALE
+
+
+def _can_pay(vote: Vote, k: int) -> bool:
+    """Could k beat no speculation at all: a step at k emits at most k + 1 tokens a request, so a k costing k + 1
+    plain steps or more loses even if every draft is accepted, and exploring it only spends (SmolLM2 at batch 16 on a
+    2-core CPU: k = 1 costs ~2.4 plain steps; its exploring pairs were ~9% of adaptive k's time there,
+    bench/results/real_spec_kernels_b16_cpu.md)."""
+    return k == 0 or _cost(vote, min(k, len(vote.cost))) < (k + 1) * SCALE
 
 
 def _extra(vote: Vote, k: int, other: int) -> int:

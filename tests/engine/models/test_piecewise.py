@@ -32,7 +32,8 @@ def test_layers_match_the_eager_forward(checkpoints, arch, mode, one_thread_modu
     pieces = llm.engine.runner.model.piecewise
     assert pieces.runs >= 8  # the decode steps (one batch of ten tokens) and the short prompts
     assert {1, 4} <= set(pieces.buckets) and all(pieces.buckets.values())
-    assert max(pieces.buckets) <= 16
+    # 16 rows at most, and under "full" a 32-row bucket that only the C++ stack op serves (streamed_gemm.py)
+    assert max(pieces.buckets) <= (32 if mode == "full" and cpu_ext.available() else 16)
     assert pieces.whole == (set(pieces.buckets) if mode == "full" and cpu_ext.available() else set())
     # "full": the target's forward one C++ call (engine/models/native_stack.py), where it agreed on every probe
     assert pieces.native_buckets == pieces.whole
