@@ -308,12 +308,26 @@ def test_choose_explores_k1_soon_after_settling_at_zero():
     assert ks.count(1) == 3 and ks[-2:] == [1, 1], ks  # the count of idle steps starts again after a step at k > 0
 
 
-def test_seeded_sampling_equals_no_speculation_with_adaptive_k(llama_dir, near_draft):
+def test_seeded_sampling_equals_no_speculation_with_adaptive_k(llama_dir, near_draft, monkeypatch):
     """Seeded sampling is bit for bit the same whatever k each step takes (coupled verification), and unseeded
-    sampling runs (rejection sampling reads the draft distributions a shorter chain wrote only in part)."""
+    sampling runs (rejection sampling reads the draft distributions a shorter chain wrote only in part).
+
+    The k each step takes comes from a fixed schedule through 0..3 laid over the controller's own decision (which
+    still runs, so its state moves as in a real run): what the controller picks depends on this machine's step times
+    (a draft model as large as the target costs ~2 plain steps at k = 1, which cannot pay, so on a slow CI machine it
+    settled at k = 0 and never moved), and this test is about verification across changing k, not about pricing."""
+    import itertools
+
     from engine import SamplingParams
 
-    # long enough for the exploring steps (past EXPLORE_EVERY steps), so k moves whatever the votes say
+    schedule = itertools.cycle((3, 0, 2, 1, 1, 3, 0, 0, 2, 3, 3, 1))
+    decide = A.AdaptiveK.choose
+
+    def scheduled(self, vote, k_max):
+        decide(self, vote, k_max)
+        return min(next(schedule), k_max)
+
+    monkeypatch.setattr(A.AdaptiveK, "choose", scheduled)
     params = [SamplingParams(max_tokens=90, temperature=(0.7, 1.0)[i % 2], seed=(70 + i if i % 3 else None),
                              ignore_eos=True) for i in range(6)]
     prompts = random_prompts(6, seed=4)
@@ -324,7 +338,8 @@ def test_seeded_sampling_equals_no_speculation_with_adaptive_k(llama_dir, near_d
     assert [o.token_ids for p, o in zip(params, outs) if p.seed is not None] == \
            [o.token_ids for p, o in zip(params, want) if p.seed is not None]
     assert all(len(o.token_ids) == 90 for o in outs)
-    assert sum(n > 0 for n in llm.engine.stats()["spec"]["dynamic_k_steps"]) >= 2  # k moved
+    steps = llm.engine.stats()["spec"]["dynamic_k_steps"]
+    assert all(n > 0 for n in steps), steps  # every k ran, after every other
 
 
 def test_exploring_a_dear_k_spends_at_most_its_budget():
