@@ -87,6 +87,10 @@ class SpecConfig:
     # Adaptive k's start-up cost probe (engine/runner/cost_probe.py): steps of idle requests timed at each batch size
     # and k before the first request, the cost table's prior. Off: the prior is a line 1 + 0.2 k (to measure it).
     cost_probe: bool = True
+    # mtp, eagle3 chains with adaptive_k, without ADP: a step that drafts nothing (k = 0) skips the head's pass
+    # over its decoding rows, which a later drafting step catches up from their stored inputs
+    # (engine/speculative/deferred_kv.py). Off: every step runs it (to measure it).
+    defer_draft_kv: bool = True
     # mtp, eagle3: a file of the target token ids the head may draft (engine/speculative/token_map.py):
     # its LM head multiplies those rows only. None: the head's whole vocabulary.
     token_map: str | None = None

@@ -9,7 +9,8 @@ Two hooks, both host bookkeeping with no tensors:
 - `progress(req)`, after each step's update: full blocks whose KV is final are registered. A draft head
   with KV of its own (MTP, EAGLE-3) writes a position's KV once the next token is known, so its blocks
   are final one token later (`draft_lag`): a cached block always carries the head's KV too, never a stale
-  one, and a request that reuses it drafts exactly as it would have after computing it.
+  one, and a request that reuses it drafts exactly as it would have after computing it. Where the head's pass
+  was deferred (engine/speculative/deferred_kv.py), blocks are final only once it caught up.
 
 Grammar state is per request and not cached; preemption frees a request's references (free blocks stay
 cached), so a preempted request usually gets its own prefix back on re-admission.
@@ -101,6 +102,8 @@ class PrefixCache:
         if req.status is RequestStatus.RESERVED:  # a hand-over whose KV has not landed: its blocks hold nothing yet
             return 0
         final = req.num_computed_tokens - self.draft_lag
+        if req.draft_holes_from is not None:  # the head's KV deferred from there (deferred_kv.py): not final yet
+            final = min(final, req.draft_holes_from)
         if final < self.block_size:
             return 0
         done, upto = req.num_cached_blocks, final // self.block_size

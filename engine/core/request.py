@@ -77,6 +77,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (after token_ids)
     spec_forced: int = 0  # bit j set: spec_token_ids[j] is a token the grammar forced, not a guess
     handover_drafts: HandoverDrafts | None = None  # a parked request's first drafts (engine/handover.py)
+    # The first position whose draft-head KV was deferred (engine/speculative/deferred_kv.py): positions from it to
+    # the computed ones hold the target's KV but not yet the head's; None: the head's KV is whole.
+    draft_holes_from: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     prefill_only: bool = False
     finish_reason: str | None = None

@@ -211,6 +211,7 @@ class Scheduler:
             self.prefix_cache.forget(req)
         self.blocks.free(req.request_id)
         req.num_computed_tokens = req.num_cached_blocks = 0
+        req.draft_holes_from = None  # recomputed from its prompt, whose rows always fill the head's KV
         req.spec_token_ids = []  # the recomputed prompt's last chunk samples anew, then drafts anew
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1

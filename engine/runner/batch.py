@@ -57,6 +57,9 @@ class StepBatch:
     # a graph replay copies it in one go
     staged: torch.Tensor
     staged_layout: tuple[int, ...]
+    # where a head's KV is deferred (engine/speculative/deferred_kv.py), the rows a step without drafts fills it over
+    # (its prompt rows); None: none
+    draft_fill: object | None = None
 
 
 @dataclass(frozen=True, slots=True)

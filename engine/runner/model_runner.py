@@ -27,6 +27,8 @@ from engine.runner.batch import StepBatch, build_batch
 from engine.runner.overlap import InFlight, carry_inputs
 from engine.runner.step import StepOutput, model_step
 from engine.sample.sampler import SamplingMode
+from engine.speculative import deferred_kv
+from engine.speculative.deferred_kv import CatchUp
 from engine.speculative.drafter import Drafter
 from engine.speculative.loading import DraftTarget
 from engine.speculative.proposer import Proposer
@@ -66,6 +68,7 @@ class PreparedStep:
     graph: bool  # replay a captured graph (batch is padded to its size)
     masker: LogitsMasker | None  # None: no row of this step is constrained
     dp_rows: int | None = None  # ADP eager step: the group's padded row count around each MLP
+    catch_up: CatchUp | None = None  # a deferred head's KV written before the step (engine/speculative/deferred_kv.py)
 
 
 class ModelRunner:
@@ -270,7 +273,13 @@ class ModelRunner:
         if carry_from is not None:
             assert masker is None and self.dp is None, "a carried step has no masks and no ADP agreement"
             carry_inputs(batch, scheduled, carry_from, self.k, padded=graph)
-        return PreparedStep(batch, len(scheduled), graph, masker, None if graph else rows)
+        catch = None
+        if self.proposer is not None and self.proposer.stash is not None:
+            counts = [self.k + 1 if graph else s.num_new_tokens for s in scheduled]
+            fill, catch = deferred_kv.plan(scheduled, batch.attn, counts, batch.draft_passes > 0,
+                                           blocks, self.device)
+            batch = dataclasses.replace(batch, draft_fill=fill)
+        return PreparedStep(batch, len(scheduled), graph, masker, None if graph else rows, catch)
 
     def _share(self, padded: int | None = None):
         """ADP with draft trees: how a step's verification outcomes reach every rank (tree_step.group_outcomes).
@@ -333,6 +342,8 @@ class ModelRunner:
                 step.masker.end_step()
 
     def _forward(self, step: PreparedStep) -> StepOutput:
+        if step.catch_up is not None:  # eager, before a graph's replay too (its rows vary from step to step)
+            deferred_kv.catch_up(self.proposer, step.catch_up, step.batch.input_ids, step.batch.sampling)
         return (self.graphs.replay(step.batch, step.masker) if step.graph
                 else self.run_step(step.batch, step.masker, step.dp_rows))
 

@@ -14,8 +14,9 @@ released. A request that N finished (an eos, a stop string) still ran in N+1: th
 Steps run overlapped only where nothing in N+1 depends on N on the host (`carry_blocker`): no grammar
 (a mask needs the matcher advanced through N's tokens), no penalties (their counts are built from the
 output tokens), no prompt lookup (it drafts from the tokens), no attention data parallelism (its
-agreement is a collective of its own), no prefill-only requests (they park after sampling), nothing to
-preempt. Otherwise the engine finishes N first and runs a synchronous step, as without the option.
+agreement is a collective of its own), no prefill-only requests (they park after sampling), no draft-head
+KV deferred (engine/speculative/deferred_kv.py), nothing to preempt. Otherwise the engine finishes N
+first and runs a synchronous step, as without the option.
 
 On a CPU the "device" is the calling thread itself (torch runs eagerly there), so nothing is hidden,
 only reordered; the option is for GPUs, where kernel launches return at once. Threads do not help on a
@@ -67,6 +68,10 @@ def carry_blocker(req: Request, drafts_on_host: bool) -> str | None:
         return "prefill-only"
     if drafts_on_host:
         return "prompt lookup"
+    if req.draft_holes_from is not None:
+        # the draft head's deferred KV is caught up from host-known positions and tokens, which a carried step
+        # has not read (engine/speculative/deferred_kv.py)
+        return "deferred draft KV"
     return None
 
 

@@ -8,7 +8,7 @@
    the others by lossless rejection sampling against the draft distributions kept from the previous
    step; engine/sample/verify.py); with k = 0 that is plain sampling;
 4. the draft: its KV over all rows, then k drafts from each request's last verified row, each draft
-   step masked too.
+   step masked too (a head's KV over decoding rows waits while no step drafts: engine/speculative/deferred_kv.py).
 
 No host syncs and no data-dependent shapes: everything that depends on how many drafts were
 accepted (rows, positions, slots) is a gather on the device. Rejected drafts need no cleanup: the
@@ -26,6 +26,7 @@ from engine.masking.masker import LogitsMasker, StepMasks
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.batch import StepBatch
 from engine.sample.verify import Verified, verify
+from engine.speculative.deferred_kv import stash_rows
 from engine.speculative.proposer import ProposeInputs, Proposer
 
 
@@ -86,9 +87,19 @@ def model_step(target: LlamaForCausalLM, proposer: Proposer | None, batch: StepB
     after = batch.next_tokens.index_select(0, out_rows)
     next_tokens = batch.next_tokens.index_copy(0, out_rows, torch.where(batch.samples, bonus, after))
     hidden = proposer.first_hidden(final, captured)  # [T, H_in] or None
+    input_ids, positions, attn = batch.input_ids, batch.positions, batch.attn
+    if proposer.stash is not None:  # the head's KV may be deferred (engine/speculative/deferred_kv.py)
+        stash_rows(proposer.stash, batch.attn.slot_mapping, hidden)
+        if batch.draft_passes == 0:  # no drafts this step: the head's pass runs over prompt rows only, if any
+            fill = batch.draft_fill
+            if fill is None:
+                return StepOutput(v.tokens, v.num_accepted, None, v.logprobs, v.top_ids, v.top_logprobs)
+            hidden, next_tokens = hidden.index_select(0, fill.rows), next_tokens.index_select(0, fill.rows)
+            input_ids, positions, attn = input_ids.index_select(0, fill.rows), positions.index_select(0, fill.rows), \
+                fill.attn
     drafts, probs = proposer.propose(ProposeInputs(
-        hidden=hidden, input_ids=batch.input_ids, next_tokens=next_tokens, positions=batch.positions,
-        attn=batch.attn, out_rows=out_rows, slot_limit=batch.slot_limit, max_seq_len=batch.chain_max_seq_len,
+        hidden=hidden, input_ids=input_ids, next_tokens=next_tokens, positions=positions,
+        attn=attn, out_rows=out_rows, slot_limit=batch.slot_limit, max_seq_len=batch.chain_max_seq_len,
         chain=batch.propose and batch.draft_passes > 0, sampling=batch.sampling, passes=batch.draft_passes,
         mask=masks.draft_step(v.tokens, v.num_accepted) if masks is not None and draft_masks else None))
     if use_probs and probs is not None:

@@ -17,6 +17,7 @@ from engine.config import SpecConfig
 from engine.core.request import Request
 from engine.handover import HandoverDrafts
 from engine.speculative.adaptive import AdaptiveK, Vote
+from engine.speculative.deferred_kv import deferrable, make_stash, stash_width
 from engine.speculative.loading import DraftTarget, load_proposer
 from engine.speculative.ngram import propose_ngram
 from engine.speculative.proposer import Proposer
@@ -64,6 +65,11 @@ class Drafter:
         self.adaptive = (AdaptiveK(self.k, measured=cfg.tp_size == 1 or cfg.attention_dp > 1)
                          if spec is not None and spec.adaptive_k else None)
         self.draft_passes: int | None = None  # the draft chain's passes this step (None: k)
+        # A head's KV over decoding rows waits while no step drafts (adaptive k at 0; engine/speculative/
+        # deferred_kv.py): the width of the head's input its stash keeps per KV slot, or 0 where nothing defers.
+        self.stash_width = (stash_width(self.proposer, target.model_cfg.hidden_size, self.device)
+                            if deferrable(self.proposer, self.tree, cfg.attention_dp > 1,
+                                          spec is not None and spec.defer_draft_kv and spec.adaptive_k) else 0)
         self._timed: tuple[int, int] | None = None  # (batch, k) of the step being timed
 
     def k_for(self, batch: int) -> int:
@@ -126,16 +132,20 @@ class Drafter:
     def attach_caches(self, kv_cache: torch.Tensor, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         """kv_cache: the target's, just allocated (the draft's layers extend it when they share its shape)."""
         self._target_cache = kv_cache
+        if self.stash_width:
+            self.proposer.stash = make_stash(num_blocks * block_size, self.stash_width, dtype, kv_cache.device)
         if self.proposer is not None and not self.shares_cache:
             heads, head_dim = self.draft_kv_shape
             self.draft_cache = torch.zeros((self.proposer.num_cache_layers, 2, num_blocks, block_size, heads, head_dim),
                                            dtype=dtype, device=kv_cache.device)
 
     def separate_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes per KV block outside the target's cache tensor: a draft cache of its own, a deferred head's stash."""
+        stash = block_size * self.stash_width * dtype.itemsize
         if self.proposer is None or self.shares_cache:
-            return 0
+            return stash
         heads, head_dim = self.draft_kv_shape
-        return 2 * self.proposer.num_cache_layers * block_size * heads * head_dim * dtype.itemsize
+        return stash + 2 * self.proposer.num_cache_layers * block_size * heads * head_dim * dtype.itemsize
 
     # ------------------------------------------------------------------ draft state slots
     def slots(self, requests: list[Request]) -> list[int] | None:

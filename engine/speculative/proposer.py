@@ -110,6 +110,8 @@ class Proposer(ABC):
     tree_slots = None
     tree_table = None  # AcceptanceTable (tree_score.py) when trees rank nodes by estimated acceptance
     remap: torch.Tensor | None = None  # [Vd] target id of each draft id, when the vocabularies differ
+    # [slots + 1, H_in] a head's input of each KV slot, where its KV may be deferred (deferred_kv.py); else None
+    stash: torch.Tensor | None = None
     d2t: torch.Tensor | None = None  # [Vd] the same map as offsets (target id = draft id + d2t): bitmask kernels
 
     def __init__(self, k: int, vocab_size: int, kv_cache_ref):
