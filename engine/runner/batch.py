@@ -10,6 +10,7 @@ size and block tables to a fixed width, so every shape depends on the padded bat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import AttentionMetadata
 from engine.runner.staging import to_device
 from engine.sample.sampler import SamplingBatch, build_sampling, sampling_columns
+
+if TYPE_CHECKING:
+    from engine.speculative.deferred_kv import DraftFill
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +63,7 @@ class StepBatch:
     staged_layout: tuple[int, ...]
     # where a head's KV is deferred (engine/speculative/deferred_kv.py), the rows a step without drafts fills it over
     # (its prompt rows); None: none
-    draft_fill: object | None = None
+    draft_fill: DraftFill | None = None
 
 
 @dataclass(frozen=True, slots=True)

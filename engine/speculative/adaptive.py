@@ -37,7 +37,8 @@ the decided k: then only in one of EXPLORE_FAR rounds (exploring costs three sho
 tokens at batch 1 where k = 3 wins by 16%: bench/results/gpu_check_3_cuda.md); at k = 0, which observes nothing,
 two steps at k = 1 after every EXPLORE_IDLE. Either pair runs only when its cost beyond the decided k's fits
 EXPLORE_BUDGET (5%) of the time: where a draft costs several plain steps (large batches on a CPU), the pairs space out;
-a k costing k + 1 plain steps or more, which cannot pay even if every draft is accepted, is never explored.
+a k that could not beat no speculation even if its requests accepted half the drafts they are estimated to miss
+is not explored (at batch 64 on a 2-core CPU k = 1 costs ~1.9 plain steps against GSM8K's 0.4 drafts accepted).
 
 Agreement. The decision is integer arithmetic over fixed-point sums (vote/decide), so every rank that sees
 the same votes picks the same k. Under attention data parallelism each rank's vote (its requests' G and its
@@ -90,6 +91,9 @@ EXPLORE_IDLE = 8
 # ten, as EXPLORE_IDLE alone would, ran adaptive k at 0.49x no speculation (bench/results/
 # real_spec_bf16w_b16_adaptive_cpu.md).
 EXPLORE_BUDGET = 50
+# Exploring a k supposes its requests accept this share (thousandths) of the drafts the estimate says they miss: a k
+# that could not beat no speculation even so is not explored (_can_pay).
+EXPLORE_OPTIMISM = 500
 MAX_CREDIT = 2 * round(MAX_COST) * SCALE  # above any pair's extra cost, so a dear pair still runs now and then
 # A switch of k must promise this much more (thousandths): raising k pays one step whose verified drafts are
 # still the old, shorter chain's, and near-ties flip on noise (bench/adaptive_k.py: k flipping between 0 and 1).
@@ -410,11 +414,18 @@ def _cost(vote: Vote, k: int) -> int:
 
 
 def _can_pay(vote: Vote, k: int) -> bool:
-    """Could k beat no speculation at all: a step at k emits at most k + 1 tokens a request, so a k costing k + 1
-    plain steps or more loses even if every draft is accepted, and exploring it only spends (SmolLM2 at batch 16 on a
-    2-core CPU: k = 1 costs ~2.4 plain steps; its exploring pairs were ~9% of adaptive k's time there,
-    bench/results/real_spec_kernels_b16_cpu.md)."""
-    return k == 0 or _cost(vote, min(k, len(vote.cost))) < (k + 1) * SCALE
+    """Could k beat no speculation if its requests accepted EXPLORE_OPTIMISM of the drafts the estimate says they
+    miss: exploring a k that could not only spends. With every draft accepted (the bound this was first), a k costing
+    under k + 1 plain steps stayed worth exploring: SmolLM2 at batch 64 on a 2-core CPU, k = 1 at 1.9 plain steps and
+    0.41 drafts accepted a request, explored 4-21 of ~63 steps and ran 0.84-0.91x of no speculation
+    (bench/results/deferred_kv_cpu.md). The estimates decay toward their priors while nothing is observed, so a
+    workload that turns predictable is explored again."""
+    if k == 0:
+        return True
+    j = min(k, len(vote.cost))
+    gain = vote.gain[j - 1]
+    hopeful = gain + EXPLORE_OPTIMISM * (vote.requests * j * SCALE - gain) // SCALE
+    return (vote.requests * SCALE + hopeful) * SCALE > vote.requests * SCALE * _cost(vote, j)
 
 
 def _extra(vote: Vote, k: int, other: int) -> int:
