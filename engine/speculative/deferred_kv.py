@@ -116,7 +116,8 @@ def _fill(attn: AttentionMetadata, rows: list[int], reqs: list[tuple[int, int]],
     r = torch.tensor(rows, dtype=torch.int64, device=device)
     sub = AttentionMetadata(kv_cache=attn.kv_cache, slot_mapping=attn.slot_mapping.index_select(0, r),
                             block_tables=attn.block_tables.index_select(0, idx),
-                            seq_lens=attn.seq_lens.index_select(0, idx), query_start_loc=qsl, max_q_len=max(counts), max_seq_len=attn.max_seq_len)
+                            seq_lens=attn.seq_lens.index_select(0, idx), query_start_loc=qsl, max_q_len=max(counts),
+                            max_seq_len=attn.max_seq_len)
     return DraftFill(r, sub)
 
 
