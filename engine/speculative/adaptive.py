@@ -418,7 +418,7 @@ def _can_pay(vote: Vote, k: int) -> bool:
     miss: exploring a k that could not only spends. With every draft accepted (the bound this was first), a k costing
     under k + 1 plain steps stayed worth exploring: SmolLM2 at batch 64 on a 2-core CPU, k = 1 at 1.9 plain steps and
     0.41 drafts accepted a request, explored 4-21 of ~63 steps and ran 0.84-0.91x of no speculation
-    (bench/results/deferred_kv_cpu.md). The estimates decay toward their priors while nothing is observed, so a
+    (bench/results/deferred_kv_run1_cpu.md). The estimates decay toward their priors while nothing is observed, so a
     workload that turns predictable is explored again."""
     if k == 0:
         return True
