@@ -152,3 +152,24 @@ def test_stash_is_budgeted_with_the_kv(zoo_dir):
     assert stash.shape[0] == 32 * 4 + 1
     assert on.engine.runner.kv_block_bytes() - off.engine.runner.kv_block_bytes() == 4 * stash.shape[1] * \
         stash.element_size()
+
+
+def test_a_handed_over_request_defers_and_catches_up_on_the_decode_side(zoo_dir, scheduled_k):
+    """Disaggregated: the prefill engine fills the head's KV over the prompt (prompt rows are never deferred) and the
+    KV travels; the decode engine defers and catches up as one engine does. Same tokens and accepted drafts as a
+    decode engine whose head passes every row."""
+    from engine import EngineConfig, LLMEngine
+    from tests.engine.test_handover_drafts import decode_all, hand_over
+
+    got = {}
+    for defer in (False, True):
+        scheduled_k()
+        spec = SpecConfig(method="mtp", k=3, draft=f"{zoo_dir}/mtp", adaptive_k=True, defer_draft_kv=defer)
+        prefill, decode = (LLMEngine(EngineConfig(model=f"{zoo_dir}/target", num_kv_blocks=64, block_size=4,
+                                                  speculative=spec)) for _ in range(2))
+        prompt = prefill.tokenizer.encode("Once upon a time there was a little dog")
+        hand_over(prefill, decode, "r", prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+        tokens, _ = decode_all(decode, "r")
+        got[defer] = (tokens, list(decode.spec_stats.accepted_length_hist), decode.stats()["spec"]["dynamic_k_steps"])
+    assert got[True] == got[False]
+    assert got[True][2][0] > 0 and sum(got[True][2][1:]) > 0  # it deferred, then drafted
