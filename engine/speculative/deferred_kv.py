@@ -29,6 +29,7 @@ import torch
 from engine.core.block_manager import BlockManager, kv_slots
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import AttentionMetadata
+from engine.runner.staging import to_device
 from engine.speculative.proposer import HeadProposer, ProposeInputs, Proposer
 
 
@@ -89,9 +90,7 @@ def plan(scheduled: list[ScheduledRequest], attn: AttentionMetadata, row_counts:
     t = 0
     for b, s in enumerate(scheduled):
         req, n = s.request, row_counts[b]
-        h = req.draft_holes_from
-        if h is not None and h >= s.start:  # recomputed since (a preemption): nothing before its rows is missing
-            h = None
+        h = req.draft_holes_from  # None again after a preemption (Scheduler._preempt): its rows are prompt rows
         if drafting or not decoding(s):
             if h is not None:
                 holes.append((b, h, s.start, t))
@@ -110,10 +109,10 @@ def plan(scheduled: list[ScheduledRequest], attn: AttentionMetadata, row_counts:
 
 
 def _fill(attn: AttentionMetadata, rows: list[int], reqs: list[tuple[int, int]], device) -> DraftFill:
-    idx = torch.tensor([b for b, _ in reqs], dtype=torch.int64, device=device)
     counts = [n for _, n in reqs]
-    qsl = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32, device=device)
-    r = torch.tensor(rows, dtype=torch.int64, device=device)
+    idx, qsl, r = to_device([np.array([b for b, _ in reqs], dtype=np.int64),
+                             np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+                             np.array(rows, dtype=np.int64)], device).tensors
     sub = AttentionMetadata(kv_cache=attn.kv_cache, slot_mapping=attn.slot_mapping.index_select(0, r),
                             block_tables=attn.block_tables.index_select(0, idx),
                             seq_lens=attn.seq_lens.index_select(0, idx), query_start_loc=qsl, max_q_len=max(counts),
@@ -145,15 +144,15 @@ def _catch_up(scheduled: list[ScheduledRequest], attn: AttentionMetadata, holes:
         qsl.append(c)
         seq_lens.append(end)
         reqs.append(b)
-
-    def dev(a, dtype=torch.int64):
-        return torch.as_tensor(np.asarray(a), dtype=dtype).to(device)
-
-    meta = AttentionMetadata(kv_cache=attn.kv_cache, slot_mapping=dev(slots),
-                             block_tables=attn.block_tables.index_select(0, dev(reqs)),
-                             seq_lens=dev(seq_lens, torch.int32), query_start_loc=dev(qsl, torch.int32),
-                             max_q_len=max(e - h for _, h, e, _ in holes), max_seq_len=max(seq_lens))
-    return CatchUp(dev(positions), dev(next_index), dev(tokens), meta, C)
+    # the host arrays in one copy (engine/runner/staging.py)
+    positions, next_index, tokens, slots, reqs, seq_lens_dev, qsl = to_device(
+        [positions, next_index, tokens, slots, np.array(reqs, dtype=np.int64), np.array(seq_lens, dtype=np.int32),
+         np.array(qsl, dtype=np.int32)], device).tensors
+    meta = AttentionMetadata(kv_cache=attn.kv_cache, slot_mapping=slots,
+                             block_tables=attn.block_tables.index_select(0, reqs), seq_lens=seq_lens_dev,
+                             query_start_loc=qsl, max_q_len=max(e - h for _, h, e, _ in holes),
+                             max_seq_len=max(seq_lens))
+    return CatchUp(positions, next_index, tokens, meta, C)
 
 
 def catch_up(proposer: HeadProposer, c: CatchUp, input_ids: torch.Tensor, sampling) -> None:
