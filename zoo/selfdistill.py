@@ -8,7 +8,10 @@ answers. Prompts come from the public evaluation data in `../shared/data` (see i
 - Vicuna-bench questions (open chat),
 - HumanEval prompts (code completion),
 - JSONSchemaBench schemas: "answer with a JSON object for this schema", half of them generated under the
-  schema's grammar (what guided requests look like to the head), half unguided.
+  schema's grammar (what guided requests look like to the head), half unguided;
+- chat queries the target writes itself (`synthesize_queries`, the Magpie method: an instruct model continued
+  from its chat template's opening of a user turn writes a user's message). The public sets hold only 80 open
+  chat questions, and open chat is where the heads agreed least with the target.
 
 Held aside for evaluation (never trained on): MT-Bench questions, GSM8K test, json-mode-eval, and every
 HumanEval task whose number is a multiple of 4. `prompt_set` is deterministic for a seed.
@@ -128,17 +131,100 @@ def done_keys(path: Path) -> set[str]:
     return keys
 
 
-def generate(model: str, prompts: list[Prompt], out: Path, *, max_tokens: int = 384, batch: int = 32,
+QUERY_SENTINEL = "\x00TANDEM-QUERY\x00"
+
+
+def query_prefix(tokenizer) -> str:
+    """The chat template's text up to where a user's message starts (its system turn, if the template adds
+    one, then the user turn's opening), found by rendering a sentinel message and cutting at it."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": QUERY_SENTINEL}], tokenize=False,
+                                         add_generation_prompt=False)
+    if QUERY_SENTINEL not in text:
+        raise ValueError("the chat template does not render the user's message verbatim; no query prefix")
+    return text.split(QUERY_SENTINEL)[0]
+
+
+def usable_query(text: str, finish_reason: str | None) -> str | None:
+    """A synthesized query worth answering: finished by the model (not cut at max_tokens), 16-800 characters,
+    no chat-template markup leaking into it."""
+    text = text.strip()
+    if finish_reason != "stop" or not 16 <= len(text) <= 800 or "<|" in text or "im_start" in text:
+        return None
+    return text
+
+
+def synthesize_queries(llm, path: Path, count: int, *, seed: int = 0, max_tokens: int = 96,
+                       temperature: float = 1.0, top_p: float = 0.95, max_attempts: int | None = None) -> list[str]:
+    """`count` distinct chat queries written by the target (Magpie), cached as JSON lines in `path` (one per
+    attempt, `query` null when unusable) so a stopped run resumes; each attempt has its own seed, so the set
+    is deterministic for `seed`. Fewer come back when `max_attempts` (default 8 per query) yield no more."""
+    from engine import SamplingParams
+
+    attempts: dict[int, str | None] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+                attempts[int(rec["attempt"])] = rec["query"]
+            except (json.JSONDecodeError, KeyError, ValueError):
+                continue
+    prefix = llm.tokenizer.encode(query_prefix(llm.tokenizer), add_special_tokens=False)
+
+    def distinct() -> list[str]:
+        seen, out = set(), []
+        for i in sorted(attempts):
+            q = attempts[i]
+            if q and q.lower() not in seen:
+                seen.add(q.lower())
+                out.append(q)
+        return out
+
+    queries = distinct()
+    max_attempts = 8 * count if max_attempts is None else max_attempts
+    while len(queries) < count and len(attempts) < max_attempts:
+        start = max(attempts, default=-1) + 1
+        n = max(16, min(256, 2 * (count - len(queries))))
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                 seed=seed * 1_000_003 + start + i) for i in range(n)]
+        outs = llm.generate([prefix] * n, params)
+        with path.open("a", encoding="utf-8") as f:
+            for i, o in enumerate(outs):
+                attempts[start + i] = usable_query(o.text, o.finish_reason)
+                f.write(json.dumps({"attempt": start + i, "query": attempts[start + i]}) + "\n")
+        queries = distinct()
+        log.info("%d distinct queries after %d attempts", len(queries), len(attempts))
+    if len(queries) < count:
+        log.warning("only %d of %d queries usable after %d attempts", len(queries), count, len(attempts))
+    return queries[:count]
+
+
+def query_prompts(queries: list[str], *, seed: int = 0, sampled_fraction: float = 0.3) -> list[Prompt]:
+    """Synthesized queries as training prompts, keyed by their text (a resumed run skips answered ones)."""
+    import hashlib
+
+    rng = random.Random(seed + 1)
+    return [Prompt("chat-" + hashlib.sha256(q.encode()).hexdigest()[:16], "chat", _user(q),
+                   temperature=0.7 if rng.random() < sampled_fraction else 0.0) for q in queries]
+
+
+def open_target(model: str, *, batch: int = 32, dtype: str | None = None, cpu_compile: str = "off"):
+    from engine import LLM
+
+    return LLM(model, dtype=dtype, max_num_seqs=batch, kv_cache_memory_gb=4.0, max_num_batched_tokens=4096,
+               cpu_compile=cpu_compile)
+
+
+def generate(model, prompts: list[Prompt], out: Path, *, max_tokens: int = 384, batch: int = 32,
              seed: int = 0, dtype: str | None = None, cpu_compile: str = "off") -> int:
-    """Answer every prompt not yet in `out` with the engine; -> how many were written in this call."""
-    from engine import LLM, SamplingParams, StructuredOutput
+    """Answer every prompt not yet in `out` with the engine (`model`: a path, or an open engine.LLM);
+    -> how many were written in this call."""
+    from engine import SamplingParams, StructuredOutput
 
     out.parent.mkdir(parents=True, exist_ok=True)
     done = done_keys(out)  # once: read per prompt, it parsed the whole file thousands of times (minutes)
     todo = [p for p in prompts if p.key not in done]
     log.info("%d of %d prompts to answer", len(todo), len(prompts))
-    llm = LLM(model, dtype=dtype, max_num_seqs=batch, kv_cache_memory_gb=4.0, max_num_batched_tokens=4096,
-              cpu_compile=cpu_compile)
+    llm = model if hasattr(model, "generate") else open_target(model, batch=batch, dtype=dtype, cpu_compile=cpu_compile)
     tok = llm.tokenizer
     written = 0
     # Four batches per call: the engine's continuous batching refills a finished request's row from the same
@@ -221,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-compile", default="full", choices=("off", "gemm", "layers", "full"),
                     help="the engine's CPU compilation (full: batch-16 decode ran 1.4x layers on SmolLM2)")
     ap.add_argument("--heldout", type=int, default=0, help="answer N held-aside prompts per source instead (evaluation)")
+    ap.add_argument("--chat", type=int, default=0,
+                    help="also answer N chat queries the target writes itself (cached in OUT.queries.jsonl)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.heldout:
@@ -228,9 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompts = prompt_set(Path(args.data), gsm8k=args.gsm8k, schemas=args.schemas, seed=args.seed)
     index, count = (int(x) for x in args.shard.split("/"))
+    llm = open_target(args.model, batch=args.batch, cpu_compile=args.cpu_compile)
+    if args.chat and not args.heldout:
+        out = Path(args.out)
+        queries = synthesize_queries(llm, out.with_name(out.name + ".queries.jsonl"), args.chat, seed=args.seed)
+        prompts = query_prompts(queries, seed=args.seed) + prompts
     prompts = prompts[index::count]
-    generate(args.model, prompts, Path(args.out), max_tokens=args.max_tokens, batch=args.batch, seed=args.seed,
-             cpu_compile=args.cpu_compile)
+    generate(llm, prompts, Path(args.out), max_tokens=args.max_tokens, batch=args.batch, seed=args.seed)
     return 0
 
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo.selfdistill import Prompt, done_keys, generate, heldout_set, prompt_set, schema_prompt
+from zoo.selfdistill import (QUERY_SENTINEL, Prompt, chat_ids, done_keys, generate, heldout_set, open_target,
+                             prompt_set, query_prefix, query_prompts, schema_prompt, synthesize_queries,
+                             usable_query)
 from zoo.selfdistill_train import HeadTrainer, TrainPlan
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
@@ -32,6 +34,46 @@ def test_training_and_heldout_prompts_never_overlap(data_dir):
     assert {p.source for p in held} == {"mt-bench", "gsm8k-test", "humaneval-heldout", "json-mode-eval"}
     guided = [p for p in train if p.guided]
     assert guided and all(p.schema is not None and p.temperature == 0.0 for p in guided)
+
+
+def test_the_query_prefix_is_the_template_up_to_the_users_message(zoo_dir):
+    import zoo
+
+    llm = open_target(str(zoo.layout(zoo_dir).target), batch=4)
+    tok = llm.tokenizer
+    prefix = query_prefix(tok)
+    text = tok.apply_chat_template([{"role": "user", "content": "How do tides work?"}], tokenize=False)
+    assert text.startswith(prefix) and text[len(prefix):].startswith("How do tides work?")
+    assert QUERY_SENTINEL not in prefix
+
+
+def test_unusable_queries_are_dropped():
+    assert usable_query("  How do I sort a list in Python?  ", "stop") == "How do I sort a list in Python?"
+    assert usable_query("How do I sort a list in Python?", "length") is None  # cut at max_tokens
+    assert usable_query("Hi?", "stop") is None
+    assert usable_query("Tell me a joke<|im_start|>assistant", "stop") is None
+
+
+def test_synthesized_queries_resume_from_their_cache(zoo_dir, tmp_path):
+    """The target writes chat queries from its template's user-turn opening; a second call with the same
+    cache generates nothing new and returns the same queries; the prompts they make are stable."""
+    import zoo
+
+    llm = open_target(str(zoo.layout(zoo_dir).target), batch=8)
+    path = tmp_path / "queries.jsonl"
+    calls = []
+    real = llm.generate
+    llm.generate = lambda *a, **k: calls.append(1) or real(*a, **k)
+    first = synthesize_queries(llm, path, 2, seed=1, max_tokens=160, temperature=1.0, top_p=1.0, max_attempts=64)
+    made = len(calls)
+    assert len(first) == 2 and len({q.lower() for q in first}) == 2 and made >= 1
+    attempts = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted(a["attempt"] for a in attempts) == list(range(len(attempts)))
+    assert synthesize_queries(llm, path, 2, seed=1, max_tokens=160) == first and len(calls) == made
+    prompts = query_prompts(first, seed=1)
+    assert [p.key for p in prompts] == [p.key for p in query_prompts(first, seed=1)]
+    assert all(p.source == "chat" and p.messages[0]["content"] in first for p in prompts)
+    assert chat_ids(llm.tokenizer, prompts[0].messages)  # they render as chat prompts
 
 
 @pytest.fixture(scope="module")
