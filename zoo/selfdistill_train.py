@@ -38,6 +38,9 @@ from zoo.recipe import Schedule
 from zoo.training import autocast, bf16_is_fast, lr_at, make_optimizer, set_lr
 
 log = logging.getLogger(__name__)
+DATA_RECIPE = ("python -m zoo.selfdistill --model <smollm2 gguf> --gsm8k 600 --schemas 500 --batch 16 --max-tokens 320 "
+               "--shard i/2 (two processes; greedy, 30% of unguided prompts sampled at temperature 0.7, half the "
+               "schema prompts guided by their grammar)")
 _MTP_SHARED = ("embed_tokens.weight", "shared_head.norm.weight", "shared_head.head.weight")  # the target's, frozen
 
 
@@ -299,16 +302,19 @@ class HeadTrainer:
     def agreement(self, heldout: Path) -> dict:
         """Teacher-forced top-1 agreement of each head with the target at depths 1..plan.depth, over the
         response tokens of held-aside records (zoo.selfdistill --heldout): depth d at a position counts when
-        the head's d-th chained draft equals the target's argmax there."""
+        the head's d-th chained draft equals the target's argmax there. -> {head: [depth 1.., ]} over every
+        record, and under "by_source" the same per record source (open chat and math differ a lot)."""
         from zoo.distill import head_agreement
 
-        totals = {name: [[0, 0] for _ in range(self.plan.depth)] for name in self.heads}
+        totals: dict[str, dict[str, list[list[int]]]] = {}
         for line in Path(heldout).read_text(encoding="utf-8").splitlines():
             rec = json.loads(line)
             ids = torch.tensor([(rec["prompt_ids"] + rec["output_ids"])[: self.plan.seq_len]])
             scored = torch.zeros_like(ids, dtype=torch.bool)
             scored[0, len(rec["prompt_ids"]):] = True
             features = target_features(self.target, ids, self.aux_ids)
+            for source in ("all", rec.get("source", "unknown")):
+                totals.setdefault(source, {n: [[0, 0] for _ in range(self.plan.depth)] for n in self.heads})
             for name, head in self.heads.items():
                 head.eval()
                 allowed = None
@@ -316,9 +322,16 @@ class HeadTrainer:
                     allowed = self.mtp_index >= 0
                 for d, (hit, count) in enumerate(head_agreement(head, features, ids, torch.ones_like(scored),
                                                                 self.plan.depth, scored, allowed)):
-                    totals[name][d][0] += hit
-                    totals[name][d][1] += count
-        return {name: [round(h / max(c, 1), 3) for h, c in per] for name, per in totals.items()}
+                    for source in ("all", rec.get("source", "unknown")):
+                        totals[source][name][d][0] += hit
+                        totals[source][name][d][1] += count
+
+        def rates(per_head):
+            return {name: [round(h / max(c, 1), 3) for h, c in per] for name, per in per_head.items()}
+
+        out = rates(totals.pop("all", {n: [] for n in self.heads}))
+        out["by_source"] = {source: rates(per) for source, per in sorted(totals.items())}
+        return out
 
     def export(self, out_dir: Path) -> dict:
         """bf16 heads in the published layouts: MTP without its frozen copies of the target's embedding,
@@ -355,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--until", type=int, help="stop after this step (the schedule still spans --steps)")
     ap.add_argument("--init", help="exported heads (DIR/mtp, DIR/eagle3) to start from when --ckpt holds none")
     ap.add_argument("--heldout", help="held-aside records (zoo.selfdistill --heldout): print depth 1..3 agreement")
+    ap.add_argument("--recipe", default=DATA_RECIPE, help="how --data was generated, for the manifest")
     for name, value in asdict(TrainPlan()).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = ap.parse_args(argv)
@@ -372,12 +386,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"agreement": agreement}))
     if args.export:
         heads = trainer.export(Path(args.export))
-        write_manifest(Path(args.export), trainer, Path(args.data), Path(target), agreement)
+        write_manifest(Path(args.export), trainer, Path(args.data), Path(target), agreement, args.recipe)
         print(json.dumps(heads))
     return 0
 
 
-def write_manifest(out_dir: Path, trainer: HeadTrainer, data: Path, target: Path, agreement: dict | None) -> None:
+def write_manifest(out_dir: Path, trainer: HeadTrainer, data: Path, target: Path, agreement: dict | None,
+                   recipe: str = DATA_RECIPE) -> None:
     """prebuilt.json beside the exported heads: every file's sha256, the command, the data recipe and how much
     training went into them (steps, tokens, wall time), and the held-aside agreement when measured."""
     import sys
@@ -394,9 +409,7 @@ def write_manifest(out_dir: Path, trainer: HeadTrainer, data: Path, target: Path
         "target": json.loads(source.read_text()) if source.is_file() else str(target),
         "command": "python -m zoo.selfdistill_train " + " ".join(sys.argv[1:]),
         "data": {"file": data.name, "records": len(done_keys(data)), "by_source": dict(sources),
-                 "recipe": "python -m zoo.selfdistill --model <smollm2 gguf> --gsm8k 600 --schemas 500 --batch 16 "
-                           "--max-tokens 320 --shard i/2 (two processes; greedy, 30% of unguided prompts sampled at "
-                           "temperature 0.7, half the schema prompts guided by their grammar)"},
+                 "recipe": recipe},
         "plan": asdict(trainer.plan), "steps_done": trainer.step,
         "tokens_seen": sum(r["tokens"] for r in trainer.history),
         "train_seconds": round(sum(r["seconds"] for r in trainer.history)),

@@ -134,7 +134,9 @@ def test_mtp_trains_over_its_token_map(zoo_dir, records, tmp_path):
     assert trainer.step == 2 and all(0 < n for n in counted)
     assert all(l == l and l > 0 for l in (r["mtp"]["loss"] for r in trainer.history))
     agreement = trainer.agreement(records)  # MTP's argmax over its map, as the engine drafts
+    by_source = agreement.pop("by_source")
     assert set(agreement) == {"mtp", "eagle3"} and all(0 <= a <= 1 for per in agreement.values() for a in per)
+    assert by_source == {"test": agreement}  # every record here is of one source
 
 
 def test_agreement_takes_the_argmax_over_the_allowed_ids_only(monkeypatch):
