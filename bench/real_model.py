@@ -87,33 +87,35 @@ def spec(args) -> None:
                "dtype": args.dtype, "weight_dtype": args.weight_dtype, "cpu_compile": args.cpu_compile,
                "threads": args.threads,
                "max_tokens": args.max_tokens, "prompts": args.prompts, "runs": rows}
+    head_sets = _head_sets(args.heads, paths)
     for batch in args.batches:
-        configs = [("none", 0, True, "none", False, None)]
+        configs = [("none", 0, True, "none", False, "-", None)]
         for method in args.methods:
-            if method != "ngram" and method not in paths.heads:
-                print(f"skipping {method}: no prebuilt head")
-                continue
-            draft = str(paths.heads[method]) if method in paths.heads else None
-            maps = args.token_maps if method == "mtp" else ["none"]
-            for k in args.ks:
-                for tmap in maps:
-                    path = None if tmap == "none" else str(_token_map_path(tmap, paths, method))
-                    configs.append((method, k, True, tmap, False, SpecConfig(method=method, k=k, draft=draft,
-                                                                             draft_masks=True, token_map=path)))
-                    if method != "ngram" and "off" in args.masks:
-                        configs.append((method, k, False, tmap, False, SpecConfig(
-                            method=method, k=k, draft=draft, draft_masks=False, token_map=path)))
-            for prior in args.adaptive:  # k chosen each step in [0, max k] from acceptance and measured step cost
-                k, tmap = max(args.ks), maps[0]
-                path = None if tmap == "none" else str(_token_map_path(tmap, paths, method))
-                configs.append((method, k, True, tmap, prior, SpecConfig(
-                    method=method, k=k, draft=draft, draft_masks=True, token_map=path, adaptive_k=True,
-                    cost_probe=prior == "probe")))
+            for label, heads, maps_of in head_sets if method != "ngram" else [("-", {}, {})]:
+                if method != "ngram" and method not in heads:
+                    print(f"skipping {method}: no {label} head")
+                    continue
+                draft = str(heads[method]) if method in heads else None
+                maps = args.token_maps if method == "mtp" else ["none"]
+                for k in args.ks:
+                    for tmap in maps:
+                        path = None if tmap == "none" else str(_token_map_path(tmap, maps_of, method))
+                        configs.append((method, k, True, tmap, False, label, SpecConfig(
+                            method=method, k=k, draft=draft, draft_masks=True, token_map=path)))
+                        if method != "ngram" and "off" in args.masks:
+                            configs.append((method, k, False, tmap, False, label, SpecConfig(
+                                method=method, k=k, draft=draft, draft_masks=False, token_map=path)))
+                for prior in args.adaptive:  # k chosen each step in [0, max k] from acceptance and measured step cost
+                    k, tmap = max(args.ks), maps[0]
+                    path = None if tmap == "none" else str(_token_map_path(tmap, maps_of, method))
+                    configs.append((method, k, True, tmap, prior, label, SpecConfig(
+                        method=method, k=k, draft=draft, draft_masks=True, token_map=path, adaptive_k=True,
+                        cost_probe=prior == "probe")))
         kw = {"cpu_compile": args.cpu_compile, "weight_dtype": args.weight_dtype} if args.device == "cpu" else {}
         engines = llm = None  # the previous batch's engines go before this batch's come (each holds weights and KV)
         gc.collect()
-        engines = {c[:5]: LLM(target, device=args.device, dtype=args.dtype, max_num_seqs=batch,
-                              num_kv_blocks=max(512, batch * 64), speculative=c[5], **kw)
+        engines = {c[:6]: LLM(target, device=args.device, dtype=args.dtype, max_num_seqs=batch,
+                              num_kv_blocks=max(512, batch * 64), speculative=c[6], **kw)
                    for c in configs}
         for name, prompts in sets.items():
             if name not in args.sets:
@@ -127,33 +129,53 @@ def spec(args) -> None:
                     run = run_engine(llm, prompts, args.max_tokens)
                     if key not in best or run["tok_s"] > best[key]["tok_s"]:
                         best[key] = run
-            base = best[("none", 0, True, "none", False)]
-            for (method, k, masks, tmap, adaptive), run in best.items():
+            base = best[("none", 0, True, "none", False, "-")]
+            for (method, k, masks, tmap, adaptive, heads), run in best.items():
                 shown = f"adaptive <= {k}" + (" (line prior)" if adaptive == "line" else "") if adaptive else k
-                row = {"prompts": name, "batch": batch, "method": method, "k": shown,
+                row = {"prompts": name, "batch": batch, "method": method, "heads": heads, "k": shown,
                        "draft_masks": masks, "token_map": tmap, "k_steps": run["k_steps"] if adaptive else None,
                        "tok_s": round(run["tok_s"], 1), "speedup": round(run["tok_s"] / base["tok_s"], 3),
                        "accepted_incl_bonus": run["accepted"], "lossless": run["outputs"] == base["outputs"],
                        "tokens": run["tokens"]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    table = ["| prompts | batch | method | k | draft masks | token map | accepted/step (incl. bonus) | tok/s | vs none "
-             "| lossless |", "|---|---|---|---|---|---|---|---|---|---|"]
+    table = ["| prompts | batch | method | heads | k | draft masks | token map | accepted/step (incl. bonus) | tok/s "
+             "| vs none | lossless |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f"{r['accepted_incl_bonus']:.2f}" if r["accepted_incl_bonus"] else "-"
         k = f"{r['k']} (steps at k=0..: {','.join(map(str, r['k_steps']))})" if r.get("k_steps") else r["k"]
-        table.append(f"| {r['prompts']} | {r['batch']} | {r['method']} | {k} | {'on' if r['draft_masks'] else 'off'} "
+        table.append(f"| {r['prompts']} | {r['batch']} | {r['method']} | {r['heads']} | {k} | {'on' if r['draft_masks'] else 'off'} "
                      f"| {r['token_map']} | {acc} | {r['tok_s']} | {r['speedup']:.2f}x | {r['lossless']} |")
     print(write_results(args.name or f"real_spec_{args.device}", results, "\n".join(table)))
 
 
-def _token_map_path(tmap: str, paths, method: str) -> Path:
-    """--token-maps entry -> file: "shipped" is the head's own map (zoo/models.py), else a path."""
+def _token_map_path(tmap: str, maps: dict, method: str) -> Path:
+    """--token-maps entry -> file: "shipped" is the head's own map (`maps`: kind -> its token_map.json), else a path."""
     if tmap == "shipped":
-        if method not in paths.token_maps:
-            raise SystemExit(f"--token-maps shipped: {paths.name}'s {method} head ships no token map")
-        return paths.token_maps[method]
+        if method not in maps:
+            raise SystemExit(f"--token-maps shipped: the {method} head ships no token map")
+        return maps[method]
     return Path(tmap)
+
+
+def _head_sets(spec: str, paths) -> list[tuple[str, dict, dict]]:
+    """--heads -> [(label, kind -> head dir, kind -> token map)]: "shipped" is the model's prebuilt heads,
+    LABEL=DIR a directory holding mtp/ and eagle3/ as zoo/prebuilt does (e.g. heads being trained, or an older
+    export), so head sets compare in one run on the same prompts and engines."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        if item == "shipped":
+            out.append(("shipped", dict(paths.heads), dict(paths.token_maps)))
+            continue
+        label, sep, folder = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--heads {item!r}: expected shipped or LABEL=DIR")
+        root = Path(folder)
+        heads = {k: root / k for k in ("mtp", "eagle3") if (root / k / "config.json").is_file()}
+        if not heads:
+            raise SystemExit(f"--heads {item!r}: {root} holds no mtp/ or eagle3/ head")
+        out.append((label, heads, {k: d / "token_map.json" for k, d in heads.items() if (d / "token_map.json").is_file()}))
+    return out
 
 
 def decode(args) -> None:
@@ -324,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-compile", default="off", help="spec on cpu: the engines' cpu_compile (off, gemm, layers, full)")
     ap.add_argument("--token-maps", default="none", help="spec: MTP token maps to compare, comma-separated: none (the "
                                                          "whole vocabulary), shipped (the head's own), or files")
+    ap.add_argument("--heads", default="shipped", help="spec: head sets to compare, comma-separated: shipped (the "
+                    "model's prebuilt heads) or LABEL=DIR (a folder holding mtp/ and eagle3/)")
     ap.add_argument("--masks", default="on,off", help="spec: also run heads without draft masks on guided prompts where this names off")
     ap.add_argument("--sets", default="mt-bench,gsm8k,json-mode-eval", help="spec: prompt sets")
     ap.add_argument("--adaptive", nargs="?", const="probe", default="",
