@@ -319,7 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     llm = open_target(args.model, batch=args.batch, cpu_compile=args.cpu_compile)
     if args.chat and not args.heldout:
         out = Path(args.out)
-        queries = synthesize_queries(llm, out.with_name(out.name + ".queries.jsonl"), args.chat, seed=args.seed)
+        # Shards would write one query cache at once: with --shard, the queries must be synthesized beforehand
+        # (one process, --shard 0/1), and each shard then only reads them.
+        queries = synthesize_queries(llm, out.with_name(out.name + ".queries.jsonl"), args.chat, seed=args.seed,
+                                     max_attempts=None if count == 1 else 0)
+        if len(queries) < args.chat and count > 1:
+            raise SystemExit(f"--chat {args.chat} with --shard {args.shard}: the query cache holds {len(queries)}; "
+                             "synthesize them first with one process (--shard 0/1)")
         prompts = query_prompts(queries, seed=args.seed) + prompts
     prompts = prompts[index::count]
     generate(llm, prompts, Path(args.out), max_tokens=args.max_tokens, batch=args.batch, seed=args.seed)
