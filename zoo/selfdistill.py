@@ -21,6 +21,7 @@ batches finish, so an interrupted run resumes where it stopped (`generate` skips
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -200,8 +201,6 @@ def synthesize_queries(llm, path: Path, count: int, *, seed: int = 0, max_tokens
 
 def query_prompts(queries: list[str], *, seed: int = 0, sampled_fraction: float = 0.3) -> list[Prompt]:
     """Synthesized queries as training prompts, keyed by their text (a resumed run skips answered ones)."""
-    import hashlib
-
     rng = random.Random(seed + 1)
     return [Prompt("chat-" + hashlib.sha256(q.encode()).hexdigest()[:16], "chat", _user(q),
                    temperature=0.7 if rng.random() < sampled_fraction else 0.0) for q in queries]

@@ -306,6 +306,7 @@ class HeadTrainer:
         record, and under "by_source" the same per record source (open chat and math differ a lot)."""
         from zoo.distill import head_agreement
 
+        # source -> head -> per depth [hits, count]; the overall figures are their sums
         totals: dict[str, dict[str, list[list[int]]]] = {}
         for line in Path(heldout).read_text(encoding="utf-8").splitlines():
             rec = json.loads(line)
@@ -313,8 +314,8 @@ class HeadTrainer:
             scored = torch.zeros_like(ids, dtype=torch.bool)
             scored[0, len(rec["prompt_ids"]):] = True
             features = target_features(self.target, ids, self.aux_ids)
-            for source in ("all", rec.get("source", "unknown")):
-                totals.setdefault(source, {n: [[0, 0] for _ in range(self.plan.depth)] for n in self.heads})
+            per_head = totals.setdefault(rec.get("source", "unknown"),
+                                         {n: [[0, 0] for _ in range(self.plan.depth)] for n in self.heads})
             for name, head in self.heads.items():
                 head.eval()
                 allowed = None
@@ -322,15 +323,16 @@ class HeadTrainer:
                     allowed = self.mtp_index >= 0
                 for d, (hit, count) in enumerate(head_agreement(head, features, ids, torch.ones_like(scored),
                                                                 self.plan.depth, scored, allowed)):
-                    for source in ("all", rec.get("source", "unknown")):
-                        totals[source][name][d][0] += hit
-                        totals[source][name][d][1] += count
+                    per_head[name][d][0] += hit
+                    per_head[name][d][1] += count
 
-        def rates(per_head):
-            return {name: [round(h / max(c, 1), 3) for h, c in per] for name, per in per_head.items()}
+        def rates(per_depth: list[list[int]]) -> list[float]:
+            return [round(h / max(c, 1), 3) for h, c in per_depth]
 
-        out = rates(totals.pop("all", {n: [] for n in self.heads}))
-        out["by_source"] = {source: rates(per) for source, per in sorted(totals.items())}
+        out: dict = {name: rates([[sum(src[name][d][i] for src in totals.values()) for i in (0, 1)]
+                                  for d in range(self.plan.depth)]) for name in self.heads}
+        out["by_source"] = {source: {name: rates(per) for name, per in heads.items()}
+                            for source, heads in sorted(totals.items())}
         return out
 
     def export(self, out_dir: Path) -> dict:
