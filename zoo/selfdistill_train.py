@@ -13,6 +13,10 @@ Made cheap enough for two CPU cores (the plain `tandem zoo train-draft` path ran
 
 Rows: one self-distilled record per row (prompt + response, cut at `seq_len`), weight 1 on response tokens
 and `prompt_weight` on prompt tokens, 0 on padding; rows are bucketed by length so padding stays small.
+`source_weights` ("jsonschemabench=2,chat=1.5") oversamples records by source: a weight w puts a record in
+floor(w) copies of each epoch and one more with probability w - floor(w) (0 leaves the source out). It is
+sampling, not a loss factor, because each batch's loss is normalized by its own token weight: a factor on a
+batch that holds only one source would cancel out.
 """
 from __future__ import annotations
 
@@ -57,9 +61,27 @@ class TrainPlan:
     save_every: int = 25
     seed: int = 0
     mtp_token_map: str = ""  # the hot vocabulary MTP drafts from (engine/speculative/token_map.py); "": all ids
+    source_weights: str = ""  # "source=w,...": records per epoch by source (module docstring); "": 1 each
 
 
-def read_rows(path: Path, seq_len: int, prompt_weight: float) -> list[tuple[list[int], list[float]]]:
+def parse_source_weights(text: str) -> dict[str, float]:
+    """ "jsonschemabench=2,chat=1.5" -> {"jsonschemabench": 2.0, "chat": 1.5}; ValueError naming a bad item."""
+    weights = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, value = item.partition("=")
+        try:
+            weight = float(value) if eq and name.strip() else -1.0
+        except ValueError:
+            weight = -1.0
+        if weight < 0:
+            raise ValueError(f"source_weights: {item!r} is not SOURCE=WEIGHT with a weight >= 0")
+        weights[name.strip()] = weight
+    return weights
+
+
+def read_rows(path: Path, seq_len: int, prompt_weight: float,
+              sources: list[str] | None = None) -> list[tuple[list[int], list[float]]]:
+    """(ids, weight) per usable record; `sources`, when given, receives each row's record source."""
     rows = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         try:
@@ -70,13 +92,27 @@ def read_rows(path: Path, seq_len: int, prompt_weight: float) -> list[tuple[list
         weight = ([prompt_weight] * len(rec["prompt_ids"]) + [1.0] * len(rec["output_ids"]))[:seq_len]
         if len(ids) > 8:
             rows.append((ids, weight))
+            if sources is not None:
+                sources.append(rec.get("source", "unknown"))
     return rows
 
 
-def batches(rows, batch_tokens: int, pad: int, rng: random.Random):
-    """Endless length-bucketed batches: (row indices, ids [B, T], weight [B, T]) with B * T <= batch_tokens."""
+def epoch_rows(repeats: list[float] | None, count: int, rng: random.Random) -> list[int]:
+    """One epoch's row indices: each row once, or by its repeat weight (module docstring)."""
+    if repeats is None:
+        return list(range(count))
+    out = []
+    for i, w in enumerate(repeats):
+        whole = int(w)
+        out += [i] * (whole + (rng.random() < w - whole))
+    return out
+
+
+def batches(rows, batch_tokens: int, pad: int, rng: random.Random, repeats: list[float] | None = None):
+    """Endless length-bucketed batches: (row indices, ids [B, T], weight [B, T]) with B * T <= batch_tokens;
+    `repeats` (a weight per row) oversamples rows per epoch."""
     while True:
-        order = sorted(range(len(rows)), key=lambda i: (len(rows[i][0]), rng.random()))
+        order = sorted(epoch_rows(repeats, len(rows), rng), key=lambda i: (len(rows[i][0]), rng.random()))
         groups, group = [], []
         for i in order:
             longest = max(len(rows[j][0]) for j in group + [i])
@@ -146,9 +182,17 @@ class HeadTrainer:
             p.requires_grad_(False)
         tok = AutoTokenizer.from_pretrained(str(target_dir))
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        self.rows = read_rows(data, plan.seq_len, plan.prompt_weight)
+        sources: list[str] = []
+        self.rows = read_rows(data, plan.seq_len, plan.prompt_weight, sources)
         if not self.rows:
             raise ValueError(f"{data} holds no usable records")
+        weights = parse_source_weights(plan.source_weights)
+        unknown = sorted(set(weights) - set(sources))
+        if unknown:
+            raise ValueError(f"source_weights names {unknown}, which {data} does not hold (it holds {sorted(set(sources))})")
+        self.repeats = [weights.get(s, 1.0) for s in sources] if weights else None
+        if self.repeats is not None and not any(self.repeats):
+            raise ValueError(f"source_weights {plan.source_weights!r} leaves no record of {data} to train on")
         vocab = self.target.config.vocab_size
         counts = Counter(t for ids, _ in self.rows for t in ids)
         token_counts = torch.tensor([counts.get(i, 0) for i in range(vocab)])
@@ -269,7 +313,7 @@ class HeadTrainer:
 
     def run(self, until: int | None = None) -> None:
         plan, schedule = self.plan, self.schedule()
-        stream = batches(self.rows, plan.batch_tokens, self.pad, self.rng)
+        stream = batches(self.rows, plan.batch_tokens, self.pad, self.rng, self.repeats)
         # A resumed run draws a fresh permutation from the restored RNG (and rereads the data file, which
         # the generator may have grown since), rather than replaying the stopped run's order.
         last = plan.steps if until is None else min(until, plan.steps)

@@ -13,7 +13,7 @@ import torch
 from zoo.selfdistill import (QUERY_SENTINEL, Prompt, chat_ids, done_keys, generate, heldout_set, open_target,
                              prompt_set, query_prefix, query_prompts, schema_prompt, synthesize_queries,
                              usable_query)
-from zoo.selfdistill_train import HeadTrainer, TrainPlan
+from zoo.selfdistill_train import HeadTrainer, TrainPlan, batches, epoch_rows, parse_source_weights
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
@@ -137,6 +137,43 @@ def test_mtp_trains_over_its_token_map(zoo_dir, records, tmp_path):
     by_source = agreement.pop("by_source")
     assert set(agreement) == {"mtp", "eagle3"} and all(0 <= a <= 1 for per in agreement.values() for a in per)
     assert by_source == {"test": agreement}  # every record here is of one source
+
+
+def test_source_weights_parse_and_name_what_is_wrong():
+    assert parse_source_weights("") == {}
+    assert parse_source_weights("jsonschemabench=2, chat=1.5,vicuna=0") == {"jsonschemabench": 2.0, "chat": 1.5,
+                                                                           "vicuna": 0.0}
+    for bad in ("chat", "chat=x", "=2", "chat=-1"):
+        with pytest.raises(ValueError, match="SOURCE=WEIGHT"):
+            parse_source_weights(bad)
+
+
+def test_source_weights_oversample_rows_per_epoch():
+    import random
+
+    rng = random.Random(0)
+    assert epoch_rows(None, 3, rng) == [0, 1, 2]
+    assert sorted(epoch_rows([2.0, 0.0, 1.0], 3, rng)) == [0, 0, 2]
+    halves = [epoch_rows([0.5], 1, rng) for _ in range(2000)]
+    assert 900 < sum(len(h) for h in halves) < 1100  # a fractional weight: one more copy with that probability
+    rows = [([1] * 9, [1.0] * 9), ([2] * 10, [1.0] * 10), ([3] * 11, [1.0] * 11)]
+    group, ids, weight = next(batches(rows, 10_000, 0, rng, [3.0, 1.0, 0.0]))  # one epoch fits one batch
+    assert sorted(group) == [0, 0, 0, 1] and ids.shape == (4, 10) and weight.sum() == 3 * 9 + 10
+
+
+def test_the_trainer_refuses_source_weights_that_match_nothing(zoo_dir, records, tmp_path):
+    import zoo
+
+    target = zoo.layout(zoo_dir).target
+    plan = TrainPlan(steps=1, batch_tokens=256, seq_len=128, positions=64, draft_vocab_size=512)
+    with pytest.raises(ValueError, match=r"names \['chat'\]"):
+        HeadTrainer(target, records, tmp_path / "a", replace(plan, source_weights="chat=2"))
+    with pytest.raises(ValueError, match="leaves no record"):
+        HeadTrainer(target, records, tmp_path / "b", replace(plan, source_weights="test=0"))
+    trainer = HeadTrainer(target, records, tmp_path / "c", replace(plan, source_weights="test=2"))
+    assert trainer.repeats == [2.0] * len(trainer.rows)
+    trainer.run()
+    assert trainer.step == 1
 
 
 def test_agreement_takes_the_argmax_over_the_allowed_ids_only(monkeypatch):
