@@ -11,12 +11,7 @@ Made cheap enough for two CPU cores (the plain `tandem zoo train-draft` path ran
 - heads, optimizers, the data cursor and the RNG are checkpointed every `save_every` steps (atomic rename),
   and a stopped run resumes from the checkpoint with the same schedule.
 
-Rows: one self-distilled record per row (prompt + response, cut at `seq_len`), weight 1 on response tokens
-and `prompt_weight` on prompt tokens, 0 on padding; rows are bucketed by length so padding stays small.
-`source_weights` ("jsonschemabench=2,chat=1.5") oversamples records by source: a weight w puts a record in
-floor(w) copies of each epoch and one more with probability w - floor(w) (0 leaves the source out). It is
-sampling, not a loss factor, because each batch's loss is normalized by its own token weight: a factor on a
-batch that holds only one source would cancel out.
+Rows, batches and per-source oversampling (`source_weights`): zoo/selfdistill_rows.py.
 """
 from __future__ import annotations
 
@@ -39,6 +34,7 @@ from zoo.features import target_features
 from zoo.heads.eagle3 import Eagle3Head, default_aux_layer_ids, draft_vocab
 from zoo.heads.mtp import MTPHead
 from zoo.recipe import Schedule
+from zoo.selfdistill_rows import batches, parse_source_weights, read_rows
 from zoo.training import autocast, bf16_is_fast, lr_at, make_optimizer, set_lr
 
 log = logging.getLogger(__name__)
@@ -61,76 +57,7 @@ class TrainPlan:
     save_every: int = 25
     seed: int = 0
     mtp_token_map: str = ""  # the hot vocabulary MTP drafts from (engine/speculative/token_map.py); "": all ids
-    source_weights: str = ""  # "source=w,...": records per epoch by source (module docstring); "": 1 each
-
-
-def parse_source_weights(text: str) -> dict[str, float]:
-    """ "jsonschemabench=2,chat=1.5" -> {"jsonschemabench": 2.0, "chat": 1.5}; ValueError naming a bad item."""
-    weights = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, eq, value = item.partition("=")
-        try:
-            weight = float(value) if eq and name.strip() else -1.0
-        except ValueError:
-            weight = -1.0
-        if weight < 0:
-            raise ValueError(f"source_weights: {item!r} is not SOURCE=WEIGHT with a weight >= 0")
-        weights[name.strip()] = weight
-    return weights
-
-
-def read_rows(path: Path, seq_len: int, prompt_weight: float,
-              sources: list[str] | None = None) -> list[tuple[list[int], list[float]]]:
-    """(ids, weight) per usable record; `sources`, when given, receives each row's record source."""
-    rows = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by an interrupted writer
-        ids = (rec["prompt_ids"] + rec["output_ids"])[:seq_len]
-        weight = ([prompt_weight] * len(rec["prompt_ids"]) + [1.0] * len(rec["output_ids"]))[:seq_len]
-        if len(ids) > 8:
-            rows.append((ids, weight))
-            if sources is not None:
-                sources.append(rec.get("source", "unknown"))
-    return rows
-
-
-def epoch_rows(repeats: list[float] | None, count: int, rng: random.Random) -> list[int]:
-    """One epoch's row indices: each row once, or by its repeat weight (module docstring)."""
-    if repeats is None:
-        return list(range(count))
-    out = []
-    for i, w in enumerate(repeats):
-        whole = int(w)
-        out += [i] * (whole + (rng.random() < w - whole))
-    return out
-
-
-def batches(rows, batch_tokens: int, pad: int, rng: random.Random, repeats: list[float] | None = None):
-    """Endless length-bucketed batches: (row indices, ids [B, T], weight [B, T]) with B * T <= batch_tokens;
-    `repeats` (a weight per row) oversamples rows per epoch."""
-    while True:
-        order = sorted(epoch_rows(repeats, len(rows), rng), key=lambda i: (len(rows[i][0]), rng.random()))
-        groups, group = [], []
-        for i in order:
-            longest = max(len(rows[j][0]) for j in group + [i])
-            if group and longest * (len(group) + 1) > batch_tokens:
-                groups.append(group)
-                group = []
-            group.append(i)
-        groups.append(group)
-        rng.shuffle(groups)
-        for group in groups:
-            t = max(len(rows[i][0]) for i in group)
-            ids = torch.full((len(group), t), pad, dtype=torch.long)
-            weight = torch.zeros(len(group), t)
-            for r, i in enumerate(group):
-                n = len(rows[i][0])
-                ids[r, :n] = torch.tensor(rows[i][0])
-                weight[r, :n] = torch.tensor(rows[i][1])
-            yield group, ids, weight
+    source_weights: str = ""  # "source=w,...": records per epoch by source (zoo/selfdistill_rows.py)
 
 
 def sampled_head_loss(head, features: dict, top: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,

@@ -13,7 +13,8 @@ import torch
 from zoo.selfdistill import (QUERY_SENTINEL, Prompt, chat_ids, done_keys, generate, heldout_set, open_target,
                              prompt_set, query_prefix, query_prompts, schema_prompt, synthesize_queries,
                              usable_query)
-from zoo.selfdistill_train import HeadTrainer, TrainPlan, batches, epoch_rows, parse_source_weights
+from zoo.selfdistill_rows import batches, epoch_rows, parse_source_weights
+from zoo.selfdistill_train import HeadTrainer, TrainPlan
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
