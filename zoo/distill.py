@@ -140,15 +140,18 @@ def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, wei
 
 @torch.no_grad()
 def head_agreement(head, features: dict, ids: torch.Tensor, real: torch.Tensor, depth: int,
-                   scored: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> list[tuple[int, int]]:
+                   scored: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+                   target_top: torch.Tensor | None = None) -> list[tuple[int, int]]:
     """Teacher-forced top-1 agreement per depth: [(matches, count)] for depths 1..depth.
 
     Depth d at index i compares the head's step d-1 argmax (mapped to target ids) with the target's
     argmax at index i+d (its prediction for token i+d+1). `scored` [B, T] limits which target
     positions i+d count (e.g. the JSON instance, not the prompt). `allowed` [V] bool: the target ids the
-    head drafts from (its token map), the argmax taken over those only, as the engine drafts.
+    head drafts from (its token map), the argmax taken over those only, as the engine drafts. `target_top`
+    [B, T]: the labels, when not the target's plain argmax (e.g. the argmax under a grammar).
     """
-    target_top = features["logits"].argmax(-1)
+    if target_top is None:
+        target_top = features["logits"].argmax(-1)
     results = []
     for step, logits in enumerate(unroll(head, features, ids, depth)):
         full = head.to_target_vocab(logits)

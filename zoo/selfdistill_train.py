@@ -3,7 +3,8 @@
 Made cheap enough for two CPU cores (the plain `tandem zoo train-draft` path ran ~160 tokens/s here):
 - one target forward (bf16 autocast where the CPU has native bf16, else fp32) feeds BOTH heads: its last
   hidden state (MTP), three captured layers (EAGLE-3) and its argmax, the label (hard-label distillation: a
-  greedy draft is accepted exactly when it equals the target's argmax);
+  greedy draft is accepted exactly when it equals the target's argmax; under a grammar, the argmax over what
+  the grammar allows: a guided greedy record's emitted token, zoo/selfdistill_rows.py);
 - the vocabulary projection, the cost that dominates on a 49k vocabulary, runs on a sample of at most
   `positions` positions per depth; MTP's softmax spans the whole vocabulary (its frozen LM head is the
   target's and drafts from all of it) or its token map (`mtp_token_map`, the ids it then drafts from),
@@ -34,7 +35,7 @@ from zoo.features import target_features
 from zoo.heads.eagle3 import Eagle3Head, default_aux_layer_ids, draft_vocab
 from zoo.heads.mtp import MTPHead
 from zoo.recipe import Schedule
-from zoo.selfdistill_rows import batches, parse_source_weights, read_rows
+from zoo.selfdistill_rows import batches, emitted_from, emitted_labels, parse_source_weights, read_rows
 from zoo.training import autocast, bf16_is_fast, lr_at, make_optimizer, set_lr
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,8 @@ class HeadTrainer:
         tok = AutoTokenizer.from_pretrained(str(target_dir))
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         sources: list[str] = []
-        self.rows = read_rows(data, plan.seq_len, plan.prompt_weight, sources)
+        self.emitted: list[int | None] = []  # rows whose response tokens are their labels (zoo/selfdistill_rows.py)
+        self.rows = read_rows(data, plan.seq_len, plan.prompt_weight, sources, self.emitted)
         if not self.rows:
             raise ValueError(f"{data} holds no usable records")
         weights = parse_source_weights(plan.source_weights)
@@ -248,6 +250,7 @@ class HeadTrainer:
             group, ids, weight = next(stream)
             start = time.perf_counter()
             features, top = self.features(group, ids)
+            top = emitted_labels(top, ids, [self.emitted[i] for i in group], [len(self.rows[i][0]) for i in group])
             record = {"step": self.step, "tokens": int((weight > 0).sum())}
             for name, head in self.heads.items():
                 head.train()
@@ -273,7 +276,8 @@ class HeadTrainer:
     def agreement(self, heldout: Path) -> dict:
         """Teacher-forced top-1 agreement of each head with the target at depths 1..plan.depth, over the
         response tokens of held-aside records (zoo.selfdistill --heldout): depth d at a position counts when
-        the head's d-th chained draft equals the target's argmax there. -> {head: [depth 1.., ]} over every
+        the head's d-th chained draft equals the target's argmax there (on a guided greedy record, the token it
+        emitted: the argmax under its grammar; the head's guess is not masked). -> {head: [depth 1.., ]} over every
         record, and under "by_source" the same per record source (open chat and math differ a lot)."""
         from zoo.distill import head_agreement
 
@@ -285,6 +289,7 @@ class HeadTrainer:
             scored = torch.zeros_like(ids, dtype=torch.bool)
             scored[0, len(rec["prompt_ids"]):] = True
             features = target_features(self.target, ids, self.aux_ids)
+            top = emitted_labels(features["logits"].argmax(-1), ids, [emitted_from(rec)], [ids.shape[1]])
             per_head = totals.setdefault(rec.get("source", "unknown"),
                                          {n: [[0, 0] for _ in range(self.plan.depth)] for n in self.heads})
             for name, head in self.heads.items():
@@ -293,7 +298,7 @@ class HeadTrainer:
                 if name == "mtp" and self.plan.mtp_token_map:  # it drafts from its map: agreement as it drafts
                     allowed = self.mtp_index >= 0
                 for d, (hit, count) in enumerate(head_agreement(head, features, ids, torch.ones_like(scored),
-                                                                self.plan.depth, scored, allowed)):
+                                                                self.plan.depth, scored, allowed, top)):
                     per_head[name][d][0] += hit
                     per_head[name][d][1] += count
 

@@ -13,7 +13,7 @@ import torch
 from zoo.selfdistill import (QUERY_SENTINEL, Prompt, chat_ids, done_keys, generate, heldout_set, open_target,
                              prompt_set, query_prefix, query_prompts, schema_prompt, synthesize_queries,
                              usable_query)
-from zoo.selfdistill_rows import batches, epoch_rows, parse_source_weights
+from zoo.selfdistill_rows import batches, emitted_from, emitted_labels, epoch_rows, parse_source_weights, read_rows
 from zoo.selfdistill_train import HeadTrainer, TrainPlan
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
@@ -160,6 +160,24 @@ def test_source_weights_oversample_rows_per_epoch():
     rows = [([1] * 9, [1.0] * 9), ([2] * 10, [1.0] * 10), ([3] * 11, [1.0] * 11)]
     group, ids, weight = next(batches(rows, 10_000, 0, rng, [3.0, 1.0, 0.0]))  # one epoch fits one batch
     assert sorted(group) == [0, 0, 0, 1] and ids.shape == (4, 10) and weight.sum() == 3 * 9 + 10
+
+
+def test_guided_greedy_records_take_their_emitted_tokens_as_labels(records):
+    """Under a grammar, verification accepts the argmax over the allowed tokens: for a greedy guided record that is
+    the token the engine emitted, so those are its labels; other records keep the target's argmax."""
+    assert emitted_from({"prompt_ids": [1, 2, 3], "output_ids": [4], "guided": True, "temperature": 0.0}) == 3
+    assert emitted_from({"prompt_ids": [1, 2, 3], "output_ids": [4], "guided": True, "temperature": 0.7}) is None
+    assert emitted_from({"prompt_ids": [1, 2, 3], "output_ids": [4], "guided": False}) is None
+    top = torch.tensor([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]])
+    ids = torch.tensor([[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 1, 2]])
+    labels = emitted_labels(top, ids, [2, None], [5, 6])
+    assert labels.tolist() == [[10, 3, 4, 5, 14, 15], top[1].tolist()]  # padding (index 5) untouched
+    assert top[0, 1] == 11  # a new tensor
+    sources, emitted = [], []
+    rows = read_rows(records, 128, 0.2, sources, emitted)
+    recs = [json.loads(line) for line in records.read_text().splitlines()]
+    assert len(rows) == len(recs) == len(emitted) and sources == ["test"] * len(recs)
+    assert emitted == [len(r["prompt_ids"]) if r["key"] == "t-1" else None for r in recs]
 
 
 def test_the_trainer_refuses_source_weights_that_match_nothing(zoo_dir, records, tmp_path):
