@@ -5,6 +5,11 @@ Made cheap enough for two CPU cores (the plain `tandem zoo train-draft` path ran
   hidden state (MTP), three captured layers (EAGLE-3) and its argmax, the label (hard-label distillation: a
   greedy draft is accepted exactly when it equals the target's argmax; under a grammar, the argmax over what
   the grammar allows: a guided greedy record's emitted token, zoo/selfdistill_rows.py);
+- `soft_weight` > 0 mixes in soft labels (knowledge distillation, as EAGLE trains): cross-entropy against the
+  target's whole next-token distribution over the training vocabulary, recomputed from the cached final hidden
+  state at the sampled positions only (the cache keeps no logits: 49k floats a token). A distribution says more
+  per position than its argmax (which runner-up tokens are close), where the data is small; it is skipped where
+  a grammar overrode the argmax (the unmasked distribution would teach a token verification rejects);
 - the vocabulary projection, the cost that dominates on a 49k vocabulary, runs on a sample of at most
   `positions` positions per depth; MTP's softmax spans the whole vocabulary (its frozen LM head is the
   target's and drafts from all of it) or its token map (`mtp_token_map`, the ids it then drafts from),
@@ -59,15 +64,28 @@ class TrainPlan:
     seed: int = 0
     mtp_token_map: str = ""  # the hot vocabulary MTP drafts from (engine/speculative/token_map.py); "": all ids
     source_weights: str = ""  # "source=w,...": records per epoch by source (zoo/selfdistill_rows.py)
+    soft_weight: float = 0.0  # share of the loss on the target's distribution (module docstring); 0: hard labels
+
+
+@dataclass(frozen=True)
+class SoftLabels:
+    """What soft labels need at a step: the target's final (normed) hidden state [B, T, H], where its argmax is
+    the label [B, T] (False where a grammar chose another token), and the loss share they take."""
+    hidden: torch.Tensor
+    valid: torch.Tensor
+    weight: float
 
 
 def sampled_head_loss(head, features: dict, top: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                       depth: int, rows: torch.Tensor, label_index: torch.Tensor, positions: int,
-                      generator: torch.Generator) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """Hard-label loss of a `depth`-step unroll on sampled positions; -> (loss, [(agree, count)] per depth).
+                      generator: torch.Generator, soft: SoftLabels | None = None,
+                      target_head: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Loss of a `depth`-step unroll on sampled positions; -> (loss, [(agree, count)] per depth).
 
     top [B, T]: the target's argmax. rows [V']: the LM-head rows of the training vocabulary (target ids for
     MTP; EAGLE-3 uses its draft head whole). label_index [V]: target id -> index into those rows, -1 outside.
+    soft / target_head [V', H]: soft labels (SoftLabels) and the target's LM-head rows of the training
+    vocabulary, in the order of the head's logits, to project the target's hidden state with.
     """
     b, t = ids.shape
     pos = torch.arange(t).expand(b, t)
@@ -91,6 +109,13 @@ def sampled_head_loss(head, features: dict, top: torch.Tensor, ids: torch.Tensor
         else:
             logits = head.logits_from(out)
         per_pos = F.cross_entropy(logits.float(), label[keep], reduction="none")
+        if soft is not None and soft.weight > 0:
+            at = (keep[0], keep[1] + 1 + step)  # the target's prediction that the label came from
+            with torch.no_grad():
+                p = F.softmax(F.linear(soft.hidden[at], target_head).float(), dim=-1)
+            soft_ce = -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+            share = soft.valid[at].float() * soft.weight
+            per_pos = (1 - share) * per_pos + share * soft_ce
         wk = w[keep]
         total = total + STEP_DECAY**step * (per_pos * wk).sum() / wk.sum()
         agree.append((int((logits.argmax(-1) == label[keep]).sum()), int(keep[0].numel())))
@@ -150,6 +175,8 @@ class HeadTrainer:
         d2t = self.heads["eagle3"].d2t  # the checkpoint's draft vocabulary when resumed
         self.eagle_index = torch.full((vocab,), -1, dtype=torch.long)
         self.eagle_index[d2t + torch.arange(len(d2t))] = torch.arange(len(d2t))
+        lm_head = self.target.get_output_embeddings().weight  # the target's LM-head rows per head's logits order
+        self.target_heads = {"mtp": lm_head[self.mtp_rows], "eagle3": lm_head[d2t + torch.arange(len(d2t))]}
 
     def schedule(self) -> Schedule:
         return Schedule(steps=self.plan.steps, batch_size=1, lr=self.plan.lr,
@@ -249,15 +276,16 @@ class HeadTrainer:
         while self.step < last:
             group, ids, weight = next(stream)
             start = time.perf_counter()
-            features, top = self.features(group, ids)
-            top = emitted_labels(top, ids, [self.emitted[i] for i in group], [len(self.rows[i][0]) for i in group])
+            features, argmax = self.features(group, ids)
+            top = emitted_labels(argmax, ids, [self.emitted[i] for i in group], [len(self.rows[i][0]) for i in group])
+            soft = SoftLabels(features["last_hidden"], top == argmax, plan.soft_weight) if plan.soft_weight else None
             record = {"step": self.step, "tokens": int((weight > 0).sum())}
             for name, head in self.heads.items():
                 head.train()
                 rows, index = (self.mtp_rows, self.mtp_index) if name == "mtp" else (None, self.eagle_index)
                 with autocast("cpu", self.bf16):
                     loss, agree = sampled_head_loss(head, features, top, ids, weight, plan.depth, rows, index,
-                                                    plan.positions, self.generator)
+                                                    plan.positions, self.generator, soft, self.target_heads[name])
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], 1.0)
                 set_lr(self.optimizers[name], lr_at(self.step, schedule))

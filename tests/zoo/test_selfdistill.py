@@ -209,3 +209,44 @@ def test_agreement_takes_the_argmax_over_the_allowed_ids_only(monkeypatch):
     assert distill.head_agreement(Head(), features, ids, real, 1) == [(0, 3)]
     allowed = torch.tensor([True, True, False])  # a token map without id 2
     assert distill.head_agreement(Head(), features, ids, real, 1, allowed=allowed) == [(3, 3)]
+
+
+def test_soft_labels_are_the_targets_distribution_where_no_grammar_overrode_its_argmax(zoo_dir, records, tmp_path):
+    """plan.soft_weight: cross-entropy against softmax(target LM head . final hidden) at the label's index, mixed with
+    the hard label by the weight; where the label is not the target's argmax (a grammar's choice) only the hard one."""
+    import random
+
+    import torch.nn.functional as F
+
+    import zoo
+    from zoo.distill import shift_left
+    from zoo.selfdistill_train import SoftLabels, sampled_head_loss
+
+    plan = TrainPlan(steps=1, batch_tokens=256, seq_len=128, positions=64, draft_vocab_size=512, soft_weight=0.5)
+    trainer = HeadTrainer(zoo.layout(zoo_dir).target, records, tmp_path / "ckpt", plan)
+    group, ids, weight = next(batches(trainer.rows, 256, trainer.pad, random.Random(0)))
+    features, top = trainer.features(group, ids)
+    head, index, target_head = trainer.heads["eagle3"], trainer.eagle_index, trainer.target_heads["eagle3"]
+
+    def loss(soft):
+        out, _ = sampled_head_loss(head, features, top, ids, weight, 1, None, index, 10**6, torch.Generator(), soft,
+                                   target_head)
+        return out
+
+    hard = loss(None)
+    assert torch.allclose(loss(SoftLabels(features["last_hidden"], torch.zeros_like(top, dtype=torch.bool), 1.0)), hard)
+    # the reference, in plain torch: depth 1, every weighted position (no sampling at 10**6 positions)
+    with torch.no_grad():
+        b, t = ids.shape
+        hidden = head.step_hidden(head.first_hidden(features), shift_left(ids, 1, 0), torch.arange(t).expand(b, t), [])
+        label = index[top[:, 1: t - 1]]
+        w = weight[:, 2:] * (label >= 0)
+        keep = w.nonzero(as_tuple=True)
+        logp = F.log_softmax(head.logits_from(hidden[:, : t - 2][keep]).float(), -1)
+        p = F.softmax(features["last_hidden"][keep[0], keep[1] + 1] @ target_head.T, -1)
+        hard_ce, soft_ce = -logp.gather(1, label[keep][:, None])[:, 0], -(p * logp).sum(-1)
+        expected = ((0.5 * hard_ce + 0.5 * soft_ce) * w[keep]).sum() / w[keep].sum()
+        got = loss(SoftLabels(features["last_hidden"], torch.ones_like(top, dtype=torch.bool), 0.5))
+    assert torch.allclose(got, expected, rtol=1e-4) and not torch.allclose(got, hard)
+    trainer.run()  # the trainer's own soft step
+    assert trainer.step == 1 and all(r[n]["loss"] > 0 for r in trainer.history for n in ("mtp", "eagle3"))
