@@ -61,8 +61,11 @@ def prompt_for(tokenizer, schema: dict, budget: int) -> tuple[list[int], str]:
     return chat_ids(tokenizer, [{"role": "user", "content": "Reply with a JSON object. Reply with the JSON only."}]), "none"
 
 
-def run(llm, cases: list[tuple[str, str, dict]], max_tokens: int, budget: int) -> tuple[list[dict], float]:
-    """One request per case, all queued at once (the engine batches them); -> (rows, seconds)."""
+def run(llm, cases: list[tuple[str, str, dict]], max_tokens: int, budget: int,
+        **penalties: float) -> tuple[list[dict], float]:
+    """One request per case, all queued at once (the engine batches them); -> (rows, seconds). `penalties`:
+    SamplingParams' repetition_penalty / frequency_penalty / presence_penalty (greedy loops are what keeps a small
+    model's guided output from completing; a penalty is what a user would try)."""
     from engine import InvalidRequestError, SamplingParams, StructuredOutput
 
     eng = llm.engine
@@ -71,7 +74,7 @@ def run(llm, cases: list[tuple[str, str, dict]], max_tokens: int, budget: int) -
     for name, subset, schema in cases:
         ids, shown = prompt_for(eng.tokenizer, schema, budget)
         row = rows[name] = {"case": name, "subset": subset, "refused": None, "schema_in_prompt": shown}
-        params = SamplingParams(max_tokens=max_tokens, temperature=0,
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, **penalties,
                                 structured_output=StructuredOutput(json_schema=schema))
         try:
             eng.add_request(name, ids, params)
@@ -123,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="the engine's max_num_seqs")
     ap.add_argument("--method", default="mtp", help="speculative method (none, mtp, eagle3, ngram)")
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="HF semantics, prompt and output tokens")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI semantics, output tokens")
     ap.add_argument("--schema-tokens", type=int, default=4096, help="prompt budget for the schema's text")
     ap.add_argument("--cpu-compile", default="full")
     ap.add_argument("--threads", type=int, default=2)
@@ -147,18 +152,20 @@ def main(argv: list[str] | None = None) -> int:
         spec = SpecConfig(method=args.method, k=args.k, draft=draft, token_map=str(tmap) if tmap else None)
     llm = LLM(str(model.target), max_num_seqs=args.batch, num_kv_blocks=max(1024, args.batch * 96),
               cpu_compile=args.cpu_compile, weight_dtype="bfloat16", speculative=spec)
-    rows, seconds = run(llm, cases, args.max_tokens, args.schema_tokens)
+    penalties = {"repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty}
+    rows, seconds = run(llm, cases, args.max_tokens, args.schema_tokens, **penalties)
     groups = defaultdict(list)
     for r in rows:
         groups[r["subset"]].append(r)
     by_subset = {name: summarize(group) for name, group in groups.items()}
     overall = summarize(rows)
     spec_stats = llm.engine.stats().get("spec") or {}
-    head = (f"SmolLM2-135M-Instruct, greedy, guided by each case's schema, {args.method} k={args.k}, batch "
+    shown = ", ".join(f"{k} {v}" for k, v in penalties.items() if v != (1.0 if k == "repetition_penalty" else 0.0))
+    head = (f"SmolLM2-135M-Instruct, greedy{' with ' + shown if shown else ''}, guided by each case's schema, {args.method} k={args.k}, batch "
             f"{args.batch}, {len(rows)} JSONSchemaBench cases, {seconds:.0f} s on {device_name('cpu')}; accepted per "
             f"step {spec_stats.get('mean_accepted_length')}")
     payload = {"device": device_name("cpu"), "model": DEFAULT_MODEL, "cases_dir": str(cases_dir), "n": len(rows),
-               "max_tokens": args.max_tokens, "method": args.method, "k": args.k, "batch": args.batch,
+               "max_tokens": args.max_tokens, **penalties, "method": args.method, "k": args.k, "batch": args.batch,
                "seconds": round(seconds, 1), "overall": overall, "by_subset": by_subset,
                "accepted_per_step": spec_stats.get("mean_accepted_length"),
                "rows": [{k: v for k, v in r.items() if k != "text"} | {"text": (r.get("text") or "")[:300]}
