@@ -58,7 +58,8 @@ def prompt_for(tokenizer, schema: dict, budget: int) -> tuple[list[int], str]:
     compact = chat_ids(tokenizer, [{"role": "user", "content": SCHEMA_INSTRUCTION + json.dumps(schema)}])
     if len(compact) <= budget:
         return compact, "compact"
-    return chat_ids(tokenizer, [{"role": "user", "content": "Reply with a JSON object. Reply with the JSON only."}]), "none"
+    bare = [{"role": "user", "content": "Reply with a JSON object. Reply with the JSON only."}]
+    return chat_ids(tokenizer, bare), "none"
 
 
 def run(llm, cases: list[tuple[str, str, dict]], max_tokens: int, budget: int,
@@ -120,7 +121,8 @@ def table(overall: dict, by_subset: dict[str, dict], max_tokens: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.guided_json", description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default=None, help="a JSONSchemaBench-format case directory (default: the shared data's)")
+    ap.add_argument("--cases", default=None,
+                    help="a JSONSchemaBench-format case directory (default: the shared data's)")
     ap.add_argument("--n", type=int, default=64, help="cases, spread over the subsets")
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--batch", type=int, default=16, help="the engine's max_num_seqs")
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     overall = summarize(rows)
     spec_stats = llm.engine.stats().get("spec") or {}
     shown = ", ".join(f"{k} {v}" for k, v in penalties.items() if v != (1.0 if k == "repetition_penalty" else 0.0))
-    head = (f"SmolLM2-135M-Instruct, greedy{' with ' + shown if shown else ''}, guided by each case's schema, {args.method} k={args.k}, batch "
+    decoding = "greedy" + (f" with {shown}" if shown else "")
+    head = (f"SmolLM2-135M-Instruct, {decoding}, guided by each case's schema, {args.method} k={args.k}, batch "
             f"{args.batch}, {len(rows)} JSONSchemaBench cases, {seconds:.0f} s on {device_name('cpu')}; accepted per "
             f"step {spec_stats.get('mean_accepted_length')}")
     payload = {"device": device_name("cpu"), "model": DEFAULT_MODEL, "cases_dir": str(cases_dir), "n": len(rows),
