@@ -11,8 +11,9 @@ says what to write: with response_format a client's prompt need not hold the sch
   - refused: the engine cannot enforce the schema and says so (InvalidRequestError when the request is added, or
     finish "error" when its grammar's compile fails);
   - completed: the grammar ended within `--max-tokens` (finish "stop"), of the served;
-  - valid: of the completed, the instance validates against the schema (jsonschema, the schema's own draft, with
-    format checking: a format the grammar does not enforce shows up here as an invalid output).
+  - valid: of the completed, the instance validates against the schema (structured/output_check.py, the judge the
+    router applies: the schema's own draft, formats asserted; a format the grammar does not enforce shows up here
+    as an invalid output).
 Issue 30's goal: 100% of completed outputs valid, >= 95% complete within 512 tokens. Writes
 bench/results/guided_json_real_cpu.{json,md}.
 """
@@ -31,20 +32,11 @@ from bench.structured import sample_cases, subset_of
 
 
 def validate(text: str, schema: dict) -> str | None:
-    """None when `text` is one JSON instance that `schema` accepts, else why not (first line)."""
-    import jsonschema
-    from referencing.exceptions import Unresolvable
+    """None when `text` is one JSON instance that `schema` accepts, else why not: the served path's own judge
+    (structured/output_check.py: the schema's draft, formats asserted)."""
+    from structured.output_check import output_violation
 
-    try:
-        instance = json.loads(text)
-    except json.JSONDecodeError as e:
-        return f"not JSON: {e}"
-    try:
-        cls = jsonschema.validators.validator_for(schema)
-        error = jsonschema.exceptions.best_match(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance))
-    except (jsonschema.exceptions.SchemaError, Unresolvable) as e:  # a schema the validator cannot read
-        return f"schema: {str(e).splitlines()[0]}"
-    return None if error is None else str(error.message)[:200]
+    return output_violation({"json_schema": schema}, text)
 
 
 def prompt_for(tokenizer, schema: dict, budget: int) -> tuple[list[int], str]:

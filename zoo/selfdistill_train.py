@@ -175,8 +175,10 @@ class HeadTrainer:
         d2t = self.heads["eagle3"].d2t  # the checkpoint's draft vocabulary when resumed
         self.eagle_index = torch.full((vocab,), -1, dtype=torch.long)
         self.eagle_index[d2t + torch.arange(len(d2t))] = torch.arange(len(d2t))
-        lm_head = self.target.get_output_embeddings().weight  # the target's LM-head rows per head's logits order
-        self.target_heads = {"mtp": lm_head[self.mtp_rows], "eagle3": lm_head[d2t + torch.arange(len(d2t))]}
+        # the target's LM-head rows in each head's logits order: soft labels project the target's hidden state
+        lm_head = self.target.get_output_embeddings().weight
+        self.target_heads = ({"mtp": lm_head[self.mtp_rows], "eagle3": lm_head[d2t + torch.arange(len(d2t))]}
+                             if plan.soft_weight else {"mtp": None, "eagle3": None})
 
     def schedule(self) -> Schedule:
         return Schedule(steps=self.plan.steps, batch_size=1, lr=self.plan.lr,

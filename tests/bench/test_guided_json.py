@@ -12,7 +12,7 @@ OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 def test_validity_is_jsonschemas_with_formats_checked():
     assert validate('{"a": 3}', OBJECT) is None
     assert "required" in validate("{}", OBJECT)
-    assert validate('{"a": ', OBJECT).startswith("not JSON")
+    assert "not JSON" in validate('{"a": ', OBJECT)
     email = {"type": "string", "format": "email"}
     assert validate('"x@example.com"', email) is None and validate('"no at sign"', email) is not None
 
