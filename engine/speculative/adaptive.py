@@ -30,15 +30,20 @@ Tensor-parallel ranks read the probe alone (Agreement). Without a probe (cost_pr
 parallelism) the prices are a line fitted through the medians, its slope shrunk toward RHO_PRIOR; before any step
 is timed there, c(k) = 1 + RHO_PRIOR * k. c(k) never falls below 1 or below c(k - 1).
 
-Exploring. Every EXPLORE_EVERY steps two steps run at a neighbouring k, one up and one down in turn (two: the
-drafts a step verifies are the previous step's chain's, so a deeper depth is observed only on the second; down:
-the cost of k - 1, k = 0's included, is measured too), unless the estimates put the neighbour EXPLORE_MARGIN below
-the decided k: then only in one of EXPLORE_FAR rounds (exploring costs three short steps, about 3% of guided JSON's
-tokens at batch 1 where k = 3 wins by 16%: bench/results/gpu_check_3_cuda.md); at k = 0, which observes nothing,
-two steps at k = 1 after every EXPLORE_IDLE. Either pair runs only when its cost beyond the decided k's fits
-EXPLORE_BUDGET (5%) of the time: where a draft costs several plain steps (large batches on a CPU), the pairs space out;
-a k that could not beat no speculation even if its requests accepted half the drafts they are estimated to miss
-is not explored (at batch 64 on a 2-core CPU k = 1 costs ~1.9 plain steps against GSM8K's 0.4 drafts accepted).
+Exploring. Every EXPLORE_EVERY steps another k runs, up and down in turn: up for two steps (the drafts a step
+verifies are the previous step's chain's, so a deeper depth is observed only on the second), down for one (it
+observes no depth that k does not, only the cost of k - 1, k = 0's included; each step away from k costs the
+accepted drafts of the shorter chains verified until k's chain is back, which at the top k, exploring down in every
+round, was 5% of guided JSON's steps where k = 3 was best: bench/results/gpu_check_3_cuda.md). Up is the neighbour,
+or, while a k above has run fewer than UNMEASURED steps at this batch bucket, the most promising of those: until then
+its cost is the probe's guess, which the table keeps in proportion to the k's measured, so a guess that over-prices
+the k two above would never be corrected by exploring the next one. An unmeasured k is explored every round; a
+measured one the estimates put EXPLORE_MARGIN below the decided k only in one of EXPLORE_FAR rounds (exploring costs
+short steps: about 3% of guided JSON's tokens at batch 1 where k = 3 wins by 16%); at k = 0, which observes
+nothing, two steps at k = 1 after every EXPLORE_IDLE. Either runs only when its cost beyond the decided k's fits
+EXPLORE_BUDGET (5%) of the time: where a draft costs several plain steps (large batches on a CPU), the rounds space
+out; a k that could not beat no speculation even if its requests accepted half the drafts they are estimated to
+miss is not explored (at batch 64 on a 2-core CPU k = 1 costs ~1.9 plain steps against GSM8K's 0.4 drafts accepted).
 
 Agreement. The decision is integer arithmetic over fixed-point sums (vote/decide), so every rank that sees
 the same votes picks the same k. Under attention data parallelism each rank's vote (its requests' G and its
@@ -76,6 +81,12 @@ WINDOW = 15
 # batch 14: bench/results/real_spec_probe_b16_cpu.md), and a k with fewer is read from the prices.
 MIN_OWN = 3
 EXPLORE_EVERY = 32
+# A k that has run fewer steps than this at a batch bucket is explored in every up round whatever the estimates say
+# of it (its cost there is still the probe's guess, and that guess rules the table until the k's own steps count,
+# MIN_OWN of them, the first after a switch verifying the shorter chain in hand): a start-up probe that priced k = 3
+# at 2.27 plain steps where it cost 2.35 against k = 1's 1.70, not 1.30, kept guided JSON at k = 1 in 125 of 166
+# steps, since exploring up went to k = 2 only (bench/results/adaptive_k_before_unmeasured_b1_cpu.md).
+UNMEASURED = MIN_OWN + 1
 # A neighbour the estimates put this far below the decided k (thousandths of its rate) is explored in one round of
 # EXPLORE_FAR only: its figures stay fresh within EXPLORE_FAR * 2 * EXPLORE_EVERY steps at a quarter of the cost.
 EXPLORE_MARGIN = 100
@@ -358,9 +369,10 @@ class AdaptiveK:
         self.steps = 0
         self.idle = 0  # consecutive steps decided at k = 0
         self.last: int | None = None  # the last decided k (before exploring), which hysteresis holds
-        self._exploring = False  # the exploring round under way runs its neighbour (decided on its first step)
         self._idle_second = False  # the next idle exploring step is its pair's second
         self.credit = 0  # exploring credit, thousandths of a plain step (EXPLORE_BUDGET)
+        self._plan: tuple[int, bool] | None = None  # the exploring round under way: (its k, up: a second step)
+        self._ran: dict[int, list[int]] = {}  # batch bucket -> steps run at each k = 0..K
 
     def vote(self, requests, batch: int) -> Vote:
         """This rank's vote over its decoding `requests` (engine Requests); `batch`: the group's batch, whose
@@ -376,10 +388,38 @@ class AdaptiveK:
         return Vote(tuple(round(g * SCALE) for g in total), cost, len(requests))
 
     def choose(self, vote: Vote, k_max: int) -> int:
-        """The step's k from the (group's) vote, bounded by k_max; for two steps in every EXPLORE_EVERY a neighbour,
-        one up and one down in turn (down at k_max, up at 0), and two at k = 1 after every EXPLORE_IDLE decided at
-        0; a neighbour EXPLORE_MARGIN below the decided k in one round of EXPLORE_FAR only. The same steps on every
-        rank (they count steps and decide alike)."""
+        """The step's k from the (group's) vote, bounded by k_max; every EXPLORE_EVERY steps another k, in turn up
+        for two steps (none at k_max) and down for one (up at 0), and two steps at k = 1 after every EXPLORE_IDLE
+        decided at 0. Up is the neighbour, or the most promising k above that has not run UNMEASURED steps at this
+        batch bucket; a neighbour EXPLORE_MARGIN below the decided k runs in one round of EXPLORE_FAR only (an
+        unmeasured k in every round). The same steps on every rank (they count steps and decide alike)."""
+        k = self._choose(vote, k_max)
+        if vote.requests:  # a step of prompts alone is not timed
+            self._ran.setdefault(StepCost.bucket(vote.requests), [0] * (self.k + 1))[min(k, self.k)] += 1
+        return k
+
+    def unmeasured(self, vote: Vote, k: int) -> bool:
+        """Has k run fewer than UNMEASURED steps at the vote's batch bucket (its cost is still the probe's or the
+        line's guess, whatever the estimates say of it)? Counted from the decisions, so equal on every rank."""
+        return self._ran.get(StepCost.bucket(vote.requests), [0] * (self.k + 1))[k] < UNMEASURED
+
+    def _up(self, vote: Vote, k: int, k_max: int) -> int | None:
+        """The k an up round explores from k: the best by the estimates of the unmeasured k's above that could pay,
+        else k + 1; None at the top."""
+        top = min(k_max, len(vote.gain))
+        if k >= top:
+            return None
+        guesses = [j for j in range(k + 1, top + 1) if self.unmeasured(vote, j) and _can_pay(vote, j)]
+        best = k + 1
+        if guesses:
+            best = guesses[0]
+            for j in guesses[1:]:
+                (t, c), (bt, bc) = (_rate(vote.requests, vote.gain, vote.cost, i) for i in (j, best))
+                if t * bc > bt * c:
+                    best = j
+        return best
+
+    def _choose(self, vote: Vote, k_max: int) -> int:
         self.steps += 1
         self.acceptance.decay()
         k = self.last = decide(vote.requests, vote.gain, vote.cost, k_max, self.last)
@@ -395,14 +435,19 @@ class AdaptiveK:
                 if not self._idle_second:
                     self.idle = 0
                 return 1
-        if self.steps % EXPLORE_EVERY < 2 and self.steps >= EXPLORE_EVERY:
+        if self.steps % EXPLORE_EVERY < 2 and self.steps >= EXPLORE_EVERY and k_max > 0:
             rnd = self.steps // EXPLORE_EVERY
-            up = rnd % 2 == 1
-            other = k + 1 if k == 0 or (up and k < min(k_max, len(vote.gain))) else k - 1
-            if self.steps % EXPLORE_EVERY == 0:  # the round's first step decides for both
-                self._exploring = (k_max > 0 and ((rnd // 2) % EXPLORE_FAR == 1 or near(vote, k, other))
-                                   and _can_pay(vote, other) and self.credit >= 2 * _extra(vote, k, other))
-            if self._exploring and k_max > 0:
+            if self.steps % EXPLORE_EVERY == 0:  # the round's first step decides for its steps
+                up = k == 0 or rnd % 2 == 1
+                other = self._up(vote, k, k_max) if up else k - 1
+                # exploring down is one step: it times k - 1 and observes no depth that k does not
+                self._plan = None if other is None or not (
+                    ((rnd // 2) % EXPLORE_FAR == 1 or near(vote, k, other) or self.unmeasured(vote, other))
+                    and _can_pay(vote, other) and self.credit >= 2 * _extra(vote, k, other)) else (other, up)
+            elif self._plan is not None and not self._plan[1]:
+                self._plan = None
+            if self._plan is not None:
+                other = min(self._plan[0], k_max)
                 self.credit -= _extra(vote, k, other)
                 k = other
         return k

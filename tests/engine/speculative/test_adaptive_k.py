@@ -262,35 +262,63 @@ def test_a_perfect_draft_keeps_k_and_a_useless_one_drops_it(llama_dir, spec_draf
     assert all(o.speculative.draft_tokens < o.speculative.verify_steps for o in outs)
 
 
-def test_choose_explores_a_neighbour_for_two_steps_up_and_down_in_turn():
-    """Every EXPLORE_EVERY steps two steps run a neighbouring k (the second verifies the first's deeper chain): one up,
-    the next time one down (k = 0's cost is measured too); at the top both down. A neighbour far below (k = 0 here,
-    20% slower by the estimates) only in one round of EXPLORE_FAR: the second's, not the first's."""
+def test_choose_explores_up_for_two_steps_and_down_for_one_in_turn():
+    """Every EXPLORE_EVERY steps a neighbouring k runs: up for two steps (the second verifies the first's deeper
+    chain), the next time down for one (it learns k - 1's cost, k = 0's too, and no depth k does not see); at the top
+    only the down rounds explore. A neighbour far below (k = 0 here, 20% slower by the estimates) only in one round
+    of EXPLORE_FAR: the second's, not the first's."""
     ks = {k_top: [] for k_top in (1, 3)}
     for k_top in ks:
-        ctl = A.AdaptiveK(3, measured=True)
+        ctl = _measured(A.AdaptiveK(3, measured=True), 1)
         vote = A.Vote((500, 700, 800), _line(200, 3), 1)  # decide() -> 1 under k_max 3 (and under 1)
-        ks[k_top] = [ctl.choose(vote, k_top) for _ in range(2 * A.EXPLORE_EVERY + 2)]
-    first, second = {A.EXPLORE_EVERY - 1, A.EXPLORE_EVERY}, {2 * A.EXPLORE_EVERY - 1, 2 * A.EXPLORE_EVERY}  # 0-based
-    assert [i for i, k in enumerate(ks[3]) if k != 1] == sorted(first | second)
-    assert {ks[3][i] for i in first} == {2} and {ks[3][i] for i in second} == {0}
-    assert {ks[1][i] for i in second} == {0} and all(k == 1 for i, k in enumerate(ks[1]) if i not in second)
+        ks[k_top] = [ctl.choose(vote, k_top) for _ in range(4 * A.EXPLORE_EVERY + 2)]
+    up = {A.EXPLORE_EVERY - 1, A.EXPLORE_EVERY, 3 * A.EXPLORE_EVERY - 1, 3 * A.EXPLORE_EVERY}  # 0-based
+    down = {2 * A.EXPLORE_EVERY - 1}  # round 4 is EXPLORE_FAR's skip of the far k = 0
+    assert [i for i, k in enumerate(ks[3]) if k != 1] == sorted(up | down)
+    assert {ks[3][i] for i in up} == {2} and {ks[3][i] for i in down} == {0}
+    assert [i for i, k in enumerate(ks[1]) if k != 1] == sorted(down) and ks[1][min(down)] == 0
 
 
 def test_choose_explores_a_far_neighbour_in_one_round_of_explore_far():
-    """k = 3 far ahead of k = 2 (guided JSON at batch 1): the rounds that would step down run k = 3 but in one
-    of EXPLORE_FAR pairs of rounds; a near neighbour is explored every round."""
+    """k = 3 far ahead of k = 2 (guided JSON at batch 1): the rounds that would step down (every other one at the
+    top) run k = 3 but in one of EXPLORE_FAR pairs of rounds; a near neighbour is explored every down round."""
     far = A.Vote((950, 1900, 2850), (1050, 1100, 1150), 1)  # k=3: 3.35 tokens per cost, k=2: 2.64
     near = A.Vote((600, 1100, 1250), (1050, 1100, 1150), 1)  # k=3 decided, k=2 2.5% below
     rounds = 4 * A.EXPLORE_FAR
-    for vote, want in ((far, [r for r in range(1, rounds) if (r // 2) % A.EXPLORE_FAR == 1]),
-                       (near, list(range(1, rounds)))):
-        ctl = A.AdaptiveK(3, measured=True)
+    for vote, want in ((far, [r for r in range(2, rounds, 2) if (r // 2) % A.EXPLORE_FAR == 1]),
+                       (near, list(range(2, rounds, 2)))):
+        ctl = _measured(A.AdaptiveK(3, measured=True), 1)
         decided = A.decide(1, vote.gain, vote.cost, 3)
         ks = [ctl.choose(vote, 3) for _ in range(rounds * A.EXPLORE_EVERY - 1)]  # rounds 1 .. rounds - 1
         explored = sorted({(i + 1) // A.EXPLORE_EVERY for i, k in enumerate(ks) if k != decided})
         assert explored == want, (decided, explored)
-        assert all(ks[r * A.EXPLORE_EVERY - 1] == ks[r * A.EXPLORE_EVERY] for r in explored)  # both steps of a round
+        assert all(ks[r * A.EXPLORE_EVERY - 1] == 2 and ks[r * A.EXPLORE_EVERY] == 3 for r in explored)  # one step
+
+
+def _measured(ctl: A.AdaptiveK, batch: int) -> A.AdaptiveK:
+    """ctl as if every k had run enough steps at `batch` for its cost there to be its own (not unmeasured)."""
+    for _ in range(A.UNMEASURED):
+        for k in range(ctl.k + 1):
+            ctl._ran.setdefault(A.StepCost.bucket(batch), [0] * (ctl.k + 1))[k] += 1
+    return ctl
+
+
+def test_choose_explores_an_unmeasured_k_in_every_round_until_it_has_run():
+    """Settled at k = 1 with k = 3 priced by a guess that puts it 10% below and k = 2 below that (guided JSON at
+    batch 1 after a start-up probe that over-priced k = 3): the up rounds explore k = 3, not the neighbour, until it has
+    run UNMEASURED steps, then k = 2 until it has too; measured, the far neighbour runs in EXPLORE_FAR's rounds only.
+    The down rounds explore k = 0 until it has run as many steps. Another batch bucket has run nothing yet."""
+    vote = A.Vote((900, 1300, 2000), (1300, 2000, 2270), 1)  # rates 1.46, 1.15, 1.32: decide() -> 1
+    assert A.decide(1, vote.gain, vote.cost, 3) == 1 and not A.near(vote, 1, 3) and not A.near(vote, 1, 2)
+    ctl = A.AdaptiveK(3, measured=True)
+    E = A.EXPLORE_EVERY
+    ks = [ctl.choose(vote, 3) for _ in range(16 * E)]
+    rounds = {r: [ks[i] for i in (r * E - 1, r * E) if ks[i] != 1] for r in range(1, 16)}
+    up = {1: [3, 3], 3: [3, 3], 5: [2, 2], 7: [2, 2], 9: [], 11: [2, 2], 13: [], 15: []}  # 11: EXPLORE_FAR's
+    down = {2: [0], 4: [0], 6: [0], 8: [0], 10: [0], 12: [], 14: []}
+    assert rounds == {**up, **down}, rounds
+    assert all(ks[i] == 1 for i in range(len(ks)) if (i + 1) % E > 1)  # nothing between rounds
+    assert ctl.unmeasured(A.Vote(vote.gain, vote.cost, 8), 3) and not ctl.unmeasured(vote, 3)
 
 
 def test_choose_explores_k1_soon_after_settling_at_zero():
