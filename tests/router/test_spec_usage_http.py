@@ -30,10 +30,11 @@ def spec_server(tandem_server):
         stop_app("specusage")
 
 
-def _exact(spec: dict, completion_tokens: int, choices: int = 1) -> None:
-    """The target drafting for itself accepts every draft; the first token of each choice is the prefill's."""
+def _exact(spec: dict, completion_tokens: int, choices: int = 1, drafted: bool = True) -> None:
+    """The target drafting for itself accepts every draft; the first token of each choice is the prefill's.
+    drafted: some draft was verified (not required of adaptive k, which may rightly never draft: see its test)."""
     assert spec["method"] == "draft_model"
-    assert spec["accepted_tokens"] == spec["draft_tokens"] > 0
+    assert spec["accepted_tokens"] == spec["draft_tokens"] and (spec["draft_tokens"] > 0 or not drafted)
     assert completion_tokens == choices + spec["accepted_tokens"] + spec["verify_steps"]
     assert spec["acceptance_length"] == pytest.approx((spec["accepted_tokens"] + spec["verify_steps"])
                                                       / spec["verify_steps"], abs=1e-4)
@@ -99,7 +100,11 @@ def test_adaptive_k_on_a_tp2_group_keeps_the_ranks_in_step(tandem_server):
         llm = LLM(tandem_server.model_dir, num_kv_blocks=128)
         want = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True))]
         assert [o.choices[0].text for o in outs] == want
+        # Whether any step drafts is a matter of timing, not of correctness: the draft is as large as the target,
+        # so a draft pass costs about a plain step, and where the start-up probe prices k = 1 at 1.8 plain steps or
+        # more (a loaded machine: 2 of 5 runs beside a benchmark here) no k can pay at the prior acceptance and
+        # adaptive k never drafts, rightly. The counts must add up either way.
         for o in outs:
-            _exact(o.usage.model_extra["speculative"], o.usage.completion_tokens)
+            _exact(o.usage.model_extra["speculative"], o.usage.completion_tokens, drafted=False)
     finally:
         stop_app("specadaptive")
