@@ -12,8 +12,9 @@ probe runs, on the step function real steps run (the same compiled buckets, the 
 
 What it runs: per batch size (powers of two up to the engine's largest batch) and k = 0..K, a step of idle
 requests (engine/runner/batch.py: padding rows, which write no KV and only the scratch draft state), one warm-up
-and REPEATS timed; the median. Eager steps verify k + 1 rows per request as a trimmed eager step does; graph steps
-replay the graph a real step of that size and pass count replays (k + 1 = K + 1 rows, `passes` draft passes).
+and REPEATS timed, the k's in turn; the median. Eager steps verify k + 1 rows per request as a trimmed eager step
+does; graph steps replay the graph a real step of that size and pass count replays (k + 1 = K + 1 rows, `passes`
+draft passes).
 
 What it misses, and where the measured steps take over: the host's share of a step (scheduling, the grammar,
 reading outputs) and attention over real contexts (idle rows attend over k + 1 tokens). StepCost scales the probe's
@@ -52,19 +53,21 @@ def probe_step_costs(runner, max_batch: int, repeats: int = REPEATS) -> dict[int
     out: dict[int, list[float]] = {}
     started = time.perf_counter()
     for size in probe_sizes(max_batch):
-        times = []
-        for k in range(k_max + 1):
-            step = _step(runner, size, k)
+        steps = [_step(runner, size, k) for k in range(k_max + 1)]
+        for step in steps:
             step()  # warm-up: first calls of a shape pay allocations, a graph its first replay
             sync()
-            runs = []
-            for _ in range(repeats):
+        # The k's take turns, so that a burst of another job's work (a shared machine) falls on one sample of
+        # several k's rather than on every sample of one k and skews its median: with only 3 samples a k, such a
+        # skew prices that k until adaptive k runs it (engine/speculative/adaptive.py, UNMEASURED).
+        runs: list[list[float]] = [[] for _ in steps]
+        for _ in range(repeats):
+            for k, step in enumerate(steps):
                 t0 = time.perf_counter()
                 step()
                 sync()
-                runs.append(time.perf_counter() - t0)
-            times.append(statistics.median(runs))
-        out[size] = times
+                runs[k].append(time.perf_counter() - t0)
+        out[size] = [statistics.median(r) for r in runs]
     log.info("adaptive k: probed step costs at %d batch sizes, k = 0..%d, in %.1f s", len(out), k_max,
              time.perf_counter() - started)
     return out
