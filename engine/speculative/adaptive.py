@@ -421,6 +421,8 @@ class AdaptiveK:
 
     def _choose(self, vote: Vote, k_max: int) -> int:
         self.steps += 1
+        if self.steps % EXPLORE_EVERY == 0:
+            self._plan = None  # a round's plan is made on its first step, or there is none
         self.acceptance.decay()
         k = self.last = decide(vote.requests, vote.gain, vote.cost, k_max, self.last)
         self.credit = min(self.credit + EXPLORE_BUDGET * _cost(vote, k) // SCALE, MAX_CREDIT)
@@ -444,10 +446,13 @@ class AdaptiveK:
                 self._plan = None if other is None or not (
                     ((rnd // 2) % EXPLORE_FAR == 1 or near(vote, k, other) or self.unmeasured(vote, other))
                     and _can_pay(vote, other) and self.credit >= 2 * _extra(vote, k, other)) else (other, up)
-            elif self._plan is not None and not self._plan[1]:
+            plan = self._plan
+            if self.steps % EXPLORE_EVERY == 1:  # the round's last step: no plan outlives it
                 self._plan = None
-            if self._plan is not None:
-                other = min(self._plan[0], k_max)
+                if plan is not None and not plan[1]:
+                    return k
+            if plan is not None:
+                other = min(plan[0], k_max)
                 self.credit -= _extra(vote, k, other)
                 k = other
         return k
