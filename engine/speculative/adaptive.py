@@ -129,15 +129,22 @@ def decide(batch: int, gain: tuple[int, ...], cost: tuple[int, ...], k_max: int,
         return _rate(batch, gain, cost, k)
 
     top = min(k_max, len(gain))
-    best = 0
-    for k in range(1, top + 1):
-        (t, c), (bt, bc) = rate(k), rate(best)
-        if t * bc > bt * c:
-            best = k
+    best = _best(batch, gain, cost, range(top + 1))
     if current is not None and current != best and current <= top:
         (t, c), (ct, cc) = rate(best), rate(current)
         if t * cc * SCALE <= ct * c * (SCALE + HYSTERESIS):
             return current
+    return best
+
+
+def _best(batch: int, gain: tuple[int, ...], cost: tuple[int, ...], ks) -> int:
+    """Of the k's `ks` (increasing), the one of the highest rate; a tie goes to the first."""
+    ks = iter(ks)
+    best = next(ks)
+    for k in ks:
+        (t, c), (bt, bc) = _rate(batch, gain, cost, k), _rate(batch, gain, cost, best)
+        if t * bc > bt * c:
+            best = k
     return best
 
 
@@ -395,13 +402,17 @@ class AdaptiveK:
         unmeasured k in every round). The same steps on every rank (they count steps and decide alike)."""
         k = self._choose(vote, k_max)
         if vote.requests:  # a step of prompts alone is not timed
-            self._ran.setdefault(StepCost.bucket(vote.requests), [0] * (self.k + 1))[min(k, self.k)] += 1
+            bucket = StepCost.bucket(vote.requests)
+            if bucket not in self._ran:
+                self._ran[bucket] = [0] * (self.k + 1)
+            self._ran[bucket][min(k, self.k)] += 1
         return k
 
     def unmeasured(self, vote: Vote, k: int) -> bool:
         """Has k run fewer than UNMEASURED steps at the vote's batch bucket (its cost is still the probe's or the
         line's guess, whatever the estimates say of it)? Counted from the decisions, so equal on every rank."""
-        return self._ran.get(StepCost.bucket(vote.requests), [0] * (self.k + 1))[k] < UNMEASURED
+        ran = self._ran.get(StepCost.bucket(vote.requests))
+        return ran is None or ran[k] < UNMEASURED
 
     def _up(self, vote: Vote, k: int, k_max: int) -> int | None:
         """The k an up round explores from k: the best by the estimates of the unmeasured k's above that could pay,
@@ -410,14 +421,7 @@ class AdaptiveK:
         if k >= top:
             return None
         guesses = [j for j in range(k + 1, top + 1) if self.unmeasured(vote, j) and _can_pay(vote, j)]
-        best = k + 1
-        if guesses:
-            best = guesses[0]
-            for j in guesses[1:]:
-                (t, c), (bt, bc) = (_rate(vote.requests, vote.gain, vote.cost, i) for i in (j, best))
-                if t * bc > bt * c:
-                    best = j
-        return best
+        return _best(vote.requests, vote.gain, vote.cost, guesses) if guesses else k + 1
 
     def _choose(self, vote: Vote, k_max: int) -> int:
         self.steps += 1
@@ -442,16 +446,13 @@ class AdaptiveK:
             if self.steps % EXPLORE_EVERY == 0:  # the round's first step decides for its steps
                 up = k == 0 or rnd % 2 == 1
                 other = self._up(vote, k, k_max) if up else k - 1
+                worth = other is not None and ((rnd // 2) % EXPLORE_FAR == 1 or near(vote, k, other)
+                                               or self.unmeasured(vote, other))
+                affordable = worth and _can_pay(vote, other) and self.credit >= 2 * _extra(vote, k, other)
                 # exploring down is one step: it times k - 1 and observes no depth that k does not
-                self._plan = None if other is None or not (
-                    ((rnd // 2) % EXPLORE_FAR == 1 or near(vote, k, other) or self.unmeasured(vote, other))
-                    and _can_pay(vote, other) and self.credit >= 2 * _extra(vote, k, other)) else (other, up)
-            plan = self._plan
-            if self.steps % EXPLORE_EVERY == 1:  # the round's last step: no plan outlives it
-                self._plan = None
-                if plan is not None and not plan[1]:
-                    return k
-            if plan is not None:
+                self._plan = (other, up) if affordable else None
+            plan = self._plan  # its second step only up (the first step of the next round clears it)
+            if plan is not None and (plan[1] or self.steps % EXPLORE_EVERY == 0):
                 other = min(plan[0], k_max)
                 self.credit -= _extra(vote, k, other)
                 k = other
