@@ -65,6 +65,8 @@ class TrainPlan:
     mtp_token_map: str = ""  # the hot vocabulary MTP drafts from (engine/speculative/token_map.py); "": all ids
     source_weights: str = ""  # "source=w,...": records per epoch by source (zoo/selfdistill_rows.py)
     soft_weight: float = 0.0  # share of the loss on the target's distribution (module docstring); 0: hard labels
+    # the heads this run trains; the others keep their --init weights (e.g. a deeper unroll for EAGLE-3 alone)
+    train: str = "mtp,eagle3"
 
 
 @dataclass(frozen=True)
@@ -170,8 +172,15 @@ class HeadTrainer:
         self.history: list[dict] = []
         self._cache: dict[int, dict] = {}
         (self.ckpt_dir / "features").mkdir(parents=True, exist_ok=True)
-        if not self._resume() and init is not None:
-            self._init_from(Path(init))
+        self.trained = [name.strip() for name in plan.train.split(",") if name.strip()]
+        unknown = sorted(set(self.trained) - set(self.heads))
+        if unknown or not self.trained:
+            raise ValueError(f"train={plan.train!r}: name one or more of {sorted(self.heads)}")
+        if not self._resume():
+            if init is not None:
+                self._init_from(Path(init))
+            elif set(self.trained) != set(self.heads):
+                raise ValueError(f"train={plan.train!r} leaves heads untrained: pass --init to take them from")
         d2t = self.heads["eagle3"].d2t  # the checkpoint's draft vocabulary when resumed
         self.eagle_index = torch.full((vocab,), -1, dtype=torch.long)
         self.eagle_index[d2t + torch.arange(len(d2t))] = torch.arange(len(d2t))
@@ -282,7 +291,8 @@ class HeadTrainer:
             top = emitted_labels(argmax, ids, [self.emitted[i] for i in group], [len(self.rows[i][0]) for i in group])
             soft = SoftLabels(features["last_hidden"], top == argmax, plan.soft_weight) if plan.soft_weight else None
             record = {"step": self.step, "tokens": int((weight > 0).sum())}
-            for name, head in self.heads.items():
+            for name in self.trained:
+                head = self.heads[name]
                 head.train()
                 rows, index = (self.mtp_rows, self.mtp_index) if name == "mtp" else (None, self.eagle_index)
                 with autocast("cpu", self.bf16):
@@ -298,7 +308,7 @@ class HeadTrainer:
             self.history.append(record)
             self.step += 1
             if self.step % 5 == 0:
-                log.info("step %d %s", self.step, {k: record[k] for k in ("tokens", "seconds", "mtp", "eagle3")})
+                log.info("step %d %s", self.step, {k: v for k, v in record.items() if k != "step"})
             if self.step % plan.save_every == 0 or self.step == last:
                 self.save()
 

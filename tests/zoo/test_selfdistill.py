@@ -140,6 +140,27 @@ def test_mtp_trains_over_its_token_map(zoo_dir, records, tmp_path):
     assert by_source == {"test": agreement}  # every record here is of one source
 
 
+def test_a_run_can_train_one_head_and_keep_the_other_from_init(zoo_dir, records, tmp_path):
+    """plan.train: a deeper EAGLE-3 unroll fine-tuned alone leaves MTP exactly as --init gave it."""
+    import zoo
+
+    target = zoo.layout(zoo_dir).target
+    base = TrainPlan(steps=1, batch_tokens=256, seq_len=128, positions=64, draft_vocab_size=512)
+    HeadTrainer(target, records, tmp_path / "a", base).export(tmp_path / "export")  # freshly initialized heads
+    deeper = replace(base, steps=2, depth=5, train="eagle3")
+    with pytest.raises(ValueError, match="--init"):
+        HeadTrainer(target, records, tmp_path / "b", deeper)
+    with pytest.raises(ValueError, match="name one or more"):
+        HeadTrainer(target, records, tmp_path / "c", replace(base, train="medusa"), tmp_path / "export")
+    trainer = HeadTrainer(target, records, tmp_path / "d", deeper, tmp_path / "export")
+    before = {name: {k: v.clone() for k, v in head.state_dict().items()} for name, head in trainer.heads.items()}
+    trainer.run()
+    assert all(torch.equal(v, trainer.heads["mtp"].state_dict()[k]) for k, v in before["mtp"].items())
+    assert not all(torch.equal(v, trainer.heads["eagle3"].state_dict()[k]) for k, v in before["eagle3"].items())
+    assert [set(r) - {"step", "tokens", "seconds"} for r in trainer.history] == [{"eagle3"}] * 2
+    assert all(len(r["eagle3"]["agree"]) <= 5 for r in trainer.history)
+
+
 def test_source_weights_parse_and_name_what_is_wrong():
     assert parse_source_weights("") == {}
     assert parse_source_weights("jsonschemabench=2, chat=1.5,vicuna=0") == {"jsonschemabench": 2.0, "chat": 1.5,
