@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--export", help="write the bf16 heads into DIR/mtp and DIR/eagle3 after training")
     ap.add_argument("--until", type=int, help="stop after this step (the schedule still spans --steps)")
     ap.add_argument("--init", help="exported heads (DIR/mtp, DIR/eagle3) to start from when --ckpt holds none")
-    ap.add_argument("--heldout", help="held-aside records (zoo.selfdistill --heldout): print depth 1..3 agreement")
+    ap.add_argument("--heldout", help="held-aside records (zoo.selfdistill --heldout): print agreement at depths 1..--depth")
     ap.add_argument("--recipe", default=DATA_RECIPE, help="how --data was generated, for the manifest")
     for name, value in asdict(TrainPlan()).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
