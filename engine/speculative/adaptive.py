@@ -141,10 +141,11 @@ def _best(batch: int, gain: tuple[int, ...], cost: tuple[int, ...], ks) -> int:
     """Of the k's `ks` (increasing), the one of the highest rate; a tie goes to the first."""
     ks = iter(ks)
     best = next(ks)
+    bt, bc = _rate(batch, gain, cost, best)
     for k in ks:
-        (t, c), (bt, bc) = _rate(batch, gain, cost, k), _rate(batch, gain, cost, best)
+        t, c = _rate(batch, gain, cost, k)
         if t * bc > bt * c:
-            best = k
+            best, bt, bc = k, t, c
     return best
 
 
