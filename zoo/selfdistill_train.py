@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 DATA_RECIPE = ("python -m zoo.selfdistill --model <smollm2 gguf> --gsm8k 600 --schemas 500 --batch 16 --max-tokens 320 "
                "--shard i/2 (two processes; greedy, 30% of unguided prompts sampled at temperature 0.7, half the "
                "schema prompts guided by their grammar)")
+HEADS = ("mtp", "eagle3")  # the heads a trainer holds (TrainPlan.train names some of them)
 _MTP_SHARED = ("embed_tokens.weight", "shared_head.norm.weight", "shared_head.head.weight")  # the target's, frozen
 
 
@@ -131,6 +132,9 @@ class HeadTrainer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.plan, self.ckpt_dir = plan, Path(ckpt_dir)
+        self.trained = [name.strip() for name in plan.train.split(",") if name.strip()]
+        if not self.trained or set(self.trained) - set(HEADS):  # before the target loads
+            raise ValueError(f"train={plan.train!r}: name one or more of {list(HEADS)}")
         self.bf16 = bf16_is_fast("cpu")  # autocast only where bf16 matmuls are native (fp32 masters either way)
         self.target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
         for p in self.target.parameters():
@@ -172,10 +176,6 @@ class HeadTrainer:
         self.history: list[dict] = []
         self._cache: dict[int, dict] = {}
         (self.ckpt_dir / "features").mkdir(parents=True, exist_ok=True)
-        self.trained = [name.strip() for name in plan.train.split(",") if name.strip()]
-        unknown = sorted(set(self.trained) - set(self.heads))
-        if unknown or not self.trained:
-            raise ValueError(f"train={plan.train!r}: name one or more of {sorted(self.heads)}")
         if not self._resume():
             if init is not None:
                 self._init_from(Path(init))
