@@ -152,6 +152,8 @@ def test_a_run_can_train_one_head_and_keep_the_other_from_init(zoo_dir, records,
         HeadTrainer(target, records, tmp_path / "b", deeper)
     with pytest.raises(ValueError, match="name one or more"):
         HeadTrainer(target, records, tmp_path / "c", replace(base, train="medusa"), tmp_path / "export")
+    with pytest.raises(ValueError, match="step_decay"):
+        HeadTrainer(target, records, tmp_path / "c", replace(base, step_decay=0.0))
     trainer = HeadTrainer(target, records, tmp_path / "d", deeper, tmp_path / "export")
     before = {name: {k: v.clone() for k, v in head.state_dict().items()} for name, head in trainer.heads.items()}
     trainer.run()
@@ -269,5 +271,10 @@ def test_soft_labels_are_the_targets_distribution_where_no_grammar_overrode_its_
         expected = ((0.5 * hard_ce + 0.5 * soft_ce) * w[keep]).sum() / w[keep].sum()
         got = loss(SoftLabels(features["last_hidden"], torch.ones_like(top, dtype=torch.bool), 0.5))
     assert torch.allclose(got, expected, rtol=1e-4) and not torch.allclose(got, hard)
+    # plan.step_decay weighs unroll step d by decay**d: the loss is linear in it at depth 2
+    with torch.no_grad():
+        at = {d: sampled_head_loss(head, features, top, ids, weight, 2, None, index, 10**6, torch.Generator(), None,
+                                   target_head, d)[0] for d in (0.0, 0.5, 1.0)}
+    assert torch.allclose(at[0.5], (at[0.0] + at[1.0]) / 2, rtol=1e-4) and at[1.0] > at[0.0] > 0
     trainer.run()  # the trainer's own soft step
     assert trainer.step == 1 and all(r[n]["loss"] > 0 for r in trainer.history for n in ("mtp", "eagle3"))
