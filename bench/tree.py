@@ -30,15 +30,36 @@ from bench.common import device_name, write_results
 from bench.real_model import prompt_sets, run_engine
 
 
-def configs(method: str, draft: str, budget: int, full: bool) -> list[tuple[str, dict]]:
-    """(label, SpecConfig fields) of one head: chains and trees at the verification budget."""
-    base = dict(method=method, draft=draft)
-    rows = [(f"chain k={budget}", dict(base, k=budget))] + ([("chain k=3", dict(base, k=3))] if full else [])
-    shapes = [(2, budget), (4, budget), (3, 3), (4, 3)] if full else [(2, budget), (4, budget)]
+def configs(method: str, draft: str, budget: int, full: bool,
+            shapes: list[tuple[int, int]] | None = None) -> list[tuple[str, dict]]:
+    """(label, SpecConfig fields) of one head: chains and trees at the verification budget; `shapes`: the trees'
+    (topk, depth), default depth-first (depth = budget) and, unless quick, shallow (depth 3). Past MAX_K the
+    chain is the longest the engine runs (k = MAX_K, fewer drafts than the trees' budget)."""
+    from engine.config import MAX_K
+
+    base, deep = dict(method=method, draft=draft), min(budget, MAX_K)  # a chain's k (a tree's depth) stops at MAX_K
+    rows = [(f"chain k={deep}", dict(base, k=deep))] + ([("chain k=3", dict(base, k=3))] if full else [])
+    explicit = shapes is not None
+    if shapes is None:
+        shapes = [(2, deep), (4, deep), (3, 3), (4, 3)] if full else [(2, deep), (4, deep)]
     for topk, depth in shapes:
+        if not depth <= budget <= topk * depth and explicit:
+            raise ValueError(f"tree {topk}x{depth} cannot verify --budget {budget} nodes: pass depth <= budget <= "
+                             "topk x depth")
         if depth <= budget <= topk * depth:
             rows.append((f"tree topk={topk} depth={depth}", dict(base, k=depth, topk=topk, num_verify_tokens=budget)))
     return rows
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """"4x8,8x4" -> [(4, 8), (8, 4)]: (topk, depth) per tree."""
+    try:
+        shapes = [tuple(int(v) for v in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        shapes = [()]
+    if any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
+        raise argparse.ArgumentTypeError(f"--shapes {text!r}: pass TOPKxDEPTH,... with positive integers, e.g. 4x8,8x4")
+    return shapes
 
 
 def zoo_sets(n: int):
@@ -73,6 +94,8 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default="masks,verify-only,no-forced,draft-score",
                     help="variants of each tree: on guided prompts masks (the full grammar), verify-only, no-forced; "
                          "on all prompts draft-score (nodes ranked by draft probability)")
+    ap.add_argument("--shapes", default=None, type=parse_shapes,
+                    help="the trees' shapes, TOPKxDEPTH,... (e.g. 4x8,8x4); default depth-first at the budget")
     ap.add_argument("--zoo", action="store_true", help="the zoo's writer target and heads on held-out schemas "
                                                        "(unguided and guided) instead of SmolLM2")
     args = ap.parse_args(argv)
@@ -102,7 +125,7 @@ def main(argv=None) -> None:
     variants = {"masks": {}, "verify-only": dict(draft_masks=False), "no-forced": dict(forced_drafts=False),
                 "draft-score": dict(tree_score="draft")}
     for method in args.methods.split(","):
-        for label, fields in configs(method, heads[method], args.budget, not args.quick):
+        for label, fields in configs(method, heads[method], args.budget, not args.quick, args.shapes):
             for variant in (args.variants.split(",") if "tree" in label else ("masks",)):
                 engines[(method, label, variant)] = LLM(target, device=args.device, max_num_seqs=1, num_kv_blocks=160,
                                                         speculative=SpecConfig(**fields, **variants[variant]), **kw)
@@ -137,7 +160,7 @@ def main(argv=None) -> None:
         table.append(f"| {r['prompts']} | {r['method']} | {r['config']} | {grammar} | {acc} | {r['tok_s']} "
                      f"| {r['vs_none']:.2f}x | {r['lossless']} |")
     results = {"model": "zoo writer" if args.zoo else "smollm2-135m-instruct", "device": device_name(args.device),
-               "budget": args.budget, "dtype": args.dtype, "cpu_compile": args.cpu_compile, "prompts": args.prompts,
+               "budget": args.budget, "shapes": args.shapes, "dtype": args.dtype, "cpu_compile": args.cpu_compile, "prompts": args.prompts,
                "max_tokens": args.max_tokens, "batch": 1, "runs": rows}
     print(write_results(args.name or f"tree_vs_chain_{args.device}", results, "\n".join(table)))
 

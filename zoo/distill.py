@@ -141,8 +141,9 @@ def distill(target, students: dict[str, torch.nn.Module], ids: torch.Tensor, wei
 @torch.no_grad()
 def head_agreement(head, features: dict, ids: torch.Tensor, real: torch.Tensor, depth: int,
                    scored: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
-                   target_top: torch.Tensor | None = None) -> list[tuple[int, int]]:
-    """Teacher-forced top-1 agreement per depth: [(matches, count)] for depths 1..depth.
+                   target_top: torch.Tensor | None = None, top: int = 1) -> list[tuple[int, int]]:
+    """Teacher-forced top-1 agreement per depth: [(matches, count)] for depths 1..depth; with `top` > 1 a match is
+    the target's token among the head's `top` best (the most a tree `top` wide can accept at that depth).
 
     Depth d at index i compares the head's step d-1 argmax (mapped to target ids) with the target's
     argmax at index i+d (its prediction for token i+d+1). `scored` [B, T] limits which target
@@ -157,10 +158,10 @@ def head_agreement(head, features: dict, ids: torch.Tensor, real: torch.Tensor, 
         full = head.to_target_vocab(logits)
         if allowed is not None:
             full = full.masked_fill(~allowed, float("-inf"))
-        guess = full.argmax(-1)
+        guess = full.topk(top, dim=-1).indices  # [B, T, top]; top 1 is the argmax
         want = shift_left(target_top, 1 + step, -1)
         valid = shift_left(real, 1 + step, False)
         if scored is not None:
             valid = valid & shift_left(scored, 1 + step, False)
-        results.append((int(((guess == want) & valid).sum()), int(valid.sum())))
+        results.append((int(((guess == want[..., None]).any(-1) & valid).sum()), int(valid.sum())))
     return results

@@ -320,12 +320,13 @@ class HeadTrainer:
                 self.save()
 
     @torch.no_grad()
-    def agreement(self, heldout: Path) -> dict:
+    def agreement(self, heldout: Path, top: int = 1) -> dict:
         """Teacher-forced top-1 agreement of each head with the target at depths 1..plan.depth, over the
         response tokens of held-aside records (zoo.selfdistill --heldout): depth d at a position counts when
         the head's d-th chained draft equals the target's argmax there (on a guided greedy record, the token it
         emitted: the argmax under its grammar; the head's guess is not masked). -> {head: [depth 1.., ]} over every
-        record, and under "by_source" the same per record source (open chat and math differ a lot)."""
+        record, and under "by_source" the same per record source (open chat and math differ a lot). `top` > 1
+        counts the target's token among the head's `top` best instead: a tree's ceiling at that width."""
         from zoo.distill import head_agreement
 
         # source -> head -> per depth [hits, count]; the overall figures are their sums
@@ -336,7 +337,7 @@ class HeadTrainer:
             scored = torch.zeros_like(ids, dtype=torch.bool)
             scored[0, len(rec["prompt_ids"]):] = True
             features = target_features(self.target, ids, self.aux_ids)
-            top = emitted_labels(features["logits"].argmax(-1), ids, [emitted_from(rec)], [ids.shape[1]])
+            labels = emitted_labels(features["logits"].argmax(-1), ids, [emitted_from(rec)], [ids.shape[1]])
             per_head = totals.setdefault(rec.get("source", "unknown"),
                                          {n: [[0, 0] for _ in range(self.plan.depth)] for n in self.heads})
             for name, head in self.heads.items():
@@ -345,7 +346,7 @@ class HeadTrainer:
                 if name == "mtp" and self.plan.mtp_token_map:  # it drafts from its map: agreement as it drafts
                     allowed = self.mtp_index >= 0
                 for d, (hit, count) in enumerate(head_agreement(head, features, ids, torch.ones_like(scored),
-                                                                self.plan.depth, scored, allowed, top)):
+                                                                self.plan.depth, scored, allowed, labels, top)):
                     per_head[name][d][0] += hit
                     per_head[name][d][1] += count
 
@@ -356,6 +357,8 @@ class HeadTrainer:
                                   for d in range(self.plan.depth)]) for name in self.heads}
         out["by_source"] = {source: {name: rates(per) for name, per in heads.items()}
                             for source, heads in sorted(totals.items())}
+        if top > 1:  # recall among the head's `top` best, not agreement: said in the record
+            out["top"] = top
         return out
 
     def export(self, out_dir: Path) -> dict:
@@ -393,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--until", type=int, help="stop after this step (the schedule still spans --steps)")
     ap.add_argument("--init", help="exported heads (DIR/mtp, DIR/eagle3) to start from when --ckpt holds none")
     ap.add_argument("--heldout", help="held-aside records (zoo.selfdistill --heldout): print agreement at depths 1..--depth")
+    ap.add_argument("--heldout-top", type=int, default=1,
+                    help="with --heldout: count the target's token among the head's N best (a tree N wide's ceiling)")
     ap.add_argument("--recipe", default=DATA_RECIPE, help="how --data was generated, for the manifest")
     for name, value in asdict(TrainPlan()).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
@@ -406,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = TrainPlan(**{k: getattr(args, k) for k in asdict(TrainPlan())})
     trainer = HeadTrainer(Path(target), Path(args.data), Path(args.ckpt), plan, Path(args.init) if args.init else None)
     trainer.run(args.until)
-    agreement = trainer.agreement(Path(args.heldout)) if args.heldout else None
+    if args.heldout_top < 1:
+        ap.error(f"--heldout-top {args.heldout_top}: pass 1 or more")
+    agreement = trainer.agreement(Path(args.heldout), args.heldout_top) if args.heldout else None
     if agreement:
         print(json.dumps({"agreement": agreement}))
     if args.export:

@@ -138,6 +138,10 @@ def test_mtp_trains_over_its_token_map(zoo_dir, records, tmp_path):
     by_source = agreement.pop("by_source")
     assert set(agreement) == {"mtp", "eagle3"} and all(0 <= a <= 1 for per in agreement.values() for a in per)
     assert by_source == {"test": agreement}  # every record here is of one source
+    recall = trainer.agreement(records, top=8)  # the target's token among the head's 8 best: never below top 1
+    assert recall.pop("top") == 8 and recall.pop("by_source") == {"test": recall}
+    assert all(r >= a for name in agreement for r, a in zip(recall[name], agreement[name]))
+    assert sum(recall["eagle3"]) > sum(agreement["eagle3"])
 
 
 def test_a_run_can_train_one_head_and_keep_the_other_from_init(zoo_dir, records, tmp_path):
@@ -232,6 +236,7 @@ def test_agreement_takes_the_argmax_over_the_allowed_ids_only(monkeypatch):
     assert distill.head_agreement(Head(), features, ids, real, 1) == [(0, 3)]
     allowed = torch.tensor([True, True, False])  # a token map without id 2
     assert distill.head_agreement(Head(), features, ids, real, 1, allowed=allowed) == [(3, 3)]
+    assert distill.head_agreement(Head(), features, ids, real, 1, top=2) == [(3, 3)]  # id 1 is the head's second
 
 
 def test_soft_labels_are_the_targets_distribution_where_no_grammar_overrode_its_argmax(zoo_dir, records, tmp_path):
