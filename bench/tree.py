@@ -74,6 +74,23 @@ def zoo_sets(n: int):
     return str(root / "target"), {m: str(root / m) for m in ("mtp", "eagle3")}, sets
 
 
+def table(rows: list[dict]) -> str:
+    """The markdown table of main's rows."""
+    lines = ["| prompts | head | config | grammar, node score | accepted/step (incl. bonus), first round -> last "
+             "| median tok/s | vs none | lossless |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc = (f"{r['accepted_first_round']:.2f} -> {r['accepted_incl_bonus']:.2f}" if r["accepted_incl_bonus"]
+               else "-")
+        grammar = {"masks": "expansion + verification masks, forced drafts", "verify-only": "verification masks only",
+                   "no-forced": "masks, no forced drafts", "draft-score": "as masks"}[r["grammar"]] if r["guided"] else "-"
+        if "tree" in r["config"]:
+            grammar += ", nodes by draft probability" if r["grammar"] == "draft-score" else ", nodes by est. acceptance"
+        lines.append(f"| {r['prompts']} | {r['method']} | {r['config']} | {grammar} | {acc} | {r['tok_s']} "
+                     f"| {r['vs_none']:.2f}x | {r['lossless']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=int, default=6, help="drafts verified per request and step")
@@ -147,22 +164,10 @@ def main(argv=None) -> None:
                    "tokens": rounds[0]["tokens"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    table = ["| prompts | head | config | grammar, node score | accepted/step (incl. bonus), first round -> last "
-             "| median tok/s | vs none | lossless |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        acc = (f"{r['accepted_first_round']:.2f} -> {r['accepted_incl_bonus']:.2f}" if r["accepted_incl_bonus"]
-               else "-")
-        grammar = {"masks": "expansion + verification masks, forced drafts", "verify-only": "verification masks only",
-                   "no-forced": "masks, no forced drafts", "draft-score": "as masks"}[r["grammar"]] if r["guided"] else "-"
-        if "tree" in r["config"]:
-            grammar += ", nodes by draft probability" if r["grammar"] == "draft-score" else ", nodes by est. acceptance"
-        table.append(f"| {r['prompts']} | {r['method']} | {r['config']} | {grammar} | {acc} | {r['tok_s']} "
-                     f"| {r['vs_none']:.2f}x | {r['lossless']} |")
     results = {"model": "zoo writer" if args.zoo else "smollm2-135m-instruct", "device": device_name(args.device),
-               "budget": args.budget, "shapes": args.shapes, "dtype": args.dtype, "cpu_compile": args.cpu_compile, "prompts": args.prompts,
-               "max_tokens": args.max_tokens, "batch": 1, "runs": rows}
-    print(write_results(args.name or f"tree_vs_chain_{args.device}", results, "\n".join(table)))
+               "budget": args.budget, "shapes": args.shapes, "dtype": args.dtype, "cpu_compile": args.cpu_compile,
+               "prompts": args.prompts, "max_tokens": args.max_tokens, "batch": 1, "runs": rows}
+    print(write_results(args.name or f"tree_vs_chain_{args.device}", results, table(rows)))
 
 
 if __name__ == "__main__":
