@@ -32,7 +32,7 @@ from engine.runner.model_runner import ModelRunner, StepResult
 from engine.runner.overlap import InFlight, carry_blocker
 from engine.runner.target import load_target
 from engine.sampling_params import SamplingParams
-from engine.speculative.drafter import Drafter, draft_room
+from engine.speculative.drafter import Drafter
 from engine.speculative.stats import SpecStats
 from structured.request import SerializedGrammar
 
@@ -242,8 +242,7 @@ class LLMEngine:
         `emitted` tokens for it (all its drafts accepted): the rule a synchronous step drafts by too
         (Drafter.next_drafts), so both verify the same drafts. If the running step does end the request,
         the row planned for it is dropped."""
-        room = draft_room(req, emitted)
-        return max(0, min(self.drafter.k_for(len(self.scheduler.running)), room))
+        return max(0, min(self.drafter.k_for(len(self.scheduler.running)), self.drafter.room(req, emitted)))
 
     def _update(self, scheduled: list[ScheduledRequest], res: StepResult, ahead: InFlight | None = None) -> list[Request]:
         """Emit each request's accepted drafts and bonus token (one token without speculation), stopping
@@ -266,7 +265,10 @@ class LLMEngine:
             req.num_computed_tokens -= num_drafts - accepted
             if req.num_output_tokens and s.num_new_tokens == num_drafts + 1:  # decoding, not a prompt's end
                 forced = req.spec_forced & (1 << num_drafts) - 1
-                self.spec_stats.count(req, num_drafts, accepted, forced.bit_count())
+                # a tree's accepted path may run past max_tokens (its nodes are not cut by it: tree_drafts); usage
+                # counts the tokens it emits
+                counted = min(accepted, req.params.max_tokens - req.num_output_tokens - 1)
+                self.spec_stats.count(req, num_drafts, counted, forced.bit_count())
                 self.drafter.observe(req, num_drafts, accepted, forced)
             req.spec_token_ids, req.spec_forced = [], 0
             n = 0

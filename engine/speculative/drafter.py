@@ -78,6 +78,13 @@ class Drafter:
             return self.num_nodes
         return self.spec.k_for(batch) if self.spec is not None else 0
 
+    def room(self, req: Request, pending: int) -> int:
+        """The most drafts a request may verify next step (draft_room; a tree's nodes up to its KV room, as
+        tree_drafts cuts them), `pending` as draft_room's: the one rule of synchronous steps, steps planned ahead
+        (LLMEngine._drafts_ahead) and hand-overs."""
+        room = draft_room(req, pending)
+        return kv_room(req, pending) if self.tree and room > 0 else room
+
     @property
     def dynamic_k(self) -> bool:
         """k may change from step to step (dynamic k, adaptive k)."""
@@ -255,7 +262,7 @@ class Drafter:
         its shape) are dropped: the request then starts without drafts. Those the prefill's grammar forced
         (drafts.forced) are the request's forced drafts, as if it had drafted them here."""
         req.spec_token_ids, req.spec_forced = [], 0
-        tokens = list(drafts.token_ids[: max(0, min(self.num_nodes, draft_room(req, 0)))])  # a tree: N, not its depth
+        tokens = list(drafts.token_ids[: max(0, min(self.num_nodes, self.room(req, 0)))])  # a tree: N, not its depth
         if not tokens:
             return
         slot = torch.tensor([self.slot(req.request_id)], device=self.device)
@@ -275,11 +282,19 @@ class Drafter:
 
 
 def tree_drafts(req: Request, step_drafts: list[int] | None, rejected: int) -> list[int]:
-    """A tree's nodes a request verifies next step: the first n in depth order (still a tree), n within what it
-    may still emit."""
+    """A tree's nodes a request verifies next step: all of them, or near the model's length the first n in depth
+    order (still a tree) that its KV can hold. Not cut by max_tokens: the accepted path is one branch, at most the
+    tree's depth, and the host appends no token past max_tokens; cutting a tree of N nodes to the tokens still
+    allowed would drop most of its branches over the last N tokens (its deep nodes first)."""
     if step_drafts is None:
         return []
-    return list(step_drafts[: draft_room(req, rejected)])
+    return list(step_drafts[: kv_room(req, rejected)])
+
+
+def kv_room(req: Request, pending: int) -> int:
+    """Draft rows a request's KV can hold after its next step's own token before it reaches the model's length,
+    with `pending` more of its tokens counted as emitted (as draft_room)."""
+    return req.max_total_tokens - req.num_tokens - 1 - pending
 
 
 def draft_room(req: Request, pending: int) -> int:

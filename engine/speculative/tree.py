@@ -6,7 +6,7 @@ log-probability) each run through the head and propose their `topk` best childre
 cumulative score form the next frontier. Of every node proposed, the `num_verify_tokens` (N) best by cumulative
 score are verified next step. A child never scores above its parent and candidates are ranked stably in depth
 order, so a node's parent is always among the chosen; the chosen nodes are put in depth order, each after its
-parent, which is what lets the host cut a tree to its first n nodes near max_tokens and keep a tree.
+parent, which is what lets the host cut a tree to its first n nodes near the model's length and keep a tree.
 
 Why the N best by cumulative probability, and why that makes guided trees deep: a node's tokens are all emitted
 only if the target agrees with every draft on its path, and the expected tokens a step accepts are the sum, over

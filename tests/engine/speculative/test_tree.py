@@ -110,14 +110,26 @@ def test_greedy_tree_equals_no_speculation(zoo, json_prompts, reference, method,
     assert tree_len >= chain_len
 
 
-def test_tree_near_max_tokens_and_under_preemption(zoo, json_prompts, reference):
-    """Short max_tokens cut trees to their first nodes (still trees); a small KV pool preempts requests mid-run
-    (recomputed, drafting anew); both stay equal to no speculation."""
+def test_tree_near_max_tokens_near_the_model_length_and_under_preemption(zoo, json_prompts, reference):
+    """Near max_tokens a tree still verifies all its nodes (its accepted path is one branch; the host appends no
+    token past max_tokens, and usage counts what it appends); near the model's length it is cut to the first nodes
+    its KV can hold (still a tree); a small KV pool preempts requests mid-run (recomputed, drafting anew); all
+    stay equal to no speculation."""
     spec = SpecConfig(method="mtp", k=3, draft=str(zoo / "mtp"), topk=3, num_verify_tokens=9)
     short = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (2, 3, 5, 7, 40)]
     llm = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16, speculative=spec)
-    got = [o.token_ids for o in llm.generate(json_prompts, short)]
-    assert got == [r[: p.max_tokens] for r, p in zip(reference, short)]
+    outs = llm.generate(json_prompts, short)
+    assert [o.token_ids for o in outs] == [r[: p.max_tokens] for r, p in zip(reference, short)]
+    for o, p in zip(outs, short):  # a step with drafts verified all 9 nodes (none when its token is the last)
+        assert o.metrics.num_draft_tokens % 9 == 0 and (o.metrics.num_draft_tokens > 0) == (p.max_tokens > 2)
+        assert sum(o.metrics.accepted_lengths) == len(o.token_ids) - 1  # the prefill's token is not a step's
+    # 3 tokens short of the model's length: its last steps verify fewer nodes than 9 and stay exact
+    prompt_len = len(outs[0].prompt_token_ids)
+    near = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16, speculative=spec, max_model_len=prompt_len + 12)
+    out = near.generate(json_prompts[:1], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)])[0]
+    assert out.token_ids == reference[0][:12]
+    assert out.metrics.num_draft_tokens < 9 * len(out.metrics.accepted_lengths)
+    assert near.engine.blocks.pool.num_used == 0
     small = LLM(str(zoo / "target"), num_kv_blocks=40, block_size=16, speculative=spec, max_num_seqs=5)
     outs = small.generate(json_prompts, greedy_params(max_tokens=40))
     assert [o.token_ids for o in outs] == reference
