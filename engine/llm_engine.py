@@ -242,6 +242,7 @@ class LLMEngine:
         `emitted` tokens for it (all its drafts accepted): the rule a synchronous step drafts by too
         (Drafter.next_drafts), so both verify the same drafts. If the running step does end the request,
         the row planned for it is dropped."""
+        emitted = self.drafter.most_accepted(emitted - 1) + 1  # a tree's step emits one path, not its N nodes
         return max(0, min(self.drafter.k_for(len(self.scheduler.running)), self.drafter.room(req, emitted)))
 
     def _update(self, scheduled: list[ScheduledRequest], res: StepResult, ahead: InFlight | None = None) -> list[Request]:
@@ -295,7 +296,8 @@ class LLMEngine:
                 req.handover_drafts = self.drafter.parked(req, step_drafts, lead, forced_steps)
                 self.drafter.release(req.request_id)
             else:
-                req.spec_token_ids = self.drafter.next_drafts(req, step_drafts, num_drafts - accepted, lead,
+                rejected = self.drafter.most_accepted(num_drafts) - accepted
+                req.spec_token_ids = self.drafter.next_drafts(req, step_drafts, rejected, lead,
                                                               forced_steps)
         if self.prefix_cache is not None:
             for s in scheduled:

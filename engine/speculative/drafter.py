@@ -78,6 +78,13 @@ class Drafter:
             return self.num_nodes
         return self.spec.k_for(batch) if self.spec is not None else 0
 
+    def most_accepted(self, num_drafts: int) -> int:
+        """The most drafts a step verifying `num_drafts` can accept: all of a chain's, one path of a tree's (at
+        most its depth k). What the room of the step after it counts as possibly emitted, synchronous and
+        planned ahead alike; counting a tree's N nodes there left a tree step after a rejection without drafts
+        whenever max_tokens was within N tokens."""
+        return min(num_drafts, self.k) if self.tree else num_drafts
+
     def room(self, req: Request, pending: int) -> int:
         """The most drafts a request may verify next step (draft_room; a tree's nodes up to its KV room, as
         tree_drafts cuts them), `pending` as draft_room's: the one rule of synchronous steps, steps planned ahead

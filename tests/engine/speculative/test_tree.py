@@ -123,6 +123,16 @@ def test_tree_near_max_tokens_near_the_model_length_and_under_preemption(zoo, js
     for o, p in zip(outs, short):  # a step with drafts verified all 9 nodes (none when its token is the last)
         assert o.metrics.num_draft_tokens % 9 == 0 and (o.metrics.num_draft_tokens > 0) == (p.max_tokens > 2)
         assert sum(o.metrics.accepted_lengths) == len(o.token_ids) - 1  # the prefill's token is not a step's
+    # after a step that rejected most of its 9 nodes the next step still drafts: that step could have emitted one
+    # path (at most k = 3 drafts), not 9, so only the last k + 1 tokens go without drafts
+    eng = llm.engine
+    eng.add_request("steps", json_prompts[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    req, undrafted = (eng.scheduler.waiting or eng.scheduler.running)[0], []
+    while eng.has_unfinished():
+        eng.step()
+        if not req.status.finished and not req.spec_token_ids:
+            undrafted.append(req.params.max_tokens - req.num_output_tokens)
+    assert req.token_ids[-30:] == reference[1][:30] and all(left <= 4 for left in undrafted), undrafted
     # 3 tokens short of the model's length: its last steps verify fewer nodes than 9 and stay exact
     prompt_len = len(outs[0].prompt_token_ids)
     near = LLM(str(zoo / "target"), num_kv_blocks=1024, block_size=16, speculative=spec, max_model_len=prompt_len + 12)
