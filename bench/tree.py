@@ -3,6 +3,7 @@ its prebuilt MTP and EAGLE-3 heads), issue 37's goals.
 
     python -m bench.tree [--budget 6] [--methods mtp,eagle3] [--prompts 6] [--max-tokens 64] [--quick] [--sets gsm8k]
     python -m bench.tree --zoo [--budget 6]     # the zoo's writer and its heads, held-out schema prompts
+    python -m bench.tree --budget 16 --shapes 8x4,4x8 --quick   # trees past the chain's longest k (MAX_K = 8)
 
 Per prompt set (MT-Bench, GSM8K unguided; json-mode-eval guided) and head, batch 1, greedy: the engine without
 speculation, the chain of k = budget drafts and of k = 3 (the chain's usual k), and trees verifying `budget` nodes:
