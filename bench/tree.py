@@ -44,11 +44,12 @@ def configs(method: str, draft: str, budget: int, full: bool,
     if shapes is None:
         shapes = [(2, deep), (4, deep), (3, 3), (4, 3)] if full else [(2, deep), (4, deep)]
     for topk, depth in shapes:
-        if not depth <= budget <= topk * depth and explicit:
-            raise ValueError(f"tree {topk}x{depth} cannot verify --budget {budget} nodes: pass depth <= budget <= "
-                             "topk x depth")
-        if depth <= budget <= topk * depth:
-            rows.append((f"tree topk={topk} depth={depth}", dict(base, k=depth, topk=topk, num_verify_tokens=budget)))
+        if not depth <= budget <= topk * depth:
+            if explicit:
+                raise ValueError(f"tree {topk}x{depth} cannot verify --budget {budget} nodes: pass depth <= budget "
+                                 "<= topk x depth")
+            continue
+        rows.append((f"tree topk={topk} depth={depth}", dict(base, k=depth, topk=topk, num_verify_tokens=budget)))
     return rows
 
 

@@ -266,7 +266,7 @@ class LLMEngine:
             req.num_computed_tokens -= num_drafts - accepted
             if req.num_output_tokens and s.num_new_tokens == num_drafts + 1:  # decoding, not a prompt's end
                 forced = req.spec_forced & (1 << num_drafts) - 1
-                # a tree's accepted path may run past max_tokens (its nodes are not cut by it: tree_drafts); usage
+                # a tree's accepted path may run past max_tokens (its nodes are not cut by it: Drafter.room); usage
                 # counts the tokens it emits
                 counted = min(accepted, req.params.max_tokens - req.num_output_tokens - 1)
                 self.spec_stats.count(req, num_drafts, counted, forced.bit_count())

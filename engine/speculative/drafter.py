@@ -86,9 +86,11 @@ class Drafter:
         return min(num_drafts, self.k) if self.tree else num_drafts
 
     def room(self, req: Request, pending: int) -> int:
-        """The most drafts a request may verify next step (draft_room; a tree's nodes up to its KV room, as
-        tree_drafts cuts them), `pending` as draft_room's: the one rule of synchronous steps, steps planned ahead
-        (LLMEngine._drafts_ahead) and hand-overs."""
+        """The most drafts a request may verify next step, `pending` as draft_room's: the one rule of synchronous
+        steps, steps planned ahead (LLMEngine._drafts_ahead) and hand-overs. A tree keeps all its nodes, or near the
+        model's length the first ones (in depth order, still a tree) its KV can hold; max_tokens does not cut it,
+        since its accepted path is one branch and the host appends no token past max_tokens (cutting a tree of N
+        nodes to the tokens still allowed dropped most of its branches over the last N tokens)."""
         room = draft_room(req, pending)
         return kv_room(req, pending) if self.tree and room > 0 else room
 
@@ -229,7 +231,7 @@ class Drafter:
         if room <= 0:  # always at k = 0
             return []
         if self.tree:
-            drafts = tree_drafts(req, step_drafts, rejected)
+            drafts = list(step_drafts[: self.room(req, rejected)]) if step_drafts is not None else []
             req.spec_forced = forced_steps & ((1 << len(drafts)) - 1)
             return drafts
         if self.proposer is not None:
@@ -286,16 +288,6 @@ class Drafter:
             self.prepare([req])
             self.draft_probs[slot, : len(tokens)] = drafts.probs[: len(tokens)].to(self.device, torch.float32)
         req.spec_token_ids, req.spec_forced = tokens, drafts.forced & ((1 << len(tokens)) - 1)
-
-
-def tree_drafts(req: Request, step_drafts: list[int] | None, rejected: int) -> list[int]:
-    """A tree's nodes a request verifies next step: all of them, or near the model's length the first n in depth
-    order (still a tree) that its KV can hold. Not cut by max_tokens: the accepted path is one branch, at most the
-    tree's depth, and the host appends no token past max_tokens; cutting a tree of N nodes to the tokens still
-    allowed would drop most of its branches over the last N tokens (its deep nodes first)."""
-    if step_drafts is None:
-        return []
-    return list(step_drafts[: kv_room(req, rejected)])
 
 
 def kv_room(req: Request, pending: int) -> int:
