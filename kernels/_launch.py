@@ -49,11 +49,28 @@ def recording(sm_count: int) -> Iterator[Recording]:
         _RECORDING.reset(token)
 
 
+_COUNTING: ContextVar[list | None] = ContextVar("tandem_kernel_counting", default=None)
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[list]:
+    """Run launches as usual and list the kernel of each (bench/tree_ops.py counts a step's launches)."""
+    kernels: list = []
+    token = _COUNTING.set(kernels)
+    try:
+        yield kernels
+    finally:
+        _COUNTING.reset(token)
+
+
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)`, or recorded inside `recording`."""
     rec = _RECORDING.get()
     if rec is None:
         kernel[grid](*args, **kwargs)
+        counted = _COUNTING.get()
+        if counted is not None:
+            counted.append(kernel)
     else:
         rec.launches.append(Launch(kernel, tuple(grid), args, dict(kwargs)))
 

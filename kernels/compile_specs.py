@@ -28,6 +28,7 @@ from kernels.bitmask import apply_token_bitmask_triton
 from kernels.kv_transfer import pack_kv_triton, unpack_kv_triton
 from kernels.mla_attention import mla_attention_triton, store_latent_triton
 from kernels.norm_rope import apply_rope_triton, rms_norm_triton
+from kernels.tree_expand import choose_triton, expand_depth_triton
 from kernels.verify import verify_greedy_triton
 
 ZOO_PREBUILT = Path(__file__).resolve().parents[1] / "zoo" / "prebuilt"
@@ -183,6 +184,28 @@ def _sampling_launches(m: ModelShape, B: int, k: int) -> None:
         rejection_from_probs(logits, drafts, draft_probs, seeds, positions)
 
 
+def _tree_expansion_launches(topk: int, max_depth: int, max_nodes: int) -> None:
+    """A draft tree's expansion at width `topk` (kernels/tree_expand.py): each depth's scoring and frontier (the
+    root's one row, then topk rows with paths of 1 .. max_depth - 1 tokens), with and without the acceptance table
+    and a draft-to-target map, and the choice of the N best of all candidates (N from 2 to the most nodes). The
+    batch reaches no constexpr: one batch size stands for all."""
+    B, K, i64 = 3, topk, torch.int64
+    for table in (True, False):
+        for remap in (True, False):
+            for R, D in [(1, 0)] + [(K, d) for d in range(1, max_depth)]:
+                root = R == 1 and D == 0
+                expand_depth_triton(_meta(B, R, K), _meta(B, R, K, dtype=i64), None if root else _meta(B, R),
+                                    None if root else _meta(B, R, dtype=i64), _meta(B, R, dtype=torch.bool),
+                                    _meta(B, dtype=torch.bool), _meta(4 * K * 16) if table else None, 16,
+                                    _meta(1000, dtype=i64) if remap else None,
+                                    None if root else _meta(B, R, D, dtype=i64),
+                                    None if root else _meta(B, R, dtype=i64), K)
+    C = K + (max_depth - 1) * K * K
+    for n in sorted({min(v, C) for v in (2, 4, 8, 16, 32, max_nodes)}):
+        choose_triton(_meta(B, C, dtype=i64), _meta(B, C), _meta(B, C, dtype=i64), _meta(C, dtype=i64), n,
+                      _meta(B, C, dtype=i64), _meta(B, C, dtype=torch.bool), max_depth)
+
+
 def _handover_launches(m: ModelShape, dtype: torch.dtype, page: int) -> None:
     """KV hand-over: whole caches, and head slices for a tp=2 receiver."""
     kv_cache = _meta(2, 2, 64, page, m.num_kv_heads, m.head_dim, dtype=dtype)
@@ -259,6 +282,9 @@ def scenarios(models: list[ModelShape], space: EngineSpace) -> Iterator[tuple[st
             for page in space.block_sizes:
                 yield (f"MLA {latent}+{rope} {dt} block {page}: hand-over",
                        lambda lt=latent, r=rope, d=dtype, p=page: _latent_handover_launches(lt, r, d, p))
+    for topk in range(2, space.max_topk + 1):
+        yield (f"draft tree expansion topk={topk}",
+               lambda K=topk: _tree_expansion_launches(K, space.max_k, space.max_tree_nodes))
     for m in _distinct(models, "vocab", "draft_vocab"):
         for B in space.batches:
             for k in range(space.max_k + 1):

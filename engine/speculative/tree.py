@@ -39,8 +39,10 @@ from typing import Callable
 import torch
 
 from engine.layers.attention import AttentionMetadata, attention_context
-from engine.speculative.tree_score import AcceptanceTable
-from kernels.tree_mask import ancestor_bits, window_bits
+from engine.speculative.tree_score import NUM_BUCKETS, AcceptanceTable
+from kernels.tree_expand import choose as choose_nodes
+from kernels.tree_expand import expand_depth
+from kernels.tree_mask import window_bits
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,22 +151,6 @@ def _log_probs(logits: torch.Tensor, paths: torch.Tensor,
     return logits.log_softmax(-1).nan_to_num(nan=float("-inf")), torch.isneginf(logits).any(-1)
 
 
-class _Scorer:
-    """A candidate's score from its draft log-probability: itself, or the AcceptanceTable's estimate of the
-    target accepting it (tree_score.py), with the cell it was looked up in (-1 without a table)."""
-
-    def __init__(self, table: AcceptanceTable | None, sampled: torch.Tensor, topk: int):
-        self.table, self.sampled = table, sampled
-        self.rank = torch.arange(topk, device=sampled.device)  # a candidate's rank among its parent's
-
-    def __call__(self, log_probs: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """log_probs [B, ..., topk] of candidates, masked [B, ...] their rows' -> (scores, cells)."""
-        if self.table is None:
-            return log_probs, torch.full_like(log_probs, -1, dtype=torch.int64)
-        cells = self.table.cells(log_probs, self.rank, self.sampled, masked[..., None])
-        return self.table.score(log_probs, cells), cells
-
-
 def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor,
            slot_limit: torch.Tensor, max_seq_len: int, shape: TreeShape, remap: torch.Tensor | None,
            mask: TreeMask | None = None, table: AcceptanceTable | None = None,
@@ -172,53 +158,47 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
     """state [B, H]: the head's output at each request's last verified row (position start [B]) -> its tree.
     attn: the step's metadata (block tables); remap: target id of each draft id (None: the same vocabulary);
     mask: the grammar's, at every expansion (a node's candidates are what its path admits); table: scores nodes by
-    estimated acceptance (None: by draft probability); sampled [B] bool: which requests sample (the table's class)."""
+    estimated acceptance (None: by draft probability); sampled [B] bool: which requests sample (the table's class).
+    Each depth's bookkeeping (scores, forced flags, the next frontier and its paths) is one fused kernel on a GPU
+    (kernels/tree_expand.py); what stays here per depth is the head's pass, its top-k and the frontier's states."""
     K, k, N = shape.topk, shape.depth, shape.num_nodes
     B, H = state.shape
     dev = state.device
-    to_target = (lambda ids: ids) if remap is None else (lambda ids: remap[ids])  # noqa: E731
-    scorer = _Scorer(table, sampled if sampled is not None else torch.zeros(B, dtype=torch.bool, device=dev), K)
-    root_paths = torch.zeros((B, 1, 0), dtype=torch.int64, device=dev)
-    root_lp, root_masked = _log_probs(head.compute_logits(state), root_paths, mask)
-    lp, ids = root_lp.topk(K, dim=-1)  # [B, K]
-    score, cell = scorer(lp, root_masked)
-    tokens, scores, parents = [to_target(ids)], [score], [torch.full((B, K), -1, device=dev)]
-    # forced: probability 1 in a row the grammar masked (it admits nothing else there)
-    cells, forced = [cell], [(lp == 0) & root_masked[:, None]]
-    frontier = dict(tokens=tokens[0], score=score, state=state[:, None].expand(B, K, H), path=tokens[0][..., None],
-                    candidate=torch.arange(K, device=dev).expand(B, K),
-                    lineage=torch.zeros((B, K), dtype=torch.int64, device=dev))
+    sampled = sampled if sampled is not None else torch.zeros(B, dtype=torch.bool, device=dev)
+    log_rate = table.log_rates() if table is not None else None  # once per expansion, not per depth
+
+    def depth(logits, paths, parent, lineage, offset):
+        log_probs, masked = _log_probs(logits, paths, mask)
+        R = log_probs.shape[0] // B
+        lp, ids = log_probs.view(B, R, -1).topk(K, dim=-1)  # [B, R, K]: each frontier row's best candidates
+        return expand_depth(lp, ids, parent["score"] if parent else None, parent["candidate"] if parent else None,
+                            masked.view(B, R), sampled, log_rate, NUM_BUCKETS, remap,
+                            paths if parent else None, lineage, offset)
+
+    root = depth(head.compute_logits(state), torch.zeros((B, 1, 0), dtype=torch.int64, device=dev), None, None, 0)
+    out = [root]
+    frontier = dict(tokens=root.next_tokens, score=root.best, state=state[:, None].expand(B, K, H),
+                    path=root.path, candidate=root.candidate, lineage=root.lineage)
     offset = K
     layout = FrontierLayout(attn, kv_cache, start, k, K, slot_limit, max_seq_len) if k > 1 else None
     for d in range(1, k):
         lineage = frontier["lineage"] | layout.own_bits[d - 1]
         with attention_context(layout.metadata(d, lineage)):
-            out = head(frontier["state"].reshape(B * K, H), frontier["tokens"].reshape(-1),
-                       layout.positions + d)  # [B * K, H]
-        child, masked = _log_probs(head.compute_logits(out), frontier["path"], mask)
-        c_lp, c_ids = child.view(B, K, -1).topk(K, dim=-1)  # [B, K, K]: each frontier node's best children
-        c_score, c_cell = scorer(c_lp, masked.view(B, K))
-        c_score = c_score + frontier["score"][..., None]  # cumulative
-        c_score, c_ids = c_score.reshape(B, K * K), to_target(c_ids.reshape(B, K * K))
-        tokens.append(c_ids)
-        scores.append(c_score)
-        cells.append(c_cell.reshape(B, K * K))
-        forced.append(((c_lp == 0) & masked.view(B, K, 1)).reshape(B, K * K))
-        parents.append(frontier["candidate"].repeat_interleave(K, dim=1))
-        best, pick = c_score.topk(K, dim=-1)  # [B, K] the next frontier
-        parent_lane = pick // K
-        next_tokens = c_ids.gather(1, pick)
-        path = frontier["path"].gather(1, parent_lane[..., None].expand(B, K, d))
-        frontier = dict(tokens=next_tokens, score=best, path=torch.cat([path, next_tokens[..., None]], 2),
-                        state=out.view(B, K, H).gather(1, parent_lane[..., None].expand(B, K, H)),
-                        candidate=offset + pick, lineage=lineage.gather(1, parent_lane))
+            hidden = head(frontier["state"].reshape(B * K, H), frontier["tokens"].reshape(-1),
+                          layout.positions + d)  # [B * K, H]
+        step = depth(head.compute_logits(hidden), frontier["path"], frontier, lineage, offset)
+        out.append(step)
+        frontier = dict(tokens=step.next_tokens, score=step.best, path=step.path, candidate=step.candidate,
+                        lineage=step.lineage,
+                        state=hidden.view(B, K, H).gather(1, step.lane[..., None].expand(B, K, H)))
         offset += K * K
     # each candidate's depth, derived from its index on the device (K at depth 1, then K * K per depth; a Python
     # list made a tensor would be a host-to-device copy, which a CUDA graph's capture refuses)
     c = torch.arange(K + (k - 1) * K * K, device=dev)
     depths = torch.where(c < K, 1, 2 + (c - K).div(K * K, rounding_mode="floor"))
-    return choose(torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1),
-                  depths, N, torch.cat(cells, 1), torch.cat(forced, 1), max_depth=k)
+    return choose(torch.cat([o.tokens for o in out], 1), torch.cat([o.scores for o in out], 1),
+                  torch.cat([o.parents for o in out], 1), depths, N, torch.cat([o.cells for o in out], 1),
+                  torch.cat([o.forced for o in out], 1), max_depth=k)
 
 
 def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
@@ -226,20 +206,9 @@ def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, de
            max_depth: int | None = None) -> DraftTree:
     """Candidates [B, C] (in depth order; parents: a candidate index, -1 for the root; cells: their table cells;
     forced: which the grammar forced; max_depth: a bound on their depths) -> the tree of the n best.
-    A stable sort keeps a parent before a child of equal score (a draft of probability 1), so the n best
-    always hold every chosen node's parent."""
-    B, C = scores.shape
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
-    chosen = order.sort(dim=1).values  # [B, n] candidate indices in depth order
-    node_of = torch.zeros((B, C), dtype=torch.int64, device=scores.device)
-    node_of.scatter_(1, chosen, torch.arange(1, n + 1, device=scores.device).expand(B, n))
-    parent = parents.gather(1, chosen)
-    node_parents = torch.where(parent < 0, 0, node_of.gather(1, parent.clamp(min=0)))
-    depth = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=scores.device),
-                       depths[chosen]], 1)
-    return DraftTree(tokens.gather(1, chosen), node_parents, depth, ancestor_bits(node_parents, max_depth),
-                     cells.gather(1, chosen) if cells is not None else None,
-                     forced.gather(1, chosen) if forced is not None else None)
+    A stable order keeps a parent before a child of equal score (a draft of probability 1), so the n best
+    always hold every chosen node's parent (kernels/tree_expand.py `choose`: one launch on a GPU)."""
+    return DraftTree(*choose_nodes(tokens, scores, parents, depths, n, cells, forced, max_depth))
 
 
 def head_tree(proposer, inp, shape: TreeShape, mask: TreeMask | None = None) -> DraftTree | None:

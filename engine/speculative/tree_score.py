@@ -57,11 +57,15 @@ class AcceptanceTable:
         cells = (cls * self.topk + rank) * NUM_BUCKETS + bucket
         return torch.where((log_probs == 0) | torch.isneginf(log_probs), -1, cells)
 
+    def log_rates(self) -> torch.Tensor:
+        """[CLASSES * topk * NUM_BUCKETS] the log of each cell's estimate, flat by cell index: what an expansion
+        looks its candidates up in (kernels/tree_expand.py), computed once per expansion."""
+        return (self.hits / self.trials).flatten().clamp(min=1e-6).log()
+
     def score(self, log_probs: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
         """The log of each candidate's estimated acceptance rate: -inf stays -inf (the grammar refused it or the
         row is closed), probability 1 stays 0 (a forced token)."""
-        rate = (self.hits / self.trials).flatten().clamp(min=1e-6).log()
-        est = rate.gather(0, cells.clamp(min=0).flatten()).view_as(log_probs)
+        est = self.log_rates().gather(0, cells.clamp(min=0).flatten()).view_as(log_probs)
         return torch.where(cells < 0, log_probs, est)
 
     def observe(self, cells: torch.Tensor, reached: torch.Tensor, accepted: torch.Tensor) -> None:

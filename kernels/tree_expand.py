@@ -1,0 +1,142 @@
+"""One depth of a draft tree's expansion in one kernel: score the frontier's candidates, keep the best as the next
+frontier (engine/speculative/tree.py `expand`).
+
+Why a kernel: on a GPU at batch 1 the decode step of a small model is launch-bound (each kernel a node of the
+captured graph, a few microseconds whatever its work), and the expansion's bookkeeping per depth (bucketing,
+the acceptance-table lookup, cumulative scores, the forced flags, the draft-to-target map, the top-k of the
+frontier, and the gathers of the chosen nodes' tokens, paths and lineage) was about fifty small torch ops: a tree
+step launched more kernels than a chain step verifying as many rows, and ran slower than it
+(bench/results/tree_vs_chain_cuda.md, bench/results/tree_ops_cpu.md). Here it is one launch, one program per request.
+
+Inputs, for B requests whose frontier has R rows, each proposing its K best draft tokens (R = 1 at the root):
+  log_probs [B, R, K] float: the candidates' draft log-probabilities, each row's in descending order (a top-k);
+  draft_ids [B, R, K] int64: their draft-vocabulary ids (remap [Vd] int64 maps them to target ids; None: same);
+  parent_score [B, R] float and parent_candidate [B, R] int64: each row's cumulative score and candidate index
+  (None at the root: score 0, parent -1);
+  masked [B, R] bool: a grammar masked the row; sampled [B] bool: the request samples;
+  log_rate [CLASSES * K * num_buckets] float or None: the acceptance table's log estimates
+  (engine/speculative/tree_score.py: cell ((2 * sampled + masked) * K + rank) * num_buckets + bucket, bucket the
+  draft probability's); None scores a candidate by its log-probability;
+  path [B, R, D] int64 (D >= 0) and lineage [B, R] int64: each row's path of tokens and ancestor bits.
+Outputs: per candidate m = r * K + j (in that order) its cumulative score, table cell (-1: not scored), forced flag
+(probability 1 in a masked row), target token and parent candidate, all [B, R * K]; and the next frontier, the K
+best candidates by cumulative score (ties to the lower index, as a stable sort), best first: score [B, K],
+candidate index (offset + m) [B, K], row (its parent's lane) [B, K], token [B, K], path [B, K, D + 1] (the parent's
+path, then the token) and lineage [B, K] (the parent row's). A forced or refused (-inf) candidate keeps its
+log-probability as its score: 0 and -inf, never a table estimate.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kernels._dispatch import use_triton
+
+
+class Depth(NamedTuple):
+    scores: torch.Tensor  # [B, R*K] float32 cumulative
+    cells: torch.Tensor  # [B, R*K] int64
+    forced: torch.Tensor  # [B, R*K] bool
+    tokens: torch.Tensor  # [B, R*K] int64 target ids
+    parents: torch.Tensor  # [B, R*K] int64 parent candidate (-1: the root)
+    best: torch.Tensor  # [B, K] float32
+    candidate: torch.Tensor  # [B, K] int64 offset + index
+    lane: torch.Tensor  # [B, K] int64 the parent's row
+    next_tokens: torch.Tensor  # [B, K] int64
+    path: torch.Tensor  # [B, K, D+1] int64
+    lineage: torch.Tensor  # [B, K] int64
+
+
+def expand_depth_ref(log_probs: torch.Tensor, draft_ids: torch.Tensor, parent_score: torch.Tensor | None,
+                     parent_candidate: torch.Tensor | None, masked: torch.Tensor, sampled: torch.Tensor,
+                     log_rate: torch.Tensor | None, num_buckets: int, remap: torch.Tensor | None,
+                     path: torch.Tensor | None, lineage: torch.Tensor | None, offset: int) -> Depth:
+    B, R, K = log_probs.shape
+    dev = log_probs.device
+    lp = log_probs.float()
+    special = (lp == 0) | torch.isneginf(lp)  # forced or refused: neither is estimated
+    if log_rate is not None:
+        bucket = (lp.exp() * num_buckets).long().clamp(0, num_buckets - 1)
+        cls = sampled.long()[:, None, None] * 2 + masked.long()[:, :, None]
+        cells = (cls * K + torch.arange(K, device=dev)) * num_buckets + bucket
+        cells = torch.where(special, -1, cells)
+        score = torch.where(special, lp, log_rate.float()[cells.clamp(min=0)])
+    else:
+        cells = torch.full_like(draft_ids, -1)
+        score = lp
+    if parent_score is not None:
+        score = score + parent_score.float()[:, :, None]
+    forced = (lp == 0) & masked[:, :, None]
+    tokens = draft_ids if remap is None else remap[draft_ids]
+    parents = (parent_candidate[:, :, None].expand(B, R, K) if parent_candidate is not None
+               else torch.full_like(draft_ids, -1))
+    score, tokens = score.reshape(B, R * K), tokens.reshape(B, R * K)
+    pick = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :K]
+    lane = pick // K
+    next_tokens = tokens.gather(1, pick)
+    D = path.shape[2] if path is not None else 0
+    old = path.gather(1, lane[:, :, None].expand(B, K, D)) if D else tokens.new_zeros((B, K, 0))
+    return Depth(score, cells.reshape(B, R * K), forced.reshape(B, R * K), tokens, parents.reshape(B, R * K),
+                 score.gather(1, pick), offset + pick, lane, next_tokens, torch.cat([old, next_tokens[:, :, None]], 2),
+                 lineage.gather(1, lane) if lineage is not None else torch.zeros_like(lane))
+
+
+def expand_depth_triton(*args, **kwargs) -> Depth:
+    from kernels import _tree_expand_triton
+
+    return Depth(*_tree_expand_triton.expand_depth(*args, **kwargs))
+
+
+def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, sampled, log_rate, num_buckets, remap,
+                 path, lineage, offset: int) -> Depth:
+    """One depth of the expansion (the module's docstring): Triton on a GPU, the torch reference on the CPU."""
+    fn = expand_depth_triton if use_triton(log_probs) else expand_depth_ref
+    return fn(log_probs, draft_ids, parent_score, parent_candidate, masked, sampled, log_rate, num_buckets, remap,
+              path, lineage, offset)
+
+
+# ------------------------------------------------------------------------------------- the n best nodes
+
+
+class Chosen(NamedTuple):
+    tokens: torch.Tensor  # [B, n] int64 node tokens, in candidate (depth) order
+    parents: torch.Tensor  # [B, n] int64 node j+1's parent among nodes 0..j (0: the root)
+    depth: torch.Tensor  # [B, n+1] int64 (the root 0)
+    ancestors: torch.Tensor  # [B, n+1] int64 bit i: node i is the node or one of its ancestors
+    cells: torch.Tensor | None  # [B, n] int64
+    forced: torch.Tensor | None  # [B, n] bool
+
+
+def choose_ref(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, n: int,
+               cells: torch.Tensor | None, forced: torch.Tensor | None, max_depth: int | None) -> Chosen:
+    from kernels.tree_mask import ancestor_bits
+
+    B, C = scores.shape
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
+    chosen = order.sort(dim=1).values  # [B, n] candidate indices in depth order
+    node_of = torch.zeros((B, C), dtype=torch.int64, device=scores.device)
+    node_of.scatter_(1, chosen, torch.arange(1, n + 1, device=scores.device).expand(B, n))
+    parent = parents.gather(1, chosen)
+    node_parents = torch.where(parent < 0, 0, node_of.gather(1, parent.clamp(min=0)))
+    depth = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=scores.device), depths[chosen]], 1)
+    return Chosen(tokens.gather(1, chosen), node_parents, depth, ancestor_bits(node_parents, max_depth),
+                  cells.gather(1, chosen) if cells is not None else None,
+                  forced.gather(1, chosen) if forced is not None else None)
+
+
+def choose_triton(*args) -> Chosen:
+    from kernels import _tree_expand_triton
+
+    return Chosen(*_tree_expand_triton.choose(*args))
+
+
+def choose(tokens, scores, parents, depths, n: int, cells=None, forced=None, max_depth: int | None = None) -> Chosen:
+    """Candidates [B, C] in depth order (scores: cumulative; parents: a candidate index, -1 for the root; depths
+    [C]; cells, forced: carried along) -> the tree of the n best by score, ties to the lower index (a stable sort),
+    its nodes in candidate order. A child never scores above its parent and comes after it, so the n best hold
+    every chosen node's parent and each node comes after its parent. max_depth: a bound on the depths (default n).
+    One launch on a GPU (a rank per candidate by comparing scores, positions by counting, ancestors by following
+    parents), where the reference takes two sorts, a scatter, gathers and pointer doubling."""
+    fn = choose_triton if use_triton(scores) else choose_ref
+    return fn(tokens, scores, parents, depths, n, cells, forced, max_depth)

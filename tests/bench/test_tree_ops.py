@@ -1,0 +1,33 @@
+"""bench/tree_ops.py: what counts as a kernel launch (no model: the counter itself)."""
+import torch
+
+from bench.tree_ops import KernelCount, table
+from kernels.tree_expand import expand_depth_triton
+
+
+def test_views_allocations_and_no_op_copies_launch_nothing():
+    x = torch.randn(4, 4)
+    with KernelCount() as c:
+        x.view(16), x.t(), x[1:], torch.empty(3), x.to(torch.float32), x.contiguous()
+        x + 1
+        x.add_(1)
+        x.to(torch.float64)
+        x.t().contiguous()
+    assert dict(c.calls) == {"add": 1, "add_": 1, "_to_copy": 1, "clone": 1}
+    assert c.total == 4
+
+
+def test_a_triton_launch_counts_once_and_the_interpreters_own_ops_not_at_all():
+    B, R, K = 2, 1, 4
+    lp, ids = torch.randn(B, R, 10).log_softmax(-1).topk(K, dim=-1)
+    masked, sampled = torch.zeros(B, R, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
+    with KernelCount() as c:
+        expand_depth_triton(lp, ids, None, None, masked, sampled, None, 16, None, None, None, 0)
+    assert dict(c.calls) == {"triton:_expand_depth_kernel": 1}
+
+
+def test_table_reads_against_the_chain_of_3():
+    rows = [dict(topk=1, depth=3, verified_nodes=3, step_kernels=500, expansion_kernels=0),
+            dict(topk=4, depth=3, verified_nodes=8, step_kernels=600, expansion_kernels=100)]
+    text = table(rows)
+    assert "| chain k=3 | 3 | 500 | - | 1.00x |" in text and "| tree topk=4 depth=3 | 8 | 600 | 100 | 1.20x |" in text

@@ -1,0 +1,150 @@
+"""kernels/tree_expand.py: one depth of a draft tree's expansion, the Triton kernel (interpreted here) equal to its
+torch reference, and the reference equal to what it stands for: the acceptance table's cells and scores
+(engine/speculative/tree_score.py), cumulative scores, forced flags and the K best by a stable sort."""
+import pytest
+import torch
+
+from engine.speculative.tree_score import NUM_BUCKETS, AcceptanceTable
+from kernels.tree_expand import expand_depth, expand_depth_ref, expand_depth_triton
+
+
+def _case(B: int, R: int, K: int, D: int, table: bool, remap: bool, seed: int):
+    """Random candidates as an expansion makes them: each row a descending top-K of a log-softmax, some rows masked
+    (one with a forced token and -inf siblings, one closed entirely), ties across rows."""
+    g = torch.Generator().manual_seed(seed)
+    Vd = 40
+    logits = torch.randn(B, R, Vd, generator=g) * 2
+    lp, ids = logits.log_softmax(-1).topk(K, dim=-1)
+    masked = torch.rand(B, R, generator=g) < 0.4
+    if R > 1:
+        lp[0, 1] = float("-inf")  # a forced row: one admissible token, probability 1
+        lp[0, 1, 0] = 0.0
+        masked[0, 1] = True
+        lp[B - 1, 0] = float("-inf")  # a row the grammar closed
+        masked[B - 1, 0] = True
+        lp[B - 1, R - 1] = lp[B - 1, R - 2]  # equal scores in two rows: the lower index must win
+    args = dict(
+        log_probs=lp, draft_ids=ids,
+        parent_score=(-torch.rand(B, R, generator=g) * 3) if R > 1 else None,
+        parent_candidate=(torch.arange(R)[None].expand(B, R) * 3 + 1) if R > 1 else None,
+        masked=masked, sampled=torch.rand(B, generator=g) < 0.5,
+        log_rate=(torch.rand(4 * K * NUM_BUCKETS, generator=g) * 0.98 + 0.01).log() if table else None,
+        num_buckets=NUM_BUCKETS, remap=torch.randperm(1000, generator=g)[:Vd] if remap else None,
+        path=torch.randint(0, 1000, (B, R, D), generator=g) if D else None,
+        lineage=torch.randint(0, 1 << 20, (B, R), generator=g) if R > 1 else None, offset=7)
+    if R > 1:
+        args["parent_score"][B - 1, R - 1] = args["parent_score"][B - 1, R - 2]
+    return args
+
+
+CASES = [  # (B, R, K, D): the root (one row), middle depths, the widest expansion (8 x 8 = 64 candidates)
+    (3, 1, 2, 0), (3, 1, 8, 0), (2, 2, 2, 1), (3, 4, 4, 3), (2, 8, 8, 7), (1, 3, 3, 2)]
+
+
+@pytest.mark.parametrize("B,R,K,D", CASES)
+@pytest.mark.parametrize("table,remap", [(True, True), (False, False), (True, False)])
+def test_triton_equals_reference(B, R, K, D, table, remap):
+    args = _case(B, R, K, D, table, remap, seed=B * 100 + R * 10 + K)
+    ref, tri = expand_depth_ref(**args), expand_depth_triton(**args)
+    for name, a, b in zip(ref._fields, ref, tri):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(a, b), name
+
+
+def test_reference_is_the_table_the_cumulative_score_and_a_stable_top_k():
+    B, R, K = 2, 4, 4
+    args = _case(B, R, K, 2, True, True, seed=3)
+    table = AcceptanceTable(K, torch.device("cpu"))
+    table.hits = table.trials * torch.rand(table.trials.shape, generator=torch.Generator().manual_seed(1))
+    args["log_rate"] = table.rates().flatten().clamp(min=1e-6).log()
+    out = expand_depth(**args)
+    lp, masked = args["log_probs"], args["masked"]
+    cells = table.cells(lp, torch.arange(K), args["sampled"], masked[..., None])
+    own = table.score(lp, cells)
+    assert torch.equal(out.cells, cells.reshape(B, R * K))
+    torch.testing.assert_close(out.scores, (own + args["parent_score"][..., None]).reshape(B, R * K))
+    assert torch.equal(out.forced, ((lp == 0) & masked[..., None]).reshape(B, R * K))
+    assert out.forced[0, K] and not out.forced[0, K + 1]  # row 1 of request 0: its forced token, not the -inf
+    assert torch.equal(out.tokens, args["remap"][args["draft_ids"]].reshape(B, R * K))
+    assert torch.equal(out.parents, args["parent_candidate"].repeat_interleave(K, 1))
+    for b in range(B):
+        order = sorted(range(R * K), key=lambda m: (-out.scores[b, m].item(), m))[:K]
+        assert out.candidate[b].tolist() == [7 + m for m in order]
+        assert out.lane[b].tolist() == [m // K for m in order]
+        assert out.best[b].tolist() == [out.scores[b, m].item() for m in order]
+        for i, m in enumerate(order):
+            assert out.path[b, i].tolist() == args["path"][b, m // K].tolist() + [out.tokens[b, m].item()]
+            assert out.lineage[b, i] == args["lineage"][b, m // K]
+
+
+def test_without_a_table_a_candidate_scores_its_log_probability():
+    args = _case(2, 1, 4, 0, False, False, seed=5)
+    out = expand_depth_ref(**args)
+    assert (out.cells == -1).all() and (out.parents == -1).all() and (out.lineage == 0).all()
+    torch.testing.assert_close(out.scores, args["log_probs"].reshape(2, 4))
+    assert torch.equal(out.path[:, :, 0], out.next_tokens)
+
+
+def _candidates(B: int, K: int, k: int, seed: int):
+    """A whole expansion's candidates (expand's layout: K at depth 1, then K * K per depth, each depth's parents
+    among the previous depth's K best), scores cumulative (a child never above its parent), with ties: a forced
+    child scoring as its parent, and -inf candidates."""
+    g = torch.Generator().manual_seed(seed)
+    scores, parents = [-torch.rand(B, K, generator=g)], [torch.full((B, K), -1)]
+    frontier = torch.arange(K).expand(B, K)
+    offset, depths = K, [1] * K
+    for d in range(1, k):
+        par = frontier.repeat_interleave(K, 1)  # [B, K*K] candidate index of each child's parent
+        own = -torch.rand(B, K * K, generator=g) * 2
+        own[:, ::K] = torch.where(torch.rand(B, K, generator=g) < 0.3, 0.0, own[:, ::K])  # forced: parent's score
+        own[:, K - 1::K] = torch.where(torch.rand(B, K, generator=g) < 0.3, float("-inf"), own[:, K - 1::K])
+        s = torch.cat(scores, 1).gather(1, par) + own
+        scores.append(s)
+        parents.append(par)
+        frontier = offset + torch.sort(s, dim=1, descending=True, stable=True).indices[:, :K]
+        offset += K * K
+        depths += [d + 1] * (K * K)
+    scores, parents = torch.cat(scores, 1), torch.cat(parents, 1)
+    C = scores.shape[1]
+    return dict(tokens=torch.randint(0, 5000, (B, C), generator=g), scores=scores, parents=parents,
+                depths=torch.tensor(depths), cells=torch.randint(-1, 100, (B, C), generator=g),
+                forced=torch.rand(B, C, generator=g) < 0.2)
+
+
+@pytest.mark.parametrize("B,K,k,n", [(2, 2, 3, 4), (3, 4, 3, 8), (2, 8, 4, 16), (1, 4, 8, 8), (2, 8, 8, 63),
+                                     (2, 2, 8, 8)])
+def test_choose_triton_equals_reference(B, K, k, n):
+    from kernels.tree_expand import choose_ref, choose_triton
+
+    args = _candidates(B, K, k, seed=B + K * 10 + k * 100)
+    for max_depth in (k, None):
+        for extra in (True, False):
+            kw = dict(args) if extra else dict(args, cells=None, forced=None)
+            ref = choose_ref(**kw, n=n, max_depth=max_depth)
+            tri = choose_triton(kw["tokens"], kw["scores"], kw["parents"], kw["depths"], n, kw["cells"],
+                                kw["forced"], max_depth)
+            for name, a, b in zip(ref._fields, ref, tri):
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    assert a.dtype == b.dtype and torch.equal(a, b), name
+            assert (ref.parents < torch.arange(1, n + 1)).all()  # each node after its parent
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,R,K,D", [(3, 1, 4, 0), (2, 8, 8, 7), (64, 4, 4, 3)])
+def test_on_a_gpu_both_kernels_equal_the_cpu_references(B, R, K, D):
+    args = _case(B, R, K, D, True, True, seed=11)
+    ref = expand_depth_ref(**args)
+    got = expand_depth(**{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+    for name, a, b in zip(ref._fields, ref, got):
+        assert torch.equal(a, b.cpu()) if not a.is_floating_point() else torch.allclose(a, b.cpu(), atol=1e-6), name
+    from kernels.tree_expand import choose, choose_ref
+
+    cands = _candidates(B, K, 8, seed=12)
+    want = choose_ref(**cands, n=min(63, K * 8), max_depth=8)
+    got = choose(**{k: v.cuda() for k, v in cands.items()}, n=min(63, K * 8), max_depth=8)
+    for name, a, b in zip(want._fields, want, got):
+        assert torch.equal(a, b.cpu()), name
