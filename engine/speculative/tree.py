@@ -21,7 +21,9 @@ is: with depth k = N the tree reaches as far as a chain of N drafts wherever the
 and branches only where the head is unsure. A shallower k caps every path at k drafts, which under a grammar
 costs more than the width gains (bench/results/tree_vs_chain_cpu.md).
 
-Shapes are fixed by (B, topk, k, N): k - 1 head passes of B * topk rows, one top-k per pass, one stable sort. A forced
+Shapes are fixed by (B, topk, k, N): k - 1 head passes of B * topk rows, one top-k per pass, and per depth one
+fused launch for the bookkeeping (kernels/tree_expand.py: scores, forced flags, the next frontier by a stable rank,
+its paths and lineage), then one for choosing the N best; on the CPU their torch references run. A forced
 node's other topk - 1 candidates score -inf (never chosen while a finite one is left); its lanes still run, which
 is what the fixed shape costs.
 
@@ -167,13 +169,16 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
     sampled = sampled if sampled is not None else torch.zeros(B, dtype=torch.bool, device=dev)
     log_rate = table.log_rates() if table is not None else None  # once per expansion, not per depth
 
-    def depth(logits, paths, parent, lineage, offset):
+    def depth(logits, paths, frontier, lineage, offset):
+        """The head's logits over R rows per request (the root's one, or the frontier's), reached by paths
+        [B, R, d] -> the candidates' scores and the next frontier (frontier None: the root's expansion)."""
         log_probs, masked = _log_probs(logits, paths, mask)
         R = log_probs.shape[0] // B
-        lp, ids = log_probs.view(B, R, -1).topk(K, dim=-1)  # [B, R, K]: each frontier row's best candidates
-        return expand_depth(lp, ids, parent["score"] if parent else None, parent["candidate"] if parent else None,
-                            masked.view(B, R), sampled, log_rate, NUM_BUCKETS, remap,
-                            paths if parent else None, lineage, offset)
+        lp, ids = log_probs.view(B, R, -1).topk(K, dim=-1)  # [B, R, K]: each row's best candidates
+        root = frontier is None
+        return expand_depth(lp, ids, None if root else frontier["score"], None if root else frontier["candidate"],
+                            masked.view(B, R), sampled, log_rate, NUM_BUCKETS, remap, None if root else paths,
+                            lineage, offset)
 
     root = depth(head.compute_logits(state), torch.zeros((B, 1, 0), dtype=torch.int64, device=dev), None, None, 0)
     out = [root]

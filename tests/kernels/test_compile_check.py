@@ -83,7 +83,7 @@ def test_tree_launches_are_recorded():
     space = EngineSpace(dtypes=(torch.bfloat16,), block_sizes=(16,), batches=(1,), kv_lens=(1000,))
     tree_rows = {"paged_attention_kernel": set(), "mla_attention_kernel": set()}
     for name, call in scenarios(models, space):
-        if "tree" not in name:
+        if "tree" not in name or name.startswith("draft tree expansion"):
             continue
         with recording(sm_count=132) as rec:
             call()
@@ -98,6 +98,30 @@ def test_tree_launches_are_recorded():
     shapes = {shape for shape, _ in tree_rows["mla_attention_kernel"]}
     assert len(shapes) == 2  # DeepSeek-V3's heads whole and under tp 8
     assert tree_rows["mla_attention_kernel"] == {(shape, q) for shape in shapes for q in want}
+
+
+def test_tree_expansion_launches_are_recorded():
+    """The fused expansion (kernels/tree_expand.py) at every width: each depth's kernel with and without the
+    acceptance table and the draft-to-target map (the root's without parents), and the choice of nodes at every
+    node-count block up to the most nodes."""
+    space = EngineSpace()
+    widths = set()
+    for name, call in scenarios([ModelShape("SmolLM2-135M", 576, 9, 3, 64, 49152)], space):
+        if not name.startswith("draft tree expansion"):
+            continue
+        with recording(sm_count=132) as rec:
+            call()
+        expand = [launch for launch in rec.launches if _kernel_name(launch.kernel) == "_expand_depth_kernel"]
+        choose = [launch for launch in rec.launches if _kernel_name(launch.kernel) == "_choose_kernel"]
+        assert len(expand) + len(choose) == len(rec.launches)
+        K = expand[0].kwargs["K"]
+        widths.add(K)
+        assert {(e.kwargs["HAS_TABLE"], e.kwargs["HAS_REMAP"], e.kwargs["HAS_PARENT"]) for e in expand} == {
+            (t, r, p) for t in (True, False) for r in (True, False) for p in (True, False)}
+        assert {e.args[-2] for e in expand} == set(range(space.max_k))  # path lengths 0 (the root) .. depth - 1
+        most = min(space.max_tree_nodes, K + (space.max_k - 1) * K * K)  # every candidate, at most 63 nodes
+        assert max(c.kwargs["BLOCK_N"] for c in choose) == 1 << most.bit_length()  # and the root
+    assert widths == set(range(2, space.max_topk + 1))
 
 
 @pytest.mark.compile
