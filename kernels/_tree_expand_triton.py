@@ -110,7 +110,9 @@ def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, s
            lineage.contiguous() if lineage is not None else dummy,
            scores, cells, forced, tokens, parents, best, candidate, lane, next_tokens, new_path, new_lineage,
            R, D, offset,
-           K=K, NUM_BUCKETS=num_buckets, BLOCK_M=max(next_pow2(M), 2), BLOCK_D=max(next_pow2(D + 1), 2),
+           K=K, NUM_BUCKETS=num_buckets, BLOCK_M=max(next_pow2(M), 2),
+           # one path width for every depth up to MAX_K = 8 (paths of at most 8 tokens): one specialization, not three
+           BLOCK_D=max(next_pow2(D + 1), 8),
            HAS_PARENT=parent_score is not None, HAS_TABLE=log_rate is not None, HAS_REMAP=remap is not None,
            HAS_LINEAGE=lineage is not None, num_warps=4 if M > 16 else 1)
     return scores, cells, forced, tokens, parents, best, candidate, lane, next_tokens, new_path, new_lineage
