@@ -14,12 +14,12 @@ from kernels._launch import launch
 
 
 # R and the path's length change with the depth; each value would compile another kernel if specialized.
-@triton.jit(do_not_specialize=["R", "D", "offset"])
+@triton.jit(do_not_specialize=["R", "D", "offset", "own_shift", "below"])
 def _expand_depth_kernel(
     lp_ptr, ids_ptr, pscore_ptr, pcand_ptr, masked_ptr, sampled_ptr, rate_ptr, remap_ptr, path_ptr, lineage_ptr,
     score_ptr, cell_ptr, forced_ptr, tok_ptr, parent_ptr,
-    best_ptr, cand_ptr, lane_ptr, next_ptr, npath_ptr, nlin_ptr,
-    R, D, offset,
+    best_ptr, cand_ptr, lane_ptr, next_ptr, npath_ptr, nlin_ptr, nmask_ptr,
+    R, D, offset, own_shift, below,
     K: tl.constexpr, NUM_BUCKETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_PARENT: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_REMAP: tl.constexpr, HAS_LINEAGE: tl.constexpr,
 ):
@@ -71,7 +71,13 @@ def _expand_depth_kernel(
         lin = tl.load(lineage_ptr + b * R + row, mask=valid, other=0)
     else:
         lin = tl.zeros([BLOCK_M], tl.int64)
+    one = tl.full([BLOCK_M], 1, tl.int64)
+    lin = lin | (one << (own_shift + rank).to(tl.int64))  # the row's own bit in the next frontier
     tl.store(nlin_ptr + slot, lin, mask=chosen)
+    # its head pass's tree mask (kernels/tree_mask.py window_bits): the ancestors moved to the window's top, every
+    # position before the span admitted; (1 << 63) - 1 wraps to the intended all-but-the-top bits
+    low = (tl.full([BLOCK_M], 1, tl.int64) << below) - 1
+    tl.store(nmask_ptr + slot, (lin << below) | low, mask=chosen)
     # the chosen candidates' paths: the parent row's D tokens, then the candidate's own
     t = tl.arange(0, BLOCK_D)
     old = tl.load(path_ptr + (b * R + row)[:, None] * D + t[None, :], mask=valid[:, None] & (t[None, :] < D), other=0)
@@ -80,7 +86,9 @@ def _expand_depth_kernel(
 
 
 def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, sampled, log_rate, num_buckets, remap,
-                 path, lineage, offset: int):
+                 path, lineage, offset: int, own_shift: int, span: int):
+    from kernels.tree_mask import WINDOW
+
     B, R, K = log_probs.shape
     dev = log_probs.device
     D = path.shape[2] if path is not None else 0
@@ -96,6 +104,7 @@ def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, s
     next_tokens = torch.empty((B, K), dtype=torch.int64, device=dev)
     new_path = torch.empty((B, K, D + 1), dtype=torch.int64, device=dev)
     new_lineage = torch.empty((B, K), dtype=torch.int64, device=dev)
+    new_mask = torch.empty((B, K), dtype=torch.int64, device=dev)
     # absent inputs: any tensor stands in for the pointer; the constexprs keep the kernel from reading it
     log_probs, draft_ids = log_probs.contiguous(), draft_ids.contiguous()
     dummy = draft_ids
@@ -108,14 +117,14 @@ def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, s
            remap if remap is not None else dummy,
            path.contiguous() if D else dummy,
            lineage.contiguous() if lineage is not None else dummy,
-           scores, cells, forced, tokens, parents, best, candidate, lane, next_tokens, new_path, new_lineage,
-           R, D, offset,
+           scores, cells, forced, tokens, parents, best, candidate, lane, next_tokens, new_path, new_lineage, new_mask,
+           R, D, offset, own_shift, WINDOW - span,
            K=K, NUM_BUCKETS=num_buckets, BLOCK_M=max(next_pow2(M), 2),
            # one path width for every depth up to MAX_K = 8 (paths of at most 8 tokens): one specialization, not three
            BLOCK_D=max(next_pow2(D + 1), 8),
            HAS_PARENT=parent_score is not None, HAS_TABLE=log_rate is not None, HAS_REMAP=remap is not None,
            HAS_LINEAGE=lineage is not None, num_warps=4 if M > 16 else 1)
-    return scores, cells, forced, tokens, parents, best, candidate, lane, next_tokens, new_path, new_lineage
+    return scores, cells, forced, tokens, parents, best, candidate, lane, next_tokens, new_path, new_lineage, new_mask
 
 
 # ------------------------------------------------------------------------------------- the n best nodes

@@ -199,7 +199,7 @@ def _tree_expansion_launches(topk: int, max_depth: int, max_nodes: int) -> None:
                                     _meta(B, dtype=torch.bool), _meta(4 * K * 16) if table else None, 16,
                                     _meta(1000, dtype=i64) if remap else None,
                                     None if root else _meta(B, R, D, dtype=i64),
-                                    None if root else _meta(B, R, dtype=i64), K)
+                                    None if root else _meta(B, R, dtype=i64), K, D * K, (D + 1) * K)
     C = K + (max_depth - 1) * K * K
     for n in sorted({min(v, C) for v in (2, 4, 8, 16, 32, max_nodes)}):
         choose_triton(_meta(B, C, dtype=i64), _meta(B, C), _meta(B, C, dtype=i64), _meta(C, dtype=i64), n,

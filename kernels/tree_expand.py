@@ -17,12 +17,15 @@ Inputs, for B requests whose frontier has R rows, each proposing its K best draf
   log_rate [CLASSES * K * num_buckets] float or None: the acceptance table's log estimates
   (engine/speculative/tree_score.py: cell ((2 * sampled + masked) * K + rank) * num_buckets + bucket, bucket the
   draft probability's); None scores a candidate by its log-probability;
-  path [B, R, D] int64 (D >= 0) and lineage [B, R] int64: each row's path of tokens and ancestor bits.
+  path [B, R, D] int64 (D >= 0) and lineage [B, R] int64: each row's path of tokens and ancestor bits (bit i: the
+  frontier row at KV offset i after the root, kernels/tree_mask.py); own_shift: the offset of the next frontier's
+  first row (its row of rank r sits at own_shift + r); span: the frontier rows' positions the next head pass sees.
 Outputs: per candidate m = r * K + j (in that order) its cumulative score, table cell (-1: not scored), forced flag
 (probability 1 in a masked row), target token and parent candidate, all [B, R * K]; and the next frontier, the K
 best candidates by cumulative score (ties to the lower index, as a stable sort), best first: score [B, K],
 candidate index (offset + m) [B, K], row (its parent's lane) [B, K], token [B, K], path [B, K, D + 1] (the parent's
-path, then the token) and lineage [B, K] (the parent row's). A forced or refused (-inf) candidate keeps its
+path, then the token), lineage [B, K] (the parent row's, and its own bit own_shift + rank) and the tree mask of its
+head pass [B, K] (kernels/tree_mask.py `window_bits` of the lineage over the last `span` positions). A forced or refused (-inf) candidate keeps its
 log-probability as its score: 0 and -inf, never a table estimate.
 """
 from __future__ import annotations
@@ -46,12 +49,16 @@ class Depth(NamedTuple):
     next_tokens: torch.Tensor  # [B, K] int64
     path: torch.Tensor  # [B, K, D+1] int64
     lineage: torch.Tensor  # [B, K] int64
+    tree_mask: torch.Tensor  # [B, K] int64
 
 
 def expand_depth_ref(log_probs: torch.Tensor, draft_ids: torch.Tensor, parent_score: torch.Tensor | None,
                      parent_candidate: torch.Tensor | None, masked: torch.Tensor, sampled: torch.Tensor,
                      log_rate: torch.Tensor | None, num_buckets: int, remap: torch.Tensor | None,
-                     path: torch.Tensor | None, lineage: torch.Tensor | None, offset: int) -> Depth:
+                     path: torch.Tensor | None, lineage: torch.Tensor | None, offset: int, own_shift: int,
+                     span: int) -> Depth:
+    from kernels.tree_mask import window_bits
+
     B, R, K = log_probs.shape
     dev = log_probs.device
     lp = log_probs.float()
@@ -77,9 +84,11 @@ def expand_depth_ref(log_probs: torch.Tensor, draft_ids: torch.Tensor, parent_sc
     next_tokens = tokens.gather(1, pick)
     D = path.shape[2] if path is not None else 0
     old = path.gather(1, lane[:, :, None].expand(B, K, D)) if D else tokens.new_zeros((B, K, 0))
+    own = torch.bitwise_left_shift(torch.ones_like(lane), own_shift + torch.arange(K, device=dev))
+    lineage = (lineage.gather(1, lane) if lineage is not None else torch.zeros_like(lane)) | own
     return Depth(score, cells.reshape(B, R * K), forced.reshape(B, R * K), tokens, parents.reshape(B, R * K),
                  score.gather(1, pick), offset + pick, lane, next_tokens, torch.cat([old, next_tokens[:, :, None]], 2),
-                 lineage.gather(1, lane) if lineage is not None else torch.zeros_like(lane))
+                 lineage, window_bits(lineage, span))
 
 
 def expand_depth_triton(*args, **kwargs) -> Depth:
@@ -89,11 +98,11 @@ def expand_depth_triton(*args, **kwargs) -> Depth:
 
 
 def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, sampled, log_rate, num_buckets, remap,
-                 path, lineage, offset: int) -> Depth:
+                 path, lineage, offset: int, own_shift: int, span: int) -> Depth:
     """One depth of the expansion (the module's docstring): Triton on a GPU, the torch reference on the CPU."""
     fn = expand_depth_triton if use_triton(log_probs) else expand_depth_ref
     return fn(log_probs, draft_ids, parent_score, parent_candidate, masked, sampled, log_rate, num_buckets, remap,
-              path, lineage, offset)
+              path, lineage, offset, own_shift, span)
 
 
 # ------------------------------------------------------------------------------------- the n best nodes

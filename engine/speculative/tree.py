@@ -44,7 +44,6 @@ from engine.layers.attention import AttentionMetadata, attention_context
 from engine.speculative.tree_score import NUM_BUCKETS, AcceptanceTable
 from kernels.tree_expand import choose as choose_nodes
 from kernels.tree_expand import expand_depth
-from kernels.tree_mask import window_bits
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +105,10 @@ class TreeShape:
 
 
 class FrontierLayout:
-    """Where the frontier rows of every depth live, computed once per expansion (each op here is a node of the
-    captured step's graph, which its launch pays for; per depth only what changes is computed): request b's depth-d
-    lane g at KV position start + 1 + (d-1) * topk + g."""
+    """Where the frontier rows of every depth live, computed once per expansion for every depth (each op here is a
+    node of the captured step's graph, which its launch pays for; per depth a pass only takes its slice): request b's
+    depth-d lane g at KV position start + 1 + (d-1) * topk + g. Row i of that span is bit i of a row's lineage; the
+    expansion's kernel (kernels/tree_expand.py) sets each new row's own bit and its tree mask."""
 
     def __init__(self, base: AttentionMetadata, kv_cache: torch.Tensor, start: torch.Tensor, depth: int, topk: int,
                  slot_limit: torch.Tensor, max_seq_len: int):
@@ -116,26 +116,24 @@ class FrontierLayout:
         B, M = tables.shape
         block_size = kv_cache.shape[3]
         dev = start.device
-        pos = start[:, None] + 1 + torch.arange((depth - 1) * topk, device=dev)  # [B, (depth-1) * topk]
-        slot = tables.gather(1, (pos // block_size).clamp(max=M - 1)).to(torch.int64) * block_size + pos % block_size
-        self.slots = torch.where(pos < slot_limit[:, None], slot, -1)
-        self.tables, self.kv_cache, self.start, self.topk, self.max_seq_len = tables, kv_cache, start, topk, max_seq_len
+        passes = torch.arange(1, depth, device=dev)  # the head's passes over depths 1 .. depth - 1
+        # [depth - 1, B, topk]: pass d's rows, request-major as the head sees them
+        pos = start[None, :, None] + 1 + ((passes - 1) * topk)[:, None, None] + torch.arange(topk, device=dev)
+        slot = tables[None].expand(depth - 1, B, M).gather(2, (pos // block_size).clamp(max=M - 1)).to(torch.int64)
+        self.slots = torch.where(pos < slot_limit[None, :, None], slot * block_size + pos % block_size, -1)
+        self.slots = self.slots.view(depth - 1, B * topk)
+        self.seq_lens = (start[None, :] + 1 + passes[:, None] * topk).to(torch.int32)  # [depth - 1, B]
+        self.positions = start.repeat_interleave(topk)[None, :] + passes[:, None]  # [depth - 1, B * topk]
+        self.tables, self.kv_cache, self.topk, self.max_seq_len = tables, kv_cache, topk, max_seq_len
         self.query_start_loc = torch.arange(0, (B + 1) * topk, topk, dtype=torch.int32, device=dev)
-        # bit (d-1) * topk + g: the depth-d row of lane g, which the rows of its lane's subtree have as an ancestor
-        lane = torch.arange((depth - 1) * topk, device=dev)
-        self.own_bits = torch.bitwise_left_shift(torch.ones_like(lane), lane).view(depth - 1, topk)
-        self.positions = start.repeat_interleave(topk)  # [B * topk]: the root's position per frontier row
 
-    def metadata(self, d: int, lineage: torch.Tensor) -> AttentionMetadata:
-        """The head's pass over the depth-d frontier; lineage [B, topk] int64: each row's ancestors among the
-        frontier rows so far (bit (e-1) * topk + g': the depth-e row of lane g'), itself included."""
-        K = self.topk
-        span = d * K  # the frontier rows of depths 1..d: the last span positions
+    def metadata(self, d: int, tree_mask: torch.Tensor) -> AttentionMetadata:
+        """The head's pass over the depth-d frontier; tree_mask [B, topk] int64: each row's window of the frontier
+        rows of depths 1..d (its ancestors and itself) and the prefix before them."""
         return AttentionMetadata(
-            kv_cache=self.kv_cache, slot_mapping=self.slots[:, (d - 1) * K: d * K].reshape(-1),
-            block_tables=self.tables, seq_lens=(self.start + (1 + span)).to(torch.int32),
-            query_start_loc=self.query_start_loc, max_q_len=K, max_seq_len=self.max_seq_len,
-            tree_mask=window_bits(lineage, span).reshape(-1))
+            kv_cache=self.kv_cache, slot_mapping=self.slots[d - 1], block_tables=self.tables,
+            seq_lens=self.seq_lens[d - 1], query_start_loc=self.query_start_loc, max_q_len=self.topk,
+            max_seq_len=self.max_seq_len, tree_mask=tree_mask.reshape(-1))
 
 
 # mask(paths [B, L, d] int64 target ids, logits [B * L, Vd]): constrains in place the draft logits of the L nodes per
@@ -143,11 +141,14 @@ class FrontierLayout:
 TreeMask = Callable[[torch.Tensor, torch.Tensor], None]
 
 
-def _log_probs(logits: torch.Tensor, paths: torch.Tensor,
-               mask: TreeMask | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (log-probabilities [R, V], masked [R] bool: the grammar removed tokens from the row)."""
+def _log_probs(logits: torch.Tensor, paths: torch.Tensor, mask: TreeMask | None,
+               unmasked: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (log-probabilities [R, V], masked [R] bool: the grammar removed tokens from the row); unmasked: all-False
+    flags of at least R rows, made once for every depth, for when there is no grammar."""
     if mask is None:
-        return logits.log_softmax(-1), torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        if unmasked is None:
+            unmasked = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        return logits.log_softmax(-1), unmasked[: logits.shape[0]]
     mask(paths, logits)
     # A row its mask closes entirely (a path the grammar refused at its end) scores -inf, never NaN.
     return logits.log_softmax(-1).nan_to_num(nan=float("-inf")), torch.isneginf(logits).any(-1)
@@ -169,32 +170,34 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
     sampled = sampled if sampled is not None else torch.zeros(B, dtype=torch.bool, device=dev)
     log_rate = table.log_rates() if table is not None else None  # once per expansion, not per depth
 
-    def depth(logits, paths, frontier, lineage, offset):
-        """The head's logits over R rows per request (the root's one, or the frontier's), reached by paths
-        [B, R, d] -> the candidates' scores and the next frontier (frontier None: the root's expansion)."""
-        log_probs, masked = _log_probs(logits, paths, mask)
+    unmasked = torch.zeros(B * K, dtype=torch.bool, device=dev) if mask is None else None  # one for every depth
+
+    def depth(logits, paths, d, frontier, offset):
+        """The head's logits over R rows per request (the root's one, or the depth-d frontier's), reached by paths
+        [B, R, d] -> the candidates' scores and the next frontier (frontier None: the root's expansion); the next
+        frontier's rows sit at lineage bits d * K.. and its head pass sees (d + 1) * K frontier positions."""
+        log_probs, masked = _log_probs(logits, paths, mask, unmasked)
         R = log_probs.shape[0] // B
         lp, ids = log_probs.view(B, R, -1).topk(K, dim=-1)  # [B, R, K]: each row's best candidates
         root = frontier is None
         return expand_depth(lp, ids, None if root else frontier["score"], None if root else frontier["candidate"],
                             masked.view(B, R), sampled, log_rate, NUM_BUCKETS, remap, None if root else paths,
-                            lineage, offset)
+                            None if root else frontier["lineage"], offset, d * K, (d + 1) * K)
 
-    root = depth(head.compute_logits(state), torch.zeros((B, 1, 0), dtype=torch.int64, device=dev), None, None, 0)
+    root = depth(head.compute_logits(state), torch.zeros((B, 1, 0), dtype=torch.int64, device=dev), 0, None, 0)
     out = [root]
     frontier = dict(tokens=root.next_tokens, score=root.best, state=state[:, None].expand(B, K, H),
-                    path=root.path, candidate=root.candidate, lineage=root.lineage)
+                    path=root.path, candidate=root.candidate, lineage=root.lineage, tree_mask=root.tree_mask)
     offset = K
     layout = FrontierLayout(attn, kv_cache, start, k, K, slot_limit, max_seq_len) if k > 1 else None
     for d in range(1, k):
-        lineage = frontier["lineage"] | layout.own_bits[d - 1]
-        with attention_context(layout.metadata(d, lineage)):
+        with attention_context(layout.metadata(d, frontier["tree_mask"])):
             hidden = head(frontier["state"].reshape(B * K, H), frontier["tokens"].reshape(-1),
-                          layout.positions + d)  # [B * K, H]
-        step = depth(head.compute_logits(hidden), frontier["path"], frontier, lineage, offset)
+                          layout.positions[d - 1])  # [B * K, H]
+        step = depth(head.compute_logits(hidden), frontier["path"], d, frontier, offset)
         out.append(step)
         frontier = dict(tokens=step.next_tokens, score=step.best, path=step.path, candidate=step.candidate,
-                        lineage=step.lineage,
+                        lineage=step.lineage, tree_mask=step.tree_mask,
                         state=hidden.view(B, K, H).gather(1, step.lane[..., None].expand(B, K, H)))
         offset += K * K
     # each candidate's depth, derived from its index on the device (K at depth 1, then K * K per depth; a Python

@@ -22,7 +22,7 @@ def test_a_triton_launch_counts_once_and_the_interpreters_own_ops_not_at_all():
     lp, ids = torch.randn(B, R, 10).log_softmax(-1).topk(K, dim=-1)
     masked, sampled = torch.zeros(B, R, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
     with KernelCount() as c:
-        expand_depth_triton(lp, ids, None, None, masked, sampled, None, 16, None, None, None, 0)
+        expand_depth_triton(lp, ids, None, None, masked, sampled, None, 16, None, None, None, 0, 0, 4)
     assert dict(c.calls) == {"triton:_expand_depth_kernel": 1}
 
 

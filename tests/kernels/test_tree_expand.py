@@ -31,7 +31,8 @@ def _case(B: int, R: int, K: int, D: int, table: bool, remap: bool, seed: int):
         log_rate=(torch.rand(4 * K * NUM_BUCKETS, generator=g) * 0.98 + 0.01).log() if table else None,
         num_buckets=NUM_BUCKETS, remap=torch.randperm(1000, generator=g)[:Vd] if remap else None,
         path=torch.randint(0, 1000, (B, R, D), generator=g) if D else None,
-        lineage=torch.randint(0, 1 << 20, (B, R), generator=g) if R > 1 else None, offset=7)
+        lineage=torch.randint(0, 1 << 20, (B, R), generator=g) if R > 1 else None, offset=7,
+        own_shift=D * K, span=(D + 1) * K)  # the depth after the path's: its rows' bits and the window they see
     if R > 1:
         args["parent_score"][B - 1, R - 1] = args["parent_score"][B - 1, R - 2]
     return args
@@ -77,13 +78,19 @@ def test_reference_is_the_table_the_cumulative_score_and_a_stable_top_k():
         assert out.best[b].tolist() == [out.scores[b, m].item() for m in order]
         for i, m in enumerate(order):
             assert out.path[b, i].tolist() == args["path"][b, m // K].tolist() + [out.tokens[b, m].item()]
-            assert out.lineage[b, i] == args["lineage"][b, m // K]
+            own = 1 << (args["own_shift"] + i)  # the next frontier's row i sits at own_shift + i
+            assert out.lineage[b, i] == args["lineage"][b, m // K] | own
+            # window_bits: the lineage moved to the top of the 64-position window, everything before the span seen
+            below = 64 - args["span"]
+            bits = ((out.lineage[b, i].item() << below) | ((1 << below) - 1)) & ((1 << 64) - 1)
+            assert out.tree_mask[b, i].item() == bits - (1 << 64 if bits >> 63 else 0)  # as int64
 
 
 def test_without_a_table_a_candidate_scores_its_log_probability():
     args = _case(2, 1, 4, 0, False, False, seed=5)
     out = expand_depth_ref(**args)
-    assert (out.cells == -1).all() and (out.parents == -1).all() and (out.lineage == 0).all()
+    assert (out.cells == -1).all() and (out.parents == -1).all()
+    assert out.lineage.tolist() == [[1, 2, 4, 8]] * 2  # the root's frontier: depth-1 rows at offsets 0..3
     torch.testing.assert_close(out.scores, args["log_probs"].reshape(2, 4))
     assert torch.equal(out.path[:, :, 0], out.next_tokens)
 
