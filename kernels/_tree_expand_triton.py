@@ -11,6 +11,7 @@ import triton.language as tl
 
 from kernels._dispatch import next_pow2
 from kernels._launch import launch
+from kernels.tree_mask import WINDOW
 
 
 # R and the path's length change with the depth; each value would compile another kernel if specialized.
@@ -87,8 +88,6 @@ def _expand_depth_kernel(
 
 def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, sampled, log_rate, num_buckets, remap,
                  path, lineage, offset: int, own_shift: int, span: int):
-    from kernels.tree_mask import WINDOW
-
     B, R, K = log_probs.shape
     dev = log_probs.device
     D = path.shape[2] if path is not None else 0

@@ -1,12 +1,14 @@
-"""One depth of a draft tree's expansion in one kernel: score the frontier's candidates, keep the best as the next
-frontier (engine/speculative/tree.py `expand`).
+"""A draft tree's expansion in fused kernels (engine/speculative/tree.py `expand`): per depth one launch scores the
+frontier's candidates and keeps the best as the next frontier (`expand_depth`); one more chooses the N best nodes of
+the whole expansion (`choose`, below).
 
 Why a kernel: on a GPU at batch 1 the decode step of a small model is launch-bound (each kernel a node of the
 captured graph, a few microseconds whatever its work), and the expansion's bookkeeping per depth (bucketing,
 the acceptance-table lookup, cumulative scores, the forced flags, the draft-to-target map, the top-k of the
 frontier, and the gathers of the chosen nodes' tokens, paths and lineage) was about fifty small torch ops: a tree
 step launched more kernels than a chain step verifying as many rows, and ran slower than it
-(bench/results/tree_vs_chain_cuda.md, bench/results/tree_ops_cpu.md). Here it is one launch, one program per request.
+(bench/results/tree_vs_chain_cuda.md, bench/results/tree_ops_triton_cpu.md). Here it is one launch, one program per
+request.
 
 Inputs, for B requests whose frontier has R rows, each proposing its K best draft tokens (R = 1 at the root):
   log_probs [B, R, K] float: the candidates' draft log-probabilities, each row's in descending order (a top-k);
@@ -25,8 +27,8 @@ Outputs: per candidate m = r * K + j (in that order) its cumulative score, table
 best candidates by cumulative score (ties to the lower index, as a stable sort), best first: score [B, K],
 candidate index (offset + m) [B, K], row (its parent's lane) [B, K], token [B, K], path [B, K, D + 1] (the parent's
 path, then the token), lineage [B, K] (the parent row's, and its own bit own_shift + rank) and the tree mask of its
-head pass [B, K] (kernels/tree_mask.py `window_bits` of the lineage over the last `span` positions). A forced or refused (-inf) candidate keeps its
-log-probability as its score: 0 and -inf, never a table estimate.
+head pass [B, K] (kernels/tree_mask.py `window_bits` of the lineage over the last `span` positions). A forced or
+refused (-inf) candidate keeps its log-probability as its score: 0 and -inf, never a table estimate.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from kernels._dispatch import use_triton
+from kernels.tree_mask import ancestor_bits, window_bits
 
 
 class Depth(NamedTuple):
@@ -57,8 +60,6 @@ def expand_depth_ref(log_probs: torch.Tensor, draft_ids: torch.Tensor, parent_sc
                      log_rate: torch.Tensor | None, num_buckets: int, remap: torch.Tensor | None,
                      path: torch.Tensor | None, lineage: torch.Tensor | None, offset: int, own_shift: int,
                      span: int) -> Depth:
-    from kernels.tree_mask import window_bits
-
     B, R, K = log_probs.shape
     dev = log_probs.device
     lp = log_probs.float()
@@ -119,8 +120,6 @@ class Chosen(NamedTuple):
 
 def choose_ref(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, n: int,
                cells: torch.Tensor | None, forced: torch.Tensor | None, max_depth: int | None) -> Chosen:
-    from kernels.tree_mask import ancestor_bits
-
     B, C = scores.shape
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
     chosen = order.sort(dim=1).values  # [B, n] candidate indices in depth order
