@@ -29,6 +29,7 @@ from kernels.kv_transfer import pack_kv_triton, unpack_kv_triton
 from kernels.mla_attention import mla_attention_triton, store_latent_triton
 from kernels.norm_rope import apply_rope_triton, rms_norm_triton
 from kernels.tree_expand import choose_triton, expand_depth_triton
+from kernels.tree_walk import walk_triton
 from kernels.verify import verify_greedy_triton
 
 ZOO_PREBUILT = Path(__file__).resolve().parents[1] / "zoo" / "prebuilt"
@@ -206,6 +207,14 @@ def _tree_expansion_launches(topk: int, max_depth: int, max_nodes: int) -> None:
                       _meta(B, C, dtype=i64), _meta(B, C, dtype=torch.bool), max_depth)
 
 
+def _tree_walk_launches(max_depth: int, max_nodes: int) -> None:
+    """The walk down a verified tree (kernels/tree_walk.py) at every node-count block, 2 .. the most nodes (the
+    depth is not a constexpr)."""
+    for n in (2, 4, 8, 16, 32, max_nodes):
+        walk_triton(_meta(3, n + 1, dtype=torch.int64), _meta(3, n, dtype=torch.int64), _meta(3, n, dtype=torch.int64),
+                    _meta(3, dtype=torch.int64), max_depth)
+
+
 def _handover_launches(m: ModelShape, dtype: torch.dtype, page: int) -> None:
     """KV hand-over: whole caches, and head slices for a tp=2 receiver."""
     kv_cache = _meta(2, 2, 64, page, m.num_kv_heads, m.head_dim, dtype=dtype)
@@ -285,6 +294,7 @@ def scenarios(models: list[ModelShape], space: EngineSpace) -> Iterator[tuple[st
     for topk in range(2, space.max_topk + 1):
         yield (f"draft tree expansion topk={topk}",
                lambda K=topk: _tree_expansion_launches(K, space.max_k, space.max_tree_nodes))
+    yield "draft tree walk", lambda: _tree_walk_launches(space.max_k, space.max_tree_nodes)
     for m in _distinct(models, "vocab", "draft_vocab"):
         for B in space.batches:
             for k in range(space.max_k + 1):

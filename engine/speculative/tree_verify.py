@@ -25,6 +25,7 @@ import torch
 
 from engine.sample.sampler import (SamplingBatch, apply_logit_bias, apply_penalties, block_early_stops,
                                    processed_logits, race)
+from kernels.tree_walk import walk as walk_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,20 +91,9 @@ def walk(target: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor, num_
          depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """target [B, N+1] the target's token at each node; drafts, parents [B, N]; num_drafts [B] (nodes past it are
     not in the request's tree); depth: the tree's depth bound -> (path [B, depth+1] nodes from the root, repeating
-    the last past the accepted ones; num_accepted [B]). Siblings hold different tokens, so at most one matches."""
-    B, N = drafts.shape
-    valid = torch.arange(1, N + 1, device=drafts.device)[None, :] <= num_drafts[:, None]
-    cur = torch.zeros(B, dtype=torch.int64, device=drafts.device)
-    alive = torch.ones(B, dtype=torch.bool, device=drafts.device)
-    path = [cur]
-    for _ in range(depth):
-        want = target.gather(1, cur[:, None])
-        match = (parents == cur[:, None]) & (drafts == want) & valid  # [B, N]
-        alive = alive & match.any(1)
-        cur = torch.where(alive, match.to(torch.int8).argmax(1) + 1, cur)
-        path.append(cur)
-    path = torch.stack(path, 1)
-    return path, (path[:, 1:] != path[:, :-1]).sum(1)
+    the last past the accepted ones; num_accepted [B]). Siblings hold different tokens, so at most one matches.
+    One launch on a GPU (kernels/tree_walk.py)."""
+    return walk_path(target, drafts, parents, num_drafts, depth)
 
 
 def verify_tree(logits: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
