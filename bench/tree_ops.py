@@ -1,6 +1,6 @@
 """Kernels per decode step of chains and draft trees, and the tree expansion's share, counted on the CPU.
 
-    python -m bench.tree_ops [--shapes 1x3,1x8,4x3,8x4,4x8,2x8] [--budget 8] [--triton] [--name tree_ops_cpu]
+    python -m bench.tree_ops [--shapes 1x3,1x8,4x3,8x4,4x8,2x8] [--budget 8] [--triton] [--name NAME]
 
 On a GPU at batch 1 a 135M model's step is launch-bound: with CUDA graphs every kernel is a graph node whose
 launch and tail cost a few microseconds whatever its work, so a tree step that verifies as many rows as a chain
@@ -10,9 +10,10 @@ but launches more kernels is slower (bench/results/tree_vs_chain_cuda.md: trees 
 and calls that return one of their inputs unchanged (a `.to()` to the same dtype, `.contiguous()` of a contiguous
 tensor) are left out; Triton launches of kernels/ are counted too. By default each kernel dispatcher takes its torch
 reference on the CPU; `--triton` takes the Triton kernels (interpreted), as a GPU does, which is the count that
-stands for a GPU step (the fused expansion, kernels/tree_expand.py, is one launch per depth there). The count for the whole step and for the expansion (engine/speculative/tree.py `expand`,
-the trees' drafting past the head's first pass) is deterministic: a fact about the code, not the machine, which
-is why it can stand for a GPU measurement until one runs. Shapes are TOPKxDEPTH; topk 1 is the chain of DEPTH.
+stands for a GPU step (the fused tree kernels, kernels/tree_expand.py and tree_walk.py, are one launch each there).
+The count for the whole step and for the expansion (engine/speculative/tree.py `expand`, the trees' drafting past
+the head's first pass) is deterministic: a fact about the code, not the machine, which is why it can stand for a GPU
+measurement until one runs. Shapes are TOPKxDEPTH; topk 1 is the chain of DEPTH.
 Writes bench/results/{name}.{json,md}.
 """
 from __future__ import annotations
