@@ -55,6 +55,24 @@ class Depth(NamedTuple):
     tree_mask: torch.Tensor  # [B, K] int64
 
 
+def table_cells(log_probs: torch.Tensor, rank: torch.Tensor, sampled: torch.Tensor, masked: torch.Tensor, topk: int,
+                num_buckets: int) -> torch.Tensor:
+    """The acceptance table's cell of each candidate (engine/speculative/tree_score.py, the kernel's rule): log_probs
+    [B, ...], rank broadcastable to it (0: a parent's best), sampled [B] bool, masked bool broadcastable to it -> flat
+    cell indices; -1 for a forced candidate (probability 1) or a refused one (-inf): neither is estimated."""
+    bucket = (log_probs.exp() * num_buckets).long().clamp(0, num_buckets - 1)
+    cls = sampled.long().view(-1, *([1] * (log_probs.dim() - 1))) * 2 + masked.long()
+    cells = (cls * topk + rank) * num_buckets + bucket
+    return torch.where((log_probs == 0) | torch.isneginf(log_probs), -1, cells)
+
+
+def table_scores(log_probs: torch.Tensor, cells: torch.Tensor, log_rate: torch.Tensor) -> torch.Tensor:
+    """Each candidate's log estimated acceptance, looked up at its cell in log_rate; a candidate without a cell keeps
+    its log-probability (0 forced, -inf refused)."""
+    est = log_rate.gather(0, cells.clamp(min=0).flatten()).view_as(log_probs)
+    return torch.where(cells < 0, log_probs, est)
+
+
 def expand_depth_ref(log_probs: torch.Tensor, draft_ids: torch.Tensor, parent_score: torch.Tensor | None,
                      parent_candidate: torch.Tensor | None, masked: torch.Tensor, sampled: torch.Tensor,
                      log_rate: torch.Tensor | None, num_buckets: int, remap: torch.Tensor | None,
@@ -63,13 +81,9 @@ def expand_depth_ref(log_probs: torch.Tensor, draft_ids: torch.Tensor, parent_sc
     B, R, K = log_probs.shape
     dev = log_probs.device
     lp = log_probs.float()
-    special = (lp == 0) | torch.isneginf(lp)  # forced or refused: neither is estimated
     if log_rate is not None:
-        bucket = (lp.exp() * num_buckets).long().clamp(0, num_buckets - 1)
-        cls = sampled.long()[:, None, None] * 2 + masked.long()[:, :, None]
-        cells = (cls * K + torch.arange(K, device=dev)) * num_buckets + bucket
-        cells = torch.where(special, -1, cells)
-        score = torch.where(special, lp, log_rate.float()[cells.clamp(min=0)])
+        cells = table_cells(lp, torch.arange(K, device=dev), sampled, masked[:, :, None], K, num_buckets)
+        score = table_scores(lp, cells, log_rate.float())
     else:
         cells = torch.full_like(draft_ids, -1)
         score = lp

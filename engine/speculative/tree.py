@@ -142,12 +142,10 @@ TreeMask = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def _log_probs(logits: torch.Tensor, paths: torch.Tensor, mask: TreeMask | None,
-               unmasked: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               unmasked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (log-probabilities [R, V], masked [R] bool: the grammar removed tokens from the row); unmasked: all-False
-    flags of at least R rows, made once for every depth, for when there is no grammar."""
+    flags of at least R rows, made once for every depth, for when there is no grammar (mask None)."""
     if mask is None:
-        if unmasked is None:
-            unmasked = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
         return logits.log_softmax(-1), unmasked[: logits.shape[0]]
     mask(paths, logits)
     # A row its mask closes entirely (a path the grammar refused at its end) scores -inf, never NaN.
@@ -169,7 +167,6 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
     dev = state.device
     sampled = sampled if sampled is not None else torch.zeros(B, dtype=torch.bool, device=dev)
     log_rate = table.log_rates() if table is not None else None  # once per expansion, not per depth
-
     unmasked = torch.zeros(B * K, dtype=torch.bool, device=dev) if mask is None else None  # one for every depth
 
     def depth(logits, paths, d, frontier, offset):

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.tree_expand import table_cells, table_scores
+
 NUM_BUCKETS = 16
 PRIOR_TRIALS = 8.0
 MAX_TRIALS = 512.0
@@ -52,10 +54,7 @@ class AcceptanceTable:
         masked bool broadcastable to it (the candidate's row was masked by a grammar) -> the flat cell index of each
         candidate; -1 for a forced one (probability 1) or one the grammar refused (-inf): neither is estimated,
         and a forced token's certain acceptance must not inflate the top bucket."""
-        bucket = (log_probs.exp() * NUM_BUCKETS).long().clamp(0, NUM_BUCKETS - 1)
-        cls = sampled.long().view(-1, *([1] * (log_probs.dim() - 1))) * 2 + masked.long()
-        cells = (cls * self.topk + rank) * NUM_BUCKETS + bucket
-        return torch.where((log_probs == 0) | torch.isneginf(log_probs), -1, cells)
+        return table_cells(log_probs, rank, sampled, masked, self.topk, NUM_BUCKETS)
 
     def log_rates(self) -> torch.Tensor:
         """[CLASSES * topk * NUM_BUCKETS] the log of each cell's estimate, flat by cell index: what an expansion
@@ -65,8 +64,7 @@ class AcceptanceTable:
     def score(self, log_probs: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
         """The log of each candidate's estimated acceptance rate: -inf stays -inf (the grammar refused it or the
         row is closed), probability 1 stays 0 (a forced token)."""
-        est = self.log_rates().gather(0, cells.clamp(min=0).flatten()).view_as(log_probs)
-        return torch.where(cells < 0, log_probs, est)
+        return table_scores(log_probs, cells, self.log_rates())
 
     def observe(self, cells: torch.Tensor, reached: torch.Tensor, accepted: torch.Tensor) -> None:
         """One verification's outcome: cells [...] int64 (-1: not scored, e.g. a tree received by hand-over),

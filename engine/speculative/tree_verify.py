@@ -25,7 +25,7 @@ import torch
 
 from engine.sample.sampler import (SamplingBatch, apply_logit_bias, apply_penalties, block_early_stops,
                                    processed_logits, race)
-from kernels.tree_walk import walk as walk_path
+from kernels.tree_walk import walk  # the path down a verified tree: one launch on a GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,15 +85,6 @@ def target_tokens(logits: torch.Tensor, pb: SamplingBatch, all_greedy: bool,
         return greedy
     drawn = race(processed_logits(flat, pb).softmax(-1), pb.seeds, pb.positions)
     return torch.where(pb.temperature > 0, drawn, greedy)
-
-
-def walk(target: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor, num_drafts: torch.Tensor,
-         depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """target [B, N+1] the target's token at each node; drafts, parents [B, N]; num_drafts [B] (nodes past it are
-    not in the request's tree); depth: the tree's depth bound -> (path [B, depth+1] nodes from the root, repeating
-    the last past the accepted ones; num_accepted [B]). Siblings hold different tokens, so at most one matches.
-    One launch on a GPU (kernels/tree_walk.py)."""
-    return walk_path(target, drafts, parents, num_drafts, depth)
 
 
 def verify_tree(logits: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
