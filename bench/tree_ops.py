@@ -9,7 +9,8 @@ but launches more kernels is slower (bench/results/tree_vs_chain_cuda.md: trees 
 (SmolLM2-135M-Instruct and its MTP head, batch 1, greedy, unguided) that would launch a kernel: views, allocations
 and calls that return one of their inputs unchanged (a `.to()` to the same dtype, `.contiguous()` of a contiguous
 tensor) are left out; Triton launches of kernels/ are counted too. By default each kernel dispatcher takes its torch
-reference on the CPU; `--triton` takes the Triton kernels (interpreted), as a GPU does, which is the count that
+reference on the CPU; `--triton` takes the Triton kernels (interpreted) and F.linear at every row count, as a GPU
+does (the CPU's 2-8 row matmuls add a transposing copy, engine/layers/linear.py), which is the count that
 stands for a GPU step (the fused tree kernels, kernels/tree_expand.py and tree_walk.py, are one launch each there).
 The count for the whole step and for the expansion (engine/speculative/tree.py `expand`, the trees' drafting past
 the head's first pass) is deterministic: a fact about the code, not the machine, which is why it can stand for a GPU
@@ -163,6 +164,10 @@ def main(argv=None) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["TANDEM_TRITON_ON_CPU"] = "1"
     torch.set_num_threads(1)
+    if args.triton:  # 2-8 row matmuls take a transposed form with a copy on a CPU only (engine/layers/linear.py)
+        import engine.layers.linear as linear_mod
+
+        linear_mod.ROW_MAJOR_ROWS = range(0)
     paths = resolve("smollm2-135m-instruct")
     prompt = "Explain how a hash map handles collisions, with an example."
     rows = []

@@ -28,7 +28,11 @@ from kernels.bitmask import apply_token_bitmask_triton
 from kernels.kv_transfer import pack_kv_triton, unpack_kv_triton
 from kernels.mla_attention import mla_attention_triton, store_latent_triton
 from kernels.norm_rope import apply_rope_triton, rms_norm_triton
+from kernels.draft_layout import draft_layout_triton
+from kernels.tree_accept import accept_path_triton
 from kernels.tree_expand import choose_triton, expand_depth_triton
+from kernels.tree_outcome import observe_triton, outcome_triton
+from kernels.tree_rows import tree_rows_triton
 from kernels.tree_walk import walk_triton
 from kernels.verify import verify_greedy_triton
 
@@ -215,6 +219,41 @@ def _tree_walk_launches(max_depth: int, max_nodes: int) -> None:
                     _meta(3, dtype=torch.int64), max_depth)
 
 
+def _draft_layout_launches(max_topk: int) -> None:
+    """The rows of a step's draft passes (kernels/draft_layout.py): a chain's (width 1) and every tree width; the
+    pass count, batch and table width reach no constexpr."""
+    i64 = torch.int64
+    for width in range(1, max_topk + 1):
+        draft_layout_triton(_meta(3, 8, dtype=torch.int32), _meta(3, dtype=i64), _meta(3, dtype=i64), 16, 2, width)
+
+
+def _tree_step_launches(max_depth: int, max_topk: int, max_nodes: int) -> None:
+    """A tree step's verification rows (kernels/tree_rows.py) and its nodes' outcomes (tree_outcome.py) at every
+    node-count block and depth, and the acceptance table's update at every width."""
+    i64 = torch.int64
+    for n in sorted({2, 4, 8, 16, 32, max_nodes}):
+        tree_rows_triton(_meta(3, n + 1, dtype=i64), _meta(3, dtype=i64), _meta(3, dtype=i64), _meta(9, n, dtype=i64),
+                         _meta(9, n + 1, dtype=i64), _meta(9, n + 1, dtype=i64), _meta(9, n, dtype=i64),
+                         _meta(40, dtype=i64), _meta(3, dtype=torch.int32))
+        for k in range(1, max_depth + 1):
+            outcome_triton(_meta(3, k + 1, dtype=i64), _meta(3, n, dtype=i64), _meta(3, dtype=i64))
+    for topk in range(2, max_topk + 1):
+        cells = 4 * topk * 16  # engine/speculative/tree_score.py: CLASSES x topk x NUM_BUCKETS
+        observe_triton(_meta(cells), _meta(cells), _meta(cells), _meta(3, 8, dtype=i64), _meta(3, 8, dtype=torch.bool),
+                       _meta(3, 8, dtype=torch.bool), 512.0)
+
+
+def _tree_compact_launches(dtype: torch.dtype, max_depth: int) -> None:
+    """The accepted path's compaction (kernels/tree_accept.py) at every depth, for a KV cache of `dtype` (moved as
+    integers of its width: the model's layers, heads and dims reach no constexpr)."""
+    i64 = torch.int64
+    kv_cache = _meta(2, 2, 64, 16, 3, 64, dtype=dtype)
+    for k in range(1, max_depth + 1):
+        accept_path_triton(kv_cache, _meta(20, dtype=i64), _meta(3, 6, dtype=i64), _meta(3, k + 1, dtype=i64),
+                           _meta(3, dtype=i64), _meta(20, dtype=i64), _meta(3, k + 1, dtype=i64),
+                           _meta(3, dtype=torch.bool))
+
+
 def _handover_launches(m: ModelShape, dtype: torch.dtype, page: int) -> None:
     """KV hand-over: whole caches, and head slices for a tp=2 receiver."""
     kv_cache = _meta(2, 2, 64, page, m.num_kv_heads, m.head_dim, dtype=dtype)
@@ -295,6 +334,11 @@ def scenarios(models: list[ModelShape], space: EngineSpace) -> Iterator[tuple[st
         yield (f"draft tree expansion topk={topk}",
                lambda K=topk: _tree_expansion_launches(K, space.max_k, space.max_tree_nodes))
     yield "draft tree walk", lambda: _tree_walk_launches(space.max_k, space.max_tree_nodes)
+    yield "draft pass layout", lambda: _draft_layout_launches(space.max_topk)
+    yield "draft tree rows and outcomes", lambda: _tree_step_launches(space.max_k, space.max_topk, space.max_tree_nodes)
+    for dtype in space.dtypes:
+        yield (f"draft tree compaction {str(dtype).removeprefix('torch.')}",
+               lambda d=dtype: _tree_compact_launches(d, space.max_k))
     for m in _distinct(models, "vocab", "draft_vocab"):
         for B in space.batches:
             for k in range(space.max_k + 1):

@@ -151,6 +151,11 @@ def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
 VERIFY_ROWS_BUDGET = 256 << 20
 
 
+# Row counts of x that take W @ x^T on the CPU (see `linear`); bench/tree_ops.py empties it to count a step's
+# kernels as a GPU runs it, where F.linear is the one form.
+ROW_MAJOR_ROWS = range(2, 9)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            rows: torch.Tensor | None = None, packed=None) -> torch.Tensor:
     """F.linear, except for 2-8 rows of x on CPU (a speculative step's verification rows at batch 1-2)
@@ -171,7 +176,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = packed(x)
         if y is not None:
             return y
-    if 2 <= x.shape[0] <= 8 and x.dim() == 2 and x.device.type == "cpu":
+    if x.shape[0] in ROW_MAJOR_ROWS and x.dim() == 2 and x.device.type == "cpu":
         w = weight if weight.is_contiguous() else rows
         if w is not None:
             y = torch.mm(w, x.t()).t().contiguous()

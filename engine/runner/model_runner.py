@@ -195,8 +195,8 @@ class ModelRunner:
     @property
     def scratch_blocks(self) -> int:
         """Blocks the cache holds past the pool's: with draft trees one, where a padded step's padding rows move KV
-        (tree_step.compact), so that they touch no block a request holds, not even one a hand-over is being written
-        into meanwhile; none for chains, whose padding rows write nothing."""
+        (kernels/tree_accept.py's reference; its kernel skips them), so that they touch no block a request holds,
+        not even one a hand-over is being written into meanwhile; none for chains, whose padding rows write nothing."""
         return 1 if self.drafter.tree else 0
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.sample.sampler import SamplingBatch, processed_logits, race
 from kernels._dispatch import use_triton
 from kernels.attention import cpu_kernel_serves, plan_chain
+from kernels.draft_layout import draft_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +50,9 @@ def chain_metadata(base: AttentionMetadata, kv_cache: torch.Tensor, first: torch
     if passes == 0:
         return []
     tables = base.block_tables  # [B, M] int32
-    B, M = tables.shape
-    block_size = kv_cache.shape[3]
-    pos = first[None, :] + torch.arange(passes, device=first.device)[:, None]  # [P, B]
-    idx = (pos // block_size).clamp(max=M - 1).t().to(torch.int64)  # [B, P]
-    slot = tables.gather(1, idx).t().to(torch.int64) * block_size + pos % block_size
-    slot_mapping = torch.where(pos < slot_limit, slot, -1)  # [P, B]: writes at or past slot_limit are dropped
-    seq_lens = (pos + 1).to(torch.int32)  # [P, B]
-    query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=first.device)
+    B, block_size = tables.shape[0], kv_cache.shape[3]
+    # [P, B] each: pass p's row of request b at position first + p (one launch on a GPU)
+    slot_mapping, seq_lens, _, query_start_loc = draft_layout(tables, first, slot_limit, block_size, passes, 1)
     if use_triton(kv_cache) or cpu_kernel_serves(kv_cache):  # kernels that read the tensors alone
         plans = [{} for _ in range(passes)]
     else:  # the reference path's plans, under the keys AttentionMetadata looks them up by

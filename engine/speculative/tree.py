@@ -42,6 +42,7 @@ import torch
 
 from engine.layers.attention import AttentionMetadata, attention_context
 from engine.speculative.tree_score import NUM_BUCKETS, AcceptanceTable
+from kernels.draft_layout import draft_layout
 from kernels.tree_expand import choose as choose_nodes
 from kernels.tree_expand import expand_depth
 
@@ -65,7 +66,8 @@ class DraftTree:
 
 class TreeSlots:
     """The tree each request carries into its next step, by draft-state slot (as the draft distributions of a
-    chain are kept): its tokens travel through the host as the request's drafts, its shape stays here."""
+    chain are kept): its tokens travel through the host as the request's drafts, its shape stays here, read back with
+    the step's rows (kernels/tree_rows.py)."""
 
     def __init__(self, num_slots: int, num_nodes: int, device: torch.device):
         self.num_nodes = num_nodes
@@ -79,10 +81,6 @@ class TreeSlots:
         self.depth.index_copy_(0, slots, tree.depth)
         self.ancestors.index_copy_(0, slots, tree.ancestors)
         self.cells.index_copy_(0, slots, tree.cells if tree.cells is not None else torch.full_like(tree.parents, -1))
-
-    def read(self, slots: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
-        """The trees at `slots` with their tokens [B, N] (the batch's drafts)."""
-        return DraftTree(tokens, self.parents[slots], self.depth[slots], self.ancestors[slots], self.cells[slots])
 
     def grow(self, num_slots: int) -> None:
         for name in ("parents", "depth", "ancestors", "cells"):
@@ -105,27 +103,18 @@ class TreeShape:
 
 
 class FrontierLayout:
-    """Where the frontier rows of every depth live, computed once per expansion for every depth (each op here is a
-    node of the captured step's graph, which its launch pays for; per depth a pass only takes its slice): request b's
-    depth-d lane g at KV position start + 1 + (d-1) * topk + g. Row i of that span is bit i of a row's lineage; the
+    """Where the frontier rows of every depth live, computed once per expansion for every depth, in one launch on a GPU
+    (kernels/draft_layout.py; per depth a pass only takes its slice): request b's depth-d lane g at KV position
+    start + 1 + (d-1) * topk + g. Row i of that span is bit i of a row's lineage; the
     expansion's kernel (kernels/tree_expand.py) sets each new row's own bit and its tree mask."""
 
     def __init__(self, base: AttentionMetadata, kv_cache: torch.Tensor, start: torch.Tensor, depth: int, topk: int,
                  slot_limit: torch.Tensor, max_seq_len: int):
         tables = base.block_tables  # [B, M] int32
-        B, M = tables.shape
-        block_size = kv_cache.shape[3]
-        dev = start.device
-        passes = torch.arange(1, depth, device=dev)  # the head's passes over depths 1 .. depth - 1
-        # [depth - 1, B, topk]: pass d's rows, request-major as the head sees them
-        pos = start[None, :, None] + 1 + ((passes - 1) * topk)[:, None, None] + torch.arange(topk, device=dev)
-        slot = tables[None].expand(depth - 1, B, M).gather(2, (pos // block_size).clamp(max=M - 1)).to(torch.int64)
-        self.slots = torch.where(pos < slot_limit[None, :, None], slot * block_size + pos % block_size, -1)
-        self.slots = self.slots.view(depth - 1, B * topk)
-        self.seq_lens = (start[None, :] + 1 + passes[:, None] * topk).to(torch.int32)  # [depth - 1, B]
-        self.positions = start.repeat_interleave(topk)[None, :] + passes[:, None]  # [depth - 1, B * topk]
+        # pass d (1 .. depth - 1) is the layout's pass d - 1: its topk rows from start + 1 + (d - 1) * topk
+        self.slots, self.seq_lens, self.positions, self.query_start_loc = draft_layout(
+            tables, start + 1, slot_limit, kv_cache.shape[3], depth - 1, topk)
         self.tables, self.kv_cache, self.topk, self.max_seq_len = tables, kv_cache, topk, max_seq_len
-        self.query_start_loc = torch.arange(0, (B + 1) * topk, topk, dtype=torch.int32, device=dev)
 
     def metadata(self, d: int, tree_mask: torch.Tensor) -> AttentionMetadata:
         """The head's pass over the depth-d frontier; tree_mask [B, topk] int64: each row's window of the frontier
@@ -166,7 +155,7 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
     B, H = state.shape
     dev = state.device
     sampled = sampled if sampled is not None else torch.zeros(B, dtype=torch.bool, device=dev)
-    log_rate = table.log_rates() if table is not None else None  # once per expansion, not per depth
+    log_rate = table.log_rates() if table is not None else None  # kept current by the table itself
     unmasked = torch.zeros(B * K, dtype=torch.bool, device=dev) if mask is None else None  # one for every depth
 
     def depth(logits, paths, d, frontier, offset):

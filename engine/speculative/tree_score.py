@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from kernels.tree_expand import table_cells, table_scores
+from kernels.tree_outcome import log_rates_ref, observe
 
 NUM_BUCKETS = 16
 PRIOR_TRIALS = 8.0
@@ -46,6 +47,7 @@ class AcceptanceTable:
         centre = (torch.arange(NUM_BUCKETS, dtype=torch.float32, device=device) + 0.5) / NUM_BUCKETS
         self.trials = torch.full((CLASSES, topk, NUM_BUCKETS), PRIOR_TRIALS, device=device)
         self.hits = (centre * PRIOR_TRIALS).expand(CLASSES, topk, NUM_BUCKETS).contiguous()
+        self.log_rate = log_rates_ref(self.trials.view(-1), self.hits.view(-1))
         self.topk = topk
 
     def cells(self, log_probs: torch.Tensor, rank: torch.Tensor, sampled: torch.Tensor,
@@ -56,10 +58,16 @@ class AcceptanceTable:
         and a forced token's certain acceptance must not inflate the top bucket."""
         return table_cells(log_probs, rank, sampled, masked, self.topk, NUM_BUCKETS)
 
+    def load(self, trials: torch.Tensor, hits: torch.Tensor) -> None:
+        """Set the counts [CLASSES, topk, NUM_BUCKETS] (a table learned elsewhere), its log-estimates with them."""
+        self.trials.copy_(trials)
+        self.hits.copy_(hits)
+        self.log_rate.copy_(log_rates_ref(self.trials.view(-1), self.hits.view(-1)))
+
     def log_rates(self) -> torch.Tensor:
         """[CLASSES * topk * NUM_BUCKETS] the log of each cell's estimate, flat by cell index: what an expansion
-        looks its candidates up in (kernels/tree_expand.py), computed once per expansion."""
-        return (self.hits / self.trials).flatten().clamp(min=1e-6).log()
+        looks its candidates up in (kernels/tree_expand.py), kept current by `observe` (no op of its own)."""
+        return self.log_rate
 
     def score(self, log_probs: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
         """The log of each candidate's estimated acceptance rate: -inf stays -inf (the grammar refused it or the
@@ -68,27 +76,11 @@ class AcceptanceTable:
 
     def observe(self, cells: torch.Tensor, reached: torch.Tensor, accepted: torch.Tensor) -> None:
         """One verification's outcome: cells [...] int64 (-1: not scored, e.g. a tree received by hand-over),
-        reached [...] bool (its parent was accepted), accepted [...] bool."""
-        ok = reached & (cells >= 0)
-        idx = cells.clamp(min=0).flatten()
-        flat_t, flat_h = self.trials.view(-1), self.hits.view(-1)
-        flat_t.index_add_(0, idx, ok.flatten().float())
-        flat_h.index_add_(0, idx, (ok & accepted).flatten().float())
-        scale = (MAX_TRIALS / self.trials).clamp(max=1.0)
-        self.trials.mul_(scale)
-        self.hits.mul_(scale)
+        reached [...] bool (its parent was accepted), accepted [...] bool. One launch on a GPU
+        (kernels/tree_outcome.py)."""
+        observe(self.trials.view(-1), self.hits.view(-1), self.log_rate, cells, reached, accepted, MAX_TRIALS)
 
     def rates(self) -> torch.Tensor:
         """[CLASSES, topk, NUM_BUCKETS] the current estimates (for benchmarks and tests); class 2 * sampled +
         masked."""
         return self.hits / self.trials
-
-
-def outcome(path: torch.Tensor, parents: torch.Tensor, num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A tree's verification -> (reached [B, N], accepted [B, N]) of its nodes 1..N: path [B, k+1] the accepted
-    nodes from the root, repeating the last past them (tree_verify.walk), parents [B, N], num_drafts [B] nodes
-    each request really had (past them nothing was verified)."""
-    B, N = parents.shape
-    on_path = torch.zeros((B, N + 1), dtype=torch.bool, device=path.device).scatter_(1, path, True)
-    real = torch.arange(N, device=path.device)[None, :] < num_drafts[:, None]
-    return on_path.gather(1, parents) & real, on_path[:, 1:] & real

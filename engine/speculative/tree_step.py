@@ -36,43 +36,20 @@ from engine.masking.masker import LogitsMasker
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.batch import StepBatch
 from engine.speculative.proposer import ProposeInputs
-from engine.speculative.tree import TreeShape, TreeSlots, head_tree
-from engine.speculative.tree_score import outcome
+from engine.speculative.tree import DraftTree, TreeShape, TreeSlots, head_tree
 from engine.speculative.tree_verify import verify_tree
 from kernels.bitmask import apply_token_bitmask
-from kernels.tree_mask import window_bits
+from kernels.tree_accept import accept_path
+from kernels.tree_outcome import outcome
+from kernels.tree_rows import tree_rows
 
 
 def tree_layout(batch: StepBatch, slots: TreeSlots):
-    """-> (the trees at the batch's slots, positions [T] with each node at start + depth, tree masks [T])."""
-    vr = batch.verify_rows  # [B, N+1]
-    B, n1 = vr.shape
-    tree = slots.read(batch.slots, batch.drafts)
-    # Column j of a request with fewer nodes repeats its last row: clip so that repeats write equal values.
-    col = torch.minimum(torch.arange(n1, device=vr.device)[None, :], batch.num_drafts[:, None])
-    depth = tree.depth.gather(1, col)
-    root = batch.positions.index_select(0, vr[:, 0])
-    positions = batch.positions.scatter(0, vr.reshape(-1), (root[:, None] + depth).reshape(-1))
-    # The nodes' ancestor bits are over positions root.. root + num_drafts; the mask's window ends at the request's
-    # KV length, which a graph's padded layout (N + 1 rows per request, also past its nodes) puts further out.
-    span = batch.attn.seq_lens.to(torch.int64) - root
-    bits = window_bits(tree.ancestors.gather(1, col), span[:, None])
-    bits = torch.where(col == 0, -1, bits)  # the root (and prompt rows): plain causal
-    mask = torch.full_like(batch.positions, -1).scatter(0, vr.reshape(-1), bits.reshape(-1))
-    return tree, positions, mask
-
-
-def compact(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, vr: torch.Tensor, path: torch.Tensor,
-            accepted: torch.Tensor) -> None:
-    """Move the KV of the accepted path's nodes (every layer) to the positions after the root, in place:
-    column c <= accepted takes node path[c]'s slot. Columns past the accepted repeat the last one's copy,
-    so duplicate destinations always receive equal values."""
-    c = torch.minimum(torch.arange(path.shape[1], device=path.device)[None, :], accepted[:, None])
-    src = slot_mapping.index_select(0, vr.gather(1, path.gather(1, c)).reshape(-1))
-    dst = slot_mapping.index_select(0, vr.gather(1, c).reshape(-1))
-    L, P = kv_cache.shape[:2]
-    flat = kv_cache.view(L, P, -1, *kv_cache.shape[4:])
-    flat.index_copy_(2, dst, flat.index_select(2, src))
+    """-> (the trees at the batch's slots, positions [T] with each node at start + depth, tree masks [T]): one launch
+    on a GPU (kernels/tree_rows.py)."""
+    rows = tree_rows(batch.verify_rows, batch.num_drafts, batch.slots, slots.parents, slots.depth, slots.ancestors,
+                     slots.cells, batch.positions, batch.attn.seq_lens)
+    return DraftTree(batch.drafts, rows.parents, rows.depth, rows.ancestors, rows.cells), rows.positions, rows.masks
 
 
 def verify_mask(masker: LogitsMasker, batch: StepBatch, parents: torch.Tensor):
@@ -102,14 +79,6 @@ def expansion_mask(masker: LogitsMasker, batch: StepBatch, emitted: torch.Tensor
         apply_token_bitmask(logits, bitmask.view(B * L, words), flags.view(-1), d2t=d2t)
 
     return mask
-
-
-def padding_to_scratch(slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-    """slot_mapping [T] for `compact`, where a graph's padding requests (KV slot -1: they write nothing) take the
-    first slot of the cache's last block instead: the scratch block no request holds (ModelRunner.scratch_blocks),
-    so their copies of it onto itself touch no request's KV, not even one a hand-over is writing meanwhile."""
-    scratch = (kv_cache.shape[2] - 1) * kv_cache.shape[3]
-    return torch.where(slot_mapping < 0, scratch, slot_mapping)
 
 
 # share(cells, reached, accepted) of this rank's [B, N] -> the group's [G, N] (rows of no node: cell -1, unreached)
@@ -157,22 +126,14 @@ def tree_model_step(target: LlamaForCausalLM, proposer, batch: StepBatch, masker
     if proposer.tree_table is not None:  # what this verification says about the scores the tree was chosen by
         seen = (tree.cells, *outcome(v.path, tree.parents, batch.num_drafts))
         proposer.tree_table.observe(*(share(*seen) if share is not None else seen))
-    compact(batch.attn.kv_cache, padding_to_scratch(batch.attn.slot_mapping, batch.attn.kv_cache), vr, v.path, a)
-
-    # The rows as the chain of the accepted path: row of column c <- row of node path[c] (c <= a).
-    c = torch.minimum(torch.arange(shape.depth + 1, device=vr.device)[None, :], a[:, None])
-    dst_rows = vr.gather(1, c).reshape(-1)
-    perm = torch.arange(batch.positions.shape[0], device=vr.device).scatter(
-        0, dst_rows, vr.gather(1, v.path.gather(1, c)).reshape(-1))
-    after = batch.next_tokens.index_select(0, dst_rows).view(B, -1)
-    emitted = torch.where(batch.samples[:, None], v.tokens.gather(1, c), after)
-    next_tokens = batch.next_tokens.scatter(0, dst_rows, emitted.reshape(-1))
-    out_rows = vr.gather(1, a[:, None])[:, 0]
+    # the accepted path made a chain: its KV moved after the root, row c <- node path[c]'s row (kernels/tree_accept.py)
+    acc = accept_path(batch.attn.kv_cache, batch.attn.slot_mapping, vr, v.path, a, batch.next_tokens, v.tokens,
+                      batch.samples)
     hidden = proposer.first_hidden(final, captured)
-    hidden = hidden.index_select(0, perm) if hidden is not None else None
+    hidden = hidden.index_select(0, acc.perm) if hidden is not None else None
     tree_next = head_tree(proposer, ProposeInputs(
-        hidden=hidden, input_ids=batch.input_ids.index_select(0, perm), next_tokens=next_tokens,
-        positions=batch.positions, attn=batch.attn, out_rows=out_rows, slot_limit=batch.slot_limit,
+        hidden=hidden, input_ids=batch.input_ids.index_select(0, acc.perm), next_tokens=acc.next_tokens,
+        positions=batch.positions, attn=batch.attn, out_rows=acc.out_rows, slot_limit=batch.slot_limit,
         max_seq_len=batch.chain_max_seq_len, chain=batch.propose, sampling=batch.sampling), shape,
         expansion_mask(masker, batch, v.tokens, a, proposer.d2t) if masker is not None and draft_masks else None)
     drafts = forced = None

@@ -59,7 +59,7 @@ def test_reference_is_the_table_the_cumulative_score_and_a_stable_top_k():
     B, R, K = 2, 4, 4
     args = _case(B, R, K, 2, True, True, seed=3)
     table = AcceptanceTable(K, torch.device("cpu"))
-    table.hits = table.trials * torch.rand(table.trials.shape, generator=torch.Generator().manual_seed(1))
+    table.load(table.trials, table.trials * torch.rand(table.trials.shape, generator=torch.Generator().manual_seed(1)))
     args["log_rate"] = table.rates().flatten().clamp(min=1e-6).log()
     out = expand_depth(**args)
     lp, masked = args["log_probs"], args["masked"]

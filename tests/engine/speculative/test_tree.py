@@ -7,7 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams, SpecConfig
 from engine.speculative.tree import choose
-from engine.speculative.tree_step import compact
+from kernels.tree_accept import accept_path_ref, accept_path_triton
 from engine.speculative.tree_verify import walk
 
 from tests.support.spec import greedy_params
@@ -69,14 +69,17 @@ def test_walk_takes_the_matching_child_at_each_depth():
     assert accepted.tolist() == [2, 1, 0]
 
 
-def test_compact_moves_the_path_into_place():
-    """Every layer's KV of the accepted nodes lands at positions 1.. after the root; other slots keep theirs."""
+@pytest.mark.parametrize("accept_path", [accept_path_ref, accept_path_triton])
+def test_compact_moves_the_path_into_place(accept_path):
+    """Every layer's KV of the accepted nodes lands at positions 1.. after the root; other slots keep theirs (the
+    reference and the kernel, interpreted)."""
     cache = torch.arange(2 * 2 * 4 * 4, dtype=torch.float32).view(2, 2, 4, 4, 1, 1)  # [L, planes, blocks, 4, 1, 1]
     slot_mapping = torch.tensor([5, 6, 7, 8, 9, 12, 13, 14])  # request 0: 5 rows; request 1: 3 rows
     vr = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 7, 7]])
     path = torch.tensor([[0, 2, 4], [0, 0, 0]])
     before = cache.clone()
-    compact(cache, slot_mapping, vr, path, torch.tensor([2, 0]))
+    accept_path(cache, slot_mapping, vr, path, torch.tensor([2, 0]), torch.zeros(8, dtype=torch.int64),
+                torch.zeros((2, 3), dtype=torch.int64), torch.tensor([False, True]))
     flat, old = cache.view(2, 2, 16), before.view(2, 2, 16)
     assert torch.equal(flat[..., 6], old[..., 7]) and torch.equal(flat[..., 7], old[..., 9])
     keep = [s for s in range(16) if s not in (6, 7)]

@@ -165,7 +165,7 @@ def test_padding_rows_move_kv_only_inside_the_scratch_block(zoo):
     not even one a hand-over is being written into on another thread meanwhile."""
     import torch
 
-    from engine.speculative.tree_step import padding_to_scratch, compact
+    from kernels.tree_accept import _to_scratch, accept_path_ref, accept_path_triton
 
     tree = LLM(str(zoo / "target"), num_kv_blocks=64, block_size=16, speculative=_tree(zoo)).engine
     chain = LLM(str(zoo / "target"), num_kv_blocks=64, block_size=16,
@@ -174,8 +174,10 @@ def test_padding_rows_move_kv_only_inside_the_scratch_block(zoo):
     assert chain.kv_cache.shape[2] == chain.stats()["kv_blocks_total"] == 64
     cache = torch.randn(2, 2, 5, 4, 1, 3)  # [L, planes, 4 pool blocks + the scratch one, block size 4, heads, D]
     pool = cache[:, :, :4].clone()
-    slots = padding_to_scratch(torch.full((6,), -1), cache)  # two padding requests of 3 rows
-    assert slots.tolist() == [16] * 6  # the scratch block's first slot
-    compact(cache, slots, torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([[0, 0, 0], [0, 0, 0]]),
-            torch.tensor([0, 0]))
-    assert torch.equal(cache[:, :, :4], pool)
+    assert _to_scratch(torch.full((6,), -1), cache).tolist() == [16] * 6  # the scratch block's first slot
+    # two padding requests of 3 rows; the reference moves within the scratch block, the kernel (interpreted) skips them
+    for accept_path in (accept_path_ref, accept_path_triton):
+        accept_path(cache, torch.full((6,), -1), torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([[0, 2, 2]] * 2),
+                    torch.tensor([1, 1]), torch.zeros(6, dtype=torch.int64), torch.zeros((2, 3), dtype=torch.int64),
+                    torch.tensor([False, False]))
+        assert torch.equal(cache[:, :, :4], pool)

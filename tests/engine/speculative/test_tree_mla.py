@@ -12,7 +12,7 @@ import torch
 from engine import LLM, SamplingParams, SpecConfig, StructuredOutput
 from engine.layers.attention import AttentionMetadata, attention_context
 from engine.layers.latent_attention import LatentPagedAttention
-from engine.speculative.tree_step import compact
+from kernels.tree_accept import accept_path_ref, accept_path_triton
 from kernels.mla_attention import mla_attention_ref
 
 from tests.support.paged_batches import latent_batch as make_batch
@@ -92,15 +92,17 @@ def test_latent_attention_takes_the_tree_mask(monkeypatch, triton):
     assert not torch.allclose(got, mla_attention_ref(**batch, **kw), atol=1e-3)
 
 
-def test_compact_moves_latent_rows():
+@pytest.mark.parametrize("accept_path", [accept_path_ref, accept_path_triton])
+def test_accepted_path_moves_latent_rows(accept_path):
     """The latent cache [L, 1, N, S, 1, kv_lora_rank + rope]: the accepted nodes' whole rows (every layer) land at
-    the positions after the root; other slots keep theirs."""
+    the positions after the root; other slots keep theirs (the reference and the kernel, interpreted)."""
     cache = torch.arange(3 * 4 * 4 * 6, dtype=torch.float32).view(3, 1, 4, 4, 1, 6)
     slot_mapping = torch.tensor([2, 3, 4, 5, 9, 10, 11])  # request 0: root and 3 nodes; request 1: root and 2
     vr = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 6]])
     path = torch.tensor([[0, 3, 3], [0, 2, 2]])  # request 0 accepts node 3 only, request 1 node 2 only
     before = cache.clone()
-    compact(cache, slot_mapping, vr, path, torch.tensor([1, 1]))
+    accept_path(cache, slot_mapping, vr, path, torch.tensor([1, 1]), torch.zeros(7, dtype=torch.int64),
+                torch.zeros((2, 3), dtype=torch.int64), torch.tensor([False, False]))
     flat, old = cache.view(3, 16, 6), before.view(3, 16, 6)
     assert torch.equal(flat[:, 3], old[:, 5]) and torch.equal(flat[:, 10], old[:, 11])
     keep = [s for s in range(16) if s not in (3, 10)]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, SpecConfig, StructuredOutput
-from engine.speculative.tree_score import MAX_TRIALS, NUM_BUCKETS, PRIOR_TRIALS, AcceptanceTable, outcome
+from engine.speculative.tree_score import MAX_TRIALS, NUM_BUCKETS, PRIOR_TRIALS, AcceptanceTable
+from kernels.tree_outcome import outcome
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,7 +1,9 @@
 """Draft trees through the kernels' Triton paths (interpreted on this CPU, as a GPU runs them): the fused expansion
-(kernels/tree_expand.py), tree-masked attention and the rest, in a whole engine. The engine's CPU path takes the
-torch references, so only this test runs the expansion's kernels inside a step before a GPU does: each of their
-launches is checked against its reference on the same in-engine inputs (real widths, grammar masks, the EAGLE-3
+(kernels/tree_expand.py), the draft passes' layout (draft_layout.py), the verification rows (tree_rows.py), the
+acceptance table's update (tree_outcome.py), the accepted path's compaction (tree_accept.py), tree-masked attention
+and the rest, in a whole engine. The engine's CPU path takes the torch references, so only this test runs those
+kernels inside a step before a GPU does: each of their launches is checked against its reference on the same
+in-engine inputs (real widths, grammar masks, the EAGLE-3
 head's draft-to-target map), and outputs equal no speculation's, unguided and guided."""
 import json
 import os
@@ -25,23 +27,36 @@ schema = heldout_cases()[1]["schema"]
 prompts = ['{"name": "', "JSON:"]
 params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=10, temperature=0, structured_output=StructuredOutput(json_schema=schema))]
-# every launch of the fused expansion also runs its torch reference on the same inputs: they must agree
-import kernels.tree_expand as te
-checks = {"expand": 0, "choose": 0, "mismatch": []}
-def checked(name, kernel, reference):
+# every launch of the trees' fused kernels also runs its torch reference on the same inputs (copies of those it
+# changes in place): they must agree
+import kernels.draft_layout as dl, kernels.tree_accept as ta, kernels.tree_expand as te, kernels.tree_outcome as to
+import kernels.tree_rows as tr
+names = ("expand", "choose", "draft_layout", "tree_rows", "outcome", "observe", "accept_path")
+checks = dict({n: 0 for n in names}, mismatch=[])
+def same(a, b):
+    return torch.allclose(a, b, atol=1e-6) if a.is_floating_point() else torch.equal(a, b)
+def checked(name, kernel, reference, mutated=()):
     def run(*args):
-        got, want = kernel(*args), reference(*args)
+        ref_args = [a.clone() if i in mutated else a for i, a in enumerate(args)]
+        got, want = kernel(*args), reference(*ref_args)
         checks[name] += 1
-        for field, a, b in zip(want._fields, want, got):
-            if a is not None and not (torch.allclose(a, b, atol=1e-6) if a.is_floating_point() else torch.equal(a, b)):
-                checks["mismatch"].append(name + "." + field)
+        fields = getattr(want, "_fields", None) or [str(i) for i in range(len(want or ()))]
+        pairs = list(zip(fields, want or (), got or ())) + [("arg%d" % i, ref_args[i], args[i]) for i in mutated]
+        checks["mismatch"] += [name + "." + f for f, a, b in pairs if a is not None and not same(a, b)]
         return got
     return run
 te.expand_depth_triton = checked("expand", te.expand_depth_triton, te.expand_depth_ref)
 te.choose_triton = checked("choose", te.choose_triton, te.choose_ref)
+dl.draft_layout_triton = checked("draft_layout", dl.draft_layout_triton, dl.draft_layout_ref)
+tr.tree_rows_triton = checked("tree_rows", tr.tree_rows_triton, tr.tree_rows_ref)
+to.outcome_triton = checked("outcome", to.outcome_triton, to.outcome_ref)
+to.observe_triton = checked("observe", to.observe_triton, to.observe_ref, mutated=(0, 1, 2))
+ta.accept_path_triton = checked("accept_path", ta.accept_path_triton, ta.accept_path_ref, mutated=(0,))
 out = {}
-for name, spec in [("none", None), ("mtp", SpecConfig(method="mtp", k=3, draft=zoo + "/mtp", topk=3, num_verify_tokens=6)),
-                   ("eagle3", SpecConfig(method="eagle3", k=3, draft=zoo + "/eagle3", topk=2, num_verify_tokens=5))]:
+for name, spec in [("none", None),
+                   ("mtp", SpecConfig(method="mtp", k=3, draft=zoo + "/mtp", topk=3, num_verify_tokens=6)),
+                   ("eagle3", SpecConfig(method="eagle3", k=3, draft=zoo + "/eagle3", topk=2, num_verify_tokens=5)),
+                   ("chain", SpecConfig(method="mtp", k=3, draft=zoo + "/mtp"))]:  # its passes' layout: width 1
     llm = LLM(zoo + "/target", num_kv_blocks=256, block_size=16, speculative=spec)
     out[name] = [o.token_ids for o in llm.generate(prompts, params)]
     stats = llm.engine.stats().get("spec") or {}
@@ -62,7 +77,9 @@ def test_trees_on_the_triton_path_equal_no_speculation(zoo):
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert out["triton"]
     checks = out["checks"]
-    assert checks["expand"] > 20 and checks["choose"] > 5 and not checks["mismatch"], checks
-    for method in ("mtp", "eagle3"):
+    assert not checks["mismatch"], checks
+    assert checks["expand"] > 20 and min(checks[n] for n in ("choose", "draft_layout", "tree_rows", "accept_path")) > 5
+    assert checks["outcome"] > 5 and checks["observe"] > 5, checks  # the trees were scored by the acceptance table
+    for method in ("mtp", "eagle3", "chain"):
         assert out[method] == out["none"], method  # greedy, unguided and guided: the tokens of no speculation
         assert out[method + "_accepted"] > 1.0 and out[method + "_free"]

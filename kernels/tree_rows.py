@@ -1,0 +1,111 @@
+"""A draft tree's verification rows in one kernel (engine/speculative/tree_step.py `tree_layout`): each request's tree
+read from its draft-state slot, its nodes' positions (start + depth) and their tree masks (kernels/tree_mask.py).
+
+Why a kernel: the torch layout is some twenty small ops (four table reads, a clip, gathers, the mask's shifts, two
+scatters), each a node of the captured decode step that costs a GPU's launch whatever its work; at batch 1 a 135M
+model's step is launch-bound (bench/results/tree_ops_triton_cpu.md). Here it is one launch, one program per request,
+after a copy of the positions and a fill of the masks.
+
+Inputs: verify_rows [B, N+1] int64 each request's rows (the root, then its nodes in depth order; a request with fewer
+nodes repeats its last row); num_drafts [B] int64 nodes each request has; slots [B] int64 its draft-state slot; the
+trees by slot (engine/speculative/tree.py TreeSlots): parents [S, N], depth [S, N+1], ancestors [S, N+1] (bit i: node
+i is the node or an ancestor), cells [S, N] int64; positions [T] int64 the step's rows' positions (each request's rows
+laid out as a chain's: the root at start); seq_lens [B] int32 each request's KV length in the step.
+Outputs: the trees read (parents, depth, ancestors, cells, each [B, ...]), the positions with each node at start +
+its depth, and masks [T] int64: a node's window over its ancestors among the root.. positions and every prefix
+position before them (`window_bits` over the span root .. seq_len); -1 (plain causal) for the root and every row that
+is not a node.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._dispatch import next_pow2, use_triton
+from kernels._launch import launch
+from kernels.tree_mask import WINDOW, window_bits
+
+
+class TreeRows(NamedTuple):
+    parents: torch.Tensor  # [B, N] int64
+    depth: torch.Tensor  # [B, N+1] int64
+    ancestors: torch.Tensor  # [B, N+1] int64
+    cells: torch.Tensor  # [B, N] int64
+    positions: torch.Tensor  # [T] int64
+    masks: torch.Tensor  # [T] int64
+
+
+def tree_rows_ref(verify_rows: torch.Tensor, num_drafts: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor,
+                  depth: torch.Tensor, ancestors: torch.Tensor, cells: torch.Tensor, positions: torch.Tensor,
+                  seq_lens: torch.Tensor) -> TreeRows:
+    vr = verify_rows
+    B, n1 = vr.shape
+    parents, depth, ancestors, cells = (t.index_select(0, slots) for t in (parents, depth, ancestors, cells))
+    # column j of a request with fewer nodes repeats its last row: clip so that repeats write equal values
+    col = torch.minimum(torch.arange(n1, device=vr.device)[None, :], num_drafts[:, None])
+    root = positions.index_select(0, vr[:, 0])
+    placed = positions.scatter(0, vr.reshape(-1), (root[:, None] + depth.gather(1, col)).reshape(-1))
+    # the nodes' ancestor bits are over positions root .. root + num_drafts; the window ends at the request's KV
+    # length, which a graph's padded layout (N + 1 rows per request, also past its nodes) puts further out
+    span = seq_lens.to(torch.int64) - root
+    bits = window_bits(ancestors.gather(1, col), span[:, None])
+    bits = torch.where(col == 0, -1, bits)  # the root: plain causal
+    masks = torch.full_like(positions, -1).scatter(0, vr.reshape(-1), bits.reshape(-1))
+    return TreeRows(parents, depth, ancestors, cells, placed, masks)
+
+
+@triton.jit(do_not_specialize=["N", "vr_stride"])
+def _tree_rows_kernel(vr_ptr, num_ptr, slots_ptr, par_tab, dep_tab, anc_tab, cell_tab, pos_ptr, lens_ptr,
+                      par_out, dep_out, anc_out, cell_out, placed_ptr, masks_ptr, N, vr_stride,
+                      WINDOW: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    node, row = j < N, j < N + 1
+    slot = tl.load(slots_ptr + b)
+    # the trees at the batch's slots
+    tl.store(par_out + b * N + j, tl.load(par_tab + slot * N + j, mask=node), mask=node)
+    tl.store(cell_out + b * N + j, tl.load(cell_tab + slot * N + j, mask=node), mask=node)
+    depth = tl.load(dep_tab + slot * (N + 1) + j, mask=row, other=0)
+    anc = tl.load(anc_tab + slot * (N + 1) + j, mask=row, other=0)
+    tl.store(dep_out + b * (N + 1) + j, depth, mask=row)
+    tl.store(anc_out + b * (N + 1) + j, anc, mask=row)
+    # each row's node, clipped to the request's last (the rows past it repeat that row)
+    col = tl.minimum(j.to(tl.int64), tl.load(num_ptr + b))
+    depth = tl.load(dep_tab + slot * (N + 1) + col, mask=row, other=0)
+    anc = tl.load(anc_tab + slot * (N + 1) + col, mask=row, other=0)
+    rows = tl.load(vr_ptr + b * vr_stride + j, mask=row, other=0)
+    root = tl.load(pos_ptr + tl.load(vr_ptr + b * vr_stride))
+    tl.store(placed_ptr + rows, root + depth, mask=row)
+    below = WINDOW - (tl.load(lens_ptr + b).to(tl.int64) - root)  # prefix positions inside the window
+    below = tl.minimum(tl.maximum(below, 0), WINDOW - 1)  # a padding request's empty span: no shift past the word
+    one = tl.full([BLOCK], 1, tl.int64)
+    bits = (anc << below) | ((one << below) - 1)  # (1 << 63) - 1 wraps to the intended all-but-the-top bits
+    tl.store(masks_ptr + rows, tl.where(col == 0, -1, bits), mask=row)
+
+
+def tree_rows_triton(verify_rows, num_drafts, slots, parents, depth, ancestors, cells, positions,
+                     seq_lens) -> TreeRows:
+    B, n1 = verify_rows.shape
+    N = n1 - 1
+    dev = verify_rows.device
+    for t in (parents, depth, ancestors, cells):
+        assert t.is_contiguous(), "the tree tables must be contiguous"
+    assert verify_rows.stride(1) == 1, "verify rows must have contiguous rows"
+    def empty(n: int) -> torch.Tensor:
+        return torch.empty((B, n), dtype=torch.int64, device=dev)
+
+    out = TreeRows(empty(N), empty(n1), empty(n1), empty(N), positions.clone(), torch.full_like(positions, -1))
+    launch(_tree_rows_kernel, (B,), verify_rows, num_drafts.contiguous(), slots.contiguous(), parents, depth,
+           ancestors, cells, positions.contiguous(), seq_lens.contiguous(), *out, N, verify_rows.stride(0),
+           WINDOW=WINDOW, BLOCK=max(next_pow2(n1), 2), num_warps=1)
+    return out
+
+
+def tree_rows(verify_rows, num_drafts, slots, parents, depth, ancestors, cells, positions, seq_lens) -> TreeRows:
+    """The trees at `slots` and their verification rows' positions and masks (the module's docstring): Triton on a
+    GPU, the torch reference on a CPU."""
+    fn = tree_rows_triton if use_triton(verify_rows) and verify_rows.shape[0] > 0 else tree_rows_ref
+    return fn(verify_rows, num_drafts, slots, parents, depth, ancestors, cells, positions, seq_lens)
