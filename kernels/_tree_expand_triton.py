@@ -15,12 +15,12 @@ from kernels.tree_mask import WINDOW
 
 
 # R and the path's length change with the depth; each value would compile another kernel if specialized.
-@triton.jit(do_not_specialize=["R", "D", "offset", "own_shift", "below"])
+@triton.jit(do_not_specialize=["R", "D", "offset", "own_shift", "below", "out_stride", "out_col"])
 def _expand_depth_kernel(
     lp_ptr, ids_ptr, pscore_ptr, pcand_ptr, masked_ptr, sampled_ptr, rate_ptr, remap_ptr, path_ptr, lineage_ptr,
     score_ptr, cell_ptr, forced_ptr, tok_ptr, parent_ptr,
     best_ptr, cand_ptr, lane_ptr, next_ptr, npath_ptr, nlin_ptr, nmask_ptr,
-    R, D, offset, own_shift, below,
+    R, D, offset, own_shift, below, out_stride, out_col,
     K: tl.constexpr, NUM_BUCKETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_PARENT: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_REMAP: tl.constexpr, HAS_LINEAGE: tl.constexpr,
 ):
@@ -53,11 +53,13 @@ def _expand_depth_kernel(
         tok = tl.load(remap_ptr + ids, mask=valid, other=0)
     else:
         tok = ids
-    tl.store(score_ptr + base, score, mask=valid)
-    tl.store(cell_ptr + base, cell, mask=valid)
-    tl.store(forced_ptr + base, (lp == 0.0) & (masked != 0), mask=valid)
-    tl.store(tok_ptr + base, tok, mask=valid)
-    tl.store(parent_ptr + base, parent, mask=valid)
+    # the candidates' fields at columns out_col.. of rows out_stride long (the whole expansion's, or this depth's)
+    obase = b * out_stride + out_col + m
+    tl.store(score_ptr + obase, score, mask=valid)
+    tl.store(cell_ptr + obase, cell, mask=valid)
+    tl.store(forced_ptr + obase, (lp == 0.0) & (masked != 0), mask=valid)
+    tl.store(tok_ptr + obase, tok, mask=valid)
+    tl.store(parent_ptr + obase, parent, mask=valid)
 
     # rank[i] = #{j : s_j > s_i, or s_j == s_i and j < i}: the position in a stable descending sort
     ahead = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (m[None, :] < m[:, None]))
@@ -87,16 +89,20 @@ def _expand_depth_kernel(
 
 
 def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, sampled, log_rate, num_buckets, remap,
-                 path, lineage, offset: int, own_shift: int, span: int):
+                 path, lineage, offset: int, own_shift: int, span: int, out=None):
     B, R, K = log_probs.shape
     dev = log_probs.device
     D = path.shape[2] if path is not None else 0
     M = R * K
-    scores = torch.empty((B, M), dtype=torch.float32, device=dev)
-    cells = torch.empty((B, M), dtype=torch.int64, device=dev)
-    forced = torch.empty((B, M), dtype=torch.bool, device=dev)
-    tokens = torch.empty((B, M), dtype=torch.int64, device=dev)
-    parents = torch.empty((B, M), dtype=torch.int64, device=dev)
+    if out is None:
+        out = (torch.empty((B, M), dtype=torch.float32, device=dev), torch.empty((B, M), dtype=torch.int64, device=dev),
+               torch.empty((B, M), dtype=torch.bool, device=dev), torch.empty((B, M), dtype=torch.int64, device=dev),
+               torch.empty((B, M), dtype=torch.int64, device=dev))
+        col = 0
+    else:
+        col = offset
+    scores, cells, forced, tokens, parents = out
+    assert all(t.is_contiguous() and t.shape[1] == scores.shape[1] for t in out)
     best = torch.empty((B, K), dtype=torch.float32, device=dev)
     candidate = torch.empty((B, K), dtype=torch.int64, device=dev)
     lane = torch.empty((B, K), dtype=torch.int64, device=dev)
@@ -117,13 +123,14 @@ def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, s
            path.contiguous() if D else dummy,
            lineage.contiguous() if lineage is not None else dummy,
            scores, cells, forced, tokens, parents, best, candidate, lane, next_tokens, new_path, new_lineage, new_mask,
-           R, D, offset, own_shift, WINDOW - span,
+           R, D, offset, own_shift, WINDOW - span, scores.shape[1], col,
            K=K, NUM_BUCKETS=num_buckets, BLOCK_M=max(next_pow2(M), 2),
            # one path width for every depth up to MAX_K = 8 (paths of at most 8 tokens): one specialization, not three
            BLOCK_D=max(next_pow2(D + 1), 8),
            HAS_PARENT=parent_score is not None, HAS_TABLE=log_rate is not None, HAS_REMAP=remap is not None,
            HAS_LINEAGE=lineage is not None, num_warps=4 if M > 16 else 1)
-    return scores, cells, forced, tokens, parents, best, candidate, lane, next_tokens, new_path, new_lineage, new_mask
+    mine = [t[:, col: col + M] for t in out]  # this depth's columns (views)
+    return (*mine, best, candidate, lane, next_tokens, new_path, new_lineage, new_mask)
 
 
 # ------------------------------------------------------------------------------------- the n best nodes
@@ -132,9 +139,10 @@ def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, s
 @triton.jit(do_not_specialize=["C", "n", "max_depth"])
 def _choose_kernel(
     tok_ptr, score_ptr, parent_ptr, depths_ptr, cell_ptr, forced_ptr, rank_ptr,
-    out_tok_ptr, out_parent_ptr, out_depth_ptr, out_anc_ptr, out_cell_ptr, out_forced_ptr,
+    out_tok_ptr, out_parent_ptr, out_depth_ptr, out_anc_ptr, out_cell_ptr, out_forced_ptr, out_word_ptr,
     C, n, max_depth,
     BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CELLS: tl.constexpr, HAS_FORCED: tl.constexpr,
+    HAS_DEPTHS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     row = b * C
@@ -152,6 +160,7 @@ def _choose_kernel(
     tl.debug_barrier()
     # 2. each chosen candidate's node index (1 + chosen before it) and its parent's, then its fields in place
     out = b * n
+    word = tl.zeros([], tl.int64)  # bit j: node j + 1 was forced
     for i0 in range(0, C, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         chosen = tl.load(rank_ptr + row + i, mask=i < C, other=0) != 0
@@ -167,23 +176,35 @@ def _choose_kernel(
         dst = out + pos
         tl.store(out_tok_ptr + dst, tl.load(tok_ptr + row + i, mask=chosen, other=0), mask=chosen)
         tl.store(out_parent_ptr + dst, node_parent.to(tl.int64), mask=chosen)
-        tl.store(out_depth_ptr + b * (n + 1) + 1 + pos, tl.load(depths_ptr + i, mask=chosen, other=0), mask=chosen)
+        if HAS_DEPTHS:
+            tl.store(out_depth_ptr + b * (n + 1) + 1 + pos, tl.load(depths_ptr + i, mask=chosen, other=0),
+                     mask=chosen)
         if HAS_CELLS:
             tl.store(out_cell_ptr + dst, tl.load(cell_ptr + row + i, mask=chosen, other=-1), mask=chosen)
         if HAS_FORCED:
-            tl.store(out_forced_ptr + dst, tl.load(forced_ptr + row + i, mask=chosen, other=0), mask=chosen)
+            f = tl.load(forced_ptr + row + i, mask=chosen, other=0)
+            tl.store(out_forced_ptr + dst, f, mask=chosen)
+            one = tl.full([BLOCK], 1, tl.int64)
+            word += tl.sum(tl.where(chosen & (f != 0), one << pos.to(tl.int64), 0), axis=0)
+    if HAS_FORCED:
+        tl.store(out_word_ptr + b, word)
     tl.debug_barrier()
     # 3. ancestor sets: each node follows its parents up to the root (bit 0, in every set)
     v = tl.arange(0, BLOCK_N)
     live = v <= n
     anc = (tl.full([BLOCK_N], 1, tl.int64) << v.to(tl.int64)) | 1
     cur = v
+    depth = tl.zeros([BLOCK_N], tl.int64)  # hops to the root: the node's depth (without a depths table)
     for _ in range(max_depth):
         up = tl.load(out_parent_ptr + out + cur - 1, mask=live & (cur > 0), other=0).to(tl.int32)
+        depth += (cur > 0).to(tl.int64)
         cur = tl.where(cur > 0, up, 0)
         anc = anc | (tl.full([BLOCK_N], 1, tl.int64) << cur.to(tl.int64))
     tl.store(out_anc_ptr + b * (n + 1) + v, anc, mask=live)
-    tl.store(out_depth_ptr + b * (n + 1) + v, tl.zeros([BLOCK_N], tl.int64), mask=v == 0)
+    if HAS_DEPTHS:
+        tl.store(out_depth_ptr + b * (n + 1) + v, tl.zeros([BLOCK_N], tl.int64), mask=v == 0)
+    else:
+        tl.store(out_depth_ptr + b * (n + 1) + v, depth, mask=live)
 
 
 def choose(tokens, scores, parents, depths, n: int, cells, forced, max_depth):
@@ -195,14 +216,16 @@ def choose(tokens, scores, parents, depths, n: int, cells, forced, max_depth):
     out_anc = torch.empty((B, n + 1), dtype=torch.int64, device=dev)
     out_cells = torch.empty((B, n), dtype=torch.int64, device=dev) if cells is not None else None
     out_forced = torch.empty((B, n), dtype=torch.bool, device=dev) if forced is not None else None
+    out_word = torch.empty(B, dtype=torch.int64, device=dev) if forced is not None else None
     chosen = torch.empty((B, C), dtype=torch.int32, device=dev)  # scratch between the kernel's passes
     tokens, scores, parents = tokens.contiguous(), scores.contiguous(), parents.contiguous()
     launch(_choose_kernel, (B,),
-           tokens, scores, parents, depths.contiguous(),
+           tokens, scores, parents, depths.contiguous() if depths is not None else tokens,
            cells.contiguous() if cells is not None else tokens, forced.contiguous() if forced is not None else tokens,
            chosen, out_tokens, out_parents, out_depth, out_anc,
            out_cells if cells is not None else out_tokens, out_forced if forced is not None else out_tokens,
+           out_word if forced is not None else out_tokens,
            C, n, n if max_depth is None else min(max_depth, n),
            BLOCK=64, BLOCK_N=max(next_pow2(n + 1), 2), HAS_CELLS=cells is not None, HAS_FORCED=forced is not None,
-           num_warps=4)
-    return out_tokens, out_parents, out_depth, out_anc, out_cells, out_forced
+           HAS_DEPTHS=depths is not None, num_warps=4)
+    return out_tokens, out_parents, out_depth, out_anc, out_cells, out_forced, out_word

@@ -207,7 +207,8 @@ def _tree_expansion_launches(topk: int, max_depth: int, max_nodes: int) -> None:
                                     None if root else _meta(B, R, dtype=i64), K, D * K, (D + 1) * K)
     C = K + (max_depth - 1) * K * K
     for n in sorted({min(v, C) for v in (2, 4, 8, 16, 32, max_nodes)}):
-        choose_triton(_meta(B, C, dtype=i64), _meta(B, C), _meta(B, C, dtype=i64), _meta(C, dtype=i64), n,
+        # depths None: the engine's expansion (each node's depth from its parents)
+        choose_triton(_meta(B, C, dtype=i64), _meta(B, C), _meta(B, C, dtype=i64), None, n,
                       _meta(B, C, dtype=i64), _meta(B, C, dtype=torch.bool), max_depth)
 
 

@@ -77,7 +77,7 @@ def expand_depth_ref(log_probs: torch.Tensor, draft_ids: torch.Tensor, parent_sc
                      parent_candidate: torch.Tensor | None, masked: torch.Tensor, sampled: torch.Tensor,
                      log_rate: torch.Tensor | None, num_buckets: int, remap: torch.Tensor | None,
                      path: torch.Tensor | None, lineage: torch.Tensor | None, offset: int, own_shift: int,
-                     span: int) -> Depth:
+                     span: int, out: tuple[torch.Tensor, ...] | None = None) -> Depth:
     B, R, K = log_probs.shape
     dev = log_probs.device
     lp = log_probs.float()
@@ -101,9 +101,13 @@ def expand_depth_ref(log_probs: torch.Tensor, draft_ids: torch.Tensor, parent_sc
     old = path.gather(1, lane[:, :, None].expand(B, K, D)) if D else tokens.new_zeros((B, K, 0))
     own = torch.bitwise_left_shift(torch.ones_like(lane), own_shift + torch.arange(K, device=dev))
     lineage = (lineage.gather(1, lane) if lineage is not None else torch.zeros_like(lane)) | own
-    return Depth(score, cells.reshape(B, R * K), forced.reshape(B, R * K), tokens, parents.reshape(B, R * K),
-                 score.gather(1, pick), offset + pick, lane, next_tokens, torch.cat([old, next_tokens[:, :, None]], 2),
-                 lineage, window_bits(lineage, span))
+    fields = [score, cells.reshape(B, R * K), forced.reshape(B, R * K), tokens, parents.reshape(B, R * K)]
+    if out is not None:  # into the whole expansion's columns offset.. (as the kernel writes them)
+        for buf, value in zip(out, fields):
+            buf[:, offset: offset + R * K].copy_(value)
+        fields = [buf[:, offset: offset + R * K] for buf in out]
+    return Depth(*fields, score.gather(1, pick), offset + pick, lane, next_tokens,
+                 torch.cat([old, next_tokens[:, :, None]], 2), lineage, window_bits(lineage, span))
 
 
 def expand_depth_triton(*args, **kwargs) -> Depth:
@@ -113,11 +117,13 @@ def expand_depth_triton(*args, **kwargs) -> Depth:
 
 
 def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, sampled, log_rate, num_buckets, remap,
-                 path, lineage, offset: int, own_shift: int, span: int) -> Depth:
-    """One depth of the expansion (the module's docstring): Triton on a GPU, the torch reference on the CPU."""
+                 path, lineage, offset: int, own_shift: int, span: int, out=None) -> Depth:
+    """One depth of the expansion (the module's docstring): Triton on a GPU, the torch reference on the CPU.
+    out: the whole expansion's (scores, cells, forced, tokens, parents) [B, C], this depth's candidates written at
+    columns offset.. (what `choose` reads, with no concatenation); None: this depth's own."""
     fn = expand_depth_triton if use_triton(log_probs) else expand_depth_ref
     return fn(log_probs, draft_ids, parent_score, parent_candidate, masked, sampled, log_rate, num_buckets, remap,
-              path, lineage, offset, own_shift, span)
+              path, lineage, offset, own_shift, span, out)
 
 
 # ------------------------------------------------------------------------------------- the n best nodes
@@ -130,6 +136,19 @@ class Chosen(NamedTuple):
     ancestors: torch.Tensor  # [B, n+1] int64 bit i: node i is the node or one of its ancestors
     cells: torch.Tensor | None  # [B, n] int64
     forced: torch.Tensor | None  # [B, n] bool
+    forced_word: torch.Tensor | None  # [B] int64 bit j: node j + 1 was forced (n <= 63), what the host counts
+
+
+def forced_word(forced: torch.Tensor) -> torch.Tensor:
+    """[B, n] bool -> [B] int64 with bit j set where node j + 1 is forced."""
+    return (forced.long() << torch.arange(forced.shape[1], device=forced.device)).sum(1)
+
+
+def depth_of(ancestors: torch.Tensor) -> torch.Tensor:
+    """[B, n+1] int64 ancestor sets -> [B, n+1] int64 depths: the ancestors a node has besides the root (its set
+    holds the root, its proper ancestors and itself)."""
+    bits = (ancestors[..., None] >> torch.arange(64, device=ancestors.device)) & 1
+    return bits.sum(-1) - 1
 
 
 def choose_ref(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, n: int,
@@ -141,10 +160,15 @@ def choose_ref(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor
     node_of.scatter_(1, chosen, torch.arange(1, n + 1, device=scores.device).expand(B, n))
     parent = parents.gather(1, chosen)
     node_parents = torch.where(parent < 0, 0, node_of.gather(1, parent.clamp(min=0)))
-    depth = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=scores.device), depths[chosen]], 1)
-    return Chosen(tokens.gather(1, chosen), node_parents, depth, ancestor_bits(node_parents, max_depth),
-                  cells.gather(1, chosen) if cells is not None else None,
-                  forced.gather(1, chosen) if forced is not None else None)
+    ancestors = ancestor_bits(node_parents, max_depth)
+    if depths is not None:
+        depth = torch.cat([torch.zeros((B, 1), dtype=torch.int64, device=scores.device), depths[chosen]], 1)
+    else:
+        depth = depth_of(ancestors)
+    node_forced = forced.gather(1, chosen) if forced is not None else None
+    return Chosen(tokens.gather(1, chosen), node_parents, depth, ancestors,
+                  cells.gather(1, chosen) if cells is not None else None, node_forced,
+                  forced_word(node_forced) if node_forced is not None else None)
 
 
 def choose_triton(*args) -> Chosen:
@@ -155,7 +179,8 @@ def choose_triton(*args) -> Chosen:
 
 def choose(tokens, scores, parents, depths, n: int, cells=None, forced=None, max_depth: int | None = None) -> Chosen:
     """Candidates [B, C] in depth order (scores: cumulative; parents: a candidate index, -1 for the root; depths
-    [C]; cells, forced: carried along) -> the tree of the n best by score, ties to the lower index (a stable sort),
+    [C], or None: each node's depth from its parents; cells, forced: carried along, and the forced flags also as a
+    word per request) -> the tree of the n best by score, ties to the lower index (a stable sort),
     its nodes in candidate order. A child never scores above its parent and comes after it, so the n best hold
     every chosen node's parent and each node comes after its parent. max_depth: a bound on the depths (default n).
     One launch on a GPU (a rank per candidate by comparing scores, positions by counting, ancestors by following

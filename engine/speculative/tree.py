@@ -44,7 +44,7 @@ from engine.layers.attention import AttentionMetadata, attention_context
 from engine.speculative.tree_score import NUM_BUCKETS, AcceptanceTable
 from kernels.draft_layout import draft_layout
 from kernels.tree_expand import choose as choose_nodes
-from kernels.tree_expand import expand_depth
+from kernels.tree_expand import expand_depth, forced_word
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +55,15 @@ class DraftTree:
     ancestors: torch.Tensor  # [B, N+1] int64 bit i: node i is the node or one of its ancestors
     cells: torch.Tensor | None = None  # [B, N] int64 each node's AcceptanceTable cell (-1 or None: not scored)
     forced: torch.Tensor | None = None  # [B, N] bool the node is its parent's only admissible child (the grammar's)
+    forced_word: torch.Tensor | None = None  # [B] int64 `forced` as bits, when the choice made it (no launch here)
 
     def forced_bits(self) -> torch.Tensor:
         """[B] int64: bit j set where node j was forced (N <= 63 nodes fit), what the host counts as forced drafts."""
+        if self.forced_word is not None:
+            return self.forced_word
         if self.forced is None:
             return torch.zeros(self.tokens.shape[0], dtype=torch.int64, device=self.tokens.device)
-        j = torch.arange(self.forced.shape[1], device=self.forced.device)
-        return (self.forced.long() << j).sum(1)
+        return forced_word(self.forced)
 
 
 class TreeSlots:
@@ -157,6 +159,12 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
     sampled = sampled if sampled is not None else torch.zeros(B, dtype=torch.bool, device=dev)
     log_rate = table.log_rates() if table is not None else None  # kept current by the table itself
     unmasked = torch.zeros(B * K, dtype=torch.bool, device=dev) if mask is None else None  # one for every depth
+    # every candidate's score, cell, forced flag, token and parent, each depth's written at its columns by its kernel:
+    # what `choose` reads, with no concatenation (allocations are no launches)
+    C = K + (k - 1) * K * K
+    columns = (torch.empty((B, C), dtype=torch.float32, device=dev), torch.empty((B, C), dtype=torch.int64, device=dev),
+               torch.empty((B, C), dtype=torch.bool, device=dev), torch.empty((B, C), dtype=torch.int64, device=dev),
+               torch.empty((B, C), dtype=torch.int64, device=dev))
 
     def depth(logits, paths, d, frontier, offset):
         """The head's logits over R rows per request (the root's one, or the depth-d frontier's), reached by paths
@@ -168,10 +176,9 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
         root = frontier is None
         return expand_depth(lp, ids, None if root else frontier["score"], None if root else frontier["candidate"],
                             masked.view(B, R), sampled, log_rate, NUM_BUCKETS, remap, None if root else paths,
-                            None if root else frontier["lineage"], offset, d * K, (d + 1) * K)
+                            None if root else frontier["lineage"], offset, d * K, (d + 1) * K, columns)
 
-    root = depth(head.compute_logits(state), torch.zeros((B, 1, 0), dtype=torch.int64, device=dev), 0, None, 0)
-    out = [root]
+    root = depth(head.compute_logits(state), torch.empty((B, 1, 0), dtype=torch.int64, device=dev), 0, None, 0)
     frontier = dict(tokens=root.next_tokens, score=root.best, state=state[:, None].expand(B, K, H),
                     path=root.path, candidate=root.candidate, lineage=root.lineage, tree_mask=root.tree_mask)
     offset = K
@@ -181,25 +188,21 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
             hidden = head(frontier["state"].reshape(B * K, H), frontier["tokens"].reshape(-1),
                           layout.positions[d - 1])  # [B * K, H]
         step = depth(head.compute_logits(hidden), frontier["path"], d, frontier, offset)
-        out.append(step)
         frontier = dict(tokens=step.next_tokens, score=step.best, path=step.path, candidate=step.candidate,
                         lineage=step.lineage, tree_mask=step.tree_mask,
                         state=hidden.view(B, K, H).gather(1, step.lane[..., None].expand(B, K, H)))
         offset += K * K
-    # each candidate's depth, derived from its index on the device (K at depth 1, then K * K per depth; a Python
-    # list made a tensor would be a host-to-device copy, which a CUDA graph's capture refuses)
-    c = torch.arange(K + (k - 1) * K * K, device=dev)
-    depths = torch.where(c < K, 1, 2 + (c - K).div(K * K, rounding_mode="floor"))
-    return choose(torch.cat([o.tokens for o in out], 1), torch.cat([o.scores for o in out], 1),
-                  torch.cat([o.parents for o in out], 1), depths, N, torch.cat([o.cells for o in out], 1),
-                  torch.cat([o.forced for o in out], 1), max_depth=k)
+    # each chosen node's depth follows from its parents (the choice's kernel counts the hops it follows anyway)
+    scores, cells, forced, tokens, parents = columns
+    return choose(tokens, scores, parents, None, N, cells, forced, max_depth=k)
 
 
-def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+def choose(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor | None,
            n: int, cells: torch.Tensor | None = None, forced: torch.Tensor | None = None,
            max_depth: int | None = None) -> DraftTree:
-    """Candidates [B, C] (in depth order; parents: a candidate index, -1 for the root; cells: their table cells;
-    forced: which the grammar forced; max_depth: a bound on their depths) -> the tree of the n best.
+    """Candidates [B, C] (in depth order; parents: a candidate index, -1 for the root; depths [C] or None: each
+    node's depth from its parents; cells: their table cells; forced: which the grammar forced; max_depth: a bound on
+    their depths) -> the tree of the n best.
     A stable order keeps a parent before a child of equal score (a draft of probability 1), so the n best
     always hold every chosen node's parent (kernels/tree_expand.py `choose`: one launch on a GPU)."""
     return DraftTree(*choose_nodes(tokens, scores, parents, depths, n, cells, forced, max_depth))

@@ -49,11 +49,14 @@ def strict_ancestors(ancestors: torch.Tensor) -> torch.Tensor:
 
 def per_node(b: SamplingBatch, drafts: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor) -> SamplingBatch:
     """[B] rows -> [B * (N+1)] rows, one per node: a node at depth d samples position positions + d, is d
-    tokens further into min_tokens, and its penalties count its ancestors' drafts."""
+    tokens further into min_tokens, and its penalties count its ancestors' drafts. An all-greedy batch keeps its [B]
+    temperatures, filters, seeds and positions: nothing reads them (each op here is a launch on a GPU)."""
     B, n1 = depth.shape
     rep = lambda t: t.repeat_interleave(n1, dim=0)  # noqa: E731
-    fields = dict(temperature=rep(b.temperature), top_k=rep(b.top_k), top_p=rep(b.top_p), min_p=rep(b.min_p),
-                  seeds=rep(b.seeds), positions=(b.positions[:, None] + depth).reshape(-1))
+    fields = {}
+    if not b.all_greedy:  # what sampling reads (target_tokens); an all-greedy step takes the argmax and skips them
+        fields.update(temperature=rep(b.temperature), top_k=rep(b.top_k), top_p=rep(b.top_p), min_p=rep(b.min_p),
+                      seeds=rep(b.seeds), positions=(b.positions[:, None] + depth).reshape(-1))
     if b.coupled is not None:
         fields.update(coupled=rep(b.coupled))
     if b.logit_bias is not None:

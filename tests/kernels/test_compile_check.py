@@ -118,7 +118,8 @@ def test_tree_expansion_launches_are_recorded():
         widths.add(K)
         assert {(e.kwargs["HAS_TABLE"], e.kwargs["HAS_REMAP"], e.kwargs["HAS_PARENT"]) for e in expand} == {
             (t, r, p) for t in (True, False) for r in (True, False) for p in (True, False)}
-        assert {e.args[-4] for e in expand} == set(range(space.max_k))  # path lengths 0 (the root) .. depth - 1
+        # D, the path length, of (R, D, offset, own_shift, below, out_stride, out_col): 0 (the root) .. depth - 1
+        assert {e.args[-6] for e in expand} == set(range(space.max_k))
         most = min(space.max_tree_nodes, K + (space.max_k - 1) * K * K)  # every candidate, at most 63 nodes
         assert max(c.kwargs["BLOCK_N"] for c in choose) == 1 << most.bit_length()  # and the root
     assert widths == set(range(2, space.max_topk + 1))

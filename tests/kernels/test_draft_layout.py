@@ -35,3 +35,15 @@ def test_reference_states_the_rule():
     assert out.slots.tolist() == [[7 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3], [9 * 4 + 0, 9 * 4 + 1, -1]]
     assert out.positions.tolist() == [[5, 5, 5], [6, 6, 6]]
     assert out.seq_lens.tolist() == [[8], [11]] and out.query_start_loc.tolist() == [0, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [1, 4, 8])
+def test_on_a_gpu_the_kernel_equals_the_cpu_reference(width):
+    from kernels.draft_layout import draft_layout
+
+    tables, first, limit = _case(64, 6, 16, seed=width)
+    want = draft_layout_ref(tables, first, limit, 16, 7, width)
+    got = draft_layout(tables.cuda(), first.cuda(), limit.cuda(), 16, 7, width)
+    for w, o in zip(want, got):
+        assert torch.equal(w, o.cpu())

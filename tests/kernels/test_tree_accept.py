@@ -8,7 +8,7 @@ from kernels.tree_accept import accept_path_ref, accept_path_triton
 from kernels.tree_walk import walk_ref
 
 
-def _step(B: int, N: int, depth: int, seed: int, pad: int = 0):
+def _step(B: int, N: int, depth: int, seed: int, pad: int = 0, blocks: int = 40):
     """B requests of N + 1 rows (root, depth-ordered nodes) after 3 prompt rows, `pad` of them a graph's padding
     requests (slot -1), with a path walked down each tree."""
     g = torch.Generator().manual_seed(seed)
@@ -35,7 +35,7 @@ def _step(B: int, N: int, depth: int, seed: int, pad: int = 0):
     path, accepted = walk_ref(target, drafts, parents, num, depth)
     vr = 3 + torch.arange(B)[:, None] * (N + 1) + torch.arange(N + 1)[None, :]
     T = 3 + B * (N + 1)
-    slot_mapping = torch.randperm(40 * 4 - 4, generator=g)[:T]  # never the scratch block (the cache's last)
+    slot_mapping = torch.randperm((blocks - 1) * 4, generator=g)[:T]  # never the scratch block (the cache's last)
     for b in range(B - pad, B):
         slot_mapping[vr[b]] = -1
     tokens = torch.where(torch.arange(depth + 1)[None, :] <= accepted[:, None], torch.randint(0, 99, (B, depth + 1),
@@ -77,3 +77,19 @@ def test_reference_moves_the_path_and_permutes_its_rows():
         assert out.perm.tolist() == [0, 2, 3, 3, 4] and out.out_rows.tolist() == [2]
         want_next = [7, 8, 9, 53, 54] if samples.item() else [50, 51, 52, 53, 54]
         assert out.next_tokens.tolist() == want_next
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_a_gpu_the_kernel_equals_the_cpu_reference(dtype):
+    from kernels.tree_accept import accept_path
+
+    slot_mapping, vr, path, accepted, next_tokens, tokens, samples = _step(16, 16, 8, seed=9, pad=3, blocks=80)
+    kv = torch.randn(30, 2, 80, 4, 3, 64).to(dtype)  # SmolLM2's layers, heads and head dim: 12 programs a request
+    kv_ref = kv.clone()
+    want = accept_path_ref(kv_ref, slot_mapping, vr, path, accepted, next_tokens, tokens, samples)
+    kv_gpu = kv.cuda()
+    got = accept_path(kv_gpu, *(t.cuda() for t in (slot_mapping, vr, path, accepted, next_tokens, tokens, samples)))
+    for w, o in zip(want, got):
+        assert torch.equal(w, o.cpu())
+    assert torch.equal(kv_ref, kv_gpu.cpu())

@@ -55,6 +55,26 @@ def test_triton_equals_reference(B, R, K, D, table, remap):
             assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("B,R,K,D", [(3, 1, 4, 0), (3, 4, 4, 3), (2, 8, 8, 7)])
+def test_candidates_written_into_the_expansion_columns(B, R, K, D):
+    """With `out` (the whole expansion's [B, C] fields) each depth writes its candidates at columns offset.., the
+    kernel as the reference, and leaves the other columns alone."""
+    args = _case(B, R, K, D, True, True, seed=5 + D)
+    M, C = R * K, R * K + 11
+    offset = args["offset"]
+    if offset + M > C - 3:
+        args["offset"] = offset = 4
+    for fn in (expand_depth_ref, expand_depth_triton):
+        out = (torch.full((B, C), -7.0), torch.full((B, C), -7), torch.zeros((B, C), dtype=torch.bool),
+               torch.full((B, C), -7), torch.full((B, C), -7))
+        alone, into = fn(**args), fn(**args, out=out)
+        for name, a, b, buf in zip(alone._fields, alone, into, out):
+            assert torch.equal(a, b), (fn.__name__, name)
+            assert torch.equal(buf[:, offset: offset + M], a), (fn.__name__, name)
+            rest = torch.cat([buf[:, :offset], buf[:, offset + M:]], 1)
+            assert (rest == (False if buf.dtype == torch.bool else -7)).all(), (fn.__name__, name)
+
+
 def test_reference_is_the_table_the_cumulative_score_and_a_stable_top_k():
     B, R, K = 2, 4, 4
     args = _case(B, R, K, 2, True, True, seed=3)
@@ -128,9 +148,17 @@ def test_choose_triton_equals_reference(B, K, k, n):
 
     args = _candidates(B, K, k, seed=B + K * 10 + k * 100)
     for max_depth in (k, None):
-        for extra in (True, False):
+        for extra, table in ((True, True), (False, True), (True, False)):
+            # depths from the candidates' table, or (None) from the chosen nodes' parents: the same depths
             kw = dict(args) if extra else dict(args, cells=None, forced=None)
+            kw = kw if table else dict(kw, depths=None)
             ref = choose_ref(**kw, n=n, max_depth=max_depth)
+            if not table:
+                assert torch.equal(ref.depth, choose_ref(**dict(kw, depths=args["depths"]), n=n,
+                                                         max_depth=max_depth).depth)
+            if extra:
+                want = (ref.forced.long() << torch.arange(n)).sum(1)
+                assert torch.equal(ref.forced_word, want) and (want != 0).any()
             tri = choose_triton(kw["tokens"], kw["scores"], kw["parents"], kw["depths"], n, kw["cells"],
                                 kw["forced"], max_depth)
             for name, a, b in zip(ref._fields, ref, tri):

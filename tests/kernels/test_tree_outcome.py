@@ -73,3 +73,26 @@ def test_outcome_reference_on_a_known_tree():
     assert reached.tolist() == [[True, True, True, True]] and accepted.tolist() == [[True, False, True, False]]
     reached, accepted = outcome_ref(path, parents, torch.tensor([2]))  # the tree cut to its first two nodes
     assert reached.tolist() == [[True, True, False, False]] and accepted.tolist() == [[True, False, False, False]]
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_both_kernels_equal_the_cpu_references():
+    """The table's update under atomics from many requests at once (a padded batch of 64), three steps in a row."""
+    from kernels.tree_outcome import observe, outcome
+
+    path, parents, num, g = _verified(64, 16, 8, seed=3)
+    want, got = outcome_ref(path, parents, num), outcome(path.cuda(), parents.cuda(), num.cuda())
+    assert torch.equal(want[0], got[0].cpu()) and torch.equal(want[1], got[1].cpu())
+    C = 4 * 8 * 16
+    trials = torch.full((C,), 8.0) + torch.randint(0, 600, (C,), generator=g).float()
+    hits = trials * torch.rand(C, generator=g)
+    ref = [trials.clone(), hits.clone(), log_rates_ref(trials, hits)]
+    dev = [t.cuda() for t in ref]
+    for _ in range(3):
+        cells = torch.randint(-1, 40, (64, 16), generator=g)
+        reached = torch.rand((64, 16), generator=g) < 0.7
+        accepted = reached & (torch.rand((64, 16), generator=g) < 0.5)
+        observe_ref(*ref, cells, reached, accepted, 512.0)
+        observe(*dev, cells.cuda(), reached.cuda(), accepted.cuda(), 512.0)
+    for r, d in zip(ref, dev):
+        torch.testing.assert_close(d.cpu(), r, rtol=1e-5, atol=1e-5)

@@ -34,7 +34,7 @@ def _batch(B: int, N: int, prompt_rows: int, seed: int):
     T = prompt_rows + B * (N + 1)
     positions = torch.arange(T) + 100  # each request's rows as a chain's: root at start, node j at start + j
     root = positions[vr[:, 0]]
-    seq_lens = (root + N + 1 + torch.randint(0, 64 - N - 1, (B,), generator=g)).to(torch.int32)
+    seq_lens = (root + N + 1 + torch.randint(0, max(1, 64 - N - 1), (B,), generator=g)).to(torch.int32)
     return vr, num, slots, tabs, positions, seq_lens
 
 
@@ -66,3 +66,15 @@ def test_reference_places_nodes_at_their_depth_and_masks_by_ancestry():
     prompt = torch.ones(positions.shape[0], dtype=torch.bool)
     prompt[vr.flatten()] = False
     assert (out.masks[prompt] == -1).all() and torch.equal(out.positions[prompt], positions[prompt])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,N", [(1, 8), (16, 16), (64, 63)])
+def test_on_a_gpu_the_kernel_equals_the_cpu_reference(B, N):
+    from kernels.tree_rows import tree_rows
+
+    vr, num, slots, tabs, positions, seq_lens = _batch(B, N, 3, seed=N)
+    want = tree_rows_ref(vr, num, slots, *tabs, positions, seq_lens)
+    got = tree_rows(vr.cuda(), num.cuda(), slots.cuda(), *(t.cuda() for t in tabs), positions.cuda(), seq_lens.cuda())
+    for w, o in zip(want, got):
+        assert torch.equal(w, o.cpu())
