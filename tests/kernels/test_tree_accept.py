@@ -6,31 +6,16 @@ import torch
 
 from kernels.tree_accept import accept_path_ref, accept_path_triton
 from kernels.tree_walk import walk_ref
+from tests.support.draft_trees import follow_a_branch, random_parents
 
 
 def _step(B: int, N: int, depth: int, seed: int, pad: int = 0, blocks: int = 40):
     """B requests of N + 1 rows (root, depth-ordered nodes) after 3 prompt rows, `pad` of them a graph's padding
     requests (slot -1), with a path walked down each tree."""
     g = torch.Generator().manual_seed(seed)
-    parents = torch.zeros((B, N), dtype=torch.int64)
-    for b in range(B):
-        depth_of = [0]
-        for j in range(N):
-            choices = [q for q in range(j + 1) if depth_of[q] < depth]
-            p = choices[int(torch.randint(len(choices), (1,), generator=g))]
-            parents[b, j] = p
-            depth_of.append(depth_of[p] + 1)
+    parents = random_parents(B, N, depth, g)
     drafts = 10 + torch.arange(N)[None, :].repeat(B, 1)
-    target = torch.full((B, N + 1), -5)
-    for b in range(B):
-        node = 0
-        while True:
-            kids = [j + 1 for j in range(N) if parents[b, j] == node]
-            if not kids or (node != 0 and torch.rand((), generator=g) < 0.2):  # every root accepts a child
-                break
-            nxt = kids[int(torch.randint(len(kids), (1,), generator=g))]
-            target[b, node] = drafts[b, nxt - 1]
-            node = nxt
+    target = follow_a_branch(parents, drafts, depth, g, root_accepts=True)  # every root accepts a child
     num = torch.full((B,), N)
     path, accepted = walk_ref(target, drafts, parents, num, depth)
     vr = 3 + torch.arange(B)[:, None] * (N + 1) + torch.arange(N + 1)[None, :]

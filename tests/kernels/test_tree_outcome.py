@@ -5,30 +5,15 @@ import torch
 
 from kernels.tree_outcome import log_rates_ref, observe_ref, observe_triton, outcome_ref, outcome_triton
 from kernels.tree_walk import walk_ref
+from tests.support.draft_trees import follow_a_branch, random_parents
 
 
 def _verified(B: int, N: int, depth: int, seed: int):
     """Random depth-ordered trees, target tokens that follow a random branch, and the walk's path down them."""
     g = torch.Generator().manual_seed(seed)
-    parents = torch.zeros((B, N), dtype=torch.int64)
-    for b in range(B):
-        depth_of = [0]
-        for j in range(N):
-            choices = [p for p in range(j + 1) if depth_of[p] < depth]
-            p = choices[int(torch.randint(len(choices), (1,), generator=g))]
-            parents[b, j] = p
-            depth_of.append(depth_of[p] + 1)
+    parents = random_parents(B, N, depth, g)
     drafts = torch.arange(N)[None, :].expand(B, N) + 10  # distinct tokens: node j+1 holds 10 + j
-    target = torch.full((B, N + 1), -5)
-    for b in range(B):
-        node = 0
-        for _ in range(int(torch.randint(depth + 1, (1,), generator=g))):
-            kids = [j + 1 for j in range(N) if parents[b, j] == node]
-            if not kids:
-                break
-            node_next = kids[int(torch.randint(len(kids), (1,), generator=g))]
-            target[b, node] = drafts[b, node_next - 1]
-            node = node_next
+    target = follow_a_branch(parents, drafts, depth, g)
     num = torch.randint(1, N + 1, (B,), generator=g)
     num[0] = N
     path, _ = walk_ref(target, drafts, parents, num, depth)

@@ -6,16 +6,15 @@ import torch
 
 from kernels.tree_mask import ancestor_bits
 from kernels.tree_rows import tree_rows_ref, tree_rows_triton
+from tests.support.draft_trees import random_parents
 
 
 def _tables(S: int, N: int, g: torch.Generator):
     """S random trees of N nodes in depth order (each node after its parent), as TreeSlots holds them."""
-    parents = torch.zeros((S, N), dtype=torch.int64)
+    parents = random_parents(S, N, N, g)
     depth = torch.zeros((S, N + 1), dtype=torch.int64)
-    for s in range(S):
-        for j in range(N):
-            p = int(torch.randint(j + 1, (1,), generator=g))
-            parents[s, j], depth[s, j + 1] = p, depth[s, p] + 1
+    for j in range(N):
+        depth[:, j + 1] = depth.gather(1, parents[:, j: j + 1])[:, 0] + 1
     cells = torch.randint(-1, 200, (S, N), generator=g)
     return parents, depth, ancestor_bits(parents), cells
 

@@ -4,29 +4,21 @@ import pytest
 import torch
 
 from kernels.tree_walk import walk_ref, walk_triton
+from tests.support.draft_trees import follow_a_branch, random_parents
 
 
 def _trees(B: int, N: int, depth: int, seed: int):
     """Random trees in depth order (each node after its parent, at most `depth` deep), siblings with distinct
-    tokens, and target tokens that follow a random branch for a random number of steps, then disagree."""
+    tokens (non-siblings may share one), and target tokens that follow a random branch for a random number of steps,
+    then disagree."""
     g = torch.Generator().manual_seed(seed)
-    parents, drafts = torch.zeros(B, N, dtype=torch.int64), torch.zeros(B, N, dtype=torch.int64)
-    target = torch.randint(1000, 2000, (B, N + 1), generator=g)  # tokens no draft holds: a rejection
+    parents = random_parents(B, N, depth, g)
+    drafts = torch.zeros(B, N, dtype=torch.int64)
     for b in range(B):
-        depth_of = [0]
         for j in range(N):
-            choices = [p for p in range(j + 1) if depth_of[p] < depth]
-            p = choices[int(torch.randint(len(choices), (1,), generator=g))]
-            parents[b, j], depth_of = p, depth_of + [depth_of[p] + 1]
-            drafts[b, j] = 10 * p + sum(1 for i in range(j) if parents[b, i] == p)  # distinct among siblings
-        node = 0
-        for _ in range(int(torch.randint(depth + 1, (1,), generator=g))):  # accept along a random branch
-            kids = [j + 1 for j in range(N) if parents[b, j] == node]
-            if not kids:
-                break
-            child = kids[int(torch.randint(len(kids), (1,), generator=g))]
-            target[b, node] = drafts[b, child - 1]
-            node = child
+            p = int(parents[b, j])
+            drafts[b, j] = 10 * p + int((parents[b, :j] == p).sum())  # distinct among siblings
+    target = follow_a_branch(parents, drafts, depth, g)
     num = torch.randint(1, N + 1, (B,), generator=g)
     num[0] = N
     return target, drafts, parents, num
