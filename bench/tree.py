@@ -32,14 +32,16 @@ from bench.real_model import prompt_sets, run_engine
 
 
 def configs(method: str, draft: str, budget: int, full: bool,
-            shapes: list[tuple[int, int]] | None = None) -> list[tuple[str, dict]]:
+            shapes: list[tuple[int, int]] | None = None, chain_ks: list[int] | None = None) -> list[tuple[str, dict]]:
     """(label, SpecConfig fields) of one head: chains and trees at the verification budget; `shapes`: the trees'
     (topk, depth), default depth-first (depth = budget) and, unless quick, shallow (depth 3). Past MAX_K the
-    chain is the longest the engine runs (k = MAX_K, fewer drafts than the trees' budget)."""
+    chain is the longest the engine runs (k = MAX_K, fewer drafts than the trees' budget). chain_ks: the shorter
+    chains to run beside it (default k = 3 unless quick), so that "the best chain" is the best of a sweep."""
     from engine.config import MAX_K
 
     base, deep = dict(method=method, draft=draft), min(budget, MAX_K)  # a chain's k (a tree's depth) stops at MAX_K
-    rows = [(f"chain k={deep}", dict(base, k=deep))] + ([("chain k=3", dict(base, k=3))] if full else [])
+    shorter = chain_ks if chain_ks is not None else ([3] if full else [])
+    rows = [(f"chain k={deep}", dict(base, k=deep))] + [(f"chain k={k}", dict(base, k=k)) for k in shorter if k != deep]
     explicit = shapes is not None
     if shapes is None:
         shapes = [(2, deep), (4, deep), (3, 3), (4, 3)] if full else [(2, deep), (4, deep)]
@@ -115,6 +117,9 @@ def main(argv=None) -> None:
                          "on all prompts draft-score (nodes ranked by draft probability)")
     ap.add_argument("--shapes", default=None, type=parse_shapes,
                     help="the trees' shapes, TOPKxDEPTH,... (e.g. 4x8,8x4); default depth-first at the budget")
+    ap.add_argument("--chain-ks", default=None, type=lambda text: [int(k) for k in text.split(",")],
+                    help="chains to run beside the chain of k = budget, K,K,... (default 3, none with --quick): the "
+                         "best chain of a sweep, which issue 37's tokens/s goal compares against")
     ap.add_argument("--zoo", action="store_true", help="the zoo's writer target and heads on held-out schemas "
                                                        "(unguided and guided) instead of SmolLM2")
     args = ap.parse_args(argv)
@@ -144,7 +149,7 @@ def main(argv=None) -> None:
     variants = {"masks": {}, "verify-only": dict(draft_masks=False), "no-forced": dict(forced_drafts=False),
                 "draft-score": dict(tree_score="draft")}
     for method in args.methods.split(","):
-        for label, fields in configs(method, heads[method], args.budget, not args.quick, args.shapes):
+        for label, fields in configs(method, heads[method], args.budget, not args.quick, args.shapes, args.chain_ks):
             for variant in (args.variants.split(",") if "tree" in label else ("masks",)):
                 engines[(method, label, variant)] = LLM(target, device=args.device, max_num_seqs=1, num_kv_blocks=160,
                                                         speculative=SpecConfig(**fields, **variants[variant]), **kw)

@@ -29,6 +29,15 @@ def test_a_budget_past_max_k_keeps_the_longest_chain_and_trees_of_that_budget():
         "chain k=8", "tree topk=2 depth=8", "tree topk=4 depth=8"]  # default: depth-first at the longest depth
 
 
+def test_shorter_chains_sweep_beside_the_chain_of_the_budget():
+    """--chain-ks: "the best chain" issue 37 compares against is the best of a sweep, not of two chains."""
+    labels = [label for label, _ in configs("mtp", "HEAD", 8, False, [(4, 3)], chain_ks=[2, 3, 8])]
+    assert labels == ["chain k=8", "chain k=2", "chain k=3", "tree topk=4 depth=3"]  # k = 8 once
+    assert [label for label, _ in configs("mtp", "HEAD", 8, True, [(4, 3)])][:2] == ["chain k=8", "chain k=3"]
+    assert dict(configs("mtp", "HEAD", 8, False, [(4, 3)], chain_ks=[2]))["chain k=2"] == dict(
+        method="mtp", draft="HEAD", k=2)
+
+
 def test_a_tree_that_cannot_hold_the_budget_is_refused_by_name():
     with pytest.raises(ValueError, match="tree 2x4 cannot verify --budget 16"):
         configs("mtp", "HEAD", 16, False, [(2, 4)])
