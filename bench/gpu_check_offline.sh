@@ -11,6 +11,7 @@
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tandem-gpu-check}; mkdir -p "$OUT"
 T_TEST=${T_TEST:-300}; T_K=${T_K:-120}; T_E=${T_E:-150}; T_O=${T_O:-90}; T_S=${T_S:-200}; T_TREE=${T_TREE:-240}
+T_OPS=${T_OPS:-120}
 if [ -n "$WHEELS" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tandem-site \
     "$WHEELS"/*.whl || exit 3
@@ -37,5 +38,7 @@ run "$T_O" overlap bench.overlap --device cuda
 run "$T_TREE" tree8 bench.tree --device cuda --dtype float32 --budget 8 --methods mtp --shapes 4x3,8x4 \
   --chain-ks 2,3,4 --prompts 4 --max-tokens 96 --repeats 3 --variants masks --sets mt-bench,gsm8k \
   --name tree_budget8_cuda
+# whether bench.tree_ops's count (the dispatch counter) is what the GPU launches: the CUDA profiler's count beside it
+run "$T_OPS" tree_ops bench.tree_ops --device cuda --shapes 1x3,1x8,4x3,8x4
 run "$T_TREE" tree16 bench.tree --device cuda --dtype float32 --budget 16 --methods mtp --shapes 8x4,4x8 \
   --prompts 4 --max-tokens 96 --repeats 3 --variants masks --sets mt-bench,gsm8k --name tree_budget16_cuda

@@ -99,15 +99,30 @@ class KernelCount(TorchDispatchMode):
         return sum(self.calls.values())
 
 
-def count_shape(target: str, head: str, topk: int, depth: int, budget: int, prompt: str) -> dict:
-    """One steady-state decode step of the chain (topk 1) or tree, counted whole and in the expansion."""
+def gpu_kernels(step) -> int:
+    """Kernels (and device copies and fills) the CUDA profiler sees while `step()` runs eagerly: the GPU's own count,
+    what the dispatch count above stands for."""
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+def count_shape(target: str, head: str, topk: int, depth: int, budget: int, prompt: str,
+                device: str = "cpu") -> dict:
+    """One steady-state decode step of the chain (topk 1) or tree, counted whole and in the expansion; on a GPU (eager:
+    a graph would hide its kernels from the dispatch count) also by the CUDA profiler, on the next step."""
     import engine.speculative.tree as tree_mod
     from engine import LLM, SamplingParams, SpecConfig
 
     fields = dict(method="mtp", draft=head, k=depth)
     if topk > 1:
         fields.update(topk=topk, num_verify_tokens=max(depth, min(budget, topk * depth)))
-    llm = LLM(target, max_num_seqs=1, num_kv_blocks=64, speculative=SpecConfig(**fields))
+    kw = dict(device=device, cuda_graphs=False, dtype="float32") if device == "cuda" else {}
+    llm = LLM(target, max_num_seqs=1, num_kv_blocks=64, speculative=SpecConfig(**fields), **kw)
     engine = llm.engine
     expansions: list[KernelCount] = []
     original = tree_mod.expand
@@ -126,25 +141,27 @@ def count_shape(target: str, head: str, topk: int, depth: int, budget: int, prom
         expansions.clear()
         with KernelCount() as step:
             engine.step()
+        profiled = gpu_kernels(engine.step) if device == "cuda" else None
         engine.abort("count")
     finally:
         tree_mod.expand = original
     expansion = expansions[-1] if expansions else None
     return {"shape": f"{topk}x{depth}", "topk": topk, "depth": depth,
-            "verified_nodes": fields.get("num_verify_tokens", depth),
+            "verified_nodes": fields.get("num_verify_tokens", depth), "gpu_profiled_kernels": profiled,
             "step_kernels": step.total, "expansion_kernels": expansion.total if expansion else 0,
             "expansion_top": dict(expansion.calls.most_common(12)) if expansion else {}}
 
 
 def table(rows: list[dict]) -> str:
     chain = {r["depth"]: r["step_kernels"] for r in rows if r["topk"] == 1}
-    lines = ["| shape | verified nodes | kernels per step | of them the expansion | vs chain k=3 |",
-             "|---|---|---|---|---|"]
+    gpu = any(r.get("gpu_profiled_kernels") for r in rows)
+    lines = ["| shape | verified nodes | kernels per step | of them the expansion | vs chain k=3 |"
+             + (" CUDA profiler's kernels per step |" if gpu else ""), "|---|---|---|---|---|" + ("---|" if gpu else "")]
     for r in rows:
         label = f"chain k={r['depth']}" if r["topk"] == 1 else f"tree topk={r['topk']} depth={r['depth']}"
         ratio = f"{r['step_kernels'] / chain[3]:.2f}x" if 3 in chain else "-"
         lines.append(f"| {label} | {r['verified_nodes']} | {r['step_kernels']} | {r['expansion_kernels'] or '-'} "
-                     f"| {ratio} |")
+                     f"| {ratio} |" + (f" {r.get('gpu_profiled_kernels')} |" if gpu else ""))
     return "\n".join(lines)
 
 
@@ -155,7 +172,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x3,1x8,4x3,8x4,4x8,2x8")
     ap.add_argument("--budget", type=int, default=8, help="nodes a tree verifies (at most topk x depth)")
-    ap.add_argument("--name", default=None, help="default tree_ops_cpu, tree_ops_triton_cpu with --triton")
+    ap.add_argument("--name", default=None,
+                    help="default tree_ops_cpu, tree_ops_triton_cpu with --triton, tree_ops_cuda on a GPU")
+    ap.add_argument("--device", default="cpu", help="cuda: the step on a GPU (eager, fp32), also counted by the CUDA "
+                                                   "profiler: whether the count stands for what a GPU launches")
     ap.add_argument("--triton", action="store_true",
                     help="the kernels' Triton paths on the CPU (interpreted), as a GPU runs them: the fused "
                          "expansion (kernels/tree_expand.py), attention, norms; slow, for counting only")
@@ -173,11 +193,13 @@ def main(argv=None) -> None:
     rows = []
     for shape in args.shapes.split(","):
         topk, depth = (int(v) for v in shape.split("x"))
-        rows.append(count_shape(str(paths.target), str(paths.heads["mtp"]), topk, depth, args.budget, prompt))
+        rows.append(count_shape(str(paths.target), str(paths.heads["mtp"]), topk, depth, args.budget, prompt,
+                                args.device))
         print(json.dumps(rows[-1]), flush=True)
     results = {"model": "smollm2-135m-instruct", "head": "mtp", "batch": 1, "budget": args.budget,
-               "triton": args.triton, "rows": rows}
-    print(write_results(args.name or ("tree_ops_triton_cpu" if args.triton else "tree_ops_cpu"), results, table(rows)))
+               "triton": args.triton, "device": args.device, "rows": rows}
+    default = "tree_ops_cuda" if args.device == "cuda" else "tree_ops_triton_cpu" if args.triton else "tree_ops_cpu"
+    print(write_results(args.name or default, results, table(rows)))
 
 
 if __name__ == "__main__":

@@ -31,3 +31,11 @@ def test_table_reads_against_the_chain_of_3():
             dict(topk=4, depth=3, verified_nodes=8, step_kernels=600, expansion_kernels=100)]
     text = table(rows)
     assert "| chain k=3 | 3 | 500 | - | 1.00x |" in text and "| tree topk=4 depth=3 | 8 | 600 | 100 | 1.20x |" in text
+
+
+def test_table_shows_the_gpu_profilers_count_beside_the_dispatch_count():
+    rows = [dict(topk=1, depth=3, verified_nodes=3, step_kernels=500, expansion_kernels=0, gpu_profiled_kernels=540),
+            dict(topk=4, depth=3, verified_nodes=8, step_kernels=490, expansion_kernels=60, gpu_profiled_kernels=530)]
+    text = table(rows)
+    assert "CUDA profiler's kernels per step" in text and "| chain k=3 | 3 | 500 | - | 1.00x | 540 |" in text
+    assert "profiler" not in table([dict(r, gpu_profiled_kernels=None) for r in rows])  # a CPU run: no column
