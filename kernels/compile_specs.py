@@ -32,7 +32,7 @@ from kernels.draft_layout import draft_layout_triton
 from kernels.tree_accept import accept_path_triton
 from kernels.tree_expand import choose_triton, expand_depth_triton
 from kernels.tree_outcome import observe_triton, outcome_triton
-from kernels.tree_rows import tree_rows_triton
+from kernels.tree_rows import store_trees_triton, tree_rows_triton
 from kernels.tree_walk import walk_triton
 from kernels.verify import verify_greedy_triton
 
@@ -229,13 +229,18 @@ def _draft_layout_launches(max_topk: int) -> None:
 
 
 def _tree_step_launches(max_depth: int, max_topk: int, max_nodes: int) -> None:
-    """A tree step's verification rows (kernels/tree_rows.py) and its nodes' outcomes (tree_outcome.py) at every
-    node-count block and depth, and the acceptance table's update at every width."""
+    """A tree step's verification rows and the trees' store by slot (kernels/tree_rows.py) and its nodes' outcomes
+    (tree_outcome.py) at every node-count block and depth, and the acceptance table's update at every width."""
     i64 = torch.int64
     for n in sorted({2, 4, 8, 16, 32, max_nodes}):
         tree_rows_triton(_meta(3, n + 1, dtype=i64), _meta(3, dtype=i64), _meta(3, dtype=i64), _meta(9, n, dtype=i64),
                          _meta(9, n + 1, dtype=i64), _meta(9, n + 1, dtype=i64), _meta(9, n, dtype=i64),
                          _meta(40, dtype=i64), _meta(3, dtype=torch.int32))
+        for cells in (True, False):  # the expansion's trees scored, a handed-over one not
+            store_trees_triton(_meta(3, dtype=i64), _meta(3, n, dtype=i64), _meta(3, n + 1, dtype=i64),
+                               _meta(3, n + 1, dtype=i64), _meta(3, n, dtype=i64) if cells else None,
+                               _meta(9, n, dtype=i64), _meta(9, n + 1, dtype=i64), _meta(9, n + 1, dtype=i64),
+                               _meta(9, n, dtype=i64))
         for k in range(1, max_depth + 1):
             outcome_triton(_meta(3, k + 1, dtype=i64), _meta(3, n, dtype=i64), _meta(3, dtype=i64))
     for topk in range(2, max_topk + 1):

@@ -1,5 +1,6 @@
 """A draft tree's verification rows in one kernel (engine/speculative/tree_step.py `tree_layout`): each request's tree
 read from its draft-state slot, its nodes' positions (start + depth) and their tree masks (kernels/tree_mask.py).
+Below, `store_trees`: the next trees written to their slots (TreeSlots.write), one launch where torch takes four.
 
 Why a kernel: the torch layout is some twenty small ops (four table reads, a clip, gathers, the mask's shifts, two
 scatters), each a node of the captured decode step that costs a GPU's launch whatever its work; at batch 1 a 135M
@@ -109,3 +110,50 @@ def tree_rows(verify_rows, num_drafts, slots, parents, depth, ancestors, cells, 
     GPU, the torch reference on a CPU."""
     fn = tree_rows_triton if use_triton(verify_rows) and verify_rows.shape[0] > 0 else tree_rows_ref
     return fn(verify_rows, num_drafts, slots, parents, depth, ancestors, cells, positions, seq_lens)
+
+
+# ------------------------------------------------------------------------------------- the trees kept by slot
+
+
+def store_trees_ref(slots: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor,
+                    cells: torch.Tensor | None, tab_parents: torch.Tensor, tab_depth: torch.Tensor,
+                    tab_ancestors: torch.Tensor, tab_cells: torch.Tensor) -> None:
+    """The trees [B, ...] into the tables [S, ...] at rows `slots` [B] (cells None: -1, not scored)."""
+    tab_parents.index_copy_(0, slots, parents)
+    tab_depth.index_copy_(0, slots, depth)
+    tab_ancestors.index_copy_(0, slots, ancestors)
+    tab_cells.index_copy_(0, slots, cells if cells is not None else torch.full_like(parents, -1))
+
+
+@triton.jit(do_not_specialize=["N"])
+def _store_trees_kernel(slots_ptr, par_ptr, dep_ptr, anc_ptr, cell_ptr, par_tab, dep_tab, anc_tab, cell_tab, N,
+                        HAS_CELLS: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    node, row = j < N, j < N + 1
+    slot = tl.load(slots_ptr + b)
+    tl.store(par_tab + slot * N + j, tl.load(par_ptr + b * N + j, mask=node), mask=node)
+    tl.store(dep_tab + slot * (N + 1) + j, tl.load(dep_ptr + b * (N + 1) + j, mask=row), mask=row)
+    tl.store(anc_tab + slot * (N + 1) + j, tl.load(anc_ptr + b * (N + 1) + j, mask=row), mask=row)
+    if HAS_CELLS:
+        cells = tl.load(cell_ptr + b * N + j, mask=node, other=-1)
+    else:
+        cells = tl.full([BLOCK], -1, tl.int64)
+    tl.store(cell_tab + slot * N + j, cells, mask=node)
+
+
+def store_trees_triton(slots, parents, depth, ancestors, cells, tab_parents, tab_depth, tab_ancestors,
+                       tab_cells) -> None:
+    B, N = parents.shape
+    for t in (tab_parents, tab_depth, tab_ancestors, tab_cells):
+        assert t.is_contiguous(), "the tree tables must be contiguous"
+    launch(_store_trees_kernel, (B,), slots.contiguous(), parents.contiguous(), depth.contiguous(),
+           ancestors.contiguous(), cells.contiguous() if cells is not None else parents, tab_parents, tab_depth,
+           tab_ancestors, tab_cells, N, HAS_CELLS=cells is not None, BLOCK=max(next_pow2(N + 1), 2), num_warps=1)
+
+
+def store_trees(slots, parents, depth, ancestors, cells, tab_parents, tab_depth, tab_ancestors, tab_cells) -> None:
+    """Each request's tree into its draft-state slot's rows of the tables (engine/speculative/tree.py TreeSlots; the
+    inverse of `tree_rows`' read), one launch on a GPU where the reference takes four copies."""
+    fn = store_trees_triton if use_triton(parents) and parents.shape[0] > 0 else store_trees_ref
+    fn(slots, parents, depth, ancestors, cells, tab_parents, tab_depth, tab_ancestors, tab_cells)

@@ -45,6 +45,7 @@ from engine.speculative.tree_score import NUM_BUCKETS, AcceptanceTable
 from kernels.draft_layout import draft_layout
 from kernels.tree_expand import choose as choose_nodes
 from kernels.tree_expand import expand_depth, forced_word
+from kernels.tree_rows import store_trees
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +80,8 @@ class TreeSlots:
         self.cells = torch.full((num_slots + 1, num_nodes), -1, dtype=torch.int64, device=device)
 
     def write(self, slots: torch.Tensor, tree: DraftTree) -> None:
-        self.parents.index_copy_(0, slots, tree.parents)
-        self.depth.index_copy_(0, slots, tree.depth)
-        self.ancestors.index_copy_(0, slots, tree.ancestors)
-        self.cells.index_copy_(0, slots, tree.cells if tree.cells is not None else torch.full_like(tree.parents, -1))
+        store_trees(slots, tree.parents, tree.depth, tree.ancestors, tree.cells, self.parents, self.depth,
+                    self.ancestors, self.cells)
 
     def grow(self, num_slots: int) -> None:
         for name in ("parents", "depth", "ancestors", "cells"):

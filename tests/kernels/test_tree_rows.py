@@ -77,3 +77,24 @@ def test_on_a_gpu_the_kernel_equals_the_cpu_reference(B, N):
     got = tree_rows(vr.cuda(), num.cuda(), slots.cuda(), *(t.cuda() for t in tabs), positions.cuda(), seq_lens.cuda())
     for w, o in zip(want, got):
         assert torch.equal(w, o.cpu())
+
+
+@pytest.mark.parametrize("N,with_cells", [(8, True), (16, False), (63, True)])
+def test_stored_trees_read_back(N, with_cells):
+    """store_trees (kernel, interpreted, and reference) writes each tree into its slot's rows and nothing else; the
+    rows read back by tree_rows are the trees stored."""
+    from kernels.tree_rows import store_trees_ref, store_trees_triton
+
+    g = torch.Generator().manual_seed(N)
+    S, B = 7, 3
+    trees = _tables(B, N, g)
+    slots = torch.tensor([5, 0, 3])
+    for store in (store_trees_ref, store_trees_triton):
+        tabs = _tables(S, N, torch.Generator().manual_seed(99))
+        before = [t.clone() for t in tabs]
+        store(slots, *trees[:3], trees[3] if with_cells else None, *tabs)
+        want_cells = trees[3] if with_cells else torch.full_like(trees[0], -1)
+        for tab, old, new in zip(tabs, before, (*trees[:3], want_cells)):
+            assert torch.equal(tab[slots], new), store.__name__
+            keep = [s for s in range(S) if s not in slots.tolist()]
+            assert torch.equal(tab[keep], old[keep]), store.__name__

@@ -31,7 +31,7 @@ params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
 # changes in place): they must agree
 import kernels.draft_layout as dl, kernels.tree_accept as ta, kernels.tree_expand as te, kernels.tree_outcome as to
 import kernels.tree_rows as tr
-names = ("expand", "choose", "draft_layout", "tree_rows", "outcome", "observe", "accept_path")
+names = ("expand", "choose", "draft_layout", "tree_rows", "outcome", "observe", "accept_path", "store_trees")
 checks = dict({n: 0 for n in names}, mismatch=[])
 def same(a, b):
     if isinstance(a, tuple):
@@ -57,6 +57,7 @@ tr.tree_rows_triton = checked("tree_rows", tr.tree_rows_triton, tr.tree_rows_ref
 to.outcome_triton = checked("outcome", to.outcome_triton, to.outcome_ref)
 to.observe_triton = checked("observe", to.observe_triton, to.observe_ref, mutated=(0, 1, 2))
 ta.accept_path_triton = checked("accept_path", ta.accept_path_triton, ta.accept_path_ref, mutated=(0,))
+tr.store_trees_triton = checked("store_trees", tr.store_trees_triton, tr.store_trees_ref, mutated=(5, 6, 7, 8))
 out = {}
 for name, spec in [("none", None),
                    ("mtp", SpecConfig(method="mtp", k=3, draft=zoo + "/mtp", topk=3, num_verify_tokens=6)),
@@ -83,7 +84,8 @@ def test_trees_on_the_triton_path_equal_no_speculation(zoo):
     assert out["triton"]
     checks = out["checks"]
     assert not checks["mismatch"], checks
-    assert checks["expand"] > 20 and min(checks[n] for n in ("choose", "draft_layout", "tree_rows", "accept_path")) > 5
+    assert checks["expand"] > 20
+    assert min(checks[n] for n in ("choose", "draft_layout", "tree_rows", "accept_path", "store_trees")) > 5
     assert checks["outcome"] > 5 and checks["observe"] > 5, checks  # the trees were scored by the acceptance table
     for method in ("mtp", "eagle3", "chain"):
         assert out[method] == out["none"], method  # greedy, unguided and guided: the tokens of no speculation
