@@ -58,21 +58,27 @@ def tree_rows_ref(verify_rows: torch.Tensor, num_drafts: torch.Tensor, slots: to
     return TreeRows(parents, depth, ancestors, cells, placed, masks)
 
 
+@triton.jit
+def _move_row(dst_ptr, dst_row, src_ptr, src_row, width, j):
+    """Row src_row of a [*, width] table into row dst_row of another (lanes j < width): a tree's read from its slot
+    and its store there."""
+    m = j < width
+    tl.store(dst_ptr + dst_row * width + j, tl.load(src_ptr + src_row * width + j, mask=m), mask=m)
+
+
 @triton.jit(do_not_specialize=["N", "vr_stride"])
 def _tree_rows_kernel(vr_ptr, num_ptr, slots_ptr, par_tab, dep_tab, anc_tab, cell_tab, pos_ptr, lens_ptr,
                       par_out, dep_out, anc_out, cell_out, placed_ptr, masks_ptr, N, vr_stride,
                       WINDOW: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
-    node, row = j < N, j < N + 1
+    row = j < N + 1
     slot = tl.load(slots_ptr + b)
     # the trees at the batch's slots
-    tl.store(par_out + b * N + j, tl.load(par_tab + slot * N + j, mask=node), mask=node)
-    tl.store(cell_out + b * N + j, tl.load(cell_tab + slot * N + j, mask=node), mask=node)
-    depth = tl.load(dep_tab + slot * (N + 1) + j, mask=row, other=0)
-    anc = tl.load(anc_tab + slot * (N + 1) + j, mask=row, other=0)
-    tl.store(dep_out + b * (N + 1) + j, depth, mask=row)
-    tl.store(anc_out + b * (N + 1) + j, anc, mask=row)
+    _move_row(par_out, b, par_tab, slot, N, j)
+    _move_row(cell_out, b, cell_tab, slot, N, j)
+    _move_row(dep_out, b, dep_tab, slot, N + 1, j)
+    _move_row(anc_out, b, anc_tab, slot, N + 1, j)
     # each row's node, clipped to the request's last (the rows past it repeat that row)
     col = tl.minimum(j.to(tl.int64), tl.load(num_ptr + b))
     depth = tl.load(dep_tab + slot * (N + 1) + col, mask=row, other=0)
@@ -130,16 +136,14 @@ def _store_trees_kernel(slots_ptr, par_ptr, dep_ptr, anc_ptr, cell_ptr, par_tab,
                         HAS_CELLS: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
-    node, row = j < N, j < N + 1
     slot = tl.load(slots_ptr + b)
-    tl.store(par_tab + slot * N + j, tl.load(par_ptr + b * N + j, mask=node), mask=node)
-    tl.store(dep_tab + slot * (N + 1) + j, tl.load(dep_ptr + b * (N + 1) + j, mask=row), mask=row)
-    tl.store(anc_tab + slot * (N + 1) + j, tl.load(anc_ptr + b * (N + 1) + j, mask=row), mask=row)
+    _move_row(par_tab, slot, par_ptr, b, N, j)
+    _move_row(dep_tab, slot, dep_ptr, b, N + 1, j)
+    _move_row(anc_tab, slot, anc_ptr, b, N + 1, j)
     if HAS_CELLS:
-        cells = tl.load(cell_ptr + b * N + j, mask=node, other=-1)
+        _move_row(cell_tab, slot, cell_ptr, b, N, j)
     else:
-        cells = tl.full([BLOCK], -1, tl.int64)
-    tl.store(cell_tab + slot * N + j, cells, mask=node)
+        tl.store(cell_tab + slot * N + j, tl.full([BLOCK], -1, tl.int64), mask=j < N)
 
 
 def store_trees_triton(slots, parents, depth, ancestors, cells, tab_parents, tab_depth, tab_ancestors,
