@@ -37,7 +37,7 @@ def outcome_ref(path: torch.Tensor, parents: torch.Tensor,
     return on_path.gather(1, parents) & real, on_path[:, 1:] & real
 
 
-def log_rates_ref(trials: torch.Tensor, hits: torch.Tensor) -> torch.Tensor:
+def log_estimates(trials: torch.Tensor, hits: torch.Tensor) -> torch.Tensor:
     """The log of each cell's estimate, floored at 1e-6 (what an expansion looks its candidates up in)."""
     return (hits / trials).clamp(min=MIN_RATE).log()
 
@@ -51,7 +51,7 @@ def observe_ref(trials: torch.Tensor, hits: torch.Tensor, log_rate: torch.Tensor
     scale = (max_trials / trials).clamp(max=1.0)
     trials.mul_(scale)
     hits.mul_(scale)
-    log_rate.copy_(log_rates_ref(trials, hits))
+    log_rate.copy_(log_estimates(trials, hits))
 
 
 @triton.jit(do_not_specialize=["N", "D1"])

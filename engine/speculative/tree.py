@@ -44,7 +44,7 @@ from engine.layers.attention import AttentionMetadata, attention_context
 from engine.speculative.tree_score import NUM_BUCKETS, AcceptanceTable
 from kernels.draft_layout import draft_layout
 from kernels.tree_expand import choose as choose_nodes
-from kernels.tree_expand import expand_depth, forced_word
+from kernels.tree_expand import expand_depth
 from kernels.tree_rows import store_trees
 
 
@@ -56,15 +56,13 @@ class DraftTree:
     ancestors: torch.Tensor  # [B, N+1] int64 bit i: node i is the node or one of its ancestors
     cells: torch.Tensor | None = None  # [B, N] int64 each node's AcceptanceTable cell (-1 or None: not scored)
     forced: torch.Tensor | None = None  # [B, N] bool the node is its parent's only admissible child (the grammar's)
-    forced_word: torch.Tensor | None = None  # [B] int64 `forced` as bits, when the choice made it (no launch here)
+    forced_word: torch.Tensor | None = None  # [B] int64 `forced` as bits: the choice sets both (kernels/tree_expand.py)
 
     def forced_bits(self) -> torch.Tensor:
         """[B] int64: bit j set where node j was forced (N <= 63 nodes fit), what the host counts as forced drafts."""
         if self.forced_word is not None:
             return self.forced_word
-        if self.forced is None:
-            return torch.zeros(self.tokens.shape[0], dtype=torch.int64, device=self.tokens.device)
-        return forced_word(self.forced)
+        return torch.zeros(self.tokens.shape[0], dtype=torch.int64, device=self.tokens.device)
 
 
 class TreeSlots:

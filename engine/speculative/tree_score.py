@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from kernels.tree_expand import table_cells, table_scores
-from kernels.tree_outcome import log_rates_ref, observe
+from kernels.tree_outcome import log_estimates, observe
 
 NUM_BUCKETS = 16
 PRIOR_TRIALS = 8.0
@@ -47,7 +47,7 @@ class AcceptanceTable:
         centre = (torch.arange(NUM_BUCKETS, dtype=torch.float32, device=device) + 0.5) / NUM_BUCKETS
         self.trials = torch.full((CLASSES, topk, NUM_BUCKETS), PRIOR_TRIALS, device=device)
         self.hits = (centre * PRIOR_TRIALS).expand(CLASSES, topk, NUM_BUCKETS).contiguous()
-        self.log_rate = log_rates_ref(self.trials.view(-1), self.hits.view(-1))
+        self.log_rate = log_estimates(self.trials.view(-1), self.hits.view(-1))
         self.topk = topk
 
     def cells(self, log_probs: torch.Tensor, rank: torch.Tensor, sampled: torch.Tensor,
@@ -62,7 +62,7 @@ class AcceptanceTable:
         """Set the counts [CLASSES, topk, NUM_BUCKETS] (a table learned elsewhere), its log-estimates with them."""
         self.trials.copy_(trials)
         self.hits.copy_(hits)
-        self.log_rate.copy_(log_rates_ref(self.trials.view(-1), self.hits.view(-1)))
+        self.log_rate.copy_(log_estimates(self.trials.view(-1), self.hits.view(-1)))
 
     def log_rates(self) -> torch.Tensor:
         """[CLASSES * topk * NUM_BUCKETS] the log of each cell's estimate, flat by cell index: what an expansion

@@ -3,7 +3,7 @@ kernels (interpreted here) equal to their torch references, on random trees and 
 import pytest
 import torch
 
-from kernels.tree_outcome import log_rates_ref, observe_ref, observe_triton, outcome_ref, outcome_triton
+from kernels.tree_outcome import log_estimates, observe_ref, observe_triton, outcome_ref, outcome_triton
 from kernels.tree_walk import walk_ref
 from tests.support.draft_trees import follow_a_branch, random_parents
 
@@ -36,7 +36,7 @@ def test_observe_triton_equals_reference(rows, N, K, steps):
     trials = torch.full((C,), 8.0) + torch.randint(0, 600, (C,), generator=g).float()
     hits = trials * torch.rand(C, generator=g)
     want_t, want_h, got_t, got_h = trials.clone(), hits.clone(), trials.clone(), hits.clone()
-    want_r, got_r = log_rates_ref(trials, hits), log_rates_ref(trials, hits)
+    want_r, got_r = log_estimates(trials, hits), log_estimates(trials, hits)
     for _ in range(steps):
         cells = torch.randint(-1, 12, (rows, N), generator=g)  # few cells: many repeats within one launch
         reached = torch.rand((rows, N), generator=g) < 0.7
@@ -46,7 +46,7 @@ def test_observe_triton_equals_reference(rows, N, K, steps):
     torch.testing.assert_close(got_t, want_t, rtol=1e-6, atol=0)
     torch.testing.assert_close(got_h, want_h, rtol=1e-6, atol=0)
     torch.testing.assert_close(got_r, want_r, rtol=1e-6, atol=1e-6)
-    assert torch.equal(want_r, log_rates_ref(want_t, want_h))  # the log-rates follow the counts
+    assert torch.equal(want_r, log_estimates(want_t, want_h))  # the log-rates follow the counts
     assert (want_t <= 512.0 + 1e-3).all() and not torch.equal(want_t, trials)
 
 
@@ -71,7 +71,7 @@ def test_on_a_gpu_both_kernels_equal_the_cpu_references():
     C = 4 * 8 * 16
     trials = torch.full((C,), 8.0) + torch.randint(0, 600, (C,), generator=g).float()
     hits = trials * torch.rand(C, generator=g)
-    ref = [trials.clone(), hits.clone(), log_rates_ref(trials, hits)]
+    ref = [trials.clone(), hits.clone(), log_estimates(trials, hits)]
     dev = [t.cuda() for t in ref]
     for _ in range(3):
         cells = torch.randint(-1, 40, (64, 16), generator=g)
