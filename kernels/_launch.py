@@ -49,14 +49,15 @@ def recording(sm_count: int) -> Iterator[Recording]:
         _RECORDING.reset(token)
 
 
-_COUNTING: ContextVar[list | None] = ContextVar("tandem_kernel_counting", default=None)
+_COUNTING: ContextVar[tuple[list, ...]] = ContextVar("tandem_kernel_counting", default=())
 
 
 @contextlib.contextmanager
 def counting() -> Iterator[list]:
-    """Run launches as usual and list the kernel of each (bench/tree_ops.py counts a step's launches)."""
+    """Run launches as usual and list the kernel of each (bench/tree_ops.py counts a step's launches). Counts nest:
+    a launch is listed in every enclosing count (a step's count includes its expansion's, counted on its own too)."""
     kernels: list = []
-    token = _COUNTING.set(kernels)
+    token = _COUNTING.set(_COUNTING.get() + (kernels,))
     try:
         yield kernels
     finally:
@@ -68,8 +69,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     rec = _RECORDING.get()
     if rec is None:
         kernel[grid](*args, **kwargs)
-        counted = _COUNTING.get()
-        if counted is not None:
+        for counted in _COUNTING.get():
             counted.append(kernel)
     else:
         rec.launches.append(Launch(kernel, tuple(grid), args, dict(kwargs)))

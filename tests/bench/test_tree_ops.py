@@ -26,6 +26,21 @@ def test_a_triton_launch_counts_once_and_the_interpreters_own_ops_not_at_all():
     assert dict(c.calls) == {"triton:_expand_depth_kernel": 1}
 
 
+def test_a_count_inside_a_count_leaves_the_outer_one_whole():
+    """A step's count holds its expansion's, which bench.tree_ops also counts on its own: the Triton launches as
+    well as the aten calls (the expansion's launches were once missing from the step's count)."""
+    B, R, K = 2, 1, 4
+    lp, ids = torch.randn(B, R, 10).log_softmax(-1).topk(K, dim=-1)
+    masked, sampled = torch.zeros(B, R, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
+    with KernelCount() as outer:
+        lp.exp()
+        with KernelCount() as inner:
+            expand_depth_triton(lp, ids, None, None, masked, sampled, None, 16, None, None, None, 0, 0, 4)
+            lp.neg()
+    assert dict(inner.calls) == {"triton:_expand_depth_kernel": 1, "neg": 1}
+    assert dict(outer.calls) == {"triton:_expand_depth_kernel": 1, "neg": 1, "exp": 1}
+
+
 def test_table_reads_against_the_chain_of_3():
     rows = [dict(topk=1, depth=3, verified_nodes=3, step_kernels=500, expansion_kernels=0),
             dict(topk=4, depth=3, verified_nodes=8, step_kernels=600, expansion_kernels=100)]
