@@ -1,6 +1,6 @@
 """Kernels per decode step of chains and draft trees, and the tree expansion's share, counted on the CPU.
 
-    python -m bench.tree_ops [--shapes 1x3,1x8,4x3,8x4,4x8,2x8] [--budget 8] [--triton] [--name NAME]
+    python -m bench.tree_ops [--shapes 1x0,1x3,1x8,4x3,8x4,4x8,2x8] [--budget 8] [--triton] [--name NAME]
 
 On a GPU at batch 1 a 135M model's step is launch-bound: with CUDA graphs every kernel is a graph node whose
 launch and tail cost a few microseconds whatever its work, so a tree step that verifies as many rows as a chain
@@ -14,7 +14,8 @@ does (the CPU's 2-8 row matmuls add a transposing copy, engine/layers/linear.py)
 stands for a GPU step (the fused tree kernels, kernels/tree_expand.py and tree_walk.py, are one launch each there).
 The count for the whole step and for the expansion (engine/speculative/tree.py `expand`, the trees' drafting past
 the head's first pass) is deterministic: a fact about the code, not the machine, which is why it can stand for a GPU
-measurement until one runs. Shapes are TOPKxDEPTH; topk 1 is the chain of DEPTH.
+measurement until one runs. Shapes are TOPKxDEPTH; topk 1 is the chain of DEPTH, 1x0 a plain decode step (no
+speculation).
 Writes bench/results/{name}.{json,md}.
 """
 from __future__ import annotations
@@ -122,7 +123,8 @@ def count_shape(target: str, head: str, topk: int, depth: int, budget: int, prom
     if topk > 1:
         fields.update(topk=topk, num_verify_tokens=max(depth, min(budget, topk * depth)))
     kw = dict(device=device, cuda_graphs=False, dtype="float32") if device == "cuda" else {}
-    llm = LLM(target, max_num_seqs=1, num_kv_blocks=64, speculative=SpecConfig(**fields), **kw)
+    spec = SpecConfig(**fields) if depth else None  # 1x0: a plain decode step, every method's floor
+    llm = LLM(target, max_num_seqs=1, num_kv_blocks=64, speculative=spec, **kw)
     engine = llm.engine
     expansions: list[KernelCount] = []
     original = tree_mod.expand
@@ -147,7 +149,7 @@ def count_shape(target: str, head: str, topk: int, depth: int, budget: int, prom
         tree_mod.expand = original
     expansion = expansions[-1] if expansions else None
     return {"shape": f"{topk}x{depth}", "topk": topk, "depth": depth,
-            "verified_nodes": fields.get("num_verify_tokens", depth), "gpu_profiled_kernels": profiled,
+            "verified_nodes": fields.get("num_verify_tokens", depth) if depth else 0, "gpu_profiled_kernels": profiled,
             "step_kernels": step.total, "expansion_kernels": expansion.total if expansion else 0,
             "expansion_top": dict(expansion.calls.most_common(12)) if expansion else {}}
 
@@ -158,7 +160,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| shape | verified nodes | kernels per step | of them the expansion | vs chain k=3 |"
              + (" CUDA profiler's kernels per step |" if gpu else ""), "|---|---|---|---|---|" + ("---|" if gpu else "")]
     for r in rows:
-        label = f"chain k={r['depth']}" if r["topk"] == 1 else f"tree topk={r['topk']} depth={r['depth']}"
+        label = ("no speculation" if not r["depth"] else f"chain k={r['depth']}" if r["topk"] == 1
+                 else f"tree topk={r['topk']} depth={r['depth']}")
         ratio = f"{r['step_kernels'] / chain[3]:.2f}x" if 3 in chain else "-"
         lines.append(f"| {label} | {r['verified_nodes']} | {r['step_kernels']} | {r['expansion_kernels'] or '-'} "
                      f"| {ratio} |" + (f" {r.get('gpu_profiled_kernels')} |" if gpu else ""))
@@ -170,7 +173,7 @@ def main(argv=None) -> None:
     from zoo.models import resolve
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="1x3,1x8,4x3,8x4,4x8,2x8")
+    ap.add_argument("--shapes", default="1x0,1x3,1x8,4x3,8x4,4x8,2x8", help="TOPKxDEPTH; 1x0: no speculation")
     ap.add_argument("--budget", type=int, default=8, help="nodes a tree verifies (at most topk x depth)")
     ap.add_argument("--name", default=None,
                     help="default tree_ops_cpu, tree_ops_triton_cpu with --triton, tree_ops_cuda on a GPU")

@@ -27,7 +27,8 @@ from kernels.store_kv import store_kv_triton
 from kernels.bitmask import apply_token_bitmask_triton
 from kernels.kv_transfer import pack_kv_triton, unpack_kv_triton
 from kernels.mla_attention import mla_attention_triton, store_latent_triton
-from kernels.norm_rope import apply_rope_triton, rms_norm_triton
+from kernels.activation import silu_and_mul_triton
+from kernels.norm_rope import apply_rope_triton, rms_norm_triton, rope_store_kv_triton
 from kernels.draft_layout import draft_layout_triton
 from kernels.tree_accept import accept_path_triton
 from kernels.tree_expand import choose_triton, expand_depth_triton
@@ -51,6 +52,7 @@ class ModelShape:
     vocab: int
     draft_vocab: int | None = None  # an EAGLE-3 head's own, smaller vocabulary (bitmask through d2t)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    intermediate: int = 0  # the gated MLP's width (kernels/activation.py reads its tensor-parallel shards)
 
     @property
     def qkv_width(self) -> int:
@@ -60,10 +62,10 @@ class ModelShape:
 # Published configs of the supported families (engine/config.py SUPPORTED_ARCHITECTURES): the default
 # real model, head dim 128 with GQA groups 4 and 7, Qwen3's per-head norm, EAGLE-3's 32k draft vocabulary.
 PUBLISHED = (
-    ModelShape("SmolLM2-135M", 576, 9, 3, 64, 49152),
-    ModelShape("Llama-3.1-8B", 4096, 32, 8, 128, 128256, draft_vocab=32000),
-    ModelShape("Qwen2.5-7B", 3584, 28, 4, 128, 152064),
-    ModelShape("Qwen3-8B", 4096, 32, 8, 128, 151936, qk_norm=True),
+    ModelShape("SmolLM2-135M", 576, 9, 3, 64, 49152, intermediate=1536),
+    ModelShape("Llama-3.1-8B", 4096, 32, 8, 128, 128256, draft_vocab=32000, intermediate=14336),
+    ModelShape("Qwen2.5-7B", 3584, 28, 4, 128, 152064, intermediate=18944),
+    ModelShape("Qwen3-8B", 4096, 32, 8, 128, 151936, qk_norm=True, intermediate=12288),
 )
 
 
@@ -80,6 +82,7 @@ def zoo_shapes(root: Path = ZOO_PREBUILT) -> list[ModelShape]:
             f"zoo/{path.parent.parent.name}/{path.parent.name}", raw["hidden_size"], heads,
             raw.get("num_key_value_heads") or heads, raw.get("head_dim") or raw["hidden_size"] // heads,
             raw["vocab_size"], draft_vocab if draft_vocab not in (None, raw["vocab_size"]) else None,
+            intermediate=raw.get("intermediate_size") or 0,
         )
         shapes.setdefault(dataclasses.replace(shape, name=""), shape)  # one per distinct shape
     return list(shapes.values())
@@ -115,7 +118,7 @@ def _qkv(m: ModelShape, dtype: torch.dtype, T: int) -> tuple[torch.Tensor, torch
 
 def _token_launches(m: ModelShape, dtype: torch.dtype, T: int) -> None:
     """The per-token kernels of one layer over T rows: norms (with and without the residual), Qwen3's
-    per-head q/k norm, rotary embedding."""
+    per-head q/k norm, rotary embedding, the gated MLP's activation (its shard at tensor parallelism 1-8)."""
     hidden = _meta(T, m.hidden, dtype=dtype)
     weight = _meta(m.hidden, dtype=dtype)
     rms_norm_triton(hidden, weight, 1e-6)
@@ -127,6 +130,9 @@ def _token_launches(m: ModelShape, dtype: torch.dtype, T: int) -> None:
     positions = _meta(T, dtype=torch.int64)
     for table_dtype in {torch.float32, dtype}:  # the rope table is a buffer: fp32, or cast with the model
         apply_rope_triton(q, k, positions, _meta(4096, m.head_dim, dtype=table_dtype))
+    for tp in (1, 2, 4, 8):
+        if m.intermediate and m.intermediate % tp == 0:
+            silu_and_mul_triton(_meta(T, 2 * m.intermediate // tp, dtype=dtype))
 
 
 def _attention_launches(m: ModelShape, dtype: torch.dtype, page: int, B: int, q_len: int, kv_len: int,
@@ -140,7 +146,15 @@ def _attention_launches(m: ModelShape, dtype: torch.dtype, page: int, B: int, q_
     kv_cache = _meta(2, 2, B * blocks_per_seq + 1, page, m.num_kv_heads, m.head_dim, dtype=dtype)
     k_cache, v_cache = kv_cache[0, 0], kv_cache[0, 1]
     if not tree:
-        store_kv_triton(k, v, k_cache, v_cache, _meta(T, dtype=torch.int64))
+        slots = _meta(T, dtype=torch.int64)
+        store_kv_triton(k, v, k_cache, v_cache, slots)
+        # Llama-family layers rotate q and k in the KV store's launch (engine/layers/attention.py); Qwen3's per-head
+        # norm hands them over as tensors of their own, not views of the projection
+        rotated = [(q, k)] + ([(_meta(*q.shape, dtype=dtype), _meta(*k.shape, dtype=dtype))] if m.qk_norm else [])
+        for q_in, k_in in rotated:
+            for table_dtype in {torch.float32, dtype}:
+                rope_store_kv_triton(q_in, k_in, v, _meta(T, dtype=torch.int64), _meta(4096, m.head_dim,
+                                     dtype=table_dtype), k_cache, v_cache, slots)
     paged_attention_triton(q, k_cache, v_cache, _meta(B, blocks_per_seq, dtype=torch.int32),
                            _meta(B, dtype=torch.int32), _meta(B + 1, dtype=torch.int32), m.head_dim ** -0.5,
                            q_len, kv_len, tree_mask=_meta(T, dtype=torch.int64) if tree else None)
@@ -302,10 +316,11 @@ def scenarios(models: list[ModelShape], space: EngineSpace) -> Iterator[tuple[st
     tree_steps += [(B, space.prefill_tokens, (space.prefill_tokens, 4 * space.prefill_tokens)) for B in (1, 3)]
     for dtype in space.dtypes:
         dt = str(dtype).removeprefix("torch.")
-        for m in _distinct(models, "hidden", "num_heads", "num_kv_heads", "head_dim", "qk_norm"):
+        for m in _distinct(models, "hidden", "num_heads", "num_kv_heads", "head_dim", "qk_norm", "intermediate"):
             for T in sorted({B * q_len for B, q_len in steps}):
-                yield f"{m.name} {dt}: norm and rope, {T} rows", lambda m=m, d=dtype, T=T: _token_launches(m, d, T)
-        for m in _distinct(models, "num_heads", "num_kv_heads", "head_dim"):
+                yield (f"{m.name} {dt}: norm, rope and activation, {T} rows",
+                       lambda m=m, d=dtype, T=T: _token_launches(m, d, T))
+        for m in _distinct(models, "num_heads", "num_kv_heads", "head_dim", "qk_norm"):
             for page in space.block_sizes:
                 for B, q_len in steps:
                     for kv_len in space.kv_lens if q_len <= space.max_k + 1 else (q_len, 4 * q_len):

@@ -18,6 +18,7 @@ import triton.language as tl
 from kernels._dispatch import interpreter_bf16, next_pow2, use_triton
 from kernels._launch import launch
 from kernels._triton_utils import round_bf16
+from kernels.store_kv import check_cache, store_kv_ref
 
 
 # -------------------------------------------------------------------------------------------- norm
@@ -223,26 +224,18 @@ def apply_rope_ref(
 
 
 @triton.jit
-def _rope_kernel(
-    x_ptr,  # [T, H, D] (D contiguous)
-    out_ptr,  # [T, H, D] contiguous
-    pos_ptr,  # [T] int
-    cos_sin_ptr,  # [max_pos, R] contiguous
-    stride_t, stride_h,
-    H: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, RNE: tl.constexpr,
-):
+def _rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, cos, sin, f, f_ok,
+                  H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_PASS: tl.constexpr, RNE: tl.constexpr):
+    """Token t's H heads of src rotated by its cos/sin row [1, BLOCK_HALF] into row dst_row of dst ([rows, H, D]
+    contiguous: an output, or a paged cache by slot; a negative row, a padding token's slot, is skipped). The
+    result is rounded to src's dtype, then stored in dst's (a cache of another dtype rounds once more, as a store
+    of the rotated tensor would)."""
     HALF: tl.constexpr = R // 2
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    f = tl.arange(0, BLOCK_HALF)
-    f_ok = f < HALF
-    cos = tl.load(cos_sin_ptr + pos * R + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * R + HALF + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
     h = tl.arange(0, BLOCK_H)[:, None]
     ok = (h < H) & f_ok[None, :]
-    src = x_ptr + t * stride_t + h * stride_h
-    dst = out_ptr + t * (H * D) + h * D
+    src = src_ptr + t * stride_t + h * stride_h
+    dst = dst_ptr + dst_row * (H * D) + h * D
     x1 = tl.load(src + f[None, :], mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + f[None, :], mask=ok, other=0.0).to(tl.float32)
     y1 = x1 * cos - x2 * sin
@@ -250,32 +243,139 @@ def _rope_kernel(
     if RNE:
         y1 = round_bf16(y1)
         y2 = round_bf16(y2)
-    tl.store(dst + f[None, :], y1.to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(dst + HALF + f[None, :], y2.to(out_ptr.dtype.element_ty), mask=ok)
+    ok = ok & ((h * 0 + dst_row) >= 0)  # the row test broadcast: the interpreter rejects scalar masks
+    y1 = y1.to(src_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty)
+    y2 = y2.to(src_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty)
+    tl.store(dst + f[None, :], y1, mask=ok)
+    tl.store(dst + HALF + f[None, :], y2, mask=ok)
     if R < D:  # features past rotary_dim pass through
         p = R + tl.arange(0, BLOCK_PASS)[None, :]
-        p_ok = (h < H) & (p < D)
-        tl.store(dst + p, tl.load(src + p, mask=p_ok), mask=p_ok)
+        p_ok = (h < H) & (p < D) & ((h * 0 + dst_row) >= 0)
+        tl.store(dst + p, tl.load(src + p, mask=p_ok).to(dst_ptr.dtype.element_ty), mask=p_ok)
 
 
-def _rope_one(x, positions, cos_sin):
-    T, H, D = x.shape
-    R = cos_sin.shape[1]
-    assert x.stride(2) == 1 and R % 2 == 0 and R <= D and cos_sin.is_contiguous(), (x.stride(), cos_sin.shape)
-    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
-    if T:
-        launch(
-            _rope_kernel, (T,), x, out, positions, cos_sin, x.stride(0), x.stride(1),
-            H=H, D=D, R=R, BLOCK_H=next_pow2(H), BLOCK_HALF=next_pow2(R // 2),
-            BLOCK_PASS=next_pow2(max(D - R, 1)), RNE=interpreter_bf16(x),
-        )
-    return out
+@triton.jit
+def _rope_kernel(
+    q_ptr,  # [T, HQ, D] (D contiguous)
+    k_ptr,  # [T, HK, D] (D contiguous)
+    q_out_ptr,  # [T, HQ, D] contiguous
+    k_out_ptr,  # [T, HK, D] contiguous
+    pos_ptr,  # [T] int
+    cos_sin_ptr,  # [max_pos, R] contiguous
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    """q and k of token t in one program: one launch (a graph node) per layer, not two; the cos/sin row read once."""
+    HALF: tl.constexpr = R // 2
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    f = tl.arange(0, BLOCK_HALF)
+    f_ok = f < HALF
+    cos = tl.load(cos_sin_ptr + pos * R + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * R + HALF + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, t, t, cos, sin, f, f_ok, HQ, D, R, BLOCK_HQ,
+                  BLOCK_PASS, RNE)
+    _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, t, t, cos, sin, f, f_ok, HK, D, R, BLOCK_HK,
+                  BLOCK_PASS, RNE)
 
 
 def apply_rope_triton(q, k, positions, cos_sin):
     assert positions.shape == (q.shape[0],) and k.shape[0] == q.shape[0] and positions.is_contiguous()
     assert q.shape[2] == k.shape[2] and q.device == k.device == cos_sin.device == positions.device
-    return _rope_one(q, positions, cos_sin), _rope_one(k, positions, cos_sin)
+    assert q.dtype == k.dtype, (q.dtype, k.dtype)
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    R = cos_sin.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and R % 2 == 0 and R <= D and cos_sin.is_contiguous(), \
+        (q.stride(), k.stride(), cos_sin.shape)
+    q_out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((T, HK, D), dtype=k.dtype, device=k.device)
+    if T:
+        launch(
+            _rope_kernel, (T,), q, k, q_out, k_out, positions, cos_sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            HQ=HQ, HK=HK, D=D, R=R, BLOCK_HQ=next_pow2(HQ), BLOCK_HK=next_pow2(HK),
+            BLOCK_HALF=next_pow2(R // 2), BLOCK_PASS=next_pow2(max(D - R, 1)), RNE=interpreter_bf16(q),
+        )
+    return q_out, k_out
+
+
+# ------------------------------------------------------------------------------- rotary + KV store, fused
+
+
+@triton.jit
+def _rope_store_kernel(
+    q_ptr,  # [T, HQ, D] (D contiguous)
+    k_ptr,  # [T, HK, D] (D contiguous)
+    v_ptr,  # [T, HK, D] (D contiguous)
+    q_out_ptr,  # [T, HQ, D] contiguous
+    k_cache_ptr,  # [N, S, HK, D] contiguous
+    v_cache_ptr,  # [N, S, HK, D] contiguous
+    slot_ptr,  # [T] int64, -1 = padding (nothing stored)
+    pos_ptr,  # [T] int
+    cos_sin_ptr,  # [max_pos, R] contiguous
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr, RNE: tl.constexpr,
+):
+    """Token t: q rotated into q_out, k rotated and v copied into the caches at its slot. One launch (a graph node)
+    per layer where rotary embedding and the KV store were two; the rotated k is never written anywhere else."""
+    HALF: tl.constexpr = R // 2
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    f = tl.arange(0, BLOCK_HALF)
+    f_ok = f < HALF
+    cos = tl.load(cos_sin_ptr + pos * R + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * R + HALF + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, t, t, cos, sin, f, f_ok, HQ, D, R, BLOCK_HQ,
+                  BLOCK_PASS, RNE)
+    _rotate_heads(k_ptr, k_cache_ptr, stride_kt, stride_kh, t, slot, cos, sin, f, f_ok, HK, D, R,
+                  BLOCK_HK, BLOCK_PASS, RNE)
+    h = tl.arange(0, BLOCK_HK)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = (h < HK) & (d < D) & ((h * 0 + slot) >= 0)  # the slot test broadcast: the interpreter rejects scalar masks
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=ok)
+    tl.store(v_cache_ptr + slot * (HK * D) + h * D + d, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+def rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, rows=None, plan=None):
+    """apply_rope_ref, then store_kv_ref of the rotated k and v: what the fused kernel computes."""
+    q, k = apply_rope_ref(q, k, positions, cos_sin, rows)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, plan)
+    return q
+
+
+def rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+    check_cache(k_cache, v_cache)
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    R = cos_sin.shape[1]
+    assert k.shape == v.shape == (T, HK, D) and k_cache.shape[2:] == (HK, D), (q.shape, k.shape, k_cache.shape)
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and q.dtype == k.dtype
+    assert positions.shape == (T,) and positions.is_contiguous() and cos_sin.is_contiguous()
+    assert slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64 and R % 2 == 0 and R <= D
+    q_out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
+    if T:
+        launch(
+            _rope_store_kernel, (T,), q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            HQ=HQ, HK=HK, D=D, R=R, BLOCK_HQ=next_pow2(HQ), BLOCK_HK=next_pow2(HK), BLOCK_HALF=next_pow2(R // 2),
+            BLOCK_PASS=next_pow2(max(D - R, 1)), BLOCK_D=next_pow2(D), RNE=interpreter_bf16(q),
+        )
+    return q_out
+
+
+def rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, rows=None, plan=None):
+    """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` by their positions, and write the rotated k and v `[T, Hkv, D]`
+    into the paged caches at `slot_mapping` (-1: skipped) -> the rotated q. `rows`/`plan`: the reference path's
+    tables and store plan, computed once per step."""
+    if use_triton(q):
+        return rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    return rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, rows, plan)
 
 
 def apply_rope(q, k, positions, cos_sin, rows=None):

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engine.layers.rotary import RopeAt
 from engine.scoped import ForwardScoped
 from kernels._dispatch import use_triton
 from kernels.attention import (CPU_KERNEL_MAX_Q, AttentionPlan, cpu_kernel_serves, paged_attention, paged_attention_cpu,
                                plan_paged_attention)
+from kernels.norm_rope import apply_rope, rope_store_kv
 from kernels.store_kv import StorePlan, plan_store_kv, store_kv
 
 
@@ -73,11 +75,17 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeAt | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]. rope: q and k come unrotated and are rotated here, on the
+        Triton path in one launch with the KV store (kernels/norm_rope.py rope_store_kv); None: already rotated."""
         meta = current_metadata()
         k_cache = meta.kv_cache[self.layer_idx, 0]
         v_cache = meta.kv_cache[self.layer_idx, 1]
+        if rope is not None and use_triton(q):
+            q = rope_store_kv(q, k, v, rope.positions, rope.cos_sin, k_cache, v_cache, meta.slot_mapping)
+            return self._attend(meta, q, k_cache, v_cache)
+        if rope is not None:
+            q, k = apply_rope(q, k, rope.positions, rope.cos_sin, rope.rows)
         kernel = cpu_kernel_serves(q)
         if kernel and meta.max_q_len <= CPU_KERNEL_MAX_Q:  # one C++ call: the stores and the attention, no plans
             out = paged_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -86,9 +94,19 @@ class PagedAttention(nn.Module):
             return out.view(q.shape[0], self.num_heads * self.head_dim)
         ref = not use_triton(q)  # the torch reference: its index math is planned once per step, for every layer
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.store_plan() if ref else None)
+        return self._attend(meta, q, k_cache, v_cache, kernel)
+
+    def _attend(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                kernel: bool = False) -> torch.Tensor:
+        """The attention over the cache, this step's rows stored. Every row of a step belongs to a request (a graph's
+        padding rows to its padding requests, engine/runner/batch.py), so on the Triton path the output is left
+        uninitialised: the kernel writes every row, and zeroing rows past the batch would be a memset launch, a
+        graph node, per layer."""
+        ref = not use_triton(q)
         plan = meta.attention_plan(q.shape[0], k_cache.shape[1], self.group) if ref else None
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              self.scale, meta.max_q_len, meta.max_seq_len, plan=plan, tree_mask=meta.tree_mask)
+                              self.scale, meta.max_q_len, meta.max_seq_len, None if ref else torch.empty_like(q),
+                              plan=plan, tree_mask=meta.tree_mask)
         if kernel and out.stride(2) == 1:
             # A prefill chunk beside short requests: theirs come from the kernel, as in a step without the chunk.
             paged_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,

@@ -26,6 +26,7 @@ from engine.distributed.data_parallel import DPContext
 from engine.distributed.parallel import TPContext
 from engine.errors import ModelLoadError
 from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
+from kernels.activation import silu_and_mul
 
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # checkpoint names of an expert's weights, in shard-id order
 GATHER_BYTES = 256 << 20  # the gathered form's bound on expert weights gathered at once
@@ -144,8 +145,7 @@ class RoutedExperts(nn.Module):
         offsets = counts[:E].cumsum(0, dtype=torch.int32)  # [E] end of each expert's rows
         token = order // K  # [T * K] the token of each sorted pair
         h = F.grouped_mm(x.index_select(0, token), self.w13.transpose(1, 2), offs=offsets)  # [T * K, 2 * I_local]
-        gate, up = h.split(self.local, dim=-1)
-        y = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)  # [T * K, H]
+        y = F.grouped_mm(silu_and_mul(h), self.w2.transpose(1, 2), offs=offsets)  # [T * K, H]
         y = y * weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
         if self.expert_parallel:  # rows past the last offset hold whatever the output's memory held
             y = torch.where(mine.index_select(0, order)[:, None], y, 0)
@@ -167,8 +167,7 @@ class RoutedExperts(nn.Module):
         for start in range(0, T * K, chunk):
             e = flat[start:start + chunk]
             h = torch.bmm(self.w13.index_select(0, e), xs[start:start + chunk, :, None])[..., 0]  # [c, 2 * I_local]
-            gate, up = h.split(self.local, dim=-1)
-            parts.append(torch.bmm(self.w2.index_select(0, e), (F.silu(gate) * up)[:, :, None])[..., 0])  # [c, H]
+            parts.append(torch.bmm(self.w2.index_select(0, e), silu_and_mul(h)[:, :, None])[..., 0])  # [c, H]
         y = torch.cat(parts) if parts else xs.new_zeros(0, x.shape[1])
         return (y.view(T, K, x.shape[1]) * weights[:, :, None].to(y.dtype)).sum(1)
 
@@ -188,8 +187,7 @@ class SharedExperts(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class MoEBlock(nn.Module):

@@ -21,6 +21,13 @@ class RopeAt:
 
     positions: torch.Tensor  # [T] int64
     rows: tuple[torch.Tensor, torch.Tensor] | None  # rope_rows(positions, cos_sin); None on the Triton path
+    cos_sin: torch.Tensor | None = None  # the embedding's table
+
+    @property
+    def fused(self) -> bool:
+        """The Triton path: the attention rotates q and k itself, in one launch with the KV store
+        (engine/layers/attention.py), so the projections hand them over unrotated."""
+        return self.rows is None and self.cos_sin is not None
 
 
 class RotaryEmbedding(nn.Module):
@@ -30,7 +37,7 @@ class RotaryEmbedding(nn.Module):
 
     def at(self, positions: torch.Tensor) -> RopeAt:
         """positions [T] -> what each layer of one forward rotates with."""
-        return RopeAt(positions, None if use_triton(positions) else rope_rows(positions, self.cos_sin))
+        return RopeAt(positions, None if use_triton(positions) else rope_rows(positions, self.cos_sin), self.cos_sin)
 
     def forward(self, rope: RopeAt, q: torch.Tensor, k: torch.Tensor):
         """rope: self.at(positions); q [T, Hq, D]; k [T, Hkv, D] -> rotated (q, k)."""

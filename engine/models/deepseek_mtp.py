@@ -59,7 +59,7 @@ class DeepseekMTPHead(DraftHead):
         -> the normed state the shared head reads [T, H]."""
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(token_ids)), self.hnorm(hidden)], dim=-1))
         out, residual = self.block(self.rotary.at(positions), x, None)
-        return self.shared_head.norm(out + residual)
+        return self.shared_head.norm(out, residual)[0]  # norm(out + residual), the add fused into the norm
 
     def compute_logits(self, state: torch.Tensor) -> torch.Tensor:
         return self.shared_head.head(state).float()

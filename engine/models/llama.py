@@ -7,7 +7,6 @@ prefill chunks, decode tokens and verification chains) and has no host syncs or 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
@@ -19,6 +18,7 @@ from engine.layers.kv_spec import KVCacheSpec
 from engine.layers.linear import Embedding, LMHead, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RopeAt, RotaryEmbedding
+from kernels.activation import silu_and_mul
 
 
 class LlamaAttention(nn.Module):
@@ -35,10 +35,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: RopeAt, x: torch.Tensor) -> torch.Tensor:
         """rope: the forward's positions (RotaryEmbedding.at); x [T, H] -> [T, H]."""
-        return self.o_proj(self.attn(*self.project(rope, x)))
+        return self.o_proj(self.attend(rope, *self.project(rope, x)))
+
+    def attend(self, rope: RopeAt, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The paged attention over `project`'s outputs, which it rotates first where they came unrotated."""
+        return self.attn(q, k, v, rope if rope.fused else None)
 
     def project(self, rope: RopeAt, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Everything before the paged attention: x [T, H] -> rotated q [T, Hq, D], k and v [T, Hkv, D]."""
+        """Everything before the paged attention: x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D], q and k rotated
+        unless `rope.fused` (then `attend` rotates them in one launch with the KV store)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(T, -1, self.head_dim)
@@ -46,7 +51,8 @@ class LlamaAttention(nn.Module):
         v = v.view(T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(rope, q, k)
+        if not rope.fused:
+            q, k = self.rotary(rope, q, k)
         return q, k, v
 
 
@@ -71,8 +77,7 @@ class LlamaMLP(nn.Module):
         return self._shard(x)
 
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -87,7 +92,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, rope: RopeAt, hidden, residual):
         """Pre-norm block on the residual stream; returns (block output, residual) unsummed."""
         q, k, v, residual = self.attention_inputs(rope, hidden, residual)
-        return self.finish(self.self_attn.attn(q, k, v), residual)
+        return self.finish(self.self_attn.attend(rope, q, k, v), residual)
 
     # The block around its paged attention, in two halves: a piecewise-compiled forward
     # (engine/models/piecewise.py) compiles each half with its neighbour and runs the attention between.

@@ -42,10 +42,12 @@ def test_a_count_inside_a_count_leaves_the_outer_one_whole():
 
 
 def test_table_reads_against_the_chain_of_3():
-    rows = [dict(topk=1, depth=3, verified_nodes=3, step_kernels=500, expansion_kernels=0),
+    rows = [dict(topk=1, depth=0, verified_nodes=0, step_kernels=400, expansion_kernels=0),
+            dict(topk=1, depth=3, verified_nodes=3, step_kernels=500, expansion_kernels=0),
             dict(topk=4, depth=3, verified_nodes=8, step_kernels=600, expansion_kernels=100)]
     text = table(rows)
     assert "| chain k=3 | 3 | 500 | - | 1.00x |" in text and "| tree topk=4 depth=3 | 8 | 600 | 100 | 1.20x |" in text
+    assert "| no speculation | 0 | 400 | - | 0.80x |" in text
 
 
 def test_table_shows_the_gpu_profilers_count_beside_the_dispatch_count():

@@ -14,6 +14,9 @@ from kernels.norm_rope import (
     rms_norm,
     rms_norm_ref,
     rms_norm_triton,
+    rope_store_kv,
+    rope_store_kv_ref,
+    rope_store_kv_triton,
 )
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
@@ -182,3 +185,70 @@ def test_yarn_rope_cache_matches_transformers(scaling, head_dim):
     torch.testing.assert_close(ours[:, : head_dim // 2], cos[0, :, : head_dim // 2], atol=1e-6, rtol=0)
     torch.testing.assert_close(ours[:, head_dim // 2:], sin[0, :, : head_dim // 2], atol=1e-6, rtol=0)
     assert not torch.equal(ours, build_rope_cache(head_dim, 512, 10000.0, None))
+
+
+# ------------------------------------------------------------------------------- rotary + KV store, fused
+
+
+def _rope_store_case(dtype, cache_dtype, rotary_dim, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T, HQ, HK, D, N, S = 6, 6, 2, 64, 5, 4
+    qkv = torch.randn(T, HQ + 2 * HK, D, generator=gen).to(dtype)  # views of a fused projection, as the engine has
+    q, k, v = qkv[:, :HQ], qkv[:, HQ:HQ + HK], qkv[:, HQ + HK:]
+    positions = torch.randint(0, 50, (T,), generator=gen)
+    slots = torch.tensor([3, -1, 17, 4, -1, 9])  # -1: padding rows store nothing
+    cache = build_rope_cache(rotary_dim, 50, 10000.0, None)
+    caches = [torch.randn(N, S, HK, D, generator=gen).to(cache_dtype) for _ in range(2)]
+    return q, k, v, positions, cache, caches, slots
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rope_store_kv_triton_matches_rope_then_store(dtype, cache_dtype, rotary_dim):
+    q, k, v, positions, cache, caches, slots = _rope_store_case(dtype, cache_dtype, rotary_dim, rotary_dim)
+    want_caches = [c.clone() for c in caches]
+    want_q = rope_store_kv_ref(q, k, v, positions, cache, *want_caches, slots)
+    got_q = rope_store_kv_triton(q, k, v, positions, cache, *caches, slots)
+    ref_q, ref_k = apply_rope_ref(q, k, positions, cache)
+    assert torch.equal(want_q, ref_q)  # the reference is the two steps it fuses
+    tol = TOL[dtype] if dtype == cache_dtype else TOL[cache_dtype]
+    torch.testing.assert_close(got_q, want_q, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    for got, want in zip(caches, want_caches):
+        torch.testing.assert_close(got, want, atol=tol[0], rtol=tol[1])
+    flat = caches[0].view(-1, *caches[0].shape[2:])
+    torch.testing.assert_close(flat[slots[0]], ref_k[0].to(cache_dtype), atol=tol[0], rtol=tol[1])
+
+
+def test_rope_store_kv_leaves_every_other_slot_alone():
+    q, k, v, positions, cache, caches, slots = _rope_store_case(torch.float32, torch.float32, 64)
+    before = [c.clone() for c in caches]
+    rope_store_kv_triton(q, k, v, positions, cache, *caches, slots)
+    written = torch.zeros(caches[0].shape[0] * caches[0].shape[1], dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    for got, old in zip(caches, before):
+        assert torch.equal(got.view(written.shape[0], -1)[~written], old.view(written.shape[0], -1)[~written])
+        assert not torch.equal(got.view(written.shape[0], -1)[written], old.view(written.shape[0], -1)[written])
+
+
+def test_rope_store_kv_dispatcher_matches_ref():
+    q, k, v, positions, cache, caches, slots = _rope_store_case(torch.float32, torch.float32, 64, 3)
+    want_caches = [c.clone() for c in caches]
+    torch.testing.assert_close(rope_store_kv(q, k, v, positions, cache, *caches, slots),
+                               rope_store_kv_ref(q, k, v, positions, cache, *want_caches, slots))
+    for got, want in zip(caches, want_caches):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_store_kv_cuda(dtype):
+    q, k, v, positions, cache, caches, slots = _rope_store_case(dtype, dtype, 64, 5)
+    want_caches = [c.clone() for c in caches]
+    want_q = rope_store_kv_ref(q, k, v, positions, cache, *want_caches, slots)
+    gpu_caches = [c.cuda() for c in caches]
+    got_q = rope_store_kv_triton(q.cuda(), k.cuda(), v.cuda(), positions.cuda(), cache.cuda(), *gpu_caches,
+                                 slots.cuda())
+    torch.testing.assert_close(got_q.cpu(), want_q, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    for got, want in zip(gpu_caches, want_caches):
+        torch.testing.assert_close(got.cpu(), want, atol=TOL[dtype][0], rtol=TOL[dtype][1])
