@@ -102,9 +102,7 @@ def verify_tree(logits: torch.Tensor, drafts: torch.Tensor, parents: torch.Tenso
     raw_logprobs = flat.log_softmax(-1) if b.max_logprobs is not None else None
     pb = per_node(b, drafts, depth, ancestors)
     target = target_tokens(flat, pb, b.all_greedy, mask).view(B, n1)
-    path, accepted = walk(target, drafts, parents, num_drafts, max_depth)
-    column = torch.arange(max_depth + 1, device=logits.device)[None, :]
-    tokens = torch.where(column <= accepted[:, None], target.gather(1, path), -1)
+    path, accepted, tokens = walk(target, drafts, parents, num_drafts, max_depth)  # tokens: -1 past the accepted
     if raw_logprobs is None:
         return TreeVerified(tokens, accepted, path, None, None, None)
     lp = raw_logprobs.view(B, n1, V).gather(1, path[..., None].expand(B, max_depth + 1, V))  # [B, k+1, V]

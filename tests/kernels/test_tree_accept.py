@@ -17,7 +17,7 @@ def _step(B: int, N: int, depth: int, seed: int, pad: int = 0, blocks: int = 40)
     drafts = 10 + torch.arange(N)[None, :].repeat(B, 1)
     target = follow_a_branch(parents, drafts, depth, g, root_accepts=True)  # every root accepts a child
     num = torch.full((B,), N)
-    path, accepted = walk_ref(target, drafts, parents, num, depth)
+    path, accepted, _ = walk_ref(target, drafts, parents, num, depth)
     vr = 3 + torch.arange(B)[:, None] * (N + 1) + torch.arange(N + 1)[None, :]
     T = 3 + B * (N + 1)
     slot_mapping = torch.randperm((blocks - 1) * 4, generator=g)[:T]  # never the scratch block (the cache's last)

@@ -16,7 +16,7 @@ def _verified(B: int, N: int, depth: int, seed: int):
     target = follow_a_branch(parents, drafts, depth, g)
     num = torch.randint(1, N + 1, (B,), generator=g)
     num[0] = N
-    path, _ = walk_ref(target, drafts, parents, num, depth)
+    path, _, _ = walk_ref(target, drafts, parents, num, depth)
     return path, parents, num, g
 
 

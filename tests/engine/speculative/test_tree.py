@@ -62,10 +62,12 @@ def test_walk_takes_the_matching_child_at_each_depth():
     target = torch.tensor([[6, 0, 8, 0, 1, 0],  # root says 6 (node 2), node 2 says 8 (node 4), node 4 says 1
                            [5, 7, 0, 9, 0, 4],  # the whole branch 1 -> 3 -> 5, then the bonus 4
                            [4, 0, 0, 0, 0, 0]])  # nothing
-    path, accepted = walk(target, drafts, parents, torch.tensor([5, 5, 5]), 3)
+    path, accepted, tokens = walk(target, drafts, parents, torch.tensor([5, 5, 5]), 3)
     assert accepted.tolist() == [2, 3, 0]
     assert path.tolist() == [[0, 2, 4, 4], [0, 1, 3, 5], [0, 0, 0, 0]]
-    path, accepted = walk(target, drafts, parents, torch.tensor([5, 2, 5]), 3)  # a tree cut to 2 nodes
+    # what the step emits: the accepted drafts and the bonus token (the target's at the last accepted node)
+    assert tokens.tolist() == [[6, 8, 1, -1], [5, 7, 9, 4], [4, -1, -1, -1]]
+    path, accepted, tokens = walk(target, drafts, parents, torch.tensor([5, 2, 5]), 3)  # a tree cut to 2 nodes
     assert accepted.tolist() == [2, 1, 0]
 
 

@@ -30,8 +30,8 @@ params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
 # every launch of the trees' fused kernels also runs its torch reference on the same inputs (copies of those it
 # changes in place): they must agree
 import kernels.draft_layout as dl, kernels.tree_accept as ta, kernels.tree_expand as te, kernels.tree_outcome as to
-import kernels.tree_rows as tr
-names = ("expand", "choose", "draft_layout", "tree_rows", "outcome", "observe", "accept_path", "store_trees")
+import kernels.tree_rows as tr, kernels.tree_walk as tw
+names = ("expand", "choose", "draft_layout", "tree_rows", "outcome", "observe", "accept_path", "store_trees", "walk")
 checks = dict({n: 0 for n in names}, mismatch=[])
 def same(a, b):
     if isinstance(a, tuple):
@@ -58,6 +58,7 @@ to.outcome_triton = checked("outcome", to.outcome_triton, to.outcome_ref)
 to.observe_triton = checked("observe", to.observe_triton, to.observe_ref, mutated=(0, 1, 2))
 ta.accept_path_triton = checked("accept_path", ta.accept_path_triton, ta.accept_path_ref, mutated=(0,))
 tr.store_trees_triton = checked("store_trees", tr.store_trees_triton, tr.store_trees_ref, mutated=(5, 6, 7, 8))
+tw.walk_triton = checked("walk", tw.walk_triton, tw.walk_ref)
 out = {}
 for name, spec in [("none", None),
                    ("mtp", SpecConfig(method="mtp", k=3, draft=zoo + "/mtp", topk=3, num_verify_tokens=6)),
@@ -85,7 +86,7 @@ def test_trees_on_the_triton_path_equal_no_speculation(zoo):
     checks = out["checks"]
     assert not checks["mismatch"], checks
     assert checks["expand"] > 20
-    assert min(checks[n] for n in ("choose", "draft_layout", "tree_rows", "accept_path", "store_trees")) > 5
+    assert min(checks[n] for n in ("choose", "draft_layout", "tree_rows", "accept_path", "store_trees", "walk")) > 5
     assert checks["outcome"] > 5 and checks["observe"] > 5, checks  # the trees were scored by the acceptance table
     for method in ("mtp", "eagle3", "chain"):
         assert out[method] == out["none"], method  # greedy, unguided and guided: the tokens of no speculation
