@@ -255,6 +255,18 @@ def _rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, cos, sin, f,
 
 
 @triton.jit
+def _cos_sin_row(cos_sin_ptr, pos_ptr, t, R: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Token t's cos and sin rows [1, BLOCK_HALF] (fp32), their feature offsets and which are real."""
+    HALF: tl.constexpr = R // 2
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    f = tl.arange(0, BLOCK_HALF)
+    f_ok = f < HALF
+    cos = tl.load(cos_sin_ptr + pos * R + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * R + HALF + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    return cos, sin, f, f_ok
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr,  # [T, HQ, D] (D contiguous)
     k_ptr,  # [T, HK, D] (D contiguous)
@@ -268,13 +280,8 @@ def _rope_kernel(
     RNE: tl.constexpr,
 ):
     """q and k of token t in one program: one launch (a graph node) per layer, not two; the cos/sin row read once."""
-    HALF: tl.constexpr = R // 2
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    f = tl.arange(0, BLOCK_HALF)
-    f_ok = f < HALF
-    cos = tl.load(cos_sin_ptr + pos * R + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * R + HALF + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    cos, sin, f, f_ok = _cos_sin_row(cos_sin_ptr, pos_ptr, t, R, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, t, t, cos, sin, f, f_ok, HQ, D, R, BLOCK_HQ,
                   BLOCK_PASS, RNE)
     _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, t, t, cos, sin, f, f_ok, HK, D, R, BLOCK_HK,
@@ -323,14 +330,9 @@ def _rope_store_kernel(
 ):
     """Token t: q rotated into q_out, k rotated and v copied into the caches at its slot. One launch (a graph node)
     per layer where rotary embedding and the KV store were two; the rotated k is never written anywhere else."""
-    HALF: tl.constexpr = R // 2
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t)
-    f = tl.arange(0, BLOCK_HALF)
-    f_ok = f < HALF
-    cos = tl.load(cos_sin_ptr + pos * R + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * R + HALF + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    cos, sin, f, f_ok = _cos_sin_row(cos_sin_ptr, pos_ptr, t, R, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, t, t, cos, sin, f, f_ok, HQ, D, R, BLOCK_HQ,
                   BLOCK_PASS, RNE)
     _rotate_heads(k_ptr, k_cache_ptr, stride_kt, stride_kh, t, slot, cos, sin, f, f_ok, HK, D, R,
