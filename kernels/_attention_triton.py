@@ -14,6 +14,19 @@ from kernels._dispatch import next_pow2
 
 
 @triton.jit
+def store_row(src_ptr, stride_t, stride_h, t, cache_ptr, slot,
+              H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token t's H heads of src written into a paged cache ([N, S, H, D] contiguous) at `slot` (-1: skipped), in the
+    cache's dtype: the KV store's row write, shared with the rotary-fused store (kernels/norm_rope.py)."""
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    # The slot test is broadcast to a tensor first: the interpreter rejects tensor & scalar masks.
+    mask = (offs_h < H) & (offs_d < D) & ((offs_h * 0 + slot) >= 0)
+    x = tl.load(src_ptr + t * stride_t + offs_h * stride_h + offs_d, mask=mask)
+    tl.store(cache_ptr + slot * (H * D) + offs_h * D + offs_d, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def store_kv_kernel(
     key_ptr,  # [T, H, D] (D contiguous)
     value_ptr,  # [T, H, D] (D contiguous)
@@ -25,15 +38,8 @@ def store_kv_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
-    offs_h = tl.arange(0, BLOCK_H)[:, None]
-    offs_d = tl.arange(0, BLOCK_D)[None, :]
-    # The slot test is broadcast to a tensor first: the interpreter rejects tensor & scalar masks.
-    mask = (offs_h < H) & (offs_d < D) & ((offs_h * 0 + slot) >= 0)
-    k = tl.load(key_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
-    v = tl.load(value_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
-    dst = slot * (H * D) + offs_h * D + offs_d
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    store_row(key_ptr, stride_kt, stride_kh, t, k_cache_ptr, slot, H, D, BLOCK_H, BLOCK_D)
+    store_row(value_ptr, stride_vt, stride_vh, t, v_cache_ptr, slot, H, D, BLOCK_H, BLOCK_D)
 
 
 # Scalars that change with the batch (sizes, split counts, strides over T) are not specialized: each value

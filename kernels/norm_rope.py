@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels._attention_triton import store_row
 from kernels._dispatch import interpreter_bf16, next_pow2, use_triton
 from kernels._launch import launch
 from kernels._triton_utils import round_bf16
@@ -337,17 +338,13 @@ def _rope_store_kernel(
                   BLOCK_PASS, RNE)
     _rotate_heads(k_ptr, k_cache_ptr, stride_kt, stride_kh, t, slot, cos, sin, f, f_ok, HK, D, R,
                   BLOCK_HK, BLOCK_PASS, RNE)
-    h = tl.arange(0, BLOCK_HK)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    ok = (h < HK) & (d < D) & ((h * 0 + slot) >= 0)  # the slot test broadcast: the interpreter rejects scalar masks
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=ok)
-    tl.store(v_cache_ptr + slot * (HK * D) + h * D + d, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+    store_row(v_ptr, stride_vt, stride_vh, t, v_cache_ptr, slot, HK, D, BLOCK_HK, BLOCK_D)
 
 
-def rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, rows=None, plan=None):
+def rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
     """apply_rope_ref, then store_kv_ref of the rotated k and v: what the fused kernel computes."""
-    q, k = apply_rope_ref(q, k, positions, cos_sin, rows)
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, plan)
+    q, k = apply_rope_ref(q, k, positions, cos_sin)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
     return q
 
 
@@ -371,13 +368,13 @@ def rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_map
     return q_out
 
 
-def rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, rows=None, plan=None):
+def rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
     """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` by their positions, and write the rotated k and v `[T, Hkv, D]`
-    into the paged caches at `slot_mapping` (-1: skipped) -> the rotated q. `rows`/`plan`: the reference path's
-    tables and store plan, computed once per step."""
+    into the paged caches at `slot_mapping` (-1: skipped) -> the rotated q. (The engine's reference path rotates
+    and stores apart, with tables and a store plan made once per step: engine/layers/attention.py.)"""
     if use_triton(q):
         return rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    return rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, rows, plan)
+    return rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
 
 
 def apply_rope(q, k, positions, cos_sin, rows=None):
