@@ -91,10 +91,8 @@ class LLMEngine:
                                     self.max_model_len, cfg.detokenize, cfg.seed, self.requests)
         self.tokenizer, self.eos_token_ids = self.intake.tokenizer, self.intake.eos_token_ids
         # the engine's masker (logits_masker, or its grammars'), handed to each step it masks
-        remap = getattr(self.drafter.proposer, "remap", None)  # grammar-forced drafts stay in the draft vocabulary
         self.guided = GuidedRequests(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids, logits_masker,
-                                     cfg.speculative is not None and cfg.speculative.forced_drafts,
-                                     frozenset(remap.tolist()) if remap is not None else None)
+                                     cfg.speculative is not None and cfg.speculative.forced_drafts)
         if self.tp.size > 1:  # every rank installs a grammar in the same step (GuidedRequests.agree)
             self.guided.agree = self._agree_compiled
         self.handovers = Handovers(self.requests, self.blocks, self.scheduler, self.drafter, self.guided,

@@ -41,13 +41,12 @@ log = logging.getLogger(__name__)
 
 
 class GrammarMasker(LogitsMasker):
-    def __init__(self, compiler: GrammarCompiler, forced: ForcedTokenizer | None = None,
-                 draft_vocab: frozenset[int] | None = None):
-        """forced: retokenizes forced strings (None: no forced drafts); draft_vocab: the target ids the
-        draft network can draft (None: all): a forced token outside it is left to the ordinary mask."""
+    def __init__(self, compiler: GrammarCompiler, forced: ForcedTokenizer | None = None):
+        """forced: retokenizes forced strings (None: no forced drafts). A forced draft is handed to the step as
+        its token (fill_draft's and fill_draft_tree's `forced`), so a draft network drafts it even outside a
+        reduced draft vocabulary."""
         self.compiler = compiler
         self.forced = forced
-        self.draft_vocab = draft_vocab
         self.states: dict[str, GrammarState] = {}
         self._tails: dict[str, tuple[int, ...]] = {}  # each request's last emitted tokens (retokenization context)
         self._rows: list[tuple[int, GrammarState, MaskRow]] = []  # (batch row, state, snapshot) this step
@@ -155,7 +154,7 @@ class GrammarMasker(LogitsMasker):
             flags[b, :filled] = True
 
     def fill_draft(self, step: int, emitted: torch.Tensor, num_accepted: torch.Tensor, drafts: list[torch.Tensor],
-                   bitmask: torch.Tensor, flags: torch.Tensor) -> None:
+                   bitmask: torch.Tensor, flags: torch.Tensor, forced: torch.Tensor) -> None:
         if not self._rows:
             return
         # One host read per draft step (on CUDA this is where a host function will wait for the tokens).
@@ -165,6 +164,7 @@ class GrammarMasker(LogitsMasker):
         if step == 0:
             self._runs = {}
         k = emitted.shape[1] - 1
+        drafted: dict[int, int] = {}  # batch row -> the token its grammar forces as this draft
         for b, state, _ in self._rows:
             new = emitted_rows[b][: accepted[b] + 1]
             so_far = draft_rows[b] if draft_rows is not None else []
@@ -173,6 +173,7 @@ class GrammarMasker(LogitsMasker):
                 # inside a forced run: no matcher work
                 self._write_row(bitmask, b, lambda target, row, t=run[step - start]: _only(target, row, t))
                 flags[b] = True
+                drafted[b] = run[step - start]
                 self._forced_bits[b] = self._forced_bits.get(b, 0) | 1 << step
                 continue
             path = new + so_far
@@ -188,11 +189,13 @@ class GrammarMasker(LogitsMasker):
                     self._runs[b] = (step, run)
                 if run:
                     self._write_row(bitmask, b, lambda target, row, t=run[0]: _only(target, row, t))
+                    drafted[b] = run[0]
                     self._forced_bits[b] = self._forced_bits.get(b, 0) | 1 << step
                 else:
                     self._write_row(bitmask, b, state.fill_bitmask)
                 flags[b] = True
             state.rollback(n)
+        _copy_forced(forced, drafted)
 
     # ------------------------------------------------------------------ draft trees (engine/speculative/tree.py)
     def fill_verify_tree(self, bitmask: torch.Tensor, flags: torch.Tensor, parents: torch.Tensor) -> None:
@@ -219,7 +222,7 @@ class GrammarMasker(LogitsMasker):
             flags[b, filled] = True
 
     def fill_draft_tree(self, emitted: torch.Tensor, num_accepted: torch.Tensor, paths: torch.Tensor,
-                        bitmask: torch.Tensor, flags: torch.Tensor) -> None:
+                        bitmask: torch.Tensor, flags: torch.Tensor, forced: torch.Tensor) -> None:
         if not self._rows:
             return
         emitted_rows = emitted.tolist()
@@ -232,6 +235,7 @@ class GrammarMasker(LogitsMasker):
         if depth == 0:  # the root: a new expansion
             self._tree_runs = {}
         left = emitted.shape[1] - 1 - depth  # depths of the tree below these lanes (emitted: [B, k+1])
+        drafted: dict[int, int] = {}  # lane row (b * L + lane) -> its forced child
         for b, state, _ in self._rows:
             new = emitted_rows[b][: accepted[b] + 1]
             target = rows if on_cpu else self._scratch((B * L, W))
@@ -242,6 +246,7 @@ class GrammarMasker(LogitsMasker):
                 if run is not None and len(run) > 1 and run[0] == path[-1]:
                     self._tree_runs[(b, tuple(path))] = run[1:]
                     _only(target, row, run[1])
+                    drafted[row] = run[1]
                     flags[b, lane] = True
                     continue
                 advanced, goes_on = _advance(state, new + path)
@@ -250,25 +255,19 @@ class GrammarMasker(LogitsMasker):
                     self._tree_runs[(b, tuple(path))] = run
                     if run:  # a forced child: the only one, of probability 1 (tree.py)
                         _only(target, row, run[0])
+                        drafted[row] = run[0]
                     else:
                         state.fill_bitmask(target, row)
                     flags[b, lane] = True
                 state.rollback(advanced)
             if not on_cpu:
                 rows[b * L : (b + 1) * L].copy_(target[b * L : (b + 1) * L])
+        _copy_forced(forced.view(-1), drafted)
 
     def _forced_after(self, b: int, state: GrammarState, path: list[int], limit: int) -> list[int]:
-        """The draftable tokens (up to `limit`) the grammar forces after `path` (the step's emitted tokens and
-        drafts, which `state` has just accepted), retokenized after batch row b's tail."""
-        context = self._step_tails.get(b, ()) + tuple(path)
-        return self._draftable(forced_run(state, self.forced, limit, context))
-
-    def _draftable(self, run: list[int]) -> list[int]:
-        """The run up to its first token the draft network cannot draft (a reduced draft vocabulary)."""
-        if self.draft_vocab is None:
-            return run
-        n = next((i for i, t in enumerate(run) if t not in self.draft_vocab), len(run))
-        return run[:n]
+        """The tokens (up to `limit`) the grammar forces after `path` (the step's emitted tokens and drafts, which
+        `state` has just accepted), retokenized after batch row b's tail."""
+        return forced_run(state, self.forced, limit, self._step_tails.get(b, ()) + tuple(path))
 
     def _write_row(self, bitmask: torch.Tensor, b: int, fill) -> None:
         """fill(target, row) writes a CPU bitmask row; copied into bitmask[b] when that is on a device."""
@@ -291,6 +290,14 @@ def _advance(state: GrammarState, tokens: list[int]) -> tuple[int, bool]:
         if state.terminated or not state.accept(t):
             return n, False
     return len(tokens), not state.terminated
+
+
+def _copy_forced(forced: torch.Tensor, drafted: dict[int, int]) -> None:
+    """forced [R] int64 (-1 on entry, on the step's device): row r := drafted[r], in one copy."""
+    if drafted:
+        ids = torch.full((forced.shape[0],), -1, dtype=torch.int64)
+        ids[list(drafted)] = torch.tensor(list(drafted.values()), dtype=torch.int64)
+        forced.copy_(ids)
 
 
 def _only(bitmask: torch.Tensor, row: int, token_id: int) -> None:

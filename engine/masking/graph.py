@@ -41,6 +41,7 @@ class StagedMasker(LogitsMasker):
         self.verify_flags = torch.zeros((max_batch, k + 1), dtype=torch.bool, **host)
         self.draft_bitmask = torch.zeros((max_batch, words), dtype=torch.int32, **host)
         self.draft_flags = torch.zeros(max_batch, dtype=torch.bool, **host)
+        self.draft_forced = torch.full((max_batch,), -1, dtype=torch.int64, **host)
         self.emitted = torch.zeros((max_batch, k + 1), dtype=torch.int64, **host)
         self.accepted = torch.zeros(max_batch, dtype=torch.int64, **host)
         self.drafts = torch.zeros((max(k, 1), max_batch), dtype=torch.int64, **host)
@@ -59,7 +60,7 @@ class StagedMasker(LogitsMasker):
         flags.copy_(h_flags, non_blocking=True)
 
     def fill_draft(self, step: int, emitted: torch.Tensor, num_accepted: torch.Tensor, drafts: list[torch.Tensor],
-                   bitmask: torch.Tensor, flags: torch.Tensor) -> None:
+                   bitmask: torch.Tensor, flags: torch.Tensor, forced: torch.Tensor) -> None:
         B, k1 = emitted.shape
         h_emitted, h_accepted = self.emitted[:B, :k1], self.accepted[:B]
         h_drafts = [self.drafts[i, :B] for i in range(len(drafts))]
@@ -67,10 +68,12 @@ class StagedMasker(LogitsMasker):
         h_accepted.copy_(num_accepted, non_blocking=True)
         for h, d in zip(h_drafts, drafts):
             h.copy_(d, non_blocking=True)
-        h_bits, h_flags = self.draft_bitmask[:B], self.draft_flags[:B]
-        self.host.launch(lambda: self._draft_on_host(step, h_emitted, h_accepted, h_drafts, h_bits, h_flags))
+        h_bits, h_flags, h_forced = self.draft_bitmask[:B], self.draft_flags[:B], self.draft_forced[:B]
+        self.host.launch(lambda: self._draft_on_host(step, h_emitted, h_accepted, h_drafts, h_bits, h_flags,
+                                                     h_forced))
         bitmask.copy_(h_bits, non_blocking=True)
         flags.copy_(h_flags, non_blocking=True)
+        forced.copy_(h_forced, non_blocking=True)
 
     def fill_verify_tree(self, bitmask: torch.Tensor, flags: torch.Tensor, parents: torch.Tensor) -> None:
         B, n1 = flags.shape
@@ -82,7 +85,7 @@ class StagedMasker(LogitsMasker):
         flags.copy_(h_flags, non_blocking=True)
 
     def fill_draft_tree(self, emitted: torch.Tensor, num_accepted: torch.Tensor, paths: torch.Tensor,
-                        bitmask: torch.Tensor, flags: torch.Tensor) -> None:
+                        bitmask: torch.Tensor, flags: torch.Tensor, forced: torch.Tensor) -> None:
         t = self.tree
         h_emitted, h_accepted = _view(t.emitted, emitted.shape), self.accepted[: emitted.shape[0]]
         h_paths = _view(t.paths, paths.shape)  # the root's expansion: [B, 1, 0], nothing to copy
@@ -90,9 +93,12 @@ class StagedMasker(LogitsMasker):
         h_accepted.copy_(num_accepted, non_blocking=True)
         h_paths.copy_(paths, non_blocking=True)
         h_bits, h_flags = _view(t.bitmask, bitmask.shape), _view(t.flags, flags.shape)
-        self.host.launch(lambda: self._draft_tree_on_host(h_emitted, h_accepted, h_paths, h_bits, h_flags))
+        h_forced = _view(t.forced, forced.shape)
+        self.host.launch(lambda: self._draft_tree_on_host(h_emitted, h_accepted, h_paths, h_bits, h_flags,
+                                                          h_forced))
         bitmask.copy_(h_bits, non_blocking=True)
         flags.copy_(h_flags, non_blocking=True)
+        forced.copy_(h_forced, non_blocking=True)
 
     # ------------------------------------------------------------------ on the host, when the stream gets there
     def _verify_on_host(self, bits: torch.Tensor, flags: torch.Tensor) -> None:
@@ -100,20 +106,22 @@ class StagedMasker(LogitsMasker):
         if self.current is not None:  # None while a graph is warmed up and captured: nothing is masked
             self.current.fill_verify(bits, flags)
 
-    def _draft_on_host(self, step, emitted, accepted, drafts, bits, flags) -> None:
+    def _draft_on_host(self, step, emitted, accepted, drafts, bits, flags, forced) -> None:
         flags.zero_()
+        forced.fill_(-1)
         if self.current is not None:
-            self.current.fill_draft(step, emitted, accepted, drafts, bits, flags)
+            self.current.fill_draft(step, emitted, accepted, drafts, bits, flags, forced)
 
     def _verify_tree_on_host(self, parents, bits, flags) -> None:
         flags.zero_()
         if self.current is not None:
             self.current.fill_verify_tree(bits, flags, parents)
 
-    def _draft_tree_on_host(self, emitted, accepted, paths, bits, flags) -> None:
+    def _draft_tree_on_host(self, emitted, accepted, paths, bits, flags, forced) -> None:
         flags.zero_()
+        forced.fill_(-1)
         if self.current is not None:
-            self.current.fill_draft_tree(emitted, accepted, paths, bits, flags)
+            self.current.fill_draft_tree(emitted, accepted, paths, bits, flags, forced)
 
     # ------------------------------------------------------------------ around a replay
     def bind(self, masker: LogitsMasker) -> None:
@@ -139,6 +147,7 @@ class _TreeBuffers:
         self.paths = torch.zeros(lanes * max(shape.depth - 1, 1), dtype=torch.int64, **host)  # depths 1 .. k-1
         self.bitmask = torch.zeros(lanes * words, dtype=torch.int32, **host)
         self.flags = torch.zeros(lanes, dtype=torch.bool, **host)
+        self.forced = torch.full((lanes,), -1, dtype=torch.int64, **host)
 
 
 def _view(flat: torch.Tensor, shape) -> torch.Tensor:

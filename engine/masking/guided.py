@@ -29,12 +29,10 @@ log = logging.getLogger(__name__)
 
 class GuidedRequests:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], masker: LogitsMasker | None,
-                 forced_drafts: bool = False, draft_vocab: frozenset[int] | None = None):
+                 forced_drafts: bool = False):
         """masker: a logits masker of the engine's own (then structured outputs are refused);
-        forced_drafts: speculation drafts the tokens grammars force (SpecConfig.forced_drafts);
-        draft_vocab: the target ids the draft network can draft (None: all)."""
+        forced_drafts: speculation drafts the tokens grammars force (SpecConfig.forced_drafts)."""
         self._forced_drafts = forced_drafts
-        self._draft_vocab = draft_vocab
         # done flags of the compiles in flight, in the order they started -> the group's (every rank's AND); None:
         # this engine decides alone (one rank, or ADP ranks, each with its own requests)
         self.agree: Callable[[list[bool]], list[bool]] | None = None
@@ -68,7 +66,7 @@ class GuidedRequests:
                 raise InvalidRequestError("this engine runs a logits masker of its own; structured outputs need "
                                           "the built-in one", param="structured_output")
             forced = ForcedTokenizer(self._tokenizer) if self._forced_drafts else None
-            self.grammar = self.masker = GrammarMasker(self.compiler(), forced, self._draft_vocab)
+            self.grammar = self.masker = GrammarMasker(self.compiler(), forced)
         return self.grammar
 
     def compiler(self) -> GrammarCompiler:

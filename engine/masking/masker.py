@@ -50,10 +50,12 @@ class LogitsMasker(ABC):
 
     @abstractmethod
     def fill_draft(self, step: int, emitted: torch.Tensor, num_accepted: torch.Tensor, drafts: list[torch.Tensor],
-                   bitmask: torch.Tensor, flags: torch.Tensor) -> None:
+                   bitmask: torch.Tensor, flags: torch.Tensor, forced: torch.Tensor) -> None:
         """Draft step `step` (0-based): emitted [B, k+1] int64 this step's verified tokens (-1 past
         num_accepted [B] + 1), drafts: `step` tensors [B] int64 of new drafts so far (target ids);
-        fill bitmask [B, W] / flags [B] for the next draft."""
+        fill bitmask [B, W] / flags [B] for the next draft, and forced [B] int64 (-1 on entry) with the token
+        a request's constraint forces as that draft: the draft takes it whatever its network scores, so a
+        token outside a reduced draft vocabulary is drafted too."""
 
     def fill_verify_tree(self, bitmask: torch.Tensor, flags: torch.Tensor, parents: torch.Tensor) -> None:
         """Draft trees (engine/speculative/tree.py): as fill_verify, with MaskRow.drafts a tree's nodes and
@@ -63,10 +65,11 @@ class LogitsMasker(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not mask draft trees")
 
     def fill_draft_tree(self, emitted: torch.Tensor, num_accepted: torch.Tensor, paths: torch.Tensor,
-                        bitmask: torch.Tensor, flags: torch.Tensor) -> None:
+                        bitmask: torch.Tensor, flags: torch.Tensor, forced: torch.Tensor) -> None:
         """A draft tree's expansion at one depth d: emitted, num_accepted as fill_draft; paths [B, L, d] int64: lane
         l of request b expands the node reached by paths[b, l] (target ids after the emitted tokens); fill bitmask
-        [B, L, W] / flags [B, L] for its children."""
+        [B, L, W] / flags [B, L] for its children, and forced [B, L] int64 (-1 on entry) with a lane's only child
+        where the constraint forces it (its one candidate, of probability 1, in the draft vocabulary or not)."""
         raise NotImplementedError(f"{type(self).__name__} does not mask draft trees")
 
     def end_step(self) -> None:
@@ -97,13 +100,18 @@ class StepMasks:
         apply_token_bitmask(logits, bitmask.flatten(0, 1), flags.flatten())
 
     def draft_step(self, emitted: torch.Tensor, num_accepted: torch.Tensor):
-        """-> mask(step, drafts, logits [B, Vd], d2t) for the draft loop: fills and applies the next
-        draft's mask (d2t [Vd]: draft id j is target id j + d2t[j], or None)."""
+        """-> mask(step, drafts, logits [B, Vd], d2t) -> forced [B] for the draft loop: fills and applies the
+        next draft's mask (d2t [Vd]: draft id j is target id j + d2t[j], or None) and returns the tokens forced
+        as that draft (-1: none; masker.fill_draft)."""
         b = self.batch
 
-        def mask(step: int, drafts: list[torch.Tensor], logits: torch.Tensor, d2t: torch.Tensor | None) -> None:
+        def mask(step: int, drafts: list[torch.Tensor], logits: torch.Tensor,
+                 d2t: torch.Tensor | None) -> torch.Tensor:
             b.draft_mask_flags.zero_()
-            self.masker.fill_draft(step, emitted, num_accepted, drafts, b.draft_bitmask, b.draft_mask_flags)
+            b.draft_forced.fill_(-1)
+            self.masker.fill_draft(step, emitted, num_accepted, drafts, b.draft_bitmask, b.draft_mask_flags,
+                                   b.draft_forced)
             apply_token_bitmask(logits, b.draft_bitmask, b.draft_mask_flags, d2t=d2t)
+            return b.draft_forced
 
         return mask

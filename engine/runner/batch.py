@@ -46,6 +46,7 @@ class StepBatch:
     verify_mask_flags: torch.Tensor | None  # [B, k+1] bool
     draft_bitmask: torch.Tensor | None  # [B, ceil(V/32)] int32, reused by each draft step
     draft_mask_flags: torch.Tensor | None  # [B] bool
+    draft_forced: torch.Tensor | None  # [B] int64 the token a grammar forces as the next draft, -1 none
     full_drafts: bool  # host: every request has k drafts
     propose: bool  # host: some request needs new drafts (a sampling one that is not prefill-only)
     chain_max_seq_len: int  # host bound on draft-chain KV lengths
@@ -174,12 +175,14 @@ def build_batch(scheduled: list[ScheduledRequest], blocks: BlockManager, kv_cach
                               columns=columns)
     n = len(scheduled)
     words = -(-vocab_size // 32)
-    masks = dict(verify_bitmask=None, verify_mask_flags=None, draft_bitmask=None, draft_mask_flags=None)
+    masks = dict(verify_bitmask=None, verify_mask_flags=None, draft_bitmask=None, draft_mask_flags=None,
+                 draft_forced=None)
     if masked:
         masks = dict(verify_bitmask=torch.zeros((B, k1, words), dtype=torch.int32, device=device),
                      verify_mask_flags=torch.zeros((B, k1), dtype=torch.bool, device=device),
                      draft_bitmask=torch.zeros((B, words), dtype=torch.int32, device=device),
-                     draft_mask_flags=torch.zeros(B, dtype=torch.bool, device=device))
+                     draft_mask_flags=torch.zeros(B, dtype=torch.bool, device=device),
+                     draft_forced=torch.full((B,), -1, dtype=torch.int64, device=device))
     return StepBatch(
         input_ids=dev("input_ids"), positions=dev("positions"), attn=attn, verify_rows=dev("verify_rows"),
         drafts=dev("drafts"), num_drafts=dev("num_drafts"), next_tokens=dev("next_tokens"), samples=dev("samples"),

@@ -35,9 +35,10 @@ class ProposeInputs:
     max_seq_len: int  # host bound on positions + 1 over the chain
     chain: bool  # host: draft k tokens; False only fills the draft KV over the rows (prefill-only batches)
     sampling: SamplingBatch  # [B] rows; drafts use its temperature/top-k/top-p/min-p, not its penalties
-    # mask(step, drafts so far, logits [B, Vd], d2t [Vd] | None): constrains a draft step's logits in
-    # place before it samples (engine/masking/masker.py); None when no masker runs
-    mask: Callable[[int, list[torch.Tensor], torch.Tensor, torch.Tensor | None], None] | None = None
+    # mask(step, drafts so far, logits [B, Vd], d2t [Vd] | None) -> forced [B] int64: constrains a draft step's
+    # logits in place before it samples and returns the tokens the grammar forces as that draft, -1 where none
+    # (engine/masking/masker.py); None when no masker runs
+    mask: Callable[[int, list[torch.Tensor], torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     passes: int | None = None  # host: drafts the chain makes, 1..k (adaptive k); None: k
 
 
@@ -92,6 +93,19 @@ def sample_drafts(logits: torch.Tensor, positions: torch.Tensor, s: SamplingBatc
     return torch.where(s.temperature > 0, race(q, s.seeds, positions), logits.argmax(-1)), q
 
 
+def take_forced(forced: torch.Tensor, token: torch.Tensor, q: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """forced [B] int64 (-1: none): rows whose grammar forces their draft take that token, with q one-hot on it
+    (the distribution it was drawn from; masked draft logits already give an in-vocabulary forced token q = 1,
+    but an out-of-vocabulary one leaves them all -inf and q NaN). Fixed shapes, no host sync."""
+    on = forced >= 0
+    token = torch.where(on, forced, token)
+    if q is not None:
+        one_hot = torch.zeros_like(q).scatter_(1, forced.clamp(min=0)[:, None], 1.0)
+        q = torch.where(on[:, None], one_hot, q)
+    return token, q
+
+
 class Proposer(ABC):
     """A draft network living beside the target in the engine's step."""
 
@@ -129,14 +143,16 @@ class Proposer(ABC):
     def _chain(self, inp: ProposeInputs, step: Callable[[int, torch.Tensor | None], torch.Tensor]):
         """The k-step draft loop of every proposer: step(s, previous draft [B] or None) -> the draft
         network's logits [B, Vd] for draft s, which sits at position (last verified row) + 2 + s; each
-        is masked (when a masker runs) and sampled."""
+        is masked (when a masker runs) and sampled; a token the grammar forces is the draft, of probability 1,
+        even outside a reduced draft vocabulary (whose masked logits then admit nothing)."""
         first = inp.positions.index_select(0, inp.out_rows) + 2
         tokens, probs = [], []
         for s in range(self.passes(inp)):
             logits = step(s, tokens[-1] if tokens else None)
-            if inp.mask is not None:
-                inp.mask(s, tokens, logits, self.d2t)
+            forced = None if inp.mask is None else inp.mask(s, tokens, logits, self.d2t)
             token, q = sample_drafts(logits, first + s, inp.sampling, self.remap, self.vocab_size)
+            if forced is not None:
+                token, q = take_forced(forced, token, q)
             tokens.append(token)
             probs.append(q)
         return torch.stack(tokens, 1), (None if probs[0] is None else torch.stack(probs, 1))

@@ -124,20 +124,39 @@ class FrontierLayout:
             max_seq_len=self.max_seq_len, tree_mask=tree_mask.reshape(-1))
 
 
-# mask(paths [B, L, d] int64 target ids, logits [B * L, Vd]): constrains in place the draft logits of the L nodes per
-# request reached by those paths after the step's emitted tokens (a grammar's masks along each node's path)
-TreeMask = Callable[[torch.Tensor, torch.Tensor], None]
+# mask(paths [B, L, d] int64 target ids, logits [B * L, Vd]) -> forced [B, L] int64: constrains in place the draft
+# logits of the L nodes per request reached by those paths after the step's emitted tokens (a grammar's masks along
+# each node's path) and returns each node's grammar-forced child (-1: none)
+TreeMask = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _log_probs(logits: torch.Tensor, paths: torch.Tensor, mask: TreeMask | None,
-               unmasked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (log-probabilities [R, V], masked [R] bool: the grammar removed tokens from the row); unmasked: all-False
-    flags of at least R rows, made once for every depth, for when there is no grammar (mask None)."""
+def _log_probs(logits: torch.Tensor, paths: torch.Tensor, mask: TreeMask | None, unmasked: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """-> (log-probabilities [R, V], masked [R] bool: the grammar removed tokens from the row, forced [R] int64 or
+    None: the row's forced child); unmasked: all-False flags of at least R rows, made once for every depth, for
+    when there is no grammar (mask None)."""
     if mask is None:
-        return logits.log_softmax(-1), unmasked[: logits.shape[0]]
-    mask(paths, logits)
-    # A row its mask closes entirely (a path the grammar refused at its end) scores -inf, never NaN.
-    return logits.log_softmax(-1).nan_to_num(nan=float("-inf")), torch.isneginf(logits).any(-1)
+        return logits.log_softmax(-1), unmasked[: logits.shape[0]], None
+    forced = mask(paths, logits)
+    # A row its mask closes entirely (a path the grammar refused at its end, or whose forced child is outside a
+    # reduced draft vocabulary) scores -inf, never NaN.
+    return (logits.log_softmax(-1).nan_to_num(nan=float("-inf")), torch.isneginf(logits).any(-1),
+            forced.reshape(-1))
+
+
+def _take_forced(lp: torch.Tensor, ids: torch.Tensor, forced: torch.Tensor, remap: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's top-k (lp, ids [B, R, K], draft ids) -> (lp, target ids) where a row with a forced child (forced
+    [B * R] target ids, -1 none) has that child first, of log-probability 0, and nothing else: what its one-token
+    mask gives a child inside the draft vocabulary, and now one outside it too (its masked logits admit none)."""
+    B, R, K = lp.shape
+    tokens = ids if remap is None else remap[ids]
+    f = forced.view(B, R, 1)
+    on = f >= 0
+    first = torch.arange(K, device=lp.device) == 0
+    tokens = torch.where(on & first, f, tokens)
+    lp = torch.where(on, torch.where(first, 0.0, float("-inf")), lp)
+    return lp, tokens
 
 
 def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor,
@@ -167,12 +186,16 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
         """The head's logits over R rows per request (the root's one, or the depth-d frontier's), reached by paths
         [B, R, d] -> the candidates' scores and the next frontier (frontier None: the root's expansion); the next
         frontier's rows sit at lineage bits d * K.. and its head pass sees (d + 1) * K frontier positions."""
-        log_probs, masked = _log_probs(logits, paths, mask, unmasked)
+        log_probs, masked, forced = _log_probs(logits, paths, mask, unmasked)
         R = log_probs.shape[0] // B
         lp, ids = log_probs.view(B, R, -1).topk(K, dim=-1)  # [B, R, K]: each row's best candidates
+        to_target = remap
+        if forced is not None:  # guided: forced children, in target ids already
+            lp, ids = _take_forced(lp, ids, forced, remap)
+            to_target = None
         root = frontier is None
         return expand_depth(lp, ids, None if root else frontier["score"], None if root else frontier["candidate"],
-                            masked.view(B, R), sampled, log_rate, NUM_BUCKETS, remap, None if root else paths,
+                            masked.view(B, R), sampled, log_rate, NUM_BUCKETS, to_target, None if root else paths,
                             None if root else frontier["lineage"], offset, d * K, (d + 1) * K, columns)
 
     root = depth(head.compute_logits(state), torch.empty((B, 1, 0), dtype=torch.int64, device=dev), 0, None, 0)

@@ -71,12 +71,14 @@ def expansion_mask(masker: LogitsMasker, batch: StepBatch, emitted: torch.Tensor
     after this step's emitted tokens and the node's path (on the device, as verify_mask's parents)."""
     words = batch.verify_bitmask.shape[-1]
 
-    def mask(paths: torch.Tensor, logits: torch.Tensor) -> None:
+    def mask(paths: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         B, L, _ = paths.shape
         bitmask = torch.zeros((B, L, words), dtype=torch.int32, device=logits.device)
         flags = torch.zeros((B, L), dtype=torch.bool, device=logits.device)
-        masker.fill_draft_tree(emitted, accepted, paths, bitmask, flags)
+        forced = torch.full((B, L), -1, dtype=torch.int64, device=logits.device)
+        masker.fill_draft_tree(emitted, accepted, paths, bitmask, flags, forced)
         apply_token_bitmask(logits, bitmask.view(B * L, words), flags.view(-1), d2t=d2t)
+        return forced
 
     return mask
 

@@ -44,8 +44,8 @@ def test_guided_steps_through_the_padded_graph_layout_equal_eager(llama_dir, spe
 def test_staged_tree_fills_hand_the_masker_host_copies():
     """StagedMasker's draft tree fills (the captured step's): the parents, emitted tokens, accepted counts and paths the
     real masker gets are host copies equal to the step's tensors, in the fill's own shapes (the root expansion's
-    empty paths too, and batches smaller than the buffers), and what it writes comes back as the step's bitmask and
-    flags, the rows it leaves unflagged cleared of an earlier fill's flags."""
+    empty paths too, and batches smaller than the buffers), and what it writes comes back as the step's bitmask,
+    flags and forced children, the rows it leaves unflagged cleared of an earlier fill's flags and forced tokens."""
     from engine.masking.graph import StagedMasker
     from engine.masking.masker import LogitsMasker
     from engine.speculative.tree import TreeShape
@@ -68,10 +68,12 @@ def test_staged_tree_fills_hand_the_masker_host_copies():
             bitmask[:, 1] = 5
             flags[:, 1] = True
 
-        def fill_draft_tree(self, emitted, num_accepted, paths, bitmask, flags):
+        def fill_draft_tree(self, emitted, num_accepted, paths, bitmask, flags, forced):
+            assert (forced == -1).all(), "every fill starts with no forced child"
             self.seen.append(("draft", emitted.clone(), num_accepted.clone(), paths.clone()))
             bitmask[0, -1] = paths.shape[2] + 1
             flags[0, -1] = True
+            forced[0, -1] = 40 + paths.shape[2]
 
     shape = TreeShape(topk=3, depth=3, num_nodes=5)
     staged = StagedMasker(torch.device("cpu"), max_batch=4, k=5, vocab_size=100, tree=shape)
@@ -87,14 +89,50 @@ def test_staged_tree_fills_hand_the_masker_host_copies():
                   torch.arange(12).view(B, 3, 2)):
         L, d = paths.shape[1:]
         bits, flags = torch.zeros((B, L, W), dtype=torch.int32), torch.zeros((B, L), dtype=torch.bool)
-        staged.fill_draft_tree(emitted, accepted, paths, bits, flags)
+        forced = torch.full((B, L), 7, dtype=torch.int64)  # whatever the step's buffer held before
+        staged.fill_draft_tree(emitted, accepted, paths, bits, flags, forced)
         assert flags.tolist() == [[False] * (L - 1) + [True], [False] * L] and int(bits[0, -1, 0]) == d + 1
+        assert forced.tolist() == [[-1] * (L - 1) + [40 + d], [-1] * L]
     staged.finish()
     assert recording.seen[0][0] == "verify" and torch.equal(recording.seen[0][1], parents)
     assert [s[3].shape for s in recording.seen[1:]] == [(B, 1, 0), (B, 3, 1), (B, 3, 2)]
     for _, e, a, paths in recording.seen[1:]:
         assert torch.equal(e, emitted) and torch.equal(a, accepted)
     assert torch.equal(recording.seen[3][3], torch.arange(12).view(B, 3, 2))
+
+
+def test_staged_chain_fills_hand_back_the_forced_drafts():
+    """StagedMasker's chain draft fill: the forced token the real masker writes comes back as the step's `forced`,
+    every other row -1 (not what the step's buffer or an earlier fill held)."""
+    from engine.masking.graph import StagedMasker
+    from engine.masking.masker import LogitsMasker
+
+    class Forcing(LogitsMasker):
+        def begin_step(self, rows):
+            return True
+
+        def fill_verify(self, bitmask, flags):
+            pass
+
+        def fill_draft(self, step, emitted, num_accepted, drafts, bitmask, flags, forced):
+            assert (forced == -1).all() and len(drafts) == step
+            forced[step % 2] = 100 + step
+            flags[step % 2] = True
+
+    staged = StagedMasker(torch.device("cpu"), max_batch=4, k=3, vocab_size=200)
+    staged.bind(Forcing())
+    emitted, accepted = torch.tensor([[5, -1, -1, -1], [6, 7, -1, -1]]), torch.tensor([0, 1])
+    drafts = []
+    for step in range(3):
+        bits, flags = torch.zeros((2, 7), dtype=torch.int32), torch.zeros(2, dtype=torch.bool)
+        forced = torch.full((2,), 9, dtype=torch.int64)
+        staged.fill_draft(step, emitted, accepted, drafts, bits, flags, forced)
+        staged.host.sync()
+        expected = [-1, -1]
+        expected[step % 2] = 100 + step
+        assert forced.tolist() == expected and flags.tolist() == [i == step % 2 for i in range(2)]
+        drafts.append(forced.clone())
+    staged.finish()
 
 
 def test_a_failing_host_function_fails_the_step_after_it_ran():

@@ -50,7 +50,7 @@ class AllowedTokensMasker(LogitsMasker):
                 bitmask[b, : len(row.drafts) + 1] = self._packed(self.allowed[row.request_id])
                 flags[b, : len(row.drafts) + 1] = True
 
-    def fill_draft(self, step, emitted, num_accepted, drafts, bitmask, flags):
+    def fill_draft(self, step, emitted, num_accepted, drafts, bitmask, flags, forced):
         for b, row in enumerate(self.rows):
             if row.request_id in self.allowed and row.samples:
                 bitmask[b] = self._packed(self.allowed[row.request_id])

@@ -74,8 +74,8 @@ def _spec(zoo_dir, method: str, forced: bool, token_map: str | None = None) -> S
 def test_forced_drafts_are_lossless_and_outputs_valid(zoo_dir, schemas, plain, method, tmp_path):
     """Greedy and seeded outputs equal; unseeded sampled ones (rejection sampling against the one-token draft
     distribution of a forced draft) finish valid. A head with a draft vocabulary (the zoo's EAGLE-3: 2,048 ids
-    of its own; MTP under a token map) cannot draft every forced token: the forced run stops at the first it
-    cannot (its one-token draft mask would admit nothing)."""
+    of its own; MTP under a token map) drafts forced tokens outside it too (the chain takes the grammar's token,
+    q one-hot on it, where its masked logits admit nothing)."""
     token_map = None
     if method == "mtp-token-map":
         method, token_map = "mtp", tmp_path / "map.json"
@@ -88,6 +88,22 @@ def test_forced_drafts_are_lossless_and_outputs_valid(zoo_dir, schemas, plain, m
         if o.finish_reason == "stop":
             jsonschema.validate(json.loads(o.text), schema)
     assert llm.engine.stats()["spec"]["mean_accepted_length"] > 1.5
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_forced_drafts_outside_the_draft_vocabulary_are_drafted(zoo_dir, schemas, plain, sampled, tmp_path):
+    """MTP under a token map of ids the guided outputs never hold: the head alone cannot draft a single accepted
+    token, so every accepted draft is one its grammar forced, from outside its vocabulary; outputs unchanged
+    (greedy, and seeded sampling: q one-hot on the forced token, not the NaN of all-masked draft logits)."""
+    emitted = {t for out in plain[False] + plain[True] for t in out.token_ids}
+    token_map = tmp_path / "map.json"
+    token_map.write_text(json.dumps([t for t in range(VOCAB) if t not in emitted][:256]))
+    llm = _llm(zoo_dir, _spec(zoo_dir, "mtp", True, str(token_map)))
+    outs = llm.generate(_prompts(schemas), _params(schemas, sampled))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in plain[sampled]]
+    usage = [o.speculative for o in outs]
+    assert sum(u.forced_tokens for u in usage) > 0
+    assert 0 < sum(u.accepted_tokens for u in usage) <= sum(u.forced_tokens for u in usage), usage
 
 
 def test_forced_drafts_raise_prompt_lookups_acceptance(zoo_dir, schemas, plain):
@@ -198,3 +214,16 @@ def test_unseeded_sampling_with_forced_drafts_keeps_the_distribution(llama_dir, 
     for position in range(1, 6):
         assert _same_distribution(tokens[:, position], forced_guide_plain[:, position]) > 1e-3, position
     assert llm.engine.stats()["spec"]["mean_accepted_length"] > 1.3
+
+
+def test_take_forced_makes_the_forced_token_the_draft_of_probability_one():
+    """A forced row's draft is its forced token and q is one-hot on it, even where the masked draft logits admitted
+    nothing (q NaN: a forced token outside a reduced draft vocabulary); other rows are untouched."""
+    from engine.speculative.proposer import take_forced
+
+    q = torch.tensor([[0.5, 0.5, 0.0, 0.0], [float("nan")] * 4, [0.1, 0.2, 0.3, 0.4]])
+    token, q2 = take_forced(torch.tensor([-1, 3, 0]), torch.tensor([1, 0, 2]), q)
+    assert token.tolist() == [1, 3, 0]
+    assert torch.equal(q2, torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]]))
+    token, none = take_forced(torch.tensor([-1, 2, -1]), torch.tensor([1, 0, 2]), None)  # greedy: no q
+    assert token.tolist() == [1, 2, 2] and none is None

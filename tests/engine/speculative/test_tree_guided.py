@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, SpecConfig, StructuredOutput
+from tests.support.tiny import VOCAB
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -48,12 +49,14 @@ def test_forced_runs_are_single_child_stretches(zoo):
     assert len(run) == 2
     words = compiler.allocate_bitmask(1).shape[-1]
 
-    def fill(masker, paths: list[list[int]]) -> tuple[list[set[int]], list[bool]]:
+    def fill(masker, paths: list[list[int]]) -> tuple[list[set[int]], list[bool], list[int]]:
         bitmask = torch.zeros((1, len(paths), words), dtype=torch.int32)
         flags = torch.zeros((1, len(paths)), dtype=torch.bool)
+        forced = torch.full((1, len(paths)), -1, dtype=torch.int64)
         emitted = torch.tensor([first + [-1] * 4])  # k = 4, the step emitted `{"`
-        masker.fill_draft_tree(emitted, torch.tensor([0]), torch.tensor([paths], dtype=torch.int64), bitmask, flags)
-        return [_allowed(r) for r in bitmask[0]], flags[0].tolist()
+        masker.fill_draft_tree(emitted, torch.tensor([0]), torch.tensor([paths], dtype=torch.int64), bitmask, flags,
+                               forced)
+        return [_allowed(r) for r in bitmask[0]], flags[0].tolist(), forced[0].tolist()
 
     def own_mask(tokens: list[int]) -> set[int]:
         scratch = compiler.allocate_bitmask(1)
@@ -68,16 +71,18 @@ def test_forced_runs_are_single_child_stretches(zoo):
         masker = GrammarMasker(compiler, ForcedTokenizer(tokenizer) if forced else None)
         masker.add("r", structured)
         assert masker.begin_step((MaskRow("r", (), True),))
-        root, _ = fill(masker, [[]])
-        depth1, flags1 = fill(masker, [[run[0]], [refused]])
-        depth2, _ = fill(masker, [run])
+        root, _, root_child = fill(masker, [[]])
+        depth1, flags1, children1 = fill(masker, [[run[0]], [refused]])
+        depth2, _, children2 = fill(masker, [run])
         masker.end_step()
-        if forced:
+        if forced:  # the forced child is also handed over as a token (the expansion takes it, in vocabulary or not)
             assert root == [{run[0]}] and depth1[0] == {run[1]}
+            assert root_child == [run[0]] and children1 == [run[1], -1]
         else:
             assert root == [own_mask([])] and depth1[0] == own_mask(run[:1]) and len(root[0]) > 1
+            assert root_child == [-1] and children1 == [-1, -1]
         assert flags1 == [True, False]
-        assert depth2 == [own_mask(run)] and len(depth2[0]) > 1  # the run ended: free again
+        assert depth2 == [own_mask(run)] and len(depth2[0]) > 1 and children2 == [-1]  # the run ended: free again
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +134,21 @@ def test_guided_tree_equals_guided_plain_and_validates(zoo, cases, reference, me
     assert lengths["full"] > lengths["verify-only"], lengths
     assert lengths["full"] >= lengths["no-forced"], lengths
     assert forced["full"] > forced["no-forced"] and forced["verify-only"] == 0, forced
+
+
+def test_guided_tree_drafts_forced_children_outside_the_draft_vocabulary(zoo, cases, reference, tmp_path):
+    """MTP trees under a token map of ids the guided outputs never hold: the head alone proposes no child the target
+    accepts, so every accepted node is a grammar-forced child from outside its vocabulary (its masked logits admit
+    nothing; the expansion takes the forced token, of probability 1); outputs equal the guided engine's."""
+    prompts, schemas = cases
+    emitted = {t for ids in reference for t in ids}
+    token_map = tmp_path / "map.json"
+    token_map.write_text(json.dumps([t for t in range(VOCAB) if t not in emitted][:256]))
+    spec = SpecConfig(method="mtp", k=6, draft=str(zoo / "mtp"), topk=3, num_verify_tokens=6,
+                      token_map=str(token_map))
+    llm = LLM(str(zoo / "target"), num_kv_blocks=2048, block_size=16, speculative=spec)
+    outs = llm.generate(prompts, _params(schemas))
+    assert [o.token_ids for o in outs] == reference
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    assert 0 < accepted <= sum(o.metrics.num_forced_tokens for o in outs), accepted
+    assert llm.engine.blocks.pool.num_used == 0
