@@ -18,11 +18,12 @@ from kernels.tree_mask import WINDOW
 @triton.jit(do_not_specialize=["R", "D", "offset", "own_shift", "below", "out_stride", "out_col"])
 def _expand_depth_kernel(
     lp_ptr, ids_ptr, pscore_ptr, pcand_ptr, masked_ptr, sampled_ptr, rate_ptr, remap_ptr, path_ptr, lineage_ptr,
-    score_ptr, cell_ptr, forced_ptr, tok_ptr, parent_ptr,
+    child_ptr, score_ptr, cell_ptr, forced_ptr, tok_ptr, parent_ptr,
     best_ptr, cand_ptr, lane_ptr, next_ptr, npath_ptr, nlin_ptr, nmask_ptr,
     R, D, offset, own_shift, below, out_stride, out_col,
     K: tl.constexpr, NUM_BUCKETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_PARENT: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_REMAP: tl.constexpr, HAS_LINEAGE: tl.constexpr,
+    HAS_CHILD: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     M = R * K
@@ -32,6 +33,10 @@ def _expand_depth_kernel(
     base = b * M + m
     lp = tl.load(lp_ptr + base, mask=valid, other=float("-inf")).to(tl.float32)
     masked = tl.load(masked_ptr + b * R + row, mask=valid, other=0).to(tl.int32)
+    if HAS_CHILD:  # a grammar-forced child: the row's first candidate, of log-probability 0, the others -inf
+        child = tl.load(child_ptr + b * R + row, mask=valid, other=-1)
+        first = (m % K) == 0
+        lp = tl.where(child >= 0, tl.where(first, 0.0, float("-inf")), lp)
     special = (lp == 0.0) | (lp == float("-inf"))
     if HAS_TABLE:
         sampled = tl.load(sampled_ptr + b).to(tl.int32)
@@ -53,6 +58,8 @@ def _expand_depth_kernel(
         tok = tl.load(remap_ptr + ids, mask=valid, other=0)
     else:
         tok = ids
+    if HAS_CHILD:
+        tok = tl.where((child >= 0) & first, child, tok)
     # the candidates' fields at columns out_col.. of rows out_stride long (the whole expansion's, or this depth's)
     obase = b * out_stride + out_col + m
     tl.store(score_ptr + obase, score, mask=valid)
@@ -89,7 +96,7 @@ def _expand_depth_kernel(
 
 
 def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, sampled, log_rate, num_buckets, remap,
-                 path, lineage, offset: int, own_shift: int, span: int, out=None):
+                 path, lineage, offset: int, own_shift: int, span: int, out=None, forced_child=None):
     B, R, K = log_probs.shape
     dev = log_probs.device
     D = path.shape[2] if path is not None else 0
@@ -122,13 +129,14 @@ def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, s
            remap if remap is not None else dummy,
            path.contiguous() if D else dummy,
            lineage.contiguous() if lineage is not None else dummy,
+           forced_child.contiguous() if forced_child is not None else dummy,
            scores, cells, forced, tokens, parents, best, candidate, lane, next_tokens, new_path, new_lineage, new_mask,
            R, D, offset, own_shift, WINDOW - span, scores.shape[1], col,
            K=K, NUM_BUCKETS=num_buckets, BLOCK_M=max(next_pow2(M), 2),
            # one path width for every depth up to MAX_K = 8 (paths of at most 8 tokens): one specialization, not three
            BLOCK_D=max(next_pow2(D + 1), 8),
            HAS_PARENT=parent_score is not None, HAS_TABLE=log_rate is not None, HAS_REMAP=remap is not None,
-           HAS_LINEAGE=lineage is not None, num_warps=4 if M > 16 else 1)
+           HAS_LINEAGE=lineage is not None, HAS_CHILD=forced_child is not None, num_warps=4 if M > 16 else 1)
     mine = [t[:, col: col + M] for t in out]  # this depth's columns (views)
     return (*mine, best, candidate, lane, next_tokens, new_path, new_lineage, new_mask)
 

@@ -13,6 +13,7 @@ kernels/compile_check.py compiles what is recorded.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -209,16 +210,16 @@ def _tree_expansion_launches(topk: int, max_depth: int, max_nodes: int) -> None:
     and a draft-to-target map, and the choice of the N best of all candidates (N from 2 to the most nodes). The
     batch reaches no constexpr: one batch size stands for all."""
     B, K, i64 = 3, topk, torch.int64
-    for table in (True, False):
-        for remap in (True, False):
-            for R, D in [(1, 0)] + [(K, d) for d in range(1, max_depth)]:
-                root = R == 1 and D == 0
-                expand_depth_triton(_meta(B, R, K), _meta(B, R, K, dtype=i64), None if root else _meta(B, R),
-                                    None if root else _meta(B, R, dtype=i64), _meta(B, R, dtype=torch.bool),
-                                    _meta(B, dtype=torch.bool), _meta(4 * K * 16) if table else None, 16,
-                                    _meta(1000, dtype=i64) if remap else None,
-                                    None if root else _meta(B, R, D, dtype=i64),
-                                    None if root else _meta(B, R, dtype=i64), K, D * K, (D + 1) * K)
+    for table, remap, guided in itertools.product((True, False), repeat=3):  # guided: the grammar's forced children
+        for R, D in [(1, 0)] + [(K, d) for d in range(1, max_depth)]:
+            root = R == 1 and D == 0
+            expand_depth_triton(_meta(B, R, K), _meta(B, R, K, dtype=i64), None if root else _meta(B, R),
+                                None if root else _meta(B, R, dtype=i64), _meta(B, R, dtype=torch.bool),
+                                _meta(B, dtype=torch.bool), _meta(4 * K * 16) if table else None, 16,
+                                _meta(1000, dtype=i64) if remap else None,
+                                None if root else _meta(B, R, D, dtype=i64),
+                                None if root else _meta(B, R, dtype=i64), K, D * K, (D + 1) * K,
+                                forced_child=_meta(B, R, dtype=i64) if guided else None)
     C = K + (max_depth - 1) * K * K
     for n in sorted({min(v, C) for v in (2, 4, 8, 16, 32, max_nodes)}):
         # depths None: the engine's expansion (each node's depth from its parents)

@@ -21,7 +21,10 @@ Inputs, for B requests whose frontier has R rows, each proposing its K best draf
   draft probability's); None scores a candidate by its log-probability;
   path [B, R, D] int64 (D >= 0) and lineage [B, R] int64: each row's path of tokens and ancestor bits (bit i: the
   frontier row at KV offset i after the root, kernels/tree_mask.py); own_shift: the offset of the next frontier's
-  first row (its row of rank r sits at own_shift + r); span: the frontier rows' positions the next head pass sees.
+  first row (its row of rank r sits at own_shift + r); span: the frontier rows' positions the next head pass sees;
+  forced_child [B, R] int64 or None: a row's grammar-forced child (target id; -1 none), which becomes its first
+  candidate, of log-probability 0, its others -inf: what a one-token mask makes of a child inside the draft
+  vocabulary, and here of one outside it too (whose masked row admits nothing; engine/masking/grammar.py).
 Outputs: per candidate m = r * K + j (in that order) its cumulative score, table cell (-1: not scored), forced flag
 (probability 1 in a masked row), target token and parent candidate, all [B, R * K]; and the next frontier, the K
 best candidates by cumulative score (ties to the lower index, as a stable sort), best first: score [B, K],
@@ -77,10 +80,14 @@ def expand_depth_ref(log_probs: torch.Tensor, draft_ids: torch.Tensor, parent_sc
                      parent_candidate: torch.Tensor | None, masked: torch.Tensor, sampled: torch.Tensor,
                      log_rate: torch.Tensor | None, num_buckets: int, remap: torch.Tensor | None,
                      path: torch.Tensor | None, lineage: torch.Tensor | None, offset: int, own_shift: int,
-                     span: int, out: tuple[torch.Tensor, ...] | None = None) -> Depth:
+                     span: int, out: tuple[torch.Tensor, ...] | None = None,
+                     forced_child: torch.Tensor | None = None) -> Depth:
     B, R, K = log_probs.shape
     dev = log_probs.device
     lp = log_probs.float()
+    if forced_child is not None:
+        on, first = forced_child[:, :, None] >= 0, torch.arange(K, device=dev) == 0
+        lp = torch.where(on, torch.where(first, 0.0, float("-inf")), lp)
     if log_rate is not None:
         cells = table_cells(lp, torch.arange(K, device=dev), sampled, masked[:, :, None], K, num_buckets)
         score = table_scores(lp, cells, log_rate.float())
@@ -91,6 +98,8 @@ def expand_depth_ref(log_probs: torch.Tensor, draft_ids: torch.Tensor, parent_sc
         score = score + parent_score.float()[:, :, None]
     forced = (lp == 0) & masked[:, :, None]
     tokens = draft_ids if remap is None else remap[draft_ids]
+    if forced_child is not None:
+        tokens = torch.where(on & first, forced_child[:, :, None], tokens)
     parents = (parent_candidate[:, :, None].expand(B, R, K) if parent_candidate is not None
                else torch.full_like(draft_ids, -1))
     score, tokens = score.reshape(B, R * K), tokens.reshape(B, R * K)
@@ -117,13 +126,13 @@ def expand_depth_triton(*args, **kwargs) -> Depth:
 
 
 def expand_depth(log_probs, draft_ids, parent_score, parent_candidate, masked, sampled, log_rate, num_buckets, remap,
-                 path, lineage, offset: int, own_shift: int, span: int, out=None) -> Depth:
+                 path, lineage, offset: int, own_shift: int, span: int, out=None, forced_child=None) -> Depth:
     """One depth of the expansion (the module's docstring): Triton on a GPU, the torch reference on the CPU.
     out: the whole expansion's (scores, cells, forced, tokens, parents) [B, C], this depth's candidates written at
     columns offset.. (what `choose` reads, with no concatenation); None: this depth's own."""
     fn = expand_depth_triton if use_triton(log_probs) else expand_depth_ref
     return fn(log_probs, draft_ids, parent_score, parent_candidate, masked, sampled, log_rate, num_buckets, remap,
-              path, lineage, offset, own_shift, span, out)
+              path, lineage, offset, own_shift, span, out, forced_child)
 
 
 # ------------------------------------------------------------------------------------- the n best nodes

@@ -16,7 +16,7 @@ length (a closed tree: a child never scores above its parent). The rule spends t
 is, with no separate width or depth rule: where the head is confident the best nodes form one deep path (a chain),
 where it is unsure they are siblings. Under a grammar the head's distribution is renormalized over what the grammar
 admits, and a grammar-forced token (engine/masking/grammar.py: the node's only admissible child, or its forced
-run's next token) has probability 1, so a forced stretch keeps its parent's score and is chosen whenever its parent
+run's next token; handed over as a token, so one outside a reduced draft vocabulary too) has probability 1, so a forced stretch keeps its parent's score and is chosen whenever its parent
 is: with depth k = N the tree reaches as far as a chain of N drafts wherever the grammar decides,
 and branches only where the head is unsure. A shallower k caps every path at k drafts, which under a grammar
 costs more than the width gains (bench/results/tree_vs_chain_cpu.md).
@@ -144,21 +144,6 @@ def _log_probs(logits: torch.Tensor, paths: torch.Tensor, mask: TreeMask | None,
             forced.reshape(-1))
 
 
-def _take_forced(lp: torch.Tensor, ids: torch.Tensor, forced: torch.Tensor, remap: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A row's top-k (lp, ids [B, R, K], draft ids) -> (lp, target ids) where a row with a forced child (forced
-    [B * R] target ids, -1 none) has that child first, of log-probability 0, and nothing else: what its one-token
-    mask gives a child inside the draft vocabulary, and now one outside it too (its masked logits admit none)."""
-    B, R, K = lp.shape
-    tokens = ids if remap is None else remap[ids]
-    f = forced.view(B, R, 1)
-    on = f >= 0
-    first = torch.arange(K, device=lp.device) == 0
-    tokens = torch.where(on & first, f, tokens)
-    lp = torch.where(on, torch.where(first, 0.0, float("-inf")), lp)
-    return lp, tokens
-
-
 def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor,
            slot_limit: torch.Tensor, max_seq_len: int, shape: TreeShape, remap: torch.Tensor | None,
            mask: TreeMask | None = None, table: AcceptanceTable | None = None,
@@ -189,14 +174,12 @@ def expand(head, state: torch.Tensor, start: torch.Tensor, attn: AttentionMetada
         log_probs, masked, forced = _log_probs(logits, paths, mask, unmasked)
         R = log_probs.shape[0] // B
         lp, ids = log_probs.view(B, R, -1).topk(K, dim=-1)  # [B, R, K]: each row's best candidates
-        to_target = remap
-        if forced is not None:  # guided: forced children, in target ids already
-            lp, ids = _take_forced(lp, ids, forced, remap)
-            to_target = None
         root = frontier is None
+        # a forced child (guided) takes its row's first candidate, inside the draft vocabulary or not
         return expand_depth(lp, ids, None if root else frontier["score"], None if root else frontier["candidate"],
-                            masked.view(B, R), sampled, log_rate, NUM_BUCKETS, to_target, None if root else paths,
-                            None if root else frontier["lineage"], offset, d * K, (d + 1) * K, columns)
+                            masked.view(B, R), sampled, log_rate, NUM_BUCKETS, remap, None if root else paths,
+                            None if root else frontier["lineage"], offset, d * K, (d + 1) * K, columns,
+                            None if forced is None else forced.view(B, R))
 
     root = depth(head.compute_logits(state), torch.empty((B, 1, 0), dtype=torch.int64, device=dev), 0, None, 0)
     frontier = dict(tokens=root.next_tokens, score=root.best, state=state[:, None].expand(B, K, H),

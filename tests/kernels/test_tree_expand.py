@@ -8,9 +8,11 @@ from engine.speculative.tree_score import NUM_BUCKETS, AcceptanceTable
 from kernels.tree_expand import expand_depth, expand_depth_ref, expand_depth_triton
 
 
-def _case(B: int, R: int, K: int, D: int, table: bool, remap: bool, seed: int):
+def _case(B: int, R: int, K: int, D: int, table: bool, remap: bool, seed: int, child: bool = False):
     """Random candidates as an expansion makes them: each row a descending top-K of a log-softmax, some rows masked
-    (one with a forced token and -inf siblings, one closed entirely), ties across rows."""
+    (one with a forced token and -inf siblings, one closed entirely), ties across rows; child: guided, some rows with a
+    grammar-forced child handed over as a target id (one inside the draft vocabulary, one outside it, whose masked
+    row admits nothing)."""
     g = torch.Generator().manual_seed(seed)
     Vd = 40
     logits = torch.randn(B, R, Vd, generator=g) * 2
@@ -35,6 +37,13 @@ def _case(B: int, R: int, K: int, D: int, table: bool, remap: bool, seed: int):
         own_shift=D * K, span=(D + 1) * K)  # the depth after the path's: its rows' bits and the window they see
     if R > 1:
         args["parent_score"][B - 1, R - 1] = args["parent_score"][B - 1, R - 2]
+    if child:
+        forced = torch.full((B, R), -1)
+        forced[0, 0] = 2000 + seed  # outside the draft vocabulary: its row closed by the mask
+        lp[0, 0], masked[0, 0] = float("-inf"), True
+        if R > 1:  # the in-vocabulary forced row above, its token handed over too
+            forced[0, 1] = int(args["remap"][ids[0, 1, 0]]) if remap else int(ids[0, 1, 0])
+        args["forced_child"] = forced
     return args
 
 
@@ -43,9 +52,10 @@ CASES = [  # (B, R, K, D): the root (one row), middle depths, the widest expansi
 
 
 @pytest.mark.parametrize("B,R,K,D", CASES)
-@pytest.mark.parametrize("table,remap", [(True, True), (False, False), (True, False)])
-def test_triton_equals_reference(B, R, K, D, table, remap):
-    args = _case(B, R, K, D, table, remap, seed=B * 100 + R * 10 + K)
+@pytest.mark.parametrize("table,remap,child", [(True, True, False), (False, False, False), (True, False, False),
+                                               (True, True, True), (False, False, True)])
+def test_triton_equals_reference(B, R, K, D, table, remap, child):
+    args = _case(B, R, K, D, table, remap, seed=B * 100 + R * 10 + K, child=child)
     ref, tri = expand_depth_ref(**args), expand_depth_triton(**args)
     for name, a, b in zip(ref._fields, ref, tri):
         assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -104,6 +114,30 @@ def test_reference_is_the_table_the_cumulative_score_and_a_stable_top_k():
             below = 64 - args["span"]
             bits = ((out.lineage[b, i].item() << below) | ((1 << below) - 1)) & ((1 << 64) - 1)
             assert out.tree_mask[b, i].item() == bits - (1 << 64 if bits >> 63 else 0)  # as int64
+
+
+@pytest.mark.parametrize("remap", [True, False])
+def test_a_forced_child_is_its_rows_only_candidate_in_vocabulary_or_not(remap):
+    """A row with a forced child (forced_child, a target id) proposes it first, of probability 1 (score 0 plus its
+    parent's, never a table estimate), flagged forced, its siblings -inf; a child outside the draft vocabulary (its
+    masked row all -inf) the same; rows without one are as without forced children."""
+    B, R, K = 2, 3, 4
+    args = _case(B, R, K, 2, True, remap, seed=11, child=True)
+    out = expand_depth_ref(**args)
+    plain = expand_depth_ref(**{**args, "forced_child": None})
+    fc = args["forced_child"]
+    for b in range(B):
+        for r in range(R):
+            cols = slice(r * K, (r + 1) * K)
+            if fc[b, r] < 0:
+                for name in ("scores", "cells", "forced", "tokens"):
+                    assert torch.equal(getattr(out, name)[b, cols], getattr(plain, name)[b, cols]), (b, r, name)
+                continue
+            assert out.tokens[b, r * K] == fc[b, r] and out.forced[b, r * K] and out.cells[b, r * K] == -1
+            assert out.scores[b, r * K] == args["parent_score"][b, r]
+            assert torch.isneginf(out.scores[b, r * K + 1: (r + 1) * K]).all()
+            assert not out.forced[b, r * K + 1: (r + 1) * K].any()
+    assert out.tokens[0, 0] == 2011  # outside the draft vocabulary (40 ids; a remap's targets below 1000)
 
 
 def test_without_a_table_a_candidate_scores_its_log_probability():
