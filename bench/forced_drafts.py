@@ -2,6 +2,8 @@
 
     python -m bench.forced_drafts [--prompts 6] [--max-tokens 64] [--k 3] [--methods mtp,eagle3,ngram,grammar]
 
+(`mtp-map` in --methods: MTP drafting from its shipped 16,384-id token map, as `tandem serve` runs it.)
+
 Per prompt set (json-mode-eval schemas; JSONSchemaBench dev schemas spread evenly over the cases in name order,
 so over its subsets), batch 1, guided JSON (compact): mean acceptance length per verification step INCLUDING the bonus
 token, and tokens/s against the engine without speculation, for each method with forced drafts on and off
@@ -81,9 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     sets = prompt_sets(AutoTokenizer.from_pretrained(target), args.prompts)
     configs: dict[tuple[str, bool], SpecConfig | None] = {("none", False): None}
     for method in args.methods.split(","):
-        draft = str(paths.heads[method]) if method in paths.heads else None
+        # mtp-map: MTP drafting from its shipped hot vocabulary (zoo/models.py token_maps), as `tandem serve` runs it
+        kind = method.removesuffix("-map")
+        token_map = str(paths.token_maps[kind]) if method.endswith("-map") else None
+        draft = str(paths.heads[kind]) if kind in paths.heads else None
         for forced in (True, False) if method != "grammar" else (True,):
-            configs[(method, forced)] = SpecConfig(method=method, k=args.k, draft=draft, forced_drafts=forced)
+            configs[(method, forced)] = SpecConfig(method=kind, k=args.k, draft=draft, forced_drafts=forced,
+                                                   token_map=token_map)
     engines = {key: LLM(target, max_num_seqs=1, num_kv_blocks=512, speculative=spec,
                        cpu_compile=args.cpu_compile) for key, spec in configs.items()}
     for llm in engines.values():

@@ -37,5 +37,8 @@ class LatentPagedAttention(nn.Module):
         ref = not use_triton(q_latent)  # the torch reference: its index math is planned once per step
         store_latent(latent, rope_key, cache, meta.slot_mapping, meta.store_plan() if ref else None)
         plan = meta.attention_plan(q_latent.shape[0], cache.shape[1], self.num_heads) if ref else None
+        # On the Triton path the output is not zero-filled first (a memset per layer): every row of a step belongs
+        # to a request, and the kernel writes each request's rows (engine/layers/attention.py does the same).
         return mla_attention(q_latent, q_rope, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                             self.scale, meta.max_q_len, meta.max_seq_len, plan=plan, tree_mask=meta.tree_mask)
+                             self.scale, meta.max_q_len, meta.max_seq_len, None if ref else torch.empty_like(q_latent),
+                             plan=plan, tree_mask=meta.tree_mask)
