@@ -149,13 +149,13 @@ def _attention_launches(m: ModelShape, dtype: torch.dtype, page: int, B: int, q_
     if not tree:
         slots = _meta(T, dtype=torch.int64)
         store_kv_triton(k, v, k_cache, v_cache, slots)
-        # Llama-family layers rotate q and k in the KV store's launch (engine/layers/attention.py); Qwen3's per-head
-        # norm hands them over as tensors of their own, not views of the projection
-        rotated = [(q, k)] + ([(_meta(*q.shape, dtype=dtype), _meta(*k.shape, dtype=dtype))] if m.qk_norm else [])
-        for q_in, k_in in rotated:
-            for table_dtype in {torch.float32, dtype}:
-                rope_store_kv_triton(q_in, k_in, v, _meta(T, dtype=torch.int64), _meta(4096, m.head_dim,
-                                     dtype=table_dtype), k_cache, v_cache, slots)
+        # Llama-family layers rotate q and k (views of the projection) in the KV store's launch
+        # (engine/layers/attention.py), Qwen3's after its per-head q/k norm, in that launch too
+        head_weight = _meta(m.head_dim, dtype=dtype)
+        qk_norm = (head_weight, head_weight, 1e-6) if m.qk_norm else None
+        for table_dtype in {torch.float32, dtype}:
+            rope_store_kv_triton(q, k, v, _meta(T, dtype=torch.int64), _meta(4096, m.head_dim, dtype=table_dtype),
+                                 k_cache, v_cache, slots, qk_norm)
     paged_attention_triton(q, k_cache, v_cache, _meta(B, blocks_per_seq, dtype=torch.int32),
                            _meta(B, dtype=torch.int32), _meta(B + 1, dtype=torch.int32), m.head_dim ** -0.5,
                            q_len, kv_len, tree_mask=_meta(T, dtype=torch.int64) if tree else None)

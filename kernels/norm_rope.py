@@ -225,13 +225,14 @@ def apply_rope_ref(
 
 
 @triton.jit
-def _rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, cos, sin, f, f_ok,
+def _rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, cos, sin, f, f_ok, w_ptr, eps,
                   H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_PASS: tl.constexpr, RNE: tl.constexpr):
+                  BLOCK_PASS: tl.constexpr, RNE: tl.constexpr, HAS_NORM: tl.constexpr):
     """Token t's H heads of src rotated by its cos/sin row [1, BLOCK_HALF] into row dst_row of dst ([rows, H, D]
     contiguous: an output, or a paged cache by slot; a negative row, a padding token's slot, is skipped). The
     result is rounded to src's dtype, then stored in dst's (a cache of another dtype rounds once more, as a store
-    of the rotated tensor would)."""
+    of the rotated tensor would). HAS_NORM: each head is first RMS-normed over its D features with weight w_ptr [D]
+    (Qwen3's q/k norm), rounded as rms_norm_ref rounds (the normed head, then its product with the weight)."""
     HALF: tl.constexpr = R // 2
     h = tl.arange(0, BLOCK_H)[:, None]
     ok = (h < H) & f_ok[None, :]
@@ -239,6 +240,14 @@ def _rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, cos, sin, f,
     dst = dst_ptr + dst_row * (H * D) + h * D
     x1 = tl.load(src + f[None, :], mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + f[None, :], mask=ok, other=0.0).to(tl.float32)
+    p = R + tl.arange(0, BLOCK_PASS)[None, :]  # features past rotary_dim pass through (rotation-wise)
+    p_in = (h < H) & (p < D)
+    if HAS_NORM:
+        xp = tl.load(src + p, mask=p_in, other=0.0).to(tl.float32)  # none when R == D: p starts at D
+        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(xp * xp, 1)) / D + eps)[:, None]
+        x1 = _norm_scale(x1 * inv, w_ptr + f[None, :], f_ok[None, :], src_ptr, RNE)
+        x2 = _norm_scale(x2 * inv, w_ptr + HALF + f[None, :], f_ok[None, :], src_ptr, RNE)
+        xp = _norm_scale(xp * inv, w_ptr + p, p < D, src_ptr, RNE)
     y1 = x1 * cos - x2 * sin
     y2 = x2 * cos + x1 * sin
     if RNE:
@@ -249,10 +258,24 @@ def _rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, cos, sin, f,
     y2 = y2.to(src_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty)
     tl.store(dst + f[None, :], y1, mask=ok)
     tl.store(dst + HALF + f[None, :], y2, mask=ok)
-    if R < D:  # features past rotary_dim pass through
-        p = R + tl.arange(0, BLOCK_PASS)[None, :]
-        p_ok = (h < H) & (p < D) & ((h * 0 + dst_row) >= 0)
-        tl.store(dst + p, tl.load(src + p, mask=p_ok).to(dst_ptr.dtype.element_ty), mask=p_ok)
+    if R < D:
+        p_ok = p_in & ((h * 0 + dst_row) >= 0)
+        if HAS_NORM:
+            tl.store(dst + p, xp.to(src_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty), mask=p_ok)
+        else:
+            tl.store(dst + p, tl.load(src + p, mask=p_ok).to(dst_ptr.dtype.element_ty), mask=p_ok)
+
+
+@triton.jit
+def _norm_scale(normed, w_ptrs, w_ok, src_ptr, RNE: tl.constexpr):
+    """rms_norm_ref's rounding of a normed head: to src's dtype, then times the weight, rounded again (fp32)."""
+    if RNE:
+        normed = round_bf16(normed)
+    normed = normed.to(src_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.load(w_ptrs, mask=w_ok, other=0.0).to(tl.float32) * normed
+    if RNE:
+        y = round_bf16(y)
+    return y.to(src_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -283,10 +306,10 @@ def _rope_kernel(
     """q and k of token t in one program: one launch (a graph node) per layer, not two; the cos/sin row read once."""
     t = tl.program_id(0).to(tl.int64)
     cos, sin, f, f_ok = _cos_sin_row(cos_sin_ptr, pos_ptr, t, R, BLOCK_HALF)
-    _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, t, t, cos, sin, f, f_ok, HQ, D, R, BLOCK_HQ,
-                  BLOCK_PASS, RNE)
-    _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, t, t, cos, sin, f, f_ok, HK, D, R, BLOCK_HK,
-                  BLOCK_PASS, RNE)
+    _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, t, t, cos, sin, f, f_ok, q_ptr, 0.0, HQ, D, R, BLOCK_HQ,
+                  BLOCK_PASS, RNE, False)
+    _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, t, t, cos, sin, f, f_ok, k_ptr, 0.0, HK, D, R, BLOCK_HK,
+                  BLOCK_PASS, RNE, False)
 
 
 def apply_rope_triton(q, k, positions, cos_sin):
@@ -324,31 +347,38 @@ def _rope_store_kernel(
     slot_ptr,  # [T] int64, -1 = padding (nothing stored)
     pos_ptr,  # [T] int
     cos_sin_ptr,  # [max_pos, R] contiguous
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    qw_ptr, kw_ptr,  # [D] q/k norm weights (read when HAS_NORM)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, eps,
     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    BLOCK_D: tl.constexpr, RNE: tl.constexpr,
+    BLOCK_D: tl.constexpr, RNE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    """Token t: q rotated into q_out, k rotated and v copied into the caches at its slot. One launch (a graph node)
-    per layer where rotary embedding and the KV store were two; the rotated k is never written anywhere else."""
+    """Token t: q rotated into q_out, k rotated and v copied into the caches at its slot (with HAS_NORM q and k each
+    RMS-normed per head first: Qwen3). One launch (a graph node) per layer where rotary embedding and the KV store
+    were two (and the q/k norms two more, with their copies out of the strided qkv); the rotated k is never written
+    anywhere else."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
     cos, sin, f, f_ok = _cos_sin_row(cos_sin_ptr, pos_ptr, t, R, BLOCK_HALF)
-    _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, t, t, cos, sin, f, f_ok, HQ, D, R, BLOCK_HQ,
-                  BLOCK_PASS, RNE)
-    _rotate_heads(k_ptr, k_cache_ptr, stride_kt, stride_kh, t, slot, cos, sin, f, f_ok, HK, D, R,
-                  BLOCK_HK, BLOCK_PASS, RNE)
+    _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, t, t, cos, sin, f, f_ok, qw_ptr, eps, HQ, D, R, BLOCK_HQ,
+                  BLOCK_PASS, RNE, HAS_NORM)
+    _rotate_heads(k_ptr, k_cache_ptr, stride_kt, stride_kh, t, slot, cos, sin, f, f_ok, kw_ptr, eps, HK, D, R,
+                  BLOCK_HK, BLOCK_PASS, RNE, HAS_NORM)
     store_row(v_ptr, stride_vt, stride_vh, t, v_cache_ptr, slot, HK, D, BLOCK_HK, BLOCK_D)
 
 
-def rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
-    """apply_rope_ref, then store_kv_ref of the rotated k and v: what the fused kernel computes."""
+def rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qk_norm=None):
+    """rms_norm_ref of q and k per head (qk_norm), apply_rope_ref, then store_kv_ref of the rotated k and v: what the
+    fused kernel computes."""
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     q, k = apply_rope_ref(q, k, positions, cos_sin)
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
     return q
 
 
-def rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+def rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qk_norm=None):
     check_cache(k_cache, v_cache)
     T, HQ, D = q.shape
     HK = k.shape[1]
@@ -357,24 +387,29 @@ def rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_map
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and q.dtype == k.dtype
     assert positions.shape == (T,) and positions.is_contiguous() and cos_sin.is_contiguous()
     assert slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64 and R % 2 == 0 and R <= D
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
+    if qk_norm is not None:
+        assert q_weight.shape == k_weight.shape == (D,) and q_weight.is_contiguous() and k_weight.is_contiguous()
     q_out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
     if T:
         launch(
             _rope_store_kernel, (T,), q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps,
             HQ=HQ, HK=HK, D=D, R=R, BLOCK_HQ=next_pow2(HQ), BLOCK_HK=next_pow2(HK), BLOCK_HALF=next_pow2(R // 2),
             BLOCK_PASS=next_pow2(max(D - R, 1)), BLOCK_D=next_pow2(D), RNE=interpreter_bf16(q),
+            HAS_NORM=qk_norm is not None,
         )
     return q_out
 
 
-def rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+def rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qk_norm=None):
     """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` by their positions, and write the rotated k and v `[T, Hkv, D]`
-    into the paged caches at `slot_mapping` (-1: skipped) -> the rotated q. (The engine's reference path rotates
+    into the paged caches at `slot_mapping` (-1: skipped) -> the rotated q. qk_norm (q weight [D], k weight [D],
+    eps): q and k RMS-normed per head first (Qwen3), in the same launch. (The engine's reference path norms, rotates
     and stores apart, with tables and a store plan made once per step: engine/layers/attention.py.)"""
     if use_triton(q):
-        return rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    return rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        return rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qk_norm)
+    return rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qk_norm)
 
 
 def apply_rope(q, k, positions, cos_sin, rows=None):

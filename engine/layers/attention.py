@@ -16,7 +16,7 @@ from engine.scoped import ForwardScoped
 from kernels._dispatch import use_triton
 from kernels.attention import (CPU_KERNEL_MAX_Q, AttentionPlan, cpu_kernel_serves, paged_attention, paged_attention_cpu,
                                plan_paged_attention)
-from kernels.norm_rope import apply_rope, rope_store_kv
+from kernels.norm_rope import apply_rope, rms_norm, rope_store_kv
 from kernels.store_kv import StorePlan, plan_store_kv, store_kv
 
 
@@ -75,15 +75,20 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeAt | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeAt | None = None,
+                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]. rope: q and k come unrotated and are rotated here, on the
-        Triton path in one launch with the KV store (kernels/norm_rope.py rope_store_kv); None: already rotated."""
+        Triton path in one launch with the KV store (kernels/norm_rope.py rope_store_kv); None: already rotated.
+        qk_norm (q weight, k weight, eps), with rope: q and k come un-normed too and are RMS-normed per head first
+        (Qwen3), in that same launch."""
         meta = current_metadata()
         k_cache = meta.kv_cache[self.layer_idx, 0]
         v_cache = meta.kv_cache[self.layer_idx, 1]
         if rope is not None and use_triton(q):
-            q = rope_store_kv(q, k, v, rope.positions, rope.cos_sin, k_cache, v_cache, meta.slot_mapping)
+            q = rope_store_kv(q, k, v, rope.positions, rope.cos_sin, k_cache, v_cache, meta.slot_mapping, qk_norm)
             return self._attend(meta, q, k_cache, v_cache)
+        if qk_norm is not None:
+            q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
         if rope is not None:
             q, k = apply_rope(q, k, rope.positions, rope.cos_sin, rope.rows)
         kernel = cpu_kernel_serves(q)

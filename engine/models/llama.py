@@ -38,20 +38,24 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attend(rope, *self.project(rope, x)))
 
     def attend(self, rope: RopeAt, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The paged attention over `project`'s outputs, which it rotates first where they came unrotated."""
-        return self.attn(q, k, v, rope if rope.fused else None)
+        """The paged attention over `project`'s outputs, which it norms (Qwen3) and rotates first where they came
+        un-normed and unrotated."""
+        if not rope.fused:
+            return self.attn(q, k, v)
+        qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return self.attn(q, k, v, rope, qk_norm)
 
     def project(self, rope: RopeAt, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Everything before the paged attention: x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D], q and k rotated
-        unless `rope.fused` (then `attend` rotates them in one launch with the KV store)."""
+        """Everything before the paged attention: x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D], q and k normed
+        (Qwen3) and rotated unless `rope.fused` (then `attend` does both in one launch with the KV store)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(T, -1, self.head_dim)
         k = k.view(T, -1, self.head_dim)
         v = v.view(T, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         if not rope.fused:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(rope, q, k)
         return q, k, v
 

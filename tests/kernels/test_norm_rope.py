@@ -220,6 +220,32 @@ def test_rope_store_kv_triton_matches_rope_then_store(dtype, cache_dtype, rotary
     torch.testing.assert_close(flat[slots[0]], ref_k[0].to(cache_dtype), atol=tol[0], rtol=tol[1])
 
 
+def _qk_norm(dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(64, generator=gen) + 0.5).to(dtype), (torch.rand(64, generator=gen) + 0.5).to(dtype), 1e-6
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rope_store_kv_with_qk_norm_matches_norm_rope_then_store(dtype, cache_dtype, rotary_dim):
+    """Qwen3: q and k RMS-normed per head (their own weights) before the rotation, in the same launch; the reference
+    is rms_norm_ref per head, then rotate-and-store, and the kernel matches it (the features past rotary_dim normed
+    too, passed through unrotated)."""
+    q, k, v, positions, cache, caches, slots = _rope_store_case(dtype, cache_dtype, rotary_dim, 7 + rotary_dim)
+    qk_norm = _qk_norm(dtype)
+    want_caches = [c.clone() for c in caches]
+    want_q = rope_store_kv_ref(q, k, v, positions, cache, *want_caches, slots, qk_norm)
+    normed = rms_norm_ref(q, qk_norm[0], qk_norm[2]), rms_norm_ref(k, qk_norm[1], qk_norm[2])
+    assert torch.equal(want_q, apply_rope_ref(*normed, positions, cache)[0])  # the reference is the steps it fuses
+    assert not torch.allclose(want_q.float(), apply_rope_ref(q, k, positions, cache)[0].float(), atol=0.1)
+    got_q = rope_store_kv_triton(q, k, v, positions, cache, *caches, slots, qk_norm)
+    tol = TOL[dtype] if dtype == cache_dtype else TOL[cache_dtype]
+    torch.testing.assert_close(got_q, want_q, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    for got, want in zip(caches, want_caches):
+        torch.testing.assert_close(got, want, atol=tol[0], rtol=tol[1])
+
+
 def test_rope_store_kv_leaves_every_other_slot_alone():
     q, k, v, positions, cache, caches, slots = _rope_store_case(torch.float32, torch.float32, 64)
     before = [c.clone() for c in caches]
@@ -242,13 +268,16 @@ def test_rope_store_kv_dispatcher_matches_ref():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_rope_store_kv_cuda(dtype):
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_store_kv_cuda(dtype, norm):
     q, k, v, positions, cache, caches, slots = _rope_store_case(dtype, dtype, 64, 5)
+    qk_norm = _qk_norm(dtype) if norm else None
     want_caches = [c.clone() for c in caches]
-    want_q = rope_store_kv_ref(q, k, v, positions, cache, *want_caches, slots)
+    want_q = rope_store_kv_ref(q, k, v, positions, cache, *want_caches, slots, qk_norm)
     gpu_caches = [c.cuda() for c in caches]
     got_q = rope_store_kv_triton(q.cuda(), k.cuda(), v.cuda(), positions.cuda(), cache.cuda(), *gpu_caches,
-                                 slots.cuda())
+                                 slots.cuda(), None if qk_norm is None else (qk_norm[0].cuda(), qk_norm[1].cuda(),
+                                                                               qk_norm[2]))
     torch.testing.assert_close(got_q.cpu(), want_q, atol=TOL[dtype][0], rtol=TOL[dtype][1])
     for got, want in zip(gpu_caches, want_caches):
         torch.testing.assert_close(got.cpu(), want, atol=TOL[dtype][0], rtol=TOL[dtype][1])
