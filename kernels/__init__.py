@@ -4,6 +4,7 @@ Every module exposes `name` (dispatch: Triton on CUDA or under TRITON_INTERPRET=
 reference), `name_ref` and `name_triton`:
   attention     store_kv, paged_attention (varlen, GQA, split-KV flash decoding)
   mla_attention store_latent, mla_attention (MLA's latent cache, absorbed form; varlen, split-KV)
+  latent_rope_store  MLA's latent norm, q/k rotation and latent cache store in one launch
   bitmask       apply_token_bitmask (xgrammar layout, row flags, index map, d2t)
   verify        verify_greedy, verify_rejection (+ target_probs), counter RNG from rng.py
   kv_transfer   pack_kv, unpack_kv (head slices for tp re-sharding)

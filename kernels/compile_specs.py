@@ -27,6 +27,7 @@ from kernels.attention import paged_attention_triton
 from kernels.store_kv import store_kv_triton
 from kernels.bitmask import apply_token_bitmask_triton
 from kernels.kv_transfer import pack_kv_triton, unpack_kv_triton
+from kernels.latent_rope_store import latent_rope_store_triton
 from kernels.mla_attention import mla_attention_triton, store_latent_triton
 from kernels.activation import silu_and_mul_triton
 from kernels.norm_rope import apply_rope_triton, rms_norm_triton, rope_store_kv_triton
@@ -177,7 +178,15 @@ def _mla_launches(heads: int, latent: int, rope: int, dtype: torch.dtype, page: 
     cache = _meta(2, 1, B * blocks_per_seq + 1, page, 1, latent + rope, dtype=dtype)[0, 0, :, :, 0]
     if not tree:
         kv = _meta(T, latent + rope, dtype=dtype)
-        store_latent_triton(kv[:, :latent], _meta(T, rope, dtype=dtype), cache, _meta(T, dtype=torch.int64))
+        slots, positions = _meta(T, dtype=torch.int64), _meta(T, dtype=torch.int64)
+        store_latent_triton(kv[:, :latent], _meta(T, rope, dtype=dtype), cache, slots)
+        # the engine's Triton path: the latent's norm, the rotations and the store in one launch (views of the
+        # down projection [T, latent | rope] and of q [T, heads, nope | rope], nope 128 as DeepSeek-V3's)
+        q = _meta(T, heads, 128 + rope, dtype=dtype)
+        for table_dtype in {torch.float32, dtype}:
+            latent_rope_store_triton(kv[:, :latent], kv[:, latent:], q[..., 128:], positions,
+                                     _meta(4096, rope, dtype=table_dtype), _meta(latent, dtype=dtype), 1e-6, cache,
+                                     slots)
     q_latent = _meta(heads, T, latent, dtype=dtype).transpose(0, 1)
     q_rope = _meta(T, heads, rope, dtype=dtype)
     mla_attention_triton(q_latent, q_rope, cache, _meta(B, blocks_per_seq, dtype=torch.int32),

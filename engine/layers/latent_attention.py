@@ -12,6 +12,7 @@ from torch import nn
 from engine.layers.attention import current_metadata
 from engine.layers.kv_spec import KVCacheSpec
 from kernels._dispatch import use_triton
+from kernels.latent_rope_store import latent_rope_store
 from kernels.mla_attention import mla_attention, store_latent
 
 
@@ -29,13 +30,21 @@ class LatentPagedAttention(nn.Module):
         return KVCacheSpec(planes=1, heads=1, head_dim=self.kv_lora_rank + self.qk_rope_head_dim, replicated=True)
 
     def forward(self, q_latent: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                rope_key: torch.Tensor) -> torch.Tensor:
+                rope_key: torch.Tensor, fused: tuple | None = None) -> torch.Tensor:
         """q_latent [T, H, L] (q_nope already through W_UK), q_rope [T, H, R] rotated; latent [T, L]
-        normed, rope_key [T, R] rotated -> [T, H, L] attention output in latent space."""
+        normed, rope_key [T, R] rotated -> [T, H, L] attention output in latent space. fused (RopeAt, the latent
+        norm's weight, eps), the Triton path: q_rope and rope_key come unrotated and the latent un-normed, and one
+        launch norms, rotates and stores them (kernels/latent_rope_store.py)."""
         meta = current_metadata()
         cache = meta.kv_cache[self.layer_idx, 0, :, :, 0]  # [N, S, L + R], contiguous
         ref = not use_triton(q_latent)  # the torch reference: its index math is planned once per step
-        store_latent(latent, rope_key, cache, meta.slot_mapping, meta.store_plan() if ref else None)
+        if fused is not None:
+            assert not ref, "the fused latent store is the Triton path's"
+            rope, weight, eps = fused
+            q_rope = latent_rope_store(latent, rope_key, q_rope, rope.positions, rope.cos_sin, weight, eps, cache,
+                                       meta.slot_mapping)
+        else:
+            store_latent(latent, rope_key, cache, meta.slot_mapping, meta.store_plan() if ref else None)
         plan = meta.attention_plan(q_latent.shape[0], cache.shape[1], self.num_heads) if ref else None
         # On the Triton path the output is not zero-filled first (a memset per layer): every row of a step belongs
         # to a request, and the kernel writes each request's rows (engine/layers/attention.py does the same).

@@ -106,10 +106,14 @@ class MLAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q_nope, q_pe = q.view(T, self.local_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(latent)  # [T, L]
-        q_pe, k_pe = self.rotary(rope, q_pe, k_pe.view(T, 1, self.rope))  # [T, H, R], [T, 1, R]
         w_uk, w_uv = self.kv_b_proj.halves()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
-        out = self.attn(q_latent, q_pe, latent, k_pe.view(T, self.rope))  # [T, H, L]
+        if rope.fused:  # the Triton path: the latent's norm, q's and k's rotation and the cache store in one launch
+            norm = self.kv_a_layernorm
+            out = self.attn(q_latent, q_pe, latent, k_pe, (rope, norm.weight, norm.eps))  # [T, H, L]
+        else:
+            latent = self.kv_a_layernorm(latent)  # [T, L]
+            q_pe, k_pe = self.rotary(rope, q_pe, k_pe.view(T, 1, self.rope))  # [T, H, R], [T, 1, R]
+            out = self.attn(q_latent, q_pe, latent, k_pe.view(T, self.rope))  # [T, H, L]
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
         return self.o_proj(out.transpose(0, 1).reshape(T, self.local_heads * self.v))
