@@ -16,10 +16,10 @@ length (a closed tree: a child never scores above its parent). The rule spends t
 is, with no separate width or depth rule: where the head is confident the best nodes form one deep path (a chain),
 where it is unsure they are siblings. Under a grammar the head's distribution is renormalized over what the grammar
 admits, and a grammar-forced token (engine/masking/grammar.py: the node's only admissible child, or its forced
-run's next token; handed over as a token, so one outside a reduced draft vocabulary too) has probability 1, so a forced stretch keeps its parent's score and is chosen whenever its parent
-is: with depth k = N the tree reaches as far as a chain of N drafts wherever the grammar decides,
-and branches only where the head is unsure. A shallower k caps every path at k drafts, which under a grammar
-costs more than the width gains (bench/results/tree_vs_chain_cpu.md).
+run's next token; handed over as a token, so one outside a reduced draft vocabulary too) has probability 1, so a
+forced stretch keeps its parent's score and is chosen whenever its parent is: with depth k = N the tree reaches as
+far as a chain of N drafts wherever the grammar decides, and branches only where the head is unsure. A shallower k
+caps every path at k drafts, which under a grammar costs more than the width gains (bench/results/tree_vs_chain_cpu.md).
 
 Shapes are fixed by (B, topk, k, N): k - 1 head passes of B * topk rows, one top-k per pass, and per depth one
 fused launch for the bookkeeping (kernels/tree_expand.py: scores, forced flags, the next frontier by a stable rank,
