@@ -30,7 +30,7 @@ from kernels.kv_transfer import pack_kv_triton, unpack_kv_triton
 from kernels.latent_rope_store import latent_rope_store_triton
 from kernels.mla_attention import mla_attention_triton, store_latent_triton
 from kernels.activation import silu_and_mul_triton
-from kernels.norm_rope import apply_rope_triton, rms_norm_triton, rope_store_kv_triton
+from kernels.norm_rope import apply_rope_triton, rms_norm_cat_triton, rms_norm_triton, rope_store_kv_triton
 from kernels.draft_layout import draft_layout_triton
 from kernels.tree_accept import accept_path_triton
 from kernels.tree_expand import choose_triton, expand_depth_triton
@@ -119,12 +119,14 @@ def _qkv(m: ModelShape, dtype: torch.dtype, T: int) -> tuple[torch.Tensor, torch
 
 
 def _token_launches(m: ModelShape, dtype: torch.dtype, T: int) -> None:
-    """The per-token kernels of one layer over T rows: norms (with and without the residual), Qwen3's
-    per-head q/k norm, rotary embedding, the gated MLP's activation (its shard at tensor parallelism 1-8)."""
+    """The per-token kernels of one layer over T rows: norms (with and without the residual; a draft head's two
+    input norms side by side), Qwen3's per-head q/k norm, rotary embedding, the gated MLP's activation (its shard at
+    tensor parallelism 1-8)."""
     hidden = _meta(T, m.hidden, dtype=dtype)
     weight = _meta(m.hidden, dtype=dtype)
     rms_norm_triton(hidden, weight, 1e-6)
     rms_norm_triton(hidden, weight, 1e-6, residual=_meta(T, m.hidden, dtype=dtype))
+    rms_norm_cat_triton(hidden, weight, _meta(T, m.hidden, dtype=dtype), weight, 1e-6)  # a draft head's input
     q, k, _ = _qkv(m, dtype, T)
     if m.qk_norm:
         head_weight = _meta(m.head_dim, dtype=dtype)

@@ -65,16 +65,22 @@ def _rms_norm_kernel(
         s = s.to(new_res_ptr.dtype.element_ty)  # rounded like the reference's dtype add
         tl.store(new_res_ptr + t * H + cols, s, mask=ok)
         x = s.to(tl.float32)
+    tl.store(out_ptr + t * H + cols, _normed_row(x, w_ptr, cols, ok, eps, out_ptr, H, RNE), mask=ok)
+
+
+@triton.jit
+def _normed_row(x, w_ptr, cols, ok, eps, out_ptr, H: tl.constexpr, RNE: tl.constexpr):
+    """One row x [BLOCK] (fp32, zero past H) RMS-normed and times the weight, in out_ptr's dtype, rounded as
+    rms_norm_ref rounds (the normed row to the dtype, then its product with the weight)."""
     inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / H + eps)
     normed = x * inv
     if RNE:
         normed = round_bf16(normed)
     normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    y = w * normed
+    y = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * normed
     if RNE:
         y = round_bf16(y)
-    tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+    return y.to(out_ptr.dtype.element_ty)
 
 
 def rms_norm_triton(x, weight, eps, residual=None):
@@ -105,6 +111,44 @@ def rms_norm(x, weight, eps, residual=None):
     """RMSNorm over the last dim of x `[..., H]`; with `residual`, returns (normed, new_residual = x + residual)."""
     fn = rms_norm_triton if use_triton(x) else rms_norm_ref
     return fn(x, weight, eps, residual)
+
+
+# A draft head's input (MTP's eh_proj, EAGLE-3's attention): two rows normed by their own weights, side by side.
+
+
+def rms_norm_cat_ref(a, weight_a, b, weight_b, eps):
+    """[rms_norm_ref(a) | rms_norm_ref(b)] of a and b [T, H] -> [T, 2H]."""
+    return torch.cat([rms_norm_ref(a, weight_a, eps), rms_norm_ref(b, weight_b, eps)], -1)
+
+
+@triton.jit
+def _rms_norm_cat_kernel(a_ptr, wa_ptr, b_ptr, wb_ptr, out_ptr, stride_a, stride_b, eps,
+                         H: tl.constexpr, BLOCK: tl.constexpr, RNE: tl.constexpr):
+    """Token t: a's row normed into out[t, :H], b's into out[t, H:]: one launch where two norms and a cat were three."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    a = tl.load(a_ptr + t * stride_a + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * 2 * H + cols, _normed_row(a, wa_ptr, cols, ok, eps, out_ptr, H, RNE), mask=ok)
+    b = tl.load(b_ptr + t * stride_b + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * 2 * H + H + cols, _normed_row(b, wb_ptr, cols, ok, eps, out_ptr, H, RNE), mask=ok)
+
+
+def rms_norm_cat_triton(a, weight_a, b, weight_b, eps):
+    T, H = a.shape
+    assert b.shape == (T, H) and a.dtype == b.dtype and a.stride(1) == 1 and b.stride(1) == 1, (a.shape, b.shape)
+    assert weight_a.shape == weight_b.shape == (H,) and weight_a.is_contiguous() and weight_b.is_contiguous()
+    out = torch.empty((T, 2 * H), dtype=a.dtype, device=a.device)
+    if T:
+        launch(_rms_norm_cat_kernel, (T,), a, weight_a, b, weight_b, out, a.stride(0), b.stride(0), eps,
+               H=H, BLOCK=next_pow2(H), RNE=interpreter_bf16(a), num_warps=4 if H <= 4096 else 8)
+    return out
+
+
+def rms_norm_cat(a, weight_a, b, weight_b, eps):
+    """[rms_norm(a, weight_a) | rms_norm(b, weight_b)] of a and b [T, H] -> [T, 2H], one launch on a GPU."""
+    fn = rms_norm_cat_triton if use_triton(a) and a.dtype == b.dtype else rms_norm_cat_ref
+    return fn(a, weight_a, b, weight_b, eps)
 
 
 # -------------------------------------------------------------------------------------------- rope

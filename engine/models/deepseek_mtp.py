@@ -27,6 +27,7 @@ from engine.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausa
 from engine.models.draft_head import DraftHead, checkpoint_names, read_config
 from engine.models.loader import load_weights
 from engine.models.mtp import SHARED, SharedHead, mtp_layer_count
+from kernels.norm_rope import rms_norm_cat
 
 
 class DeepseekMTPHead(DraftHead):
@@ -57,7 +58,8 @@ class DeepseekMTPHead(DraftHead):
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] (the target's final hidden, or this head's previous output), token_ids/positions [T]
         -> the normed state the shared head reads [T, H]."""
-        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(token_ids)), self.hnorm(hidden)], dim=-1))
+        x = self.eh_proj(rms_norm_cat(self.embed_tokens(token_ids), self.enorm.weight, hidden, self.hnorm.weight,
+                                      self.enorm.eps))  # one launch on a GPU
         out, residual = self.block(self.rotary.at(positions), x, None)
         return self.shared_head.norm(out, residual)[0]  # norm(out + residual), the add fused into the norm
 

@@ -26,6 +26,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.draft_head import BLOCK_WEIGHTS, DraftHead
 from engine.models.llama import LlamaAttention, LlamaMLP, LlamaForCausalLM
+from kernels.norm_rope import rms_norm_cat
 
 
 def aux_layer_ids(raw: dict, num_target_layers: int) -> list[int]:
@@ -102,7 +103,9 @@ class Eagle3Head(DraftHead):
         if hidden.shape[-1] != self.norm.weight.shape[0]:  # the first step reads the 3 target layers
             hidden = self.fc(hidden)
         layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(self.embed_tokens(token_ids)), layer.hidden_norm(hidden)], dim=-1)
+        # [input_layernorm(embed) | hidden_norm(hidden)]: one launch on a GPU (two norms and a cat on the reference)
+        x = rms_norm_cat(self.embed_tokens(token_ids), layer.input_layernorm.weight, hidden, layer.hidden_norm.weight,
+                         layer.input_layernorm.eps)
         x = hidden + layer.self_attn(self.rotary.at(positions), x)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 

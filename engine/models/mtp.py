@@ -25,6 +25,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.draft_head import BLOCK_WEIGHTS, DraftHead
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from kernels.norm_rope import rms_norm_cat
 
 SHARED = {"embed_tokens.weight", "shared_head.norm.weight", "shared_head.head.weight"}
 
@@ -66,7 +67,8 @@ class MTPHead(DraftHead):
             done = self.piecewise.run((hidden, token_ids), positions)
             if done is not None:
                 return done[0][0]
-        x = torch.cat([self.enorm(self.embed_tokens(token_ids)), self.hnorm(hidden)], dim=-1)
+        # [enorm(embed) | hnorm(hidden)]: one launch on a GPU (two norms and a cat on the reference path)
+        x = rms_norm_cat(self.embed_tokens(token_ids), self.enorm.weight, hidden, self.hnorm.weight, self.enorm.eps)
         x = self.eh_proj(x)
         out, residual = self.block(self.rotary.at(positions), x, None)
         return self.shared_head.norm(out, residual)[0]  # norm(out + residual), the add fused into the norm

@@ -12,6 +12,9 @@ from kernels.norm_rope import (
     rope_rows,
     build_rope_cache,
     rms_norm,
+    rms_norm_cat,
+    rms_norm_cat_ref,
+    rms_norm_cat_triton,
     rms_norm_ref,
     rms_norm_triton,
     rope_store_kv,
@@ -185,6 +188,25 @@ def test_yarn_rope_cache_matches_transformers(scaling, head_dim):
     torch.testing.assert_close(ours[:, : head_dim // 2], cos[0, :, : head_dim // 2], atol=1e-6, rtol=0)
     torch.testing.assert_close(ours[:, head_dim // 2:], sin[0, :, : head_dim // 2], atol=1e-6, rtol=0)
     assert not torch.equal(ours, build_rope_cache(head_dim, 512, 10000.0, None))
+
+
+# ------------------------------------------------------------------------------- two norms side by side
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_cat_triton_matches_two_norms_and_a_cat(dtype):
+    """A draft head's input: [norm_a(a) | norm_b(b)] in one launch, a strided (a view of a wider tensor) and b not."""
+    gen = torch.Generator().manual_seed(4)
+    T, H = 5, 48
+    a = (torch.randn(T, H + 16, generator=gen) * 3).to(dtype)[:, 16:]
+    b = torch.randn(T, H, generator=gen).to(dtype)
+    wa, wb = (torch.rand(H, generator=gen) + 0.5).to(dtype), (torch.rand(H, generator=gen) + 0.5).to(dtype)
+    want = rms_norm_cat_ref(a, wa, b, wb, 1e-5)
+    assert torch.equal(want, torch.cat([rms_norm_ref(a, wa, 1e-5), rms_norm_ref(b, wb, 1e-5)], -1))
+    got = rms_norm_cat_triton(a, wa, b, wb, 1e-5)
+    assert got.shape == (T, 2 * H) and got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    torch.testing.assert_close(rms_norm_cat(a, wa, b, wb, 1e-5), want, atol=TOL[dtype][0], rtol=TOL[dtype][1])
 
 
 # ------------------------------------------------------------------------------- rotary + KV store, fused
