@@ -18,7 +18,7 @@ from kernels._dispatch import interpreter_bf16, next_pow2, use_triton
 from kernels._launch import launch
 from kernels._triton_utils import round_bf16
 from kernels.mla_attention import store_latent_ref
-from kernels.norm_rope import _cos_sin_row, _rotate_heads, apply_rope_ref, rms_norm_ref
+from kernels.norm_rope import _cos_sin_row, _normed_row, _rotate_heads, apply_rope_ref, rms_norm_ref
 
 
 def latent_rope_store_ref(latent, rope_key, q_rope, positions, cos_sin, weight, eps, latent_cache, slot_mapping):
@@ -52,19 +52,12 @@ def _latent_rope_store_kernel(
                   1, RNE, False)
     row = cache_ptr + slot * (L + R)
     # the latent, normed: rms_norm_ref's rounding (the normed row to the activation dtype, then times the weight)
-    c = tl.arange(0, BLOCK_L)[None, :]
+    c = tl.arange(0, BLOCK_L)
     c_in = c < L
     c_ok = c_in & ((c * 0 + slot) >= 0)  # the slot test broadcast: the interpreter rejects scalar masks
     x = tl.load(latent_ptr + t * stride_lt + c, mask=c_in, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / L + eps)[:, None]
-    normed = x * inv
-    if RNE:
-        normed = round_bf16(normed)
-    normed = normed.to(latent_ptr.dtype.element_ty).to(tl.float32)
-    y = tl.load(w_ptr + c, mask=c_in, other=0.0).to(tl.float32) * normed
-    if RNE:
-        y = round_bf16(y)
-    tl.store(row + c, y.to(latent_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty), mask=c_ok)
+    y = _normed_row(x, w_ptr, c, c_in, eps, latent_ptr, L, RNE)  # in the activation dtype, as rms_norm's kernel
+    tl.store(row + c, y.to(cache_ptr.dtype.element_ty), mask=c_ok)
     # the rope key: one head rotated straight into the row's last R features
     HALF: tl.constexpr = R // 2
     k_ok = f_ok[None, :] & ((f[None, :] * 0 + slot) >= 0)
