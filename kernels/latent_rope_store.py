@@ -16,7 +16,6 @@ import triton.language as tl
 
 from kernels._dispatch import interpreter_bf16, next_pow2, use_triton
 from kernels._launch import launch
-from kernels._triton_utils import round_bf16
 from kernels.mla_attention import store_latent_ref
 from kernels.norm_rope import _cos_sin_row, _normed_row, _rotate_heads, apply_rope_ref, rms_norm_ref
 
@@ -58,18 +57,9 @@ def _latent_rope_store_kernel(
     x = tl.load(latent_ptr + t * stride_lt + c, mask=c_in, other=0.0).to(tl.float32)
     y = _normed_row(x, w_ptr, c, c_in, eps, latent_ptr, L, RNE)  # in the activation dtype, as rms_norm's kernel
     tl.store(row + c, y.to(cache_ptr.dtype.element_ty), mask=c_ok)
-    # the rope key: one head rotated straight into the row's last R features
-    HALF: tl.constexpr = R // 2
-    k_ok = f_ok[None, :] & ((f[None, :] * 0 + slot) >= 0)
-    k1 = tl.load(key_ptr + t * stride_kt + f[None, :], mask=f_ok[None, :], other=0.0).to(tl.float32)
-    k2 = tl.load(key_ptr + t * stride_kt + HALF + f[None, :], mask=f_ok[None, :], other=0.0).to(tl.float32)
-    y1 = k1 * cos - k2 * sin
-    y2 = k2 * cos + k1 * sin
-    if RNE:
-        y1 = round_bf16(y1)
-        y2 = round_bf16(y2)
-    tl.store(row + L + f[None, :], y1.to(key_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty), mask=k_ok)
-    tl.store(row + L + HALF + f[None, :], y2.to(key_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty), mask=k_ok)
+    # the rope key: one head rotated straight into the slot's row, after the latent (rows of L + R)
+    _rotate_heads(key_ptr, cache_ptr + L, stride_kt, 0, t, slot, cos, sin, f, f_ok, key_ptr, 0.0, 1, R, R, 1, 1, RNE,
+                  False, L + R)
 
 
 def latent_rope_store_triton(latent, rope_key, q_rope, positions, cos_sin, weight, eps, latent_cache, slot_mapping):

@@ -70,17 +70,21 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _normed_row(x, w_ptr, cols, ok, eps, out_ptr, H: tl.constexpr, RNE: tl.constexpr):
-    """One row x [BLOCK] (fp32, zero past H) RMS-normed and times the weight, in out_ptr's dtype, rounded as
-    rms_norm_ref rounds (the normed row to the dtype, then its product with the weight)."""
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / H + eps)
-    normed = x * inv
+    """One row x [BLOCK] (fp32, zero past H) RMS-normed and times the weight, in out_ptr's dtype."""
+    return _weighted(x * (1.0 / tl.sqrt(tl.sum(x * x, 0) / H + eps)), w_ptr + cols, ok, out_ptr, RNE)
+
+
+@triton.jit
+def _weighted(normed, w_ptrs, w_ok, dtype_ptr, RNE: tl.constexpr):
+    """rms_norm_ref's rounding of normed features (fp32): to dtype_ptr's dtype, then times the weight, rounded again
+    to that dtype."""
     if RNE:
         normed = round_bf16(normed)
-    normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * normed
+    normed = normed.to(dtype_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.load(w_ptrs, mask=w_ok, other=0.0).to(tl.float32) * normed
     if RNE:
         y = round_bf16(y)
-    return y.to(out_ptr.dtype.element_ty)
+    return y.to(dtype_ptr.dtype.element_ty)
 
 
 def rms_norm_triton(x, weight, eps, residual=None):
@@ -271,17 +275,17 @@ def apply_rope_ref(
 @triton.jit
 def _rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, cos, sin, f, f_ok, w_ptr, eps,
                   H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_PASS: tl.constexpr, RNE: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Token t's H heads of src rotated by its cos/sin row [1, BLOCK_HALF] into row dst_row of dst ([rows, H, D]
-    contiguous: an output, or a paged cache by slot; a negative row, a padding token's slot, is skipped). The
-    result is rounded to src's dtype, then stored in dst's (a cache of another dtype rounds once more, as a store
-    of the rotated tensor would). HAS_NORM: each head is first RMS-normed over its D features with weight w_ptr [D]
-    (Qwen3's q/k norm), rounded as rms_norm_ref rounds (the normed head, then its product with the weight)."""
+                  BLOCK_PASS: tl.constexpr, RNE: tl.constexpr, HAS_NORM: tl.constexpr, ROW: tl.constexpr = 0):
+    """Token t's H heads of src rotated by its cos/sin row [1, BLOCK_HALF] into row dst_row of dst (rows of ROW
+    elements, H * D when 0, each holding the H heads contiguous: an output, or a paged cache by slot; a negative
+    row, a padding token's slot, is skipped). The result is rounded to src's dtype, then stored in dst's (a cache of
+    another dtype rounds once more, as a store of the rotated tensor would). HAS_NORM: each head is first RMS-normed
+    over its D features with weight w_ptr [D] (Qwen3's q/k norm), rounded as rms_norm_ref rounds."""
     HALF: tl.constexpr = R // 2
     h = tl.arange(0, BLOCK_H)[:, None]
     ok = (h < H) & f_ok[None, :]
     src = src_ptr + t * stride_t + h * stride_h
-    dst = dst_ptr + dst_row * (H * D) + h * D
+    dst = dst_ptr + dst_row * (ROW if ROW else H * D) + h * D
     x1 = tl.load(src + f[None, :], mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + f[None, :], mask=ok, other=0.0).to(tl.float32)
     p = R + tl.arange(0, BLOCK_PASS)[None, :]  # features past rotary_dim pass through (rotation-wise)
@@ -289,9 +293,9 @@ def _rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, cos, sin, f,
     if HAS_NORM:
         xp = tl.load(src + p, mask=p_in, other=0.0).to(tl.float32)  # none when R == D: p starts at D
         inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(xp * xp, 1)) / D + eps)[:, None]
-        x1 = _norm_scale(x1 * inv, w_ptr + f[None, :], f_ok[None, :], src_ptr, RNE)
-        x2 = _norm_scale(x2 * inv, w_ptr + HALF + f[None, :], f_ok[None, :], src_ptr, RNE)
-        xp = _norm_scale(xp * inv, w_ptr + p, p < D, src_ptr, RNE)
+        x1 = _weighted(x1 * inv, w_ptr + f[None, :], f_ok[None, :], src_ptr, RNE).to(tl.float32)
+        x2 = _weighted(x2 * inv, w_ptr + HALF + f[None, :], f_ok[None, :], src_ptr, RNE).to(tl.float32)
+        xp = _weighted(xp * inv, w_ptr + p, p < D, src_ptr, RNE).to(tl.float32)
     y1 = x1 * cos - x2 * sin
     y2 = x2 * cos + x1 * sin
     if RNE:
@@ -308,18 +312,6 @@ def _rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, cos, sin, f,
             tl.store(dst + p, xp.to(src_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty), mask=p_ok)
         else:
             tl.store(dst + p, tl.load(src + p, mask=p_ok).to(dst_ptr.dtype.element_ty), mask=p_ok)
-
-
-@triton.jit
-def _norm_scale(normed, w_ptrs, w_ok, src_ptr, RNE: tl.constexpr):
-    """rms_norm_ref's rounding of a normed head: to src's dtype, then times the weight, rounded again (fp32)."""
-    if RNE:
-        normed = round_bf16(normed)
-    normed = normed.to(src_ptr.dtype.element_ty).to(tl.float32)
-    y = tl.load(w_ptrs, mask=w_ok, other=0.0).to(tl.float32) * normed
-    if RNE:
-        y = round_bf16(y)
-    return y.to(src_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
