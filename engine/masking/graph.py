@@ -52,6 +52,9 @@ class StagedMasker(LogitsMasker):
         raise AssertionError("StagedMasker only stands in for the engine's masker inside a step")
 
     # ------------------------------------------------------------------ in the step (captured)
+    def clear_forced(self, forced: torch.Tensor) -> None:
+        """Nothing on the device: fill_draft's host function sets every row of its host copy, which then replaces
+        `forced` whole (a memset here would be one more graph node per draft step)."""
     def fill_verify(self, bitmask: torch.Tensor, flags: torch.Tensor) -> None:
         B, k1 = flags.shape
         h_bits, h_flags = self.verify_bitmask[:B, :k1], self.verify_flags[:B, :k1]

@@ -57,6 +57,10 @@ class LogitsMasker(ABC):
         a request's constraint forces as that draft: the draft takes it whatever its network scores, so a
         token outside a reduced draft vocabulary is drafted too."""
 
+    def clear_forced(self, forced: torch.Tensor) -> None:
+        """Before fill_draft: forced := -1 (a masker whose fill writes every row overrides this with nothing)."""
+        forced.fill_(-1)
+
     def fill_verify_tree(self, bitmask: torch.Tensor, flags: torch.Tensor, parents: torch.Tensor) -> None:
         """Draft trees (engine/speculative/tree.py): as fill_verify, with MaskRow.drafts a tree's nodes and
         parents [B, N] int64 (parents[b, j-1]: node j's parent, 0 the root): row j allows what may follow the
@@ -108,7 +112,7 @@ class StepMasks:
         def mask(step: int, drafts: list[torch.Tensor], logits: torch.Tensor,
                  d2t: torch.Tensor | None) -> torch.Tensor:
             b.draft_mask_flags.zero_()
-            b.draft_forced.fill_(-1)
+            self.masker.clear_forced(b.draft_forced)
             self.masker.fill_draft(step, emitted, num_accepted, drafts, b.draft_bitmask, b.draft_mask_flags,
                                    b.draft_forced)
             apply_token_bitmask(logits, b.draft_bitmask, b.draft_mask_flags, d2t=d2t)
